@@ -1,0 +1,142 @@
+"""The ``finetune`` command line: thin commands that load a recipe and hand off.
+
+Heavy libraries (torch, transformers, peft, datasets) are imported inside the commands that need
+them, never here: ``finetune --help`` and ``finetune validate`` stay instant.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from finetune.errors import UserError
+from finetune.recipe import RecipeError, check_files, load_recipe, shipped_recipes_dir
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help="Fine-tune Hugging Face causal LMs from YAML recipes; `finetune plan` predicts memory first.",
+)
+recipes_app = typer.Typer(add_completion=False, no_args_is_help=False, help="The shipped recipes: ls, cp.")
+app.add_typer(recipes_app, name="recipes")
+err_console = Console(stderr=True, highlight=False)
+
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="Override a recipe key, value read as YAML: --set train.lr=1e-4 (repeatable)."),
+]
+
+
+def _fail(err: Exception) -> None:
+    """Print a user error (every line of it) and exit without a traceback."""
+    if isinstance(err, RecipeError):
+        for p in err.problems:
+            err_console.print(f"[bold red]error[/]: {p}", markup=True, soft_wrap=True)
+        raise typer.Exit(2)
+    err_console.print(f"[bold red]error[/]: {err}", markup=True, soft_wrap=True)
+    raise typer.Exit(getattr(err, "exit_code", 2))
+
+
+@app.command()
+def validate(recipe: Annotated[str, typer.Argument(help="Recipe YAML file.")], set_: SetOpt = None) -> None:
+    """Check a recipe: schema, types, files. Reports every problem at once (exit code 2)."""
+    try:
+        loaded = load_recipe(recipe, set_ or [])
+        problems = check_files(loaded)
+        if problems:
+            raise RecipeError(problems)
+    except (RecipeError, UserError) as err:
+        _fail(err)
+    r = loaded.recipe
+    typer.echo(f"{loaded.path}: ok (method {r.method}, model {r.model.path}, data {r.data.train})")
+
+
+@app.command(context_settings={"allow_interspersed_args": True})
+def run(
+    recipe: Annotated[str, typer.Argument(help="Recipe YAML file.")],
+    set_: SetOpt = None,
+    nproc: Annotated[Optional[int], typer.Option(help="Processes per node (overrides distributed.nproc).")] = None,
+    nnodes: Annotated[int, typer.Option(help="Number of nodes.")] = 1,
+    node_rank: Annotated[int, typer.Option(help="This node's rank (0..nnodes-1).")] = 0,
+    rdzv_endpoint: Annotated[
+        Optional[str], typer.Option(help="host:port of the rendezvous (node 0) for multi-node runs.")
+    ] = None,
+    max_restarts: Annotated[int, typer.Option(help="Restart the job this many times when a worker dies.")] = 0,
+    resume: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Resume from a checkpoint directory, or `latest` for the newest complete one in output.dir."
+        ),
+    ] = None,
+    measure_memory: Annotated[
+        bool, typer.Option(help="On CPU, measure peak tensor memory (MemTracker) to compare with the plan.")
+    ] = False,
+) -> None:
+    """Plan, launch and train: one process, or many through torch.distributed."""
+    from finetune.launch import launch
+
+    try:
+        code = launch(
+            recipe,
+            overrides=set_ or [],
+            nproc=nproc,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            rdzv_endpoint=rdzv_endpoint,
+            max_restarts=max_restarts,
+            resume=resume,
+            measure_memory=measure_memory,
+        )
+    except (RecipeError, UserError) as err:
+        _fail(err)
+    raise typer.Exit(code)
+
+
+@recipes_app.callback(invoke_without_command=True)
+def recipes_default(ctx: typer.Context) -> None:
+    """List the shipped recipes (same as `finetune recipes ls`)."""
+    if ctx.invoked_subcommand is None:
+        recipes_ls()
+
+
+@recipes_app.command("ls")
+def recipes_ls() -> None:
+    """List the shipped recipes."""
+    root = shipped_recipes_dir()
+    for p in sorted(root.glob("*.yaml")):
+        first = next((ln[1:].strip() for ln in p.read_text().splitlines() if ln.startswith("#")), "")
+        typer.echo(f"{p.stem:28s} {first}")
+
+
+@recipes_app.command("cp")
+def recipes_cp(
+    name: Annotated[str, typer.Argument(help="Recipe name (see `finetune recipes ls`).")],
+    dest: Annotated[Path, typer.Argument(help="Destination file or directory.")],
+) -> None:
+    """Copy a shipped recipe to edit it."""
+    src = shipped_recipes_dir() / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if not src.is_file():
+        _fail(UserError(f"no shipped recipe named `{name}`; `finetune recipes ls` lists them"))
+    target = dest / src.name if dest.is_dir() else dest
+    if target.exists():
+        _fail(UserError(f"{target} already exists; choose another destination"))
+    shutil.copyfile(src, target)
+    typer.echo(f"copied {src.name} to {target}")
+
+
+def main() -> None:
+    """Entry point of the ``finetune`` console script."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The Plan: the contract between the planner and the trainer.
+
+The trainer executes exactly ``Plan.chosen`` (method, strategy, precision, micro-batch, gradient
+accumulation, activation checkpointing, processes) and reports its measured peak next to
+``chosen.memory.total``. Nothing downstream re-decides what the Plan decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class MemoryBreakdown:
+    """Predicted bytes per GPU (per rank), by category."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    buffers: int = 0
+    overhead: int = 0
+
+    @property
+    def total(self) -> int:
+        """Sum of every category."""
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
+
+    def to_dict(self) -> dict[str, int]:
+        """JSON form, with ``total``."""
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+
+@dataclass
+class Candidate:
+    """One configuration the planner considered (and the chosen one)."""
+
+    method: str  # full | lora | qlora
+    strategy: str  # single | ddp | zero1 | zero2 | fsdp
+    precision: str  # fp32 | bf16 | fp16 | bf16-pure
+    micro_batch_size: int
+    grad_accum_steps: int
+    activation_checkpointing: bool
+    nproc: int  # processes per node
+    nnodes: int = 1
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    comm_bytes_per_step: int = 0
+    comm_seconds_per_step: float | None = None
+    fits: bool = True
+
+    @property
+    def world_size(self) -> int:
+        """Processes over all nodes."""
+        return self.nproc * self.nnodes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        d = asdict(self)
+        d["memory"] = self.memory.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Candidate:
+        """Inverse of :meth:`to_dict`."""
+        d = dict(d)
+        mem = {k: v for k, v in d.pop("memory", {}).items() if k != "total"}
+        return cls(memory=MemoryBreakdown(**mem), **d)
+
+
+@dataclass
+class Plan:
+    """The planner's answer: the chosen configuration, every candidate, and the walk in sentences."""
+
+    chosen: Candidate
+    candidates: list[Candidate] = field(default_factory=list)
+    walk: list[str] = field(default_factory=list)
+    hardware: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stable JSON form written as ``plan.json`` and printed by ``finetune plan --json``."""
+        return {
+            "chosen": self.chosen.to_dict(),
+            "candidates": [c.to_dict() for c in self.candidates],
+            "walk": list(self.walk),
+            "hardware": dict(self.hardware),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            chosen=Candidate.from_dict(d["chosen"]),
+            candidates=[Candidate.from_dict(c) for c in d.get("candidates", [])],
+            walk=list(d.get("walk", [])),
+            hardware=dict(d.get("hardware", {})),
+        )

@@ -1,0 +1,484 @@
+"""The recipe: the YAML schema, loading with line numbers, ``--set`` overrides and file checks.
+
+Everything a run does is decided by a :class:`Recipe`. The key names are the public interface.
+A recipe is loaded with :func:`load_recipe`, which reports *every* problem at once as a
+:class:`RecipeError` whose lines name the key path, the YAML line, and a "did you mean" for typos.
+
+This module imports no torch/transformers: ``finetune validate`` and ``--help`` stay instant.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, PositiveInt
+
+# --------------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------------
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        description="A local Hugging Face model directory, a hub id already in the local cache, or the name "
+        "of a built-in model in recipes/models (e.g. tiny-llama). Relative paths are looked up next to "
+        "the recipe first, then in the current directory."
+    )
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained",
+        description="pretrained: load the weights from `path`; random: build the model from its config.json "
+        "with weights initialised from train.seed (nothing is downloaded).",
+    )
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="Storage dtype of the frozen base weights. auto: fp32 for full fine-tuning (fp32 master "
+        "weights), the compute dtype for a frozen LoRA base.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run model code shipped with the checkpoint. Off unless you trust its author."
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="Attention kernel used for training and planned for by `finetune plan`."
+    )
+
+
+class LoraConfig(Section):
+    r: int = Field(8, ge=1, description="Rank of the low-rank update B·A.")
+    alpha: float = Field(16.0, gt=0, description="Scale of the update: ΔW = (alpha / r)·B·A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    target_modules: Union[list[str], Literal["all-linear"]] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"],
+        description="Module names that get adapters (e.g. [q_proj, v_proj]) or `all-linear`.",
+    )
+
+
+class QuantizationConfig(Section):
+    bits: Literal[4, 8] = Field(4, description="4: NF4/FP4 weights (QLoRA); 8: LLM.int8 weights.")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
+    double_quant: bool = Field(True, description="Quantize the quantization constants too (saves ~0.4 bit/param).")
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="dtype the 4-bit weights are dequantized to for matmuls; auto follows `precision`."
+    )
+
+
+class DataConfig(Section):
+    train: Union[str, list[str]] = Field(description="Training data: a file, a glob, a directory, or a list of them.")
+    eval: Union[str, None] = Field(None, description="Held-out data for eval loss and exact match (optional).")
+    format: Literal["instruction", "text", "chat", "tokenized"] = Field(
+        "instruction", description="How rows are turned into tokens (see README, Data)."
+    )
+    max_seq_len: int = Field(512, ge=8, description="Longer samples are truncated (or dropped with drop_long).")
+    packing: bool = Field(False, description="Pack several samples into each max_seq_len row.")
+    train_on_prompt: bool = Field(
+        False, description="Count the prompt tokens in the loss too (default: completion-only loss)."
+    )
+
+
+class TrainConfig(Section):
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
+    max_steps: Union[int, None] = Field(None, ge=1, description="Optimizer steps to run; overrides epochs.")
+    global_batch_size: int = Field(8, ge=1, description="Samples per optimizer step, over all processes.")
+    micro_batch_size: Union[PositiveInt, Literal["auto"]] = Field(
+        "auto", description="Samples per forward pass per process; auto: the largest that fits (planner)."
+    )
+    lr: float = Field(2e-5, gt=0, description="Peak learning rate of AdamW.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, as a fraction of lr.")
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay (not on norms and biases).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: Union[float, None] = Field(1.0, description="Clip the global gradient norm; null: no clipping.")
+    activation_checkpointing: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Recompute each decoder block in backward; auto: only when the planner needs it."
+    )
+    seed: int = Field(0, description="Seeds weights (init: random), data order, dropout.")
+
+
+class DistributedConfig(Section):
+    strategy: Literal["auto", "single", "ddp", "zero1", "zero2", "fsdp"] = Field(
+        "auto", description="auto: the planner picks; single: one process; ddp/zero1/zero2/fsdp: data parallel."
+    )
+    nproc: Union[PositiveInt, Literal["auto"]] = Field(
+        "auto", description="Processes per node; auto: one per visible GPU, 1 on CPU."
+    )
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0: only at the end).")
+    max_new_tokens: int = Field(32, ge=1, description="Greedy generation length for exact match.")
+    max_samples: Union[int, None] = Field(None, ge=1, description="Evaluate on at most this many eval rows.")
+    batch_size: int = Field(32, ge=1, description="Rows per eval forward pass.")
+
+
+class OutputConfig(Section):
+    dir: str = Field("runs/run", description="Where the model/adapter, recipe.yaml, plan.json and metrics go.")
+    log_every: int = Field(10, ge=1, description="Write a metrics.jsonl line every N steps.")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only the final save).")
+    keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
+
+
+class Recipe(Section):
+    """A whole fine-tuning recipe."""
+
+    model: ModelConfig
+    method: Literal["full", "lora", "qlora", "auto"] = Field(
+        "full", description="full: train every weight; lora: adapters on a frozen base; qlora: adapters on a 4-bit base."
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter settings (lora and qlora).")
+    quantization: QuantizationConfig = Field(
+        default_factory=QuantizationConfig, description="Base-weight quantization (qlora)."
+    )
+    data: DataConfig
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation settings.")
+    precision: Literal["auto", "fp32", "bf16", "fp16", "bf16-pure"] = Field(
+        "auto",
+        description="fp32; bf16/fp16: mixed precision with fp32 master weights (fp16 with loss scaling); "
+        "bf16-pure: weights, gradients and optimizer state in bf16; auto: bf16 where supported, else fp16 on "
+        "GPU, fp32 on CPU.",
+    )
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Processes and sharding.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
+    output: OutputConfig = Field(default_factory=OutputConfig, description="Outputs and checkpoints.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Problem:
+    """One thing wrong with a recipe: where (key path, file, line) and what to do."""
+
+    key: str
+    message: str
+    file: str | None = None
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file:
+            where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
+        return f"{where}{self.key}: {self.message}"
+
+
+@dataclass
+class RecipeError(Exception):
+    """Every problem found in a recipe; ``str()`` gives one line per problem."""
+
+    problems: list[Problem] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return "\n".join(str(p) for p in self.problems)
+
+
+# --------------------------------------------------------------------------------------------------
+# YAML with line numbers
+# --------------------------------------------------------------------------------------------------
+
+
+def _line_map(text: str) -> dict[tuple[str, ...], int]:
+    """Map each key path in a YAML document to the 1-based line where its key is written."""
+    lines: dict[tuple[str, ...], int] = {}
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = (*path, str(k.value))
+                lines[key] = k.start_mark.line + 1
+                walk(v, key)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                lines[(*path, str(i))] = v.start_mark.line + 1
+                walk(v, (*path, str(i)))
+
+    walk(root, ())
+    return lines
+
+
+def _section_fields(path: tuple[str, ...]) -> list[str]:
+    """Field names allowed at ``path`` in the schema (for "did you mean")."""
+    cls: Any = Recipe
+    for part in path:
+        f = cls.model_fields.get(part) if hasattr(cls, "model_fields") else None
+        if f is None:
+            return []
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        else:
+            return []
+    return list(cls.model_fields) if hasattr(cls, "model_fields") else []
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean `{close[0]}`?"
+    return f"allowed keys: {', '.join(choices)}" if choices else ""
+
+
+# --------------------------------------------------------------------------------------------------
+# Overrides
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[Problem]:
+    """Apply ``a.b=value`` overrides to ``raw`` in place (value read as YAML); return the problems."""
+    problems: list[Problem] = []
+    for item in overrides:
+        if "=" not in item:
+            problems.append(Problem(f"--set {item}", "expected KEY=VALUE, e.g. --set train.lr=1e-4"))
+            continue
+        key, _, text = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not all(parts):
+            problems.append(Problem(f"--set {item}", "the key has an empty part; write e.g. train.lr"))
+            continue
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as exc:
+            problems.append(Problem(f"--set {key}", f"the value is not valid YAML ({exc.problem})"))
+            continue
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            allowed = _section_fields(tuple(parts[:i]))
+            if part not in allowed:
+                problems.append(Problem(f"--set {key}", f"unknown key `{part}`; {_suggest(part, allowed)}"))
+                break
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        else:
+            allowed = _section_fields(tuple(parts[:-1]))
+            if parts[-1] not in allowed:
+                problems.append(Problem(f"--set {key}", f"unknown key `{parts[-1]}`; {_suggest(parts[-1], allowed)}"))
+                continue
+            node[parts[-1]] = value
+    return problems
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedRecipe:
+    """A validated recipe, where it came from, and the line of each key (for later error messages)."""
+
+    recipe: Recipe
+    path: Path | None
+    lines: dict[tuple[str, ...], int]
+    overrides: list[str]
+
+    @property
+    def base_dir(self) -> Path:
+        """Directory relative input paths are looked up in first."""
+        return self.path.parent if self.path else Path.cwd()
+
+    def where(self, key: str) -> tuple[str | None, int | None]:
+        """(file, line) of a dotted key, or of the ``--set`` that set it."""
+        for ov in self.overrides:
+            if ov.split("=", 1)[0].strip() == key:
+                return ("--set", None)
+        line = self.lines.get(tuple(key.split(".")))
+        return (str(self.path) if self.path else None, line)
+
+    def problem(self, key: str, message: str) -> Problem:
+        """A :class:`Problem` for ``key`` located in the recipe file."""
+        f, line = self.where(key)
+        return Problem(key, message, f, line)
+
+    def resolve_input(self, value: str) -> Path:
+        """Resolve a relative input path: next to the recipe, then the current directory."""
+        return resolve_input_path(value, self.base_dir)
+
+
+def shipped_recipes_dir() -> Path:
+    """The directory of shipped recipes: installed with the package, or the repo's ``recipes/``."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "_recipes", here.parent / "recipes"):
+        if cand.is_dir():
+            return cand
+    return here.parent / "recipes"
+
+
+def resolve_input_path(value: str, base_dir: Path) -> Path:
+    """Find an input path: absolute, next to the recipe, in the current directory, or a built-in model."""
+    p = Path(os.path.expanduser(value))
+    if p.is_absolute():
+        return p
+    shipped = shipped_recipes_dir()
+    for cand in (base_dir / p, Path.cwd() / p, shipped / "models" / p, shipped / p):
+        if cand.exists():
+            return cand
+    return base_dir / p
+
+
+def _validate(raw: Any, file: str | None, lines: dict[tuple[str, ...], int], overrides: list[str]) -> Recipe:
+    if not isinstance(raw, dict):
+        raise RecipeError([Problem("(top)", "a recipe is a YAML mapping of sections (model:, data:, ...)", file, 1)])
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        overridden = {ov.split("=", 1)[0].strip() for ov in overrides}
+        for err in exc.errors():
+            loc = tuple(str(x) for x in err["loc"])
+            # pydantic appends union members ('int', "literal['auto']") to the location: keep only
+            # field names inside sections and list indices inside a leaf field.
+            clean: list[str] = []
+            for part in loc:
+                if _section_fields(tuple(clean)) or part.isdigit():
+                    clean.append(part)
+                else:
+                    break
+            key = ".".join(clean) or "(top)"
+            etype = err["type"]
+            if etype == "extra_forbidden":
+                allowed = _section_fields(tuple(clean[:-1]))
+                msg = f"unknown key; {_suggest(clean[-1], allowed)}"
+            elif etype == "missing":
+                msg = "is required but missing"
+            else:
+                msg = err["msg"]
+                if "input" in err and not isinstance(err["input"], (dict, list)):
+                    msg = f"{msg} (got {err['input']!r})"
+            line = None
+            for n in range(len(clean), 0, -1):
+                if tuple(clean[:n]) in lines:
+                    line = lines[tuple(clean[:n])]
+                    break
+            if key in overridden:
+                problems.append(Problem(f"--set {key}", msg))
+            else:
+                problems.append(Problem(key, msg, file, line))
+        # one line per (key, message): union members can repeat the same complaint
+        seen: set[str] = set()
+        unique = []
+        for p in problems:
+            if str(p) not in seen:
+                seen.add(str(p))
+                unique.append(p)
+        # for a union, keep only the first complaint of each key
+        by_key: dict[str, Problem] = {}
+        for p in unique:
+            by_key.setdefault(p.key, p)
+        raise RecipeError(list(by_key.values())) from None
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> LoadedRecipe:
+    """Read, override and validate a recipe file; raise :class:`RecipeError` listing every problem."""
+    overrides = list(overrides or [])
+    p = Path(path)
+    if not p.is_file():
+        shipped = shipped_recipes_dir() / p
+        if not p.suffix and (shipped.with_suffix(".yaml")).is_file():
+            p = shipped.with_suffix(".yaml")
+        elif shipped.is_file():
+            p = shipped
+        else:
+            raise RecipeError([Problem("(file)", f"recipe file {path} does not exist; `finetune recipes ls` lists the shipped ones")])
+    text = p.read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        raise RecipeError([Problem("(yaml)", f"not valid YAML: {getattr(exc, 'problem', exc)}", str(p), line)]) from None
+    if raw is None:
+        raw = {}
+    lines = _line_map(text)
+    problems = apply_overrides(raw, overrides) if isinstance(raw, dict) else []
+    try:
+        recipe = _validate(raw, str(p), lines, overrides)
+    except RecipeError as exc:
+        raise RecipeError(problems + exc.problems) from None
+    if problems:
+        raise RecipeError(problems)
+    loaded = LoadedRecipe(recipe, p.resolve(), lines, overrides)
+    return loaded
+
+
+def recipe_from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> LoadedRecipe:
+    """Validate a recipe given as a dict (for tests and for recipes saved in output directories)."""
+    recipe = _validate(raw, None, {}, [])
+    loaded = LoadedRecipe(recipe, None, {}, [])
+    if base_dir is not None:
+        loaded.path = base_dir / "recipe.yaml"
+    return loaded
+
+
+def check_files(loaded: LoadedRecipe) -> list[Problem]:
+    """Check that the files a recipe names exist (model, data); return the problems (no heavy imports)."""
+    r = loaded.recipe
+    problems: list[Problem] = []
+    mp = loaded.resolve_input(r.model.path)
+    if not mp.exists() and not _in_hf_cache(r.model.path):
+        problems.append(
+            loaded.problem(
+                "model.path",
+                f"`{r.model.path}` is neither a local directory nor a model in the Hugging Face cache "
+                "(this machine cannot download); give a local model directory or a built-in model such as tiny-llama",
+            )
+        )
+    elif mp.is_dir() and not (mp / "config.json").is_file():
+        problems.append(loaded.problem("model.path", f"{mp} has no config.json; it is not a Hugging Face model directory"))
+    trains = r.data.train if isinstance(r.data.train, list) else [r.data.train]
+    for i, t in enumerate(trains):
+        key = "data.train" if isinstance(r.data.train, str) else f"data.train.{i}"
+        if not _data_exists(loaded, t):
+            problems.append(loaded.problem(key, f"no data found at `{t}` (looked next to the recipe and in the current directory)"))
+    if r.data.eval and not _data_exists(loaded, r.data.eval):
+        problems.append(loaded.problem("data.eval", f"no data found at `{r.data.eval}`"))
+    return problems
+
+
+def _data_exists(loaded: LoadedRecipe, spec: str) -> bool:
+    import glob
+
+    if any(ch in spec for ch in "*?["):
+        return bool(glob.glob(str(loaded.base_dir / spec))) or bool(glob.glob(spec))
+    p = loaded.resolve_input(spec)
+    if p.exists():
+        return True
+    return _in_hf_datasets_cache(spec)
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/")):
+        return False
+    home = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub")
+    return (home / f"models--{repo_id.replace('/', '--')}").is_dir()
+
+
+def _in_hf_datasets_cache(name: str) -> bool:
+    if name.startswith((".", "/")) or "." in Path(name).name:
+        return False
+    home = Path(os.environ.get("HF_DATASETS_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "datasets")
+    return any(home.glob(f"{name.replace('/', '___')}*")) if home.is_dir() else False
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe as YAML (saved beside every output)."""
+    data = recipe.model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False)
