@@ -1,0 +1,1 @@
+"""The trainer: model loading, parallelisation, data, the loop, checkpoints."""
