@@ -1,0 +1,160 @@
+"""Measuring peak memory during training, to compare with the planner's prediction.
+
+On CUDA the peak is ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. On CPU (with
+``--measure-memory``) it is the peak of tensor memory seen by ``MemTracker`` (parameters, buffers, gradients,
+optimizer state, activations, temporaries), which is what the planner predicts without its runtime overhead.
+
+Usage (the trainer wraps its first optimizer steps; entering several times keeps the maximum)::
+
+    peak = PeakMemory(device, enabled=True, modules=(model,), optimizer=opt)
+    for step in ...:
+        with peak if step < 2 else contextlib.nullcontext():
+            ...  # forward + backward of every micro-batch, optimizer.step(), zero_grad()
+    report = peak.report(plan.chosen.memory)   # {"predicted", "measured_peak", "by_category", ...}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from finetune.plan.types import MemoryBreakdown
+
+# MemTracker's categories, renamed to the planner's vocabulary.
+_CATEGORY_NAMES = {
+    "Parameter": "params",
+    "Buffer": "buffers",
+    "Gradient": "grads",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Optstate": "optimizer",
+    "Other": "other",
+}
+
+
+class PeakMemory:
+    """Context manager that records the peak tensor memory of the code it wraps (on this rank).
+
+    ``measured_peak_bytes`` is the maximum over every ``with`` block; ``by_category`` is the breakdown
+    at that peak (CPU: MemTracker categories; CUDA: only ``allocated_before`` and ``peak``).
+    """
+
+    def __init__(
+        self,
+        device: str,
+        enabled: bool = True,
+        modules: tuple[Any, ...] = (),
+        optimizer: Any = None,
+        tensors: tuple[Any, ...] = (),
+    ) -> None:
+        """``device``: "cuda" or "cpu"; ``modules``/``optimizer``/``tensors``: objects created before the
+        block whose tensors count (needed on CPU, where MemTracker only sees what it is told about)."""
+        self.device = str(device).split(":")[0]
+        self.enabled = enabled
+        self.modules = tuple(m for m in modules if m is not None)
+        self.optimizer = optimizer
+        self.tensors = tuple(tensors)
+        self.measured_peak_bytes = 0
+        self.by_category: dict[str, int] = {}
+        self._tracker: Any = None
+        self._hook: Any = None
+
+    # -- context manager ------------------------------------------------------------------------------
+    def __enter__(self) -> PeakMemory:
+        if not self.enabled:
+            return self
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._cuda_before = torch.cuda.memory_allocated()
+            return self
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(*self.modules, *self.tensors)
+        if self.optimizer is not None:
+            tracker.track_external(self.optimizer)
+        roots = {id(m) for m in self.modules}
+
+        # MemTracker refuses a second forward of a root module inside one block (gradient accumulation):
+        # forget the per-module statistics before each new micro-batch (the global peak is kept). This
+        # global hook is registered before the tracker's own, so it runs first.
+        def _reset_between_micro_batches(module: Any, args: Any) -> None:
+            if id(module) in roots and module in tracker.memory_tracking:
+                tracker.reset_mod_stats()
+
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(_reset_between_micro_batches)
+        self._tracker = tracker
+        tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            peak = int(torch.cuda.max_memory_allocated())
+            if peak > self.measured_peak_bytes:
+                self.measured_peak_bytes = peak
+                self.by_category = {"allocated_before": int(self._cuda_before), "peak": peak}
+            return
+        tracker = self._tracker
+        tracker.__exit__(*exc)
+        self._hook.remove()
+        self._tracker = self._hook = None
+        snap = tracker.get_tracker_snapshot("peak")
+        for dev, cats in snap.items():
+            if torch.device(dev).type != "cpu":
+                continue
+            total = int(cats.get("Total", 0))
+            if total > self.measured_peak_bytes:
+                self.measured_peak_bytes = total
+                self.by_category = {
+                    _CATEGORY_NAMES.get(str(getattr(k, "value", k)), str(k)): int(v)
+                    for k, v in cats.items()
+                    if str(getattr(k, "value", k)) != "Total"
+                }
+
+    # -- reporting ------------------------------------------------------------------------------------
+    def report(self, predicted: MemoryBreakdown) -> dict[str, Any]:
+        """The memory.json content: prediction (tensor memory, i.e. without the runtime overhead, which no
+        allocator counter sees), measured peak, error, breakdowns."""
+        pred = predicted.total - predicted.overhead
+        meas = self.measured_peak_bytes
+        return {
+            "device": self.device,
+            "predicted": pred,
+            "predicted_with_overhead": predicted.total,
+            "measured_peak": meas,
+            "error": (pred - meas) / meas if meas else None,
+            "predicted_by_category": predicted.to_dict(),
+            "by_category": dict(self.by_category),
+        }
+
+    def summary_line(self, predicted: MemoryBreakdown) -> str:
+        """``memory: predicted X, measured Y (Z% off)``."""
+        rep = self.report(predicted)
+        err = rep["error"]
+        off = f"{100 * err:+.1f}% off" if err is not None else "not measured"
+        return f"memory: predicted {format_bytes(rep['predicted'])}, measured {format_bytes(rep['measured_peak'])} ({off})"
+
+    def write(self, path: str | Path, predicted: MemoryBreakdown) -> dict[str, Any]:
+        """Write :meth:`report` as JSON to ``path`` and return it."""
+        rep = self.report(predicted)
+        Path(path).write_text(json.dumps(rep, indent=2) + "\n")
+        return rep
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
