@@ -1,0 +1,209 @@
+"""QLoRA's base model: bitsandbytes 4-bit (NF4/FP4, double quantization) or LLM.int8 weights.
+
+The base is loaded through transformers' ``BitsAndBytesConfig``: every ``nn.Linear`` (and GPT-2's
+``Conv1D``) except the output head becomes a bitsandbytes ``Linear4bit``/``Linear8bitLt`` whose weight is
+quantized as it is loaded. The weights are handed to the quantizer in the compute dtype (``dtype=`` of
+``from_pretrained``), so the 4-bit codes are those of the compute-dtype weights; ``dequantized_weight``
+reproduces exactly that for ``finetune merge --into-dequantized``.
+
+A ``model.init: random`` base is first built in fp32 from its config with ``train.seed`` and saved (to the
+run's ``base/`` directory when given, else a temporary one), then loaded quantized from there: the same code
+path as a pretrained checkpoint, so the 4-bit model is the quantization of weights a user can reload.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetune.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    from finetune.plan.types import Candidate
+    from finetune.recipe import LoadedRecipe, QuantizationConfig, Recipe
+
+#: Values per quantization block (bitsandbytes' and transformers' default for 4-bit weights).
+BLOCKSIZE_4BIT = 64
+
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16-pure": "bfloat16"}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, _DTYPE_NAMES[name])
+
+
+def resolve_compute_dtype(recipe: Recipe, precision: str) -> torch.dtype:
+    """dtype the quantized weights are dequantized to for matmuls.
+
+    ``quantization.compute_dtype`` when set, else the run's precision (fp32, bf16, bf16-pure, fp16).
+    """
+    qc = recipe.quantization.compute_dtype
+    if qc != "auto":
+        return _torch_dtype(qc)
+    if precision not in _DTYPE_NAMES:
+        raise UserError(
+            f"precision `{precision}` is not resolved; set quantization.compute_dtype to bf16, fp16 or fp32"
+        )
+    return _torch_dtype(precision)
+
+
+def bnb_config(
+    recipe: Recipe, compute_dtype: torch.dtype, quant_storage: torch.dtype | None = None
+) -> BitsAndBytesConfig:
+    """The ``BitsAndBytesConfig`` for ``recipe.quantization``.
+
+    4 bits: ``quant_type`` (nf4/fp4) with double quantization as set, dequantized to ``compute_dtype`` for
+    the matmuls. ``quant_storage`` is the dtype the packed 4-bit codes are stored in (uint8 by default); give
+    the compute dtype for FSDP, which can then shard the quantized weights like any other parameter.
+    8 bits: LLM.int8 weights (outlier threshold 6.0, no fp16 copy kept).
+    """
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    q = recipe.quantization
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=quant_storage if quant_storage is not None else torch.uint8,
+    )
+
+
+def build_random_base(loaded: LoadedRecipe, path: str) -> torch.nn.Module:
+    """The fp32 model of ``path``'s config with weights drawn from ``train.seed`` (``model.init: random``)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    r = loaded.recipe
+    config = AutoConfig.from_pretrained(path, trust_remote_code=r.model.trust_remote_code, local_files_only=True)
+    torch.manual_seed(r.train.seed)
+    return AutoModelForCausalLM.from_config(
+        config,
+        dtype=torch.float32,
+        trust_remote_code=r.model.trust_remote_code,
+        attn_implementation=r.model.attn_implementation,
+    )
+
+
+def load_quantized(
+    loaded: LoadedRecipe,
+    path: str,
+    chosen: Candidate,
+    device: torch.device | str,
+    base_dir: Path | None = None,
+    quant_storage: torch.dtype | None = None,
+) -> torch.nn.Module:
+    """The base model of ``path`` with 4-bit (or 8-bit) linear weights on ``device``, ready for adapters.
+
+    Non-quantized parameters (embeddings, norms, the head) are in the compute dtype; peft's
+    ``prepare_model_for_kbit_training`` then casts them to fp32 and enables input gradients.
+    For ``model.init: random`` the seeded fp32 model is saved to ``base_dir`` (the run's ``base/``; a
+    temporary directory when None) and quantized while loading from there. ``quant_storage`` defaults to
+    the compute dtype under FSDP (shardable), uint8 otherwise.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    r = loaded.recipe
+    compute_dtype = resolve_compute_dtype(r, chosen.precision)
+    if quant_storage is None and chosen.strategy == "fsdp" and r.quantization.bits == 4:
+        quant_storage = compute_dtype
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    kwargs: dict[str, Any] = {
+        "quantization_config": bnb_config(r, compute_dtype, quant_storage),
+        "dtype": compute_dtype,
+        "device_map": {"": device},
+        "local_files_only": True,
+        "trust_remote_code": r.model.trust_remote_code,
+        "attn_implementation": r.model.attn_implementation,
+    }
+    if r.model.init != "random":
+        return disable_cpu_packed_inference(AutoModelForCausalLM.from_pretrained(path, **kwargs))
+    model = build_random_base(loaded, path)
+    if base_dir is not None:
+        base_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(base_dir, safe_serialization=True)
+        del model
+        return disable_cpu_packed_inference(AutoModelForCausalLM.from_pretrained(str(base_dir), **kwargs))
+    with tempfile.TemporaryDirectory(prefix="finetune-random-base-") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        del model
+        return disable_cpu_packed_inference(AutoModelForCausalLM.from_pretrained(tmp, **kwargs))
+
+
+def disable_cpu_packed_inference(model: torch.nn.Module) -> torch.nn.Module:
+    """Keep bitsandbytes' CPU ``Linear4bit`` on the path training uses, also in eval under no_grad.
+
+    On CPUs with AVX512-BF16, bitsandbytes 0.50 repacks a 4-bit weight for a faster inference kernel the
+    first time it runs in eval mode without gradients; that repacking asserts out_features % 32 == 0
+    (the tiny models' 688-wide MLP fails) and changes the numerics between training and evaluation.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def quantized_modules(config: Any) -> dict[str, bool]:
+    """Names of the modules transformers quantizes for ``config``, each mapped to "is a GPT-2 Conv1D".
+
+    Built on the meta device (no memory): every ``nn.Linear``/``Conv1D`` except the ones transformers
+    keeps in full precision (the output head and anything tied to the embeddings).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
+    out: dict[str, bool] = {}
+    for name, module in model.named_modules():
+        if not should_convert_module(name, skip):
+            continue
+        if isinstance(module, Conv1D) or type(module) is torch.nn.Linear:
+            out[name] = isinstance(module, Conv1D)
+    return out
+
+
+def dequantized_weight(
+    weight: torch.Tensor, q: QuantizationConfig, compute_dtype: torch.dtype, conv1d: bool = False
+) -> torch.Tensor:
+    """``weight`` as a quantized model computes with it: quantized the way loading does, then dequantized.
+
+    The weight is cast to ``compute_dtype`` (the dtype loading hands to the quantizer), quantized with the
+    recipe's bits / quant_type / double_quant, and dequantized; returned in fp32 in ``weight``'s layout
+    (``conv1d``: GPT-2 stores [in, out] and transformers quantizes the transpose).
+    """
+    import bitsandbytes.functional as bnbf
+    import torch
+
+    w = weight.to(compute_dtype)
+    if conv1d:
+        w = w.t()
+    w = w.contiguous().cpu()
+    if q.bits == 4:
+        packed, state = bnbf.quantize_4bit(
+            w, blocksize=BLOCKSIZE_4BIT, compress_statistics=q.double_quant, quant_type=q.quant_type
+        )
+        deq = bnbf.dequantize_4bit(packed, state)
+    else:
+        # LLM.int8: symmetric per-row absmax to int8 (the outlier columns are computed from these same
+        # int8 rows' fp16 copy only when has_fp16_weights, which QLoRA does not use).
+        codes, row_absmax, _ = bnbf.int8_vectorwise_quant(w.to(torch.float16))
+        deq = codes.float() * (row_absmax.float().unsqueeze(1) / 127.0)
+    deq = deq.float()
+    return deq.t().contiguous() if conv1d else deq
