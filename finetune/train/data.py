@@ -18,8 +18,8 @@ from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe
 from finetune.train.loss import IGNORE_INDEX
 
-PROMPT_TEMPLATE = "Instruction: {instruction}\nInput: {input}\nResponse: "
-PROMPT_TEMPLATE_NO_INPUT = "Instruction: {instruction}\nResponse: "
+PROMPT_TEMPLATE = "{instruction}\n{input}\nAnswer: "
+PROMPT_TEMPLATE_NO_INPUT = "{instruction}\nAnswer: "
 
 
 @dataclass

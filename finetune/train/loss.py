@@ -10,10 +10,30 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def shifted_labels(batch: dict[str, Any]) -> torch.Tensor:
+    """Labels shifted one position left: position t holds the token that logits at t must predict.
+
+    For packed rows (position_ids given, no attention mask) the first token of a document is not a
+    target of the previous document's last token.
+    """
+    labels = batch["labels"]
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    if batch.get("position_ids") is not None and batch.get("attention_mask") is None:
+        starts = batch["position_ids"][:, 1:] == 0
+        shifted[:, :-1][starts] = IGNORE_INDEX
+    return shifted
+
+
+def count_target_tokens(batch: dict[str, Any]) -> int:
+    """How many tokens of ``batch`` count in the loss (the normaliser, known before the forward pass)."""
+    return int((shifted_labels(batch) != IGNORE_INDEX).sum())
+
+
 def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the label tokens of ``batch``, and how many tokens were counted.
 
-    The labels are shifted left (not the logits) so the (B, T, V) logits are never copied; the loss is
+    The labels are shifted (not the logits) so the (B, T, V) logits are never copied; the loss is
     computed in fp32 whatever the compute dtype. Returning the *sum* lets the trainer normalise by the
     number of label tokens in the whole global batch, so that gradient accumulation and data parallelism
     give exactly the single-process result.
@@ -25,15 +45,8 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
         use_cache=False,
     )
     logits = out.logits
-    labels = batch["labels"]
-    shifted = torch.full_like(labels, IGNORE_INDEX)
-    shifted[:, :-1] = labels[:, 1:]
-    if "position_ids" in batch and batch.get("attention_mask") is None:
-        # Packed rows: the token after the last one of a document belongs to the next document.
-        starts = batch["position_ids"][:, 1:] == 0
-        shifted[:, :-1][starts] = IGNORE_INDEX
+    shifted = shifted_labels(batch)
     loss_sum = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    n_tokens = (shifted != IGNORE_INDEX).sum()
-    return loss_sum, n_tokens
+    return loss_sum, (shifted != IGNORE_INDEX).sum()

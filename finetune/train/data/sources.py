@@ -1,0 +1,211 @@
+"""Where rows come from: local files (.jsonl, .json, .csv, .parquet; globs; directories) and cached Hugging Face datasets.
+
+Local files are read here, row by row, so that every row keeps where it came from (``file:line`` or
+``file: row N``) for error messages, and so that a value of the wrong type is reported for its row instead
+of failing a whole-file schema inference. Each row is kept as a JSON string (types preserved exactly);
+the tokenizer step parses it back. A Hugging Face dataset is used as it is: its rows are named by index.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import UserError
+
+SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+ROW_COLUMN = "__row__"
+WHERE_COLUMN = "__where__"
+
+
+@dataclass
+class Source:
+    """One input: a local file or a Hugging Face dataset split, read into a ``datasets.Dataset``.
+
+    Local files give the columns ``__row__`` (the row as JSON) and ``__where__`` (``file:line``);
+    a Hugging Face dataset keeps its own columns. ``bad_rows`` lists rows that could not even be read
+    (invalid JSON, not an object); ``fingerprint`` identifies the content for the tokenization cache.
+    """
+
+    name: str
+    dataset: Any
+    fingerprint: str
+    is_json_rows: bool
+    bad_rows: list[str] = field(default_factory=list)
+
+
+def is_hf_name(spec: str, base_dir: Path) -> bool:
+    """Whether ``spec`` names a Hugging Face dataset rather than a local path or glob."""
+    if any(ch in spec for ch in "*?[") or spec.startswith((".", "/", "~")):
+        return False
+    if Path(spec).suffix in SUFFIXES:
+        return False
+    from finetune.recipe import resolve_input_path
+
+    return not resolve_input_path(spec, base_dir).exists()
+
+
+def expand_files(spec: str, base_dir: Path, key: str) -> list[Path]:
+    """The data files a local spec names: a file, a glob, or every data file in a directory (sorted)."""
+    from finetune.recipe import resolve_input_path
+
+    if any(ch in spec for ch in "*?["):
+        pattern = spec if os.path.isabs(spec) else str(base_dir / spec)
+        matches = sorted(glob.glob(pattern, recursive=True)) or sorted(glob.glob(spec, recursive=True))
+        files = [Path(m) for m in matches if Path(m).is_file()]
+        if not files:
+            raise UserError(f"{key}: the glob `{spec}` matches no files")
+    else:
+        p = resolve_input_path(spec, base_dir)
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
+            if not files:
+                raise UserError(f"{key}: the directory {p} holds no {', '.join(SUFFIXES)} files")
+        elif p.is_file():
+            files = [p]
+        else:
+            raise UserError(f"{key}: no data found at `{spec}` (looked next to the recipe and in the current directory)")
+    for f in files:
+        if f.suffix not in SUFFIXES:
+            raise UserError(f"{key}: {f} is not a data file this tool reads ({', '.join(SUFFIXES)})")
+    return files
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def _rows_jsonl(path: Path, bad: list[str]) -> tuple[list[str], list[str]]:
+    rows, where = [], []
+    with path.open(encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                bad.append(f"{path}:{i}: not valid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            if not isinstance(row, dict):
+                bad.append(f"{path}:{i}: expected a JSON object ({{...}}) per line, got {type(row).__name__}")
+                continue
+            rows.append(line.strip())
+            where.append(f"{path}:{i}")
+    return rows, where
+
+
+def _rows_json(path: Path, bad: list[str]) -> tuple[list[str], list[str]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))  # {"data": [...]} style
+    if not isinstance(data, list):
+        raise UserError(f"{path}: expected a JSON array of objects (or a .jsonl file with one object per line)")
+    rows, where = [], []
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            bad.append(f"{path}: row {i}: expected a JSON object, got {type(row).__name__}")
+            continue
+        rows.append(json.dumps(row, default=_json_default))
+        where.append(f"{path}: row {i}")
+    return rows, where
+
+
+def _rows_csv(path: Path, bad: list[str]) -> tuple[list[str], list[str], list[str]]:
+    rows, where = [], []
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        columns = list(reader.fieldnames or [])
+        line = 1
+        for row in reader:
+            start = line + 1
+            line = reader.line_num
+            if None in row:
+                bad.append(f"{path}:{start}: has more values than the header has columns")
+                continue
+            rows.append(json.dumps({k: v for k, v in row.items() if v is not None}))
+            where.append(f"{path}:{start}")
+    return rows, where, columns
+
+
+def _rows_parquet(path: Path) -> tuple[list[str], list[str], list[str]]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    rows = [json.dumps(r, default=_json_default) for r in table.to_pylist()]
+    return rows, [f"{path}: row {i}" for i in range(len(rows))], list(table.column_names)
+
+
+def read_file(path: Path, required: list[str]) -> Source:
+    """Read one local data file into a :class:`Source`; a tabular file without a ``required`` column is an error."""
+    import datasets
+
+    bad: list[str] = []
+    columns: list[str] | None = None
+    if path.suffix == ".jsonl":
+        rows, where = _rows_jsonl(path, bad)
+    elif path.suffix == ".json":
+        rows, where = _rows_json(path, bad)
+    elif path.suffix == ".csv":
+        rows, where, columns = _rows_csv(path, bad)
+    else:
+        rows, where, columns = _rows_parquet(path)
+    if columns is not None:
+        missing = [c for c in required if c not in columns]
+        if missing:
+            raise UserError(
+                f"{path}: field `{missing[0]}`: no such column (the columns are {', '.join(columns) or 'none'}); "
+                "rename it or set data.columns"
+            )
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:24]
+    ds = datasets.Dataset.from_dict({ROW_COLUMN: rows, WHERE_COLUMN: where})
+    return Source(str(path), ds, digest, True, bad)
+
+
+def read_hf(name: str, split: str, key: str, required: list[str]) -> Source:
+    """A split of a Hugging Face dataset from the local cache (nothing is downloaded)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except ValueError as exc:
+        if "split" in str(exc).lower():
+            raise UserError(f"{key}: the Hugging Face dataset `{name}` has no split `{split}` ({exc})") from None
+        raise UserError(_not_cached(key, name)) from None
+    except Exception:
+        raise UserError(_not_cached(key, name)) from None
+    missing = [c for c in required if c not in ds.column_names]
+    if missing:
+        raise UserError(
+            f"{key}: dataset `{name}` split `{split}`: field `{missing[0]}`: no such column (the columns are "
+            f"{', '.join(ds.column_names)}); set data.columns"
+        )
+    return Source(f"{name} [{split}]", ds, ds._fingerprint, False, [])
+
+
+def _not_cached(key: str, name: str) -> str:
+    return (
+        f"{key}: `{name}` is not a local file or directory, nor a Hugging Face dataset in the local cache "
+        "(this machine cannot download); give a local .jsonl/.json/.csv/.parquet path"
+    )
+
+
+def read_sources(spec: str, base_dir: Path, key: str, split: str, required: list[str]) -> list[Source]:
+    """Every :class:`Source` a recipe value names (a file, glob, directory or Hugging Face dataset)."""
+    if is_hf_name(spec, base_dir):
+        return [read_hf(spec, split, key, required)]
+    return [read_file(f, required) for f in expand_files(spec, base_dir, key)]

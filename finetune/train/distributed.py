@@ -1,0 +1,65 @@
+"""Who this process is: rank, world size, device; process-group setup and small collectives."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    """This process's place in the job (a single process is rank 0 of 1)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 prints progress and writes outputs."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """More than one process."""
+        return self.world_size > 1
+
+    @classmethod
+    def from_env(cls) -> DistContext:
+        """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and join the process group."""
+        rank = int(os.environ.get("RANK", 0))
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+            device = torch.device("cuda", local)
+        else:
+            device = torch.device("cpu")
+        if world > 1 and not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        return cls(rank, world, local, device)
+
+    def all_reduce_sum(self, value: float | torch.Tensor) -> torch.Tensor:
+        """Sum a scalar over all ranks (a float64 tensor on CPU for gloo, on the device for nccl)."""
+        t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
+        if not self.distributed:
+            return t
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        t = t.to(dev)
+        dist.all_reduce(t)
+        return t.cpu()
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op for one process)."""
+        if self.distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Leave the process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

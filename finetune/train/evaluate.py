@@ -1,0 +1,134 @@
+"""Evaluation: held-out loss, and exact match of greedy generations.
+
+Work is split across ranks, and every rank runs the *same number* of forward passes (prompt batches are
+padded to equal counts and generation always runs ``max_new_tokens`` steps), because under FSDP every
+forward is a collective: a rank that stopped early would leave the others waiting forever.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.train.data import EvalPrompt, Example, collate
+from finetune.train.distributed import DistContext
+from finetune.train.loss import causal_lm_loss
+
+
+@dataclass
+class EvalResult:
+    """Eval loss (mean over target tokens) and exact-match accuracy over the eval prompts."""
+
+    loss: float | None
+    exact_match: float | None
+    n_prompts: int
+    samples: list[tuple[str, str]]  # (expected, generated) for a few prompts, rank 0's
+
+
+def _shard(items: list[Any], ctx: DistContext, batch_size: int) -> tuple[list[Any], int]:
+    """This rank's strided share of ``items`` and the number of batches every rank must run."""
+    mine = items[ctx.rank :: ctx.world_size]
+    per_rank = math.ceil(len(items) / ctx.world_size)
+    return mine, math.ceil(per_rank / batch_size)
+
+
+@torch.no_grad()
+def eval_loss(
+    model: torch.nn.Module, examples: list[Example], ctx: DistContext, batch_size: int, pad_id: int, autocast: Any
+) -> float | None:
+    """Mean next-token loss over the target tokens of ``examples`` (all ranks together)."""
+    if not examples:
+        return None
+    mine, n_batches = _shard(examples, ctx, batch_size)
+    total = torch.zeros((), dtype=torch.float64)
+    count = torch.zeros((), dtype=torch.float64)
+    for b in range(n_batches):
+        chunk = mine[b * batch_size : (b + 1) * batch_size] or examples[:1]  # dummy batch keeps ranks in step
+        batch = {k: v.to(ctx.device) for k, v in collate(chunk, pad_id).items()}
+        with autocast():
+            s, n = causal_lm_loss(model, batch)
+        if mine[b * batch_size : (b + 1) * batch_size]:
+            total += s.double().cpu()
+            count += n.double().cpu()
+    total = ctx.all_reduce_sum(total)
+    count = ctx.all_reduce_sum(count)
+    return float(total / count) if count > 0 else None
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_id: int, device: torch.device,
+    autocast: Any,
+) -> list[list[int]]:
+    """Greedy continuation of each prompt (left-padded batch, KV cache), ``max_new_tokens`` steps exactly."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out_tokens = torch.empty((len(prompts), 0), dtype=torch.long, device=device)
+    cache = None
+    step_ids = ids
+    step_pos = positions
+    for _ in range(max_new_tokens):
+        with autocast():
+            out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache, use_cache=True)
+        cache = out.cache
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        out_tokens = torch.cat([out_tokens, nxt], dim=1)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        step_ids = nxt
+        step_pos = step_pos[:, -1:] + 1
+    result = []
+    for row in out_tokens.tolist():
+        result.append(row[: row.index(eos_id)] if eos_id in row else row)
+    return result
+
+
+@torch.no_grad()
+def exact_match(
+    model: torch.nn.Module, prompts: list[EvalPrompt], tokenizer: Any, ctx: DistContext, batch_size: int,
+    max_new_tokens: int, autocast: Any,
+) -> tuple[float | None, list[tuple[str, str]]]:
+    """Fraction of prompts whose greedy completion equals the expected answer (whitespace-trimmed)."""
+    if not prompts:
+        return None, []
+    mine, n_batches = _shard(prompts, ctx, batch_size)
+    hits = 0
+    samples: list[tuple[str, str]] = []
+    for b in range(n_batches):
+        chunk = mine[b * batch_size : (b + 1) * batch_size]
+        real = len(chunk)
+        chunk = chunk or prompts[:1]
+        gens = greedy_generate(
+            model, [p.prompt_ids for p in chunk], max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id,
+            ctx.device, autocast,
+        )
+        for p, g in list(zip(chunk, gens, strict=True))[:real]:
+            text = tokenizer.decode(g, skip_special_tokens=True).strip()
+            hits += int(text == p.answer.strip())
+            if len(samples) < 3:
+                samples.append((p.answer, text))
+    total_hits = ctx.all_reduce_sum(hits)
+    return float(total_hits) / len(prompts), samples
+
+
+def evaluate(
+    model: torch.nn.Module, eval_examples: list[Example], eval_prompts: list[EvalPrompt], tokenizer: Any,
+    ctx: DistContext, *, batch_size: int, max_new_tokens: int, autocast: Any,
+) -> EvalResult:
+    """Eval loss and exact match, with the model in eval mode (restored to train mode after)."""
+    was_training = model.training
+    model.eval()
+    try:
+        loss = eval_loss(model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast)
+        em, samples = exact_match(model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast)
+    finally:
+        model.train(was_training)
+    return EvalResult(loss, em, len(eval_prompts), samples)

@@ -1,0 +1,158 @@
+"""Build the model a Plan asks for: tokenizer, weights (pretrained or seeded random), dtype, adapters.
+
+Order (as in torchtitan's parallelize): load -> (quantize) -> adapters -> activation checkpointing;
+sharding and data parallelism are applied afterwards by finetune.train.parallel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.errors import UserError
+from finetune.plan.types import Candidate
+from finetune.recipe import LoadedRecipe
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype matmuls run in for a precision setting."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-pure": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def storage_dtype(loaded: LoadedRecipe, chosen: Candidate) -> torch.dtype:
+    """dtype the model's weights are stored in.
+
+    Full fine-tuning under mixed precision keeps fp32 master weights (autocast makes 16-bit copies for the
+    matmuls); pure bf16 stores bf16. A frozen LoRA base needs no master copy, so it is stored in the compute
+    dtype unless the recipe pins ``model.dtype``.
+    """
+    pinned = loaded.recipe.model.dtype
+    if chosen.precision == "bf16-pure":
+        return torch.bfloat16
+    if chosen.method == "full":
+        return torch.float32
+    if pinned != "auto":
+        return DTYPES[pinned]
+    return compute_dtype(chosen.precision)
+
+
+def resolve_model_path(loaded: LoadedRecipe) -> str:
+    """A local model directory or a hub id present in the local cache; a clear error otherwise."""
+    value = loaded.recipe.model.path
+    p = loaded.resolve_input(value)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise UserError(f"model.path: {p} has no config.json; it is not a Hugging Face model directory")
+        return str(p)
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(value, "config.json")
+    except Exception:
+        cached = None
+    if isinstance(cached, str):
+        return value
+    raise UserError(
+        f"model.path: `{value}` is neither a local model directory nor in the Hugging Face cache, and this "
+        "tool does not download; download it first or point model.path at a local directory"
+    )
+
+
+def load_tokenizer(loaded: LoadedRecipe) -> Any:
+    """The model's tokenizer, with a pad token (eos when the tokenizer has none)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(loaded)
+    tok = AutoTokenizer.from_pretrained(
+        path, trust_remote_code=loaded.recipe.model.trust_remote_code, local_files_only=True
+    )
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_base_model(loaded: LoadedRecipe, chosen: Candidate, device: torch.device) -> torch.nn.Module:
+    """The base model on ``device`` in its storage dtype (4-bit for qlora), before adapters."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    r = loaded.recipe
+    path = resolve_model_path(loaded)
+    dtype = storage_dtype(loaded, chosen)
+    common = {"trust_remote_code": r.model.trust_remote_code, "attn_implementation": r.model.attn_implementation}
+    if chosen.method == "qlora":
+        from finetune.train.quantize import load_quantized
+
+        return load_quantized(loaded, path, chosen, device)
+    if r.model.init == "random":
+        config = AutoConfig.from_pretrained(path, trust_remote_code=r.model.trust_remote_code, local_files_only=True)
+        torch.manual_seed(r.train.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **common)
+    return model.to(device)
+
+
+def add_adapters(model: torch.nn.Module, loaded: LoadedRecipe, chosen: Candidate) -> torch.nn.Module:
+    """Wrap ``model`` with peft LoRA adapters (lora/qlora); full fine-tuning trains every weight."""
+    if chosen.method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lc = loaded.recipe.lora
+    if chosen.method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        # Only input gradients and fp32 norms: checkpointing is applied per the Plan, not by peft.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    config = LoraConfig(
+        r=lc.r,
+        lora_alpha=lc.alpha,
+        lora_dropout=lc.dropout,
+        target_modules=lc.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:
+        raise UserError(f"lora.target_modules: {exc}") from None
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder block in backward (non-reentrant torch.utils.checkpoint)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(base, "enable_input_require_grads"):
+        # With a frozen embedding, the checkpointed blocks' inputs must require grad for backward to reach them.
+        base.enable_input_require_grads()
+
+
+def build_model(loaded: LoadedRecipe, chosen: Candidate, device: torch.device) -> torch.nn.Module:
+    """Base model + adapters + activation checkpointing, as the Plan says (single process or per rank)."""
+    model = load_base_model(loaded, chosen, device)
+    model = add_adapters(model, loaded, chosen)
+    if chosen.activation_checkpointing and chosen.strategy not in ("zero2", "fsdp"):
+        enable_activation_checkpointing(model)
+    if hasattr(model, "config"):
+        model.config.use_cache = False
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+def save_pretrained_base(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+    """Save a (random-init) base model as a HF directory, so an adapter run is reproducible and mergeable."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,176 @@
+"""What a run shows and leaves behind: progress, metrics.jsonl, the final model or adapter."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from finetune.plan.types import Candidate, Plan
+from finetune.train.distributed import DistContext
+
+if TYPE_CHECKING:
+    from finetune.train.evaluate import EvalResult
+    from finetune.train.loop import RunResult
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable bytes (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path = path
+        self.enabled = enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append ``row`` and flush, so a killed run keeps every line written so far."""
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+class Reporter:
+    """Rank 0's console: a header, a live progress bar (or plain lines when not a terminal), a summary."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.console = Console(highlight=False)
+
+    def print(self, *args: Any) -> None:
+        """Print on rank 0 only."""
+        if self.enabled:
+            self.console.print(*args)
+
+    def start(self, plan: Plan, trainable: int, total: int, steps: int, stats: dict[str, int], world: int) -> None:
+        """The run's header: what the Plan chose and the sizes involved."""
+        c = plan.chosen
+        self.print(
+            f"[bold]finetune[/] {c.method} | {c.strategy} x{world} | {c.precision} | micro-batch {c.micro_batch_size}"
+            f" x accumulation {c.grad_accum_steps} x {world} process(es)"
+            f" | activation checkpointing {'on' if c.activation_checkpointing else 'off'}"
+        )
+        self.print(
+            f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / max(total, 1):.2f}%) | "
+            f"{steps} steps | data: " + ", ".join(f"{k} {v}" for k, v in stats.items())
+        )
+        if c.memory.total:
+            self.print(f"plan: {fmt_bytes(c.memory.total)} per process predicted")
+
+    @contextlib.contextmanager
+    def progress(self, steps: int) -> Iterator[Callable[..., None]]:
+        """A context whose value ``advance(loss=, lr=, tokens_per_s=)`` moves the bar one step."""
+        if not self.enabled:
+            yield lambda **_: None
+            return
+        if not sys.stdout.isatty():
+            state = {"step": 0, "t0": time.perf_counter()}
+            every = max(1, steps // 20)
+
+            def plain(loss: float, lr: float, tokens_per_s: float | None = None) -> None:
+                state["step"] += 1
+                s = state["step"]
+                if s % every == 0 or s == steps:
+                    tps = f" | {tokens_per_s:,.0f} tok/s" if tokens_per_s else ""
+                    self.console.print(f"step {s}/{steps} | loss {loss:.4f} | lr {lr:.2e}{tps}")
+
+            yield plain
+            return
+        columns = (
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("lr {task.fields[lr]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=self.console, transient=False) as bar:
+            task = bar.add_task("train", total=steps, loss="-", lr="-", tps="-")
+            last_tps = {"v": "-"}
+
+            def advance(loss: float, lr: float, tokens_per_s: float | None = None) -> None:
+                if tokens_per_s:
+                    last_tps["v"] = f"{tokens_per_s:,.0f}"
+                bar.update(task, advance=1, loss=f"{loss:.4f}", lr=f"{lr:.2e}", tps=last_tps["v"])
+
+            yield advance
+
+    def eval_line(self, step: int, ev: EvalResult | None) -> None:
+        """One line per periodic evaluation."""
+        if ev is not None:
+            self.print(f"eval @ step {step}: {_eval_text(ev)}")
+
+    def memory_line(self, predicted: int, measured: int) -> None:
+        """The plan's prediction beside the measured peak of the first optimizer step."""
+        if predicted:
+            err = 100.0 * (predicted - measured) / max(measured, 1)
+            self.print(f"memory: predicted {fmt_bytes(predicted)}, measured {fmt_bytes(measured)} ({err:+.1f}%)")
+        else:
+            self.print(f"memory: measured peak {fmt_bytes(measured)} (no prediction in the plan)")
+
+    def summary(self, result: RunResult, chosen: Candidate, skipped: int) -> None:
+        """What was trained, the final eval, where the outputs are and how to load them."""
+        out = result.output_dir
+        self.print(
+            f"[bold green]done[/]: {result.steps} steps in {result.seconds:.1f}s, final loss "
+            f"{result.final_loss:.4f}" + (f", {skipped} steps skipped (fp16 overflow)" if skipped else "")
+        )
+        if result.eval is not None:
+            self.print(f"final eval: {_eval_text(result.eval)}")
+            for want, got in result.eval.samples:
+                self.print(f"  expected {want!r:>14} generated {got!r}")
+        if chosen.method == "full":
+            self.print(
+                f"model saved to {out}/  load it with: AutoModelForCausalLM.from_pretrained('{out}')"
+            )
+        else:
+            self.print(
+                f"adapter saved to {out}/  load it with: PeftModel.from_pretrained(base, '{out}'), "
+                f"or fold it in: finetune merge {out} --out {out}-merged"
+            )
+
+
+def _eval_text(ev: EvalResult) -> str:
+    parts = []
+    if ev.loss is not None:
+        parts.append(f"loss {ev.loss:.4f}")
+    if ev.exact_match is not None:
+        parts.append(f"exact match {100 * ev.exact_match:.1f}% of {ev.n_prompts}")
+    return ", ".join(parts)
+
+
+def save_final(
+    model: torch.nn.Module, inner: torch.nn.Module, tokenizer: Any, out_dir: Path, chosen: Candidate, ctx: DistContext
+) -> None:
+    """Write the trained model (HF directory) or adapter (PEFT directory) and the tokenizer, on rank 0.
+
+    Every rank calls this: under FSDP the full state dict is gathered from all ranks first.
+    """
+    from finetune.train.parallel import full_state_dict
+
+    state = full_state_dict(model, inner, ctx)
+    if ctx.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+    ctx.barrier()
