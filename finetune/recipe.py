@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 # --------------------------------------------------------------------------------------------------
 # Schema
@@ -72,17 +72,74 @@ class QuantizationConfig(Section):
     )
 
 
+class DataColumnsConfig(Section):
+    text: str = Field("text", description="Column of the text format (continued pre-training).")
+    instruction: str = Field("instruction", description="Column of the instruction (instruction format).")
+    input: str = Field(
+        "input", description="Column of the optional input (instruction format); missing or empty: no input line."
+    )
+    output: str = Field("output", description="Column of the expected answer (instruction format).")
+    messages: str = Field(
+        "messages", description="Column of the conversation (chat format): a list of {role, content} messages."
+    )
+    input_ids: str = Field("input_ids", description="Column of the token ids (tokenized format).")
+    labels: str = Field(
+        "labels", description="Column of the labels, -100 where the loss does not count (tokenized format; optional)."
+    )
+
+
 class DataConfig(Section):
-    train: Union[str, list[str]] = Field(description="Training data: a file, a glob, a directory, or a list of them.")
-    eval: Union[str, None] = Field(None, description="Held-out data for eval loss and exact match (optional).")
+    train: Union[str, list[str]] = Field(
+        description="Training data: a .jsonl/.json/.csv/.parquet file, a glob, a directory, a Hugging Face "
+        "dataset name in the local cache, or a list of them."
+    )
+    eval: Union[str, None] = Field(
+        None,
+        description="Held-out data for eval loss and exact match (optional): a file, glob or directory, or, when "
+        "data.train is a Hugging Face dataset, the name of another of its splits (e.g. validation).",
+    )
+    split: str = Field("train", description="Split of a Hugging Face dataset given by name in data.train.")
+    eval_fraction: Union[float, None] = Field(
+        None, gt=0, lt=1, description="Hold out this fraction of data.train (chosen by train.seed) instead of data.eval."
+    )
     format: Literal["instruction", "text", "chat", "tokenized"] = Field(
-        "instruction", description="How rows are turned into tokens (see README, Data)."
+        "instruction",
+        description="How rows become tokens: text (a text column), instruction (instruction/input/output), chat "
+        "(a list of messages rendered with the chat template), tokenized (input_ids and optional labels).",
+    )
+    columns: DataColumnsConfig = Field(
+        default_factory=DataColumnsConfig, description="Column (field) names of each format, e.g. columns.output: answer."
+    )
+    chat_template: Union[str, None] = Field(
+        None,
+        description="Chat format: a Jinja chat template, or the path of a .jinja file, used instead of the "
+        "tokenizer's (required when the tokenizer has none).",
     )
     max_seq_len: int = Field(512, ge=8, description="Longer samples are truncated (or dropped with drop_long).")
-    packing: bool = Field(False, description="Pack several samples into each max_seq_len row.")
+    drop_long: bool = Field(False, description="Drop samples longer than max_seq_len instead of truncating them.")
+    packing: bool = Field(
+        False,
+        description="Pack several samples into each max_seq_len row, position ids restarting at each sample so "
+        "attention never crosses samples; train.global_batch_size then counts packed rows.",
+    )
     train_on_prompt: bool = Field(
         False, description="Count the prompt tokens in the loss too (default: completion-only loss)."
     )
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error",
+        description="error: stop before training at the first bad row (file, line, field); skip: leave bad rows "
+        "out and report how many.",
+    )
+    num_proc: Union[PositiveInt, None] = Field(None, description="Processes for tokenization (default: 1).")
+    cache_dir: Union[str, None] = Field(
+        None, description="Where tokenized data is cached (default: the Hugging Face datasets cache)."
+    )
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> DataConfig:
+        if self.eval is not None and self.eval_fraction is not None:
+            raise ValueError("both `data.eval` and `data.eval_fraction` are set; choose one")
+        return self
 
 
 class TrainConfig(Section):
@@ -448,7 +505,9 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
         key = "data.train" if isinstance(r.data.train, str) else f"data.train.{i}"
         if not _data_exists(loaded, t):
             problems.append(loaded.problem(key, f"no data found at `{t}` (looked next to the recipe and in the current directory)"))
-    if r.data.eval and not _data_exists(loaded, r.data.eval):
+    # with a Hugging Face dataset in data.train, data.eval may name another split of it
+    eval_is_split = len(trains) == 1 and _in_hf_datasets_cache(trains[0]) and "/" not in (r.data.eval or "/")
+    if r.data.eval and not eval_is_split and not _data_exists(loaded, r.data.eval):
         problems.append(loaded.problem("data.eval", f"no data found at `{r.data.eval}`"))
     return problems
 

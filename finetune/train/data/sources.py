@@ -70,7 +70,9 @@ def expand_files(spec: str, base_dir: Path, key: str) -> list[Path]:
         elif p.is_file():
             files = [p]
         else:
-            raise UserError(f"{key}: no data found at `{spec}` (looked next to the recipe and in the current directory)")
+            raise UserError(
+                f"{key}: no data found at `{spec}` (looked next to the recipe and in the current directory)"
+            )
     for f in files:
         if f.suffix not in SUFFIXES:
             raise UserError(f"{key}: {f} is not a data file this tool reads ({', '.join(SUFFIXES)})")
@@ -112,7 +114,9 @@ def _rows_json(path: Path, bad: list[str]) -> tuple[list[str], list[str]]:
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
         data = next(iter(data.values()))  # {"data": [...]} style
     if not isinstance(data, list):
-        raise UserError(f"{path}: expected a JSON array of objects (or a .jsonl file with one object per line)")
+        raise UserError(
+            f"{path}: expected a JSON array of objects (or a .jsonl file with one object per line)"
+        )
     rows, where = [], []
     for i, row in enumerate(data):
         if not isinstance(row, dict):
@@ -184,7 +188,9 @@ def read_hf(name: str, split: str, key: str, required: list[str]) -> Source:
         ds = datasets.load_dataset(name, split=split)
     except ValueError as exc:
         if "split" in str(exc).lower():
-            raise UserError(f"{key}: the Hugging Face dataset `{name}` has no split `{split}` ({exc})") from None
+            raise UserError(
+                f"{key}: the Hugging Face dataset `{name}` has no split `{split}` ({exc})"
+            ) from None
         raise UserError(_not_cached(key, name)) from None
     except Exception:
         raise UserError(_not_cached(key, name)) from None

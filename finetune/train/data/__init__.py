@@ -1,0 +1,311 @@
+"""Training data: sources -> rows -> token ids with labels (cached) -> packed rows -> a deterministic batch stream.
+
+    load_data(loaded, tokenizer) -> TaskData(train, eval, eval_prompts, stats)
+    BatchStream(train, global_batch_size, seed, pad_id).micro_batches(epoch, step, rank=, world_size=, micro_batch_size=)
+
+Modules: ``sources`` (reading files and cached Hugging Face datasets), ``formats`` (text / instruction /
+chat / tokenized -> ids and labels), ``batches`` (packing, collation, the batch stream).
+
+Tokenization runs through ``datasets.map`` (progress bar, ``data.num_proc`` processes) into an Arrow file
+whose name is a hash of the source's content, the tokenizer and every data setting that changes the result,
+so a second run with the same inputs reads it back instead of tokenizing again.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import UserError
+from finetune.recipe import LoadedRecipe
+from finetune.train.data.batches import BatchStream, Example, collate, pack
+from finetune.train.data.formats import (
+    BAD,
+    DROPPED_LONG,
+    NO_LABELS,
+    PROMPT_TEMPLATE,
+    PROMPT_TEMPLATE_NO_INPUT,
+    TRUNCATED,
+    Encoder,
+)
+from finetune.train.data.sources import Source, is_hf_name, read_hf, read_sources
+
+__all__ = [
+    "PROMPT_TEMPLATE",
+    "PROMPT_TEMPLATE_NO_INPUT",
+    "BatchStream",
+    "EvalPrompt",
+    "Example",
+    "TaskData",
+    "collate",
+    "load_data",
+    "pack",
+]
+
+CACHE_VERSION = "1"  # bump when the encoding changes
+
+
+@dataclass
+class EvalPrompt:
+    """A prompt for greedy generation and the exact answer expected."""
+
+    prompt_ids: list[int]
+    answer: str
+
+
+@dataclass
+class TaskData:
+    """Everything the trainer needs from the data.
+
+    ``stats``: train (rows: packed rows with packing), train_samples, eval, eval_prompts, tokens (in train),
+    truncated, dropped (drop_long, or no label token left after truncation), skipped_bad_rows,
+    padding_fraction (packed rows, else 0: it depends on the micro-batch, see BatchStream.padding_fraction),
+    cached_sources (sources read back from the tokenization cache). ``notes``: one sentence per thing the
+    user should know (truncation, skipped rows with the first reason), each said once.
+    """
+
+    train: list[Example]
+    eval: list[Example] = field(default_factory=list)
+    eval_prompts: list[EvalPrompt] = field(default_factory=list)
+    stats: dict[str, int | float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Encoded:
+    """The usable samples of one or more sources, with their eval prompts and counts."""
+
+    examples: list[Example] = field(default_factory=list)
+    prompts: list[EvalPrompt | None] = field(default_factory=list)
+    truncated: int = 0
+    dropped: int = 0
+    bad: list[str] = field(default_factory=list)
+    cached: int = 0
+
+    def extend(self, other: _Encoded) -> None:
+        self.examples += other.examples
+        self.prompts += other.prompts
+        self.truncated += other.truncated
+        self.dropped += other.dropped
+        self.bad += other.bad
+        self.cached += other.cached
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A stable hash of a tokenizer's vocabulary, rules and special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        body = backend.to_str() + json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+        return hashlib.sha256(body.encode()).hexdigest()[:24]
+    from datasets.fingerprint import Hasher
+
+    return Hasher.hash(tokenizer)
+
+
+def default_cache_dir() -> Path:
+    """Where tokenized data goes when ``data.cache_dir`` is not set."""
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "finetune-tokenized"
+
+
+def encode_source(src: Source, encoder: Encoder, cache_dir: Path, num_proc: int | None) -> _Encoded:
+    """Tokenize one source through ``datasets.map`` into the cache (or read it back), then collect its samples."""
+    key = hashlib.sha256(
+        json.dumps(
+            [CACHE_VERSION, src.fingerprint, tokenizer_fingerprint(encoder.tokenizer), encoder.settings()],
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:32]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    cache_file = cache_dir / f"tokenized-{key}.arrow"
+    hit = cache_file.exists() or bool(glob.glob(str(cache_dir / f"tokenized-{key}_*_of_*.arrow")))
+    features = _features()
+    ds = src.dataset.map(
+        encoder,
+        with_indices=True,
+        fn_kwargs={"source": src.name},
+        remove_columns=src.dataset.column_names,
+        features=features,
+        num_proc=num_proc if num_proc and num_proc > 1 and len(src.dataset) > 1 else None,
+        cache_file_name=str(cache_file),
+        load_from_cache_file=True,
+        desc=f"Tokenizing {Path(src.name).name}",
+    )
+    out = _Encoded(bad=list(src.bad_rows), cached=int(hit))
+    cols = ds.to_dict()
+    for ids, labels, prompt_ids, answer, status, error in zip(
+        cols["input_ids"],
+        cols["labels"],
+        cols["prompt_ids"],
+        cols["answer"],
+        cols["status"],
+        cols["error"],
+        strict=True,
+    ):
+        if status == BAD:
+            out.bad.append(error)
+        elif status in (DROPPED_LONG, NO_LABELS):
+            out.dropped += 1
+        else:
+            out.truncated += status == TRUNCATED
+            out.examples.append(Example(ids, labels))
+            out.prompts.append(EvalPrompt(prompt_ids, answer) if prompt_ids else None)
+    return out
+
+
+def _features() -> Any:
+    import datasets
+
+    ids = datasets.List(datasets.Value("int64"))
+    return datasets.Features(
+        {
+            "input_ids": ids,
+            "labels": ids,
+            "prompt_ids": ids,
+            "answer": datasets.Value("string"),
+            "status": datasets.Value("string"),
+            "error": datasets.Value("string"),
+        }
+    )
+
+
+@contextmanager
+def _local_rank_zero_first() -> Iterator[None]:
+    """In a multi-process run, local rank 0 tokenizes (and fills the cache) before the other ranks read it."""
+    import torch.distributed as dist
+
+    active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if active and not first:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if active and first:
+            dist.barrier()
+
+
+def resolve_chat_template(loaded: LoadedRecipe, tokenizer: Any) -> str:
+    """The chat template of a chat-format run: data.chat_template (text or a file), else the tokenizer's."""
+    spec = loaded.recipe.data.chat_template
+    if spec is None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(
+                f"data.chat_template: the tokenizer of `{loaded.recipe.model.path}` has no chat template; set "
+                "data.chat_template to a Jinja template or the path of a .jinja file"
+            )
+        return tokenizer.chat_template
+    if "{" not in spec:
+        path = loaded.resolve_input(spec)
+        if not path.is_file():
+            raise UserError(
+                f"data.chat_template: no template file at `{spec}` (a template itself contains {{% or {{{{)"
+            )
+        return path.read_text()
+    return spec
+
+
+def _encode_spec(spec: str, key: str, loaded: LoadedRecipe, encoder: Encoder, split: str) -> _Encoded:
+    d = loaded.recipe.data
+    cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
+    out = _Encoded()
+    for src in read_sources(spec, loaded.base_dir, key, split, encoder.required_columns()):
+        out.extend(encode_source(src, encoder, cache_dir, d.num_proc))
+    return out
+
+
+def _check_bad_rows(enc: _Encoded, on_bad_row: str) -> None:
+    if enc.bad and on_bad_row == "error":
+        more = f" (and {len(enc.bad) - 1} more bad rows)" if len(enc.bad) > 1 else ""
+        raise UserError(
+            f"{enc.bad[0]}{more}; fix the data, or set data.on_bad_row: skip to leave bad rows out"
+        )
+
+
+def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
+    """Read, check and tokenize the recipe's train and eval data (every bad row is found before training)."""
+    r = loaded.recipe
+    d = r.data
+    template = resolve_chat_template(loaded, tokenizer) if d.format == "chat" else None
+    encoder = Encoder(
+        tokenizer, d.format, d.columns.model_dump(), d.max_seq_len, d.drop_long, d.train_on_prompt, template
+    )
+    trains = d.train if isinstance(d.train, list) else [d.train]
+    with _local_rank_zero_first():
+        train = _Encoded()
+        for i, spec in enumerate(trains):
+            key = "data.train" if isinstance(d.train, str) else f"data.train.{i}"
+            train.extend(_encode_spec(spec, key, loaded, encoder, d.split))
+        _check_bad_rows(train, d.on_bad_row)
+        held = _Encoded()
+        if d.eval:
+            hf_train = len(trains) == 1 and is_hf_name(trains[0], loaded.base_dir)
+            if hf_train and "/" not in d.eval and is_hf_name(d.eval, loaded.base_dir):
+                cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
+                src = read_hf(trains[0], d.eval, "data.eval", encoder.required_columns())
+                held = encode_source(src, encoder, cache_dir, d.num_proc)
+            else:
+                held = _encode_spec(d.eval, "data.eval", loaded, encoder, d.split)
+            _check_bad_rows(held, d.on_bad_row)
+    if d.eval_fraction:
+        n = len(train.examples)
+        k = max(1, round(n * d.eval_fraction))
+        if k >= n:
+            raise UserError(
+                f"data.eval_fraction: {d.eval_fraction} of {n} samples leaves none to train on; lower it"
+            )
+        chosen = set(random.Random(r.train.seed).sample(range(n), k))
+        held.examples = [e for i, e in enumerate(train.examples) if i in chosen]
+        held.prompts = [p for i, p in enumerate(train.prompts) if i in chosen]
+        train.examples = [e for i, e in enumerate(train.examples) if i not in chosen]
+    if r.eval.max_samples:
+        held.examples = held.examples[: r.eval.max_samples]
+        held.prompts = held.prompts[: r.eval.max_samples]
+    if not train.examples:
+        raise UserError(f"data.train: no usable training samples in `{d.train}`")
+
+    samples = train.examples
+    rows = pack(samples, d.max_seq_len) if d.packing else samples
+    tokens = sum(len(e.input_ids) for e in samples)
+    skipped = len(train.bad) + len(held.bad)
+    stats: dict[str, int | float] = {
+        "train": len(rows),
+        "train_samples": len(samples),
+        "eval": len(held.examples),
+        "eval_prompts": sum(p is not None for p in held.prompts),
+        "tokens": tokens,
+        "truncated": train.truncated + held.truncated,
+        "dropped": train.dropped + held.dropped,
+        "skipped_bad_rows": skipped,
+        "padding_fraction": round(1 - tokens / (len(rows) * d.max_seq_len), 4) if d.packing else 0.0,
+        "cached_sources": train.cached + held.cached,
+    }
+    notes = []
+    if stats["truncated"]:
+        notes.append(
+            f"{stats['truncated']} samples were longer than data.max_seq_len={d.max_seq_len} and were truncated"
+        )
+    if stats["dropped"]:
+        notes.append(
+            f"{stats['dropped']} samples were left out: longer than data.max_seq_len={d.max_seq_len} with "
+            "data.drop_long, or no answer token left after truncation"
+        )
+    if skipped:
+        first = (train.bad + held.bad)[0]
+        notes.append(f"{skipped} bad rows were skipped (data.on_bad_row: skip); the first: {first}")
+    return TaskData(
+        train=rows,
+        eval=held.examples,
+        eval_prompts=[p for p in held.prompts if p is not None],
+        stats=stats,
+        notes=notes,
+    )

@@ -1,0 +1,183 @@
+"""Samples -> packed rows -> a deterministic stream of global batches, split over ranks.
+
+Packing puts several samples in one row of ``max_seq_len`` tokens, position ids restarting at 0 for each
+sample and no attention mask. transformers (5.x, ``masking_utils.find_packed_sequence_indices``) then
+builds a block-diagonal causal mask for sdpa and eager attention, so no token attends across samples; this
+needs ``position_ids`` given, ``attention_mask=None`` and no KV cache (``use_cache=False``). The loss
+(``finetune.train.loss``) also drops the target that would cross from one sample into the next.
+
+The order of rows is a pure function of (seed, epoch): every process computes the same permutation and
+takes its own slice of each global batch, so N processes see exactly the rows one process would.
+(epoch, step_in_epoch) is the whole position in the stream; :meth:`BatchStream.position_state` saves it
+with a fingerprint of the data so a resume on different data is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.errors import UserError
+from finetune.train.loss import IGNORE_INDEX
+
+
+@dataclass
+class Example:
+    """One training row: ids, labels (IGNORE_INDEX where the loss does not count), and for a packed row
+    the position ids (restarting at 0 at each sample inside it)."""
+
+    input_ids: list[int]
+    labels: list[int]
+    position_ids: list[int] | None = None
+
+
+def pack(examples: list[Example], max_seq_len: int) -> list[Example]:
+    """Pack samples into rows of at most ``max_seq_len`` tokens (best-fit decreasing; deterministic).
+
+    Longest samples first, each into the fullest row it still fits in; a row's samples keep the order
+    they were placed in. Position ids restart at 0 at every sample.
+    """
+    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i))
+    rows: list[list[int]] = []
+    by_free: list[list[int]] = [[] for _ in range(max_seq_len + 1)]  # free tokens -> rows with that many
+    free: list[int] = []
+    for i in order:
+        n = len(examples[i].input_ids)
+        if n > max_seq_len:
+            raise AssertionError("samples are truncated to max_seq_len before packing")
+        row = next((by_free[c].pop() for c in range(n, max_seq_len + 1) if by_free[c]), None)
+        if row is None:
+            row = len(rows)
+            rows.append([])
+            free.append(max_seq_len)
+        rows[row].append(i)
+        free[row] -= n
+        by_free[free[row]].append(row)
+    # rows in order of their first sample's index, so the result does not depend on the length ties
+    rows.sort(key=min)
+    packed = []
+    for members in rows:
+        ids: list[int] = []
+        labels: list[int] = []
+        pos: list[int] = []
+        for i in sorted(members):
+            ex = examples[i]
+            ids += ex.input_ids
+            labels += ex.labels
+            pos += range(len(ex.input_ids))
+        packed.append(Example(ids, labels, pos))
+    return packed
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, Any]:
+    """A micro-batch as tensors, right-padded to its longest row.
+
+    Padded samples get an ``attention_mask``; packed rows get ``position_ids`` and no attention mask
+    (their padding is one more short sequence with its own positions, and has no labels).
+    """
+    import torch
+
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    packed = examples[0].position_ids is not None
+    if packed:
+        pos = torch.arange(width, dtype=torch.long).repeat(len(examples), 1)
+    else:
+        mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        if packed:
+            pos[i, :n] = torch.tensor(e.position_ids)
+            pos[i, n:] = torch.arange(width - n)
+        else:
+            mask[i, :n] = 1
+    if packed:
+        return {"input_ids": ids, "labels": labels, "position_ids": pos}
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+class BatchStream:
+    """Deterministic global batches: the order is a pure function of (seed, epoch).
+
+    Global batch ``s`` of an epoch holds rows ``order[s*G : (s+1)*G]`` (G = global batch size); the
+    rows left over at the end of an epoch are not used in that epoch (a different few each epoch).
+    Rank ``r`` of ``W`` takes the contiguous slice ``[r*G/W, (r+1)*G/W)`` of it and cuts that into
+    micro-batches, so the union over ranks is the single-process global batch.
+    """
+
+    def __init__(self, examples: list[Example], global_batch_size: int, seed: int, pad_id: int) -> None:
+        if len(examples) < global_batch_size:
+            what = "packed rows" if examples and examples[0].position_ids is not None else "training samples"
+            raise UserError(
+                f"train.global_batch_size: {global_batch_size} is larger than the {len(examples)} {what}; lower it"
+            )
+        self.examples = examples
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.pad_id = pad_id
+        self.steps_per_epoch = len(examples) // global_batch_size
+
+    def order(self, epoch: int) -> list[int]:
+        """The permutation of row indices for ``epoch``."""
+        idx = list(range(len(self.examples)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(idx)
+        return idx
+
+    def rank_rows(self, epoch: int, step_in_epoch: int, *, rank: int, world_size: int) -> list[Example]:
+        """The rows of global batch ``step_in_epoch`` of ``epoch`` that belong to ``rank``."""
+        g = self.global_batch_size
+        if g % world_size:
+            raise UserError(f"train.global_batch_size: {g} is not divisible by the {world_size} processes")
+        if not 0 <= step_in_epoch < self.steps_per_epoch:
+            raise IndexError(f"step {step_in_epoch} is outside the epoch's {self.steps_per_epoch} steps")
+        per_rank = g // world_size
+        start = step_in_epoch * g + rank * per_rank
+        return [self.examples[i] for i in self.order(epoch)[start : start + per_rank]]
+
+    def micro_batches(
+        self, epoch: int, step_in_epoch: int, *, rank: int, world_size: int, micro_batch_size: int
+    ) -> list[dict[str, Any]]:
+        """This rank's micro-batches of global batch ``step_in_epoch`` of ``epoch``."""
+        mine = self.rank_rows(epoch, step_in_epoch, rank=rank, world_size=world_size)
+        return [
+            collate(mine[i : i + micro_batch_size], self.pad_id)
+            for i in range(0, len(mine), micro_batch_size)
+        ]
+
+    def padding_fraction(self, micro_batch_size: int, world_size: int = 1, epoch: int = 0) -> float:
+        """Fraction of the tokens of an epoch's micro-batches that are padding."""
+        pad = total = 0
+        for step in range(self.steps_per_epoch):
+            for rank in range(world_size):
+                rows = self.rank_rows(epoch, step, rank=rank, world_size=world_size)
+                for i in range(0, len(rows), micro_batch_size):
+                    lens = [len(r.input_ids) for r in rows[i : i + micro_batch_size]]
+                    total += max(lens) * len(lens)
+                    pad += max(lens) * len(lens) - sum(lens)
+        return pad / total if total else 0.0
+
+    def fingerprint(self) -> str:
+        """A hash of the rows and the batch settings: equal fingerprints give equal streams."""
+        h = hashlib.sha256(f"{self.seed}/{self.global_batch_size}/{len(self.examples)}".encode())
+        for e in self.examples:
+            h.update(len(e.input_ids).to_bytes(4, "little"))
+            h.update(bytes(str(e.input_ids[:8]), "ascii"))
+        return h.hexdigest()[:16]
+
+    def position_state(self, epoch: int, step_in_epoch: int) -> dict[str, Any]:
+        """The position to save in a checkpoint: the next global batch to run is (epoch, step_in_epoch)."""
+        return {"epoch": epoch, "step_in_epoch": step_in_epoch, "fingerprint": self.fingerprint()}
+
+    def restore_position(self, state: dict[str, Any]) -> tuple[int, int]:
+        """(epoch, step_in_epoch) of a saved :meth:`position_state`; refuses a state saved on other data."""
+        if state.get("fingerprint") != self.fingerprint():
+            raise UserError(
+                "--resume: the training data, data settings, train.seed or train.global_batch_size differ from the "
+                "checkpoint's, so the data order cannot be resumed exactly; resume with the same recipe"
+            )
+        return int(state["epoch"]), int(state["step_in_epoch"])
