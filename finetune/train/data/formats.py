@@ -19,8 +19,8 @@ from typing import Any
 from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN
 from finetune.train.loss import IGNORE_INDEX
 
-PROMPT_TEMPLATE = "Instruction: {instruction}\nInput: {input}\nResponse: "
-PROMPT_TEMPLATE_NO_INPUT = "Instruction: {instruction}\nResponse: "
+PROMPT_TEMPLATE = "{instruction}\n{input}\nAnswer: "
+PROMPT_TEMPLATE_NO_INPUT = "{instruction}\nAnswer: "
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 # status of an encoded row
