@@ -98,6 +98,36 @@ def run(
     raise typer.Exit(code)
 
 
+@app.command()
+def merge(
+    run_dir: Annotated[str, typer.Argument(help="A lora/qlora run's output.dir, or a PEFT adapter directory.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the merged Hugging Face model to.")],
+    dtype: Annotated[
+        Optional[str], typer.Option(help="bf16, fp16 or fp32 for every floating tensor (default: the base's).")
+    ] = None,
+    base: Annotated[
+        Optional[str], typer.Option(help="Base model directory (default: from the run's recipe.yaml or base/).")
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Replace --out if it exists.")] = False,
+    into_dequantized: Annotated[
+        bool, typer.Option(help="QLoRA: fold into the NF4-dequantized weights the run trained against.")
+    ] = False,
+) -> None:
+    """Fold LoRA/QLoRA adapters into the base weights, streamed shard by shard, into a HF model directory."""
+    from finetune.merge import merge as merge_adapter
+
+    try:
+        res = merge_adapter(run_dir, out, dtype=dtype, base=base, force=force, into_dequantized=into_dequantized)
+    except UserError as err:
+        _fail(err)
+    note = f"; untied {', '.join(res.untied)}" if res.untied else ""
+    typer.echo(
+        f"merged {res.merged_modules} adapted modules ({res.replaced_tensors} saved tensors) of {run_dir} into "
+        f"{res.base}{' (NF4-dequantized)' if res.into_dequantized else ''}: {res.out}, {res.shards} shard(s), "
+        f"{res.bytes_written / 2**20:.1f} MiB, dtype {res.dtype}{note}, {res.seconds:.1f}s"
+    )
+
+
 @recipes_app.callback(invoke_without_command=True)
 def recipes_default(ctx: typer.Context) -> None:
     """List the shipped recipes (same as `finetune recipes ls`)."""

@@ -1,0 +1,572 @@
+"""``finetune merge``: fold LoRA/QLoRA adapters into the base weights, one safetensors shard at a time.
+
+For every adapted weight ``W`` the merged weight is ``W + s·B·A`` (transposed for GPT-2's ``Conv1D``,
+whose weights are stored [in, out]), with ``s = alpha/r`` (``alpha/sqrt(r)`` under rsLoRA, per-module
+``rank_pattern``/``alpha_pattern`` honoured). ``modules_to_save`` tensors replace the base tensors.
+The fold is computed in fp32 and cast to the output dtype (the base's own dtype unless ``--dtype``).
+
+Streaming: the base checkpoint is read one shard at a time (``safetensors.safe_open``) and each tensor
+is written as soon as it is folded, so memory holds one mapped input shard, one tensor and the adapter
+(a model is never materialised). Everything is written into a temporary directory beside ``--out`` and
+renamed into place at the end: a bad input or a crash leaves nothing behind.
+
+QLoRA: by default the adapters are folded into the original 16-bit base. The trained model saw the
+NF4-dequantized weights instead; ``--into-dequantized`` folds into exactly those (quantized and
+dequantized the way loading did), so the merged model computes what the trained one did.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from finetune.errors import UserError
+from finetune.recipe import QuantizationConfig, resolve_input_path
+
+if TYPE_CHECKING:
+    import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+#: Non-weight files of a model directory that the merged directory needs (config is rewritten).
+MODEL_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+TOKENIZER_FILES = tuple(f for f in MODEL_FILES if f != "generation_config.json")
+DTYPE_FLAGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_LORA_PART = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.(?P<leaf>weight|bias))?$")
+
+
+@dataclass
+class LoraDelta:
+    """The low-rank update of one module: ``A`` [r, in], ``B`` [out, r], optional ``B`` bias."""
+
+    module: str
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+    b_bias: torch.Tensor | None = None
+    embedding: bool = False
+    scaling: float = 1.0
+
+
+@dataclass
+class MergeResult:
+    """What ``merge`` did, for the CLI's summary."""
+
+    out: Path
+    base: Path
+    merged_modules: int
+    replaced_tensors: int
+    shards: int
+    bytes_written: int
+    dtype: str
+    untied: list[str] = field(default_factory=list)
+    into_dequantized: bool = False
+    seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding the adapter and the base
+# --------------------------------------------------------------------------------------------------
+
+
+def _read_adapter(run: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The PEFT adapter config and tensors of ``run``; a clear error when there is none."""
+    import torch
+    from safetensors.torch import load_file
+
+    if not run.is_dir():
+        raise UserError(f"{run} is not a directory; give a LoRA/QLoRA run directory or a PEFT adapter directory")
+    cfg_path = run / ADAPTER_CONFIG
+    weights = next((run / w for w in ADAPTER_WEIGHTS if (run / w).is_file()), None)
+    if not cfg_path.is_file() or weights is None:
+        if (run / "config.json").is_file() and ((run / SAFE_SINGLE).is_file() or (run / SAFE_INDEX).is_file()):
+            raise UserError(f"{run} holds a full model, not an adapter: a full fine-tuning run has nothing to merge")
+        raise UserError(
+            f"{run} has no adapter ({ADAPTER_CONFIG} + adapter_model.safetensors); "
+            "give the output.dir of a lora/qlora run or a PEFT adapter directory"
+        )
+    config = json.loads(cfg_path.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{cfg_path}: peft_type {config.get('peft_type')} cannot be merged; only LoRA adapters can")
+    for key, what in (("use_dora", "DoRA"), ("trainable_token_indices", "trainable tokens"),
+                      ("layer_replication", "layer replication"), ("target_parameters", "target_parameters")):
+        if config.get(key):
+            raise UserError(f"{cfg_path}: {what} adapters are not supported by finetune merge")
+    if weights.suffix == ".safetensors":
+        tensors = load_file(str(weights))
+    else:
+        tensors = torch.load(weights, map_location="cpu", weights_only=True)
+    return config, tensors
+
+
+def _read_run_recipe(run: Path) -> dict[str, Any] | None:
+    """The resolved recipe saved beside the adapter (a plain dict), or None for a bare PEFT adapter."""
+    path = run / "recipe.yaml"
+    if not path.is_file():
+        return None
+    data = yaml.safe_load(path.read_text())
+    return data if isinstance(data, dict) else None
+
+
+def _model_dir(value: str, base_dir: Path) -> Path | None:
+    """A local model directory for ``value`` (relative to ``base_dir``, cwd, built-ins, or the HF cache)."""
+    p = resolve_input_path(value, base_dir)
+    if p.is_dir():
+        return p
+    if value.count("/") == 1 and not value.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(value, local_files_only=True))
+        except Exception:
+            return None
+    return None
+
+
+def find_base(run: Path, recipe: dict[str, Any] | None, adapter_config: dict[str, Any], base: str | None) -> Path:
+    """The base model directory: ``--base``, else the run's recipe (``base/`` for a random init), else the
+    adapter's ``base_model_name_or_path``. A clear error when it cannot be found or holds no weights."""
+    saved_base = run / "base"
+    if base is not None:
+        found = _model_dir(base, Path.cwd())
+        if found is None:
+            raise UserError(f"--base {base} is not a model directory")
+        where = f"--base {base}"
+    elif recipe is not None:
+        model = recipe.get("model") or {}
+        if model.get("init") == "random":
+            if not saved_base.is_dir():
+                raise UserError(
+                    f"{run} was trained from a random init and its base weights ({saved_base}) are missing; "
+                    "pass --base DIR with the weights the run started from"
+                )
+            found, where = saved_base, f"{saved_base} (model.init: random)"
+        else:
+            path = str(model.get("path", ""))
+            found = _model_dir(path, run) if path else None
+            if found is None and saved_base.is_dir():
+                found = saved_base
+            if found is None:
+                raise UserError(
+                    f"cannot find the base model of {run}: its recipe.yaml says model.path `{path}`, which is "
+                    "not a local directory (looked next to the run, in the current directory and in the HF "
+                    "cache); pass --base DIR"
+                )
+            where = f"model.path `{path}` of {run / 'recipe.yaml'}"
+    elif saved_base.is_dir():
+        found, where = saved_base, str(saved_base)
+    else:
+        name = adapter_config.get("base_model_name_or_path")
+        found = _model_dir(str(name), Path.cwd()) if name else None
+        if found is None:
+            raise UserError(
+                f"cannot find the base model of {run}: it has no recipe.yaml and its adapter_config.json names "
+                f"base_model_name_or_path `{name}`, which is not a local directory; pass --base DIR"
+            )
+        where = f"base_model_name_or_path `{name}`"
+    if not (found / "config.json").is_file():
+        raise UserError(f"the base model {found} (from {where}) has no config.json; pass --base DIR")
+    config = json.loads((found / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise UserError(
+            f"the base model {found} is stored quantized; merge needs the 16-bit base: pass --base DIR"
+        )
+    if not (found / SAFE_INDEX).is_file() and not (found / SAFE_SINGLE).is_file():
+        raise UserError(
+            f"the base model {found} has no safetensors weights ({SAFE_SINGLE} or {SAFE_INDEX}); "
+            "re-save it with save_pretrained(safe_serialization=True)"
+        )
+    return found
+
+
+def _shards(base: Path) -> dict[str, list[str]]:
+    """Shard file name -> tensor names, in the base checkpoint's order."""
+    from safetensors import safe_open
+
+    if (base / SAFE_INDEX).is_file():
+        weight_map: dict[str, str] = json.loads((base / SAFE_INDEX).read_text())["weight_map"]
+        shards: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(shard, []).append(name)
+        return shards
+    with safe_open(str(base / SAFE_SINGLE), framework="pt") as f:
+        return {SAFE_SINGLE: list(f.keys())}
+
+
+# --------------------------------------------------------------------------------------------------
+# The adapter as deltas
+# --------------------------------------------------------------------------------------------------
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """peft's rank_pattern/alpha_pattern lookup: a key matches the module name or a dotted suffix of it."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _deltas(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, LoraDelta], dict[str, torch.Tensor]]:
+    """Group the adapter tensors into per-module deltas and whole-tensor replacements (modules_to_save)."""
+    deltas: dict[str, LoraDelta] = {}
+    replacements: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        name = key.removeprefix("base_model.model.")
+        m = _LORA_PART.match(name)
+        if m is None:
+            if ".base_layer." in name or name.endswith(".base_layer"):
+                continue  # a copy of the frozen base (saved for embedding layers); nothing to fold
+            replacements[name.replace(".modules_to_save.default.", ".").replace(".modules_to_save.", ".")] = tensor
+            continue
+        d = deltas.setdefault(m["module"], LoraDelta(m["module"]))
+        part, leaf = m["part"], m["leaf"]
+        if part.startswith("lora_embedding"):
+            d.embedding = True
+        if part.endswith("A"):
+            d.a = tensor
+        elif leaf == "bias":
+            d.b_bias = tensor
+        else:
+            d.b = tensor
+    for d in deltas.values():
+        if d.a is None or d.b is None:
+            raise UserError(f"the adapter is incomplete: {d.module} lacks its lora_A or lora_B weight")
+        r = int(_pattern_value(config.get("rank_pattern") or {}, d.module, config.get("r", 8)))
+        alpha = float(_pattern_value(config.get("alpha_pattern") or {}, d.module, config.get("lora_alpha", r)))
+        d.scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return deltas, replacements
+
+
+def _delta_weight(d: LoraDelta, conv1d: bool) -> torch.Tensor:
+    """``s·B·A`` in fp32, in the layout the base stores the weight in."""
+    a, b = d.a.float(), d.b.float()
+    if d.embedding:  # peft: A [r, num_embeddings], B [dim, r]; the embedding stores [num_embeddings, dim]
+        return (b @ a).t() * d.scaling
+    delta = (b @ a) * d.scaling
+    return delta.t() if conv1d else delta
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming safetensors writer
+# --------------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+
+
+class ShardWriter:
+    """Writes one safetensors file tensor by tensor, from a header computed up front.
+
+    safetensors' own ``save_file`` needs every tensor of the file in memory at once; the format is a
+    JSON header of (dtype, shape, byte offsets) followed by the raw bytes, so knowing shapes and output
+    dtypes in advance is enough to write each tensor as soon as it is computed.
+    """
+
+    def __init__(self, path: Path, specs: list[tuple[str, list[int], torch.dtype]]) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        self.expected: dict[str, tuple[list[int], torch.dtype, int]] = {}
+        for name, shape, dtype in specs:
+            nbytes = math.prod(shape) * dtype.itemsize
+            st = _ST_DTYPES[str(dtype).removeprefix("torch.")]
+            header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self.expected[name] = (list(shape), dtype, offset)
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self.order = [name for name, _, _ in specs]
+        self.total = offset
+        self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self.file.write(len(raw).to_bytes(8, "little") + raw)
+        self.next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append ``name``; tensors must come in the order of the specs."""
+        shape, dtype, _ = self.expected[name]
+        assert self.order[self.next] == name, f"{name} written out of order"
+        assert list(tensor.shape) == shape and tensor.dtype == dtype, f"{name}: {tensor.shape} {tensor.dtype}"
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(__import__("torch").uint8).numpy()
+        self.file.write(memoryview(data))
+        self.next += 1
+
+    def close(self) -> None:
+        """Finish the file (every tensor must have been written)."""
+        self.file.close()
+        assert self.next == len(self.order), "shard closed before every tensor was written"
+
+
+# --------------------------------------------------------------------------------------------------
+# The merge
+# --------------------------------------------------------------------------------------------------
+
+
+def _meta_model(config_dir: Path, trust_remote_code: bool) -> Any:
+    """The model of ``config_dir`` on the meta device: module types and tied parameters, no memory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code, local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def _checkpoint_key(name: str, keys: set[str], prefix: str) -> str | None:
+    """The checkpoint's name for a model parameter (older checkpoints omit the base-model prefix)."""
+    if name in keys:
+        return name
+    if prefix and name.startswith(prefix + ".") and name[len(prefix) + 1 :] in keys:
+        return name[len(prefix) + 1 :]
+    return None
+
+
+def _compute_dtype_of_run(recipe: dict[str, Any], run: Path) -> str:
+    """The compute dtype name a QLoRA run dequantized to (quantization.compute_dtype, precision, plan)."""
+    q = (recipe.get("quantization") or {}).get("compute_dtype", "auto")
+    if q != "auto":
+        return q
+    precision = recipe.get("precision", "auto")
+    if precision == "auto" and (run / "plan.json").is_file():
+        precision = json.loads((run / "plan.json").read_text()).get("chosen", {}).get("precision", "auto")
+    return {"bf16-pure": "bf16"}.get(precision, precision) if precision != "auto" else "fp32"
+
+
+def merge(
+    run_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    dtype: str | None = None,
+    base: str | None = None,
+    force: bool = False,
+    into_dequantized: bool = False,
+) -> MergeResult:
+    """Fold the adapter of ``run_dir`` into its base and write a Hugging Face model directory at ``out``.
+
+    ``dtype`` (bf16, fp16, fp32) converts every floating tensor; by default each keeps the base's dtype.
+    ``base`` overrides where the base model is found. ``force`` replaces an existing ``out``.
+    ``into_dequantized`` (QLoRA runs) folds into the NF4-dequantized weights the run trained against.
+    Raises :class:`UserError` on bad input before anything is written.
+    """
+    import torch
+    from safetensors import safe_open
+
+    from finetune.train.quantize import dequantized_weight, quantized_modules
+
+    start = time.perf_counter()
+    run, out_path = Path(run_dir), Path(out)
+    if dtype is not None and dtype not in DTYPE_FLAGS:
+        raise UserError(f"--dtype {dtype} is not one of bf16, fp16, fp32")
+    if out_path.exists() and not force:
+        raise UserError(f"--out {out_path} already exists; pass --force to replace it")
+    adapter_config, adapter = _read_adapter(run)
+    recipe = _read_run_recipe(run)
+    base_dir = find_base(run, recipe, adapter_config, base)
+    for inp in (run, base_dir):
+        if out_path.exists() and out_path.resolve() == inp.resolve():
+            raise UserError(f"--out {out_path} is an input of the merge; choose another directory")
+    trust = bool(((recipe or {}).get("model") or {}).get("trust_remote_code", False))
+    deltas, replacements = _deltas(adapter_config, adapter)
+
+    qcfg, compute_dtype = None, None
+    if into_dequantized:
+        method = (recipe or {}).get("method")
+        if method != "qlora":
+            raise UserError(
+                f"--into-dequantized needs a qlora run; {run} is "
+                + (f"a {method} run" if method else "not a finetune run (no recipe.yaml)")
+            )
+        qcfg = QuantizationConfig.model_validate(recipe.get("quantization") or {})
+        compute_dtype = getattr(torch, DTYPE_FLAGS[_compute_dtype_of_run(recipe, run)])
+
+    meta = _meta_model(base_dir, trust)
+    modules = dict(meta.named_modules())
+    prefix = getattr(meta, "base_model_prefix", "")
+    shards = _shards(base_dir)
+    keys = {k for names in shards.values() for k in names}
+    shard_of = {k: s for s, names in shards.items() for k in names}
+    shapes: dict[str, list[int]] = {}
+    for shard, names in shards.items():
+        with safe_open(str(base_dir / shard), framework="pt") as f:
+            for k in names:
+                shapes[k] = list(f.get_slice(k).get_shape())
+
+    # Tied parameters (e.g. lm_head <- embed_tokens) are stored once. A member missing from the checkpoint
+    # is an alias of the stored one; if the adapter changes any member they stop being equal, so then
+    # every member is written and the config unties them.
+    groups: dict[int, list[str]] = {}
+    for name, p in meta.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    aliases: dict[str, str] = {}  # missing tied parameter -> the checkpoint key holding its value
+    tied: list[list[str]] = []  # each group as the keys the merged checkpoint would use
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        ck = {n: _checkpoint_key(n, keys, prefix) for n in names}
+        source = next((k for k in ck.values() if k), None)
+        if source is None:
+            continue
+        for n, k in ck.items():
+            if k is None:
+                aliases[n] = source
+                shapes[n] = shapes[source]
+        tied.append([k or n for n, k in ck.items()])
+
+    def locate(name: str) -> str | None:
+        return _checkpoint_key(name, keys, prefix) or (name if name in aliases else None)
+
+    # Checkpoint key -> what to do with it; checked completely before anything is written.
+    weight_delta: dict[str, tuple[LoraDelta, bool]] = {}
+    bias_delta: dict[str, LoraDelta] = {}
+    for mod_name, d in deltas.items():
+        key = locate(f"{mod_name}.weight")
+        module = modules.get(mod_name)
+        if key is None or module is None:
+            raise UserError(
+                f"the adapter adapts `{mod_name}`, which the base model {base_dir} does not have: "
+                "the adapter was trained on another model; pass the right --base"
+            )
+        conv1d = type(module).__name__ == "Conv1D"
+        expected = list(_delta_weight(d, conv1d).shape)
+        if shapes[key] != expected:
+            raise UserError(
+                f"the adapter's update of `{mod_name}` is {'x'.join(map(str, expected))} but the base weight "
+                f"{key} in {base_dir} is {'x'.join(map(str, shapes[key]))}: the adapter was trained on "
+                "another model; pass the right --base"
+            )
+        weight_delta[key] = (d, conv1d)
+        if d.b_bias is not None:
+            bkey = locate(f"{mod_name}.bias")
+            if bkey is None:
+                raise UserError(f"the adapter has a lora_B bias for `{mod_name}` but the base has no bias there")
+            bias_delta[bkey] = d
+    replace: dict[str, torch.Tensor] = {}
+    for name, tensor in replacements.items():
+        key = locate(name)
+        if key is None or shapes[key] != list(tensor.shape):
+            raise UserError(
+                f"the adapter's saved module tensor `{name}` {list(tensor.shape)} has no match in the base "
+                f"model {base_dir}: the adapter was trained on another model; pass the right --base"
+            )
+        replace[key] = tensor
+    quantized: dict[str, bool] = {}
+    if into_dequantized:
+        for mod_name, conv1d in quantized_modules(meta.config).items():
+            key = locate(f"{mod_name}.weight")
+            if key is not None:
+                quantized[key] = conv1d
+
+    touched = set(weight_delta) | set(bias_delta) | set(replace)
+    extra: dict[str, list[tuple[str, str]]] = {}  # shard -> [(key to add, checkpoint key it starts from)]
+    untied: list[str] = []
+    for members in tied:
+        if any(m in touched for m in members):
+            untied.extend(members)
+            for m in members:
+                if m in aliases:
+                    extra.setdefault(shard_of[aliases[m]], []).append((m, aliases[m]))
+
+    out_dtype = getattr(torch, DTYPE_FLAGS[dtype]) if dtype else None
+
+    def fold(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        target = out_dtype if (out_dtype is not None and tensor.is_floating_point()) else tensor.dtype
+        if key in replace:
+            return replace[key].to(target)
+        if not tensor.is_floating_point():
+            return tensor
+        w = tensor.float()
+        if key in quantized:
+            w = dequantized_weight(tensor, qcfg, compute_dtype, conv1d=quantized[key])
+        elif into_dequantized:
+            w = tensor.to(compute_dtype).float()  # loaded in the compute dtype, then upcast for training
+        if key in weight_delta:
+            d, conv1d = weight_delta[key]
+            w = w + _delta_weight(d, conv1d)
+        if key in bias_delta:
+            d = bias_delta[key]
+            w = w + d.b_bias.float() * d.scaling
+        return w.to(target)
+
+    def out_dtype_of(key: str, source: str, f: Any) -> torch.dtype:
+        st = f.get_slice(source).get_dtype()
+        src = {v: k for k, v in _ST_DTYPES.items()}[st]
+        floating = src.startswith(("float", "bfloat"))
+        return out_dtype if (out_dtype is not None and floating) else getattr(torch, src)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.merging-", dir=out_path.parent))
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for shard, names in shards.items():
+            with safe_open(str(base_dir / shard), framework="pt") as f:
+                items = [(k, k) for k in names] + extra.get(shard, [])
+                specs = [(k, shapes[k], out_dtype_of(k, src, f)) for k, src in items]
+                # largest itemsize first keeps every tensor aligned to its dtype, as safetensors does
+                order = sorted(range(len(items)), key=lambda i: (-specs[i][2].itemsize, specs[i][0]))
+                writer = ShardWriter(tmp / shard, [specs[i] for i in order])
+                for i in order:
+                    key, src = items[i]
+                    writer.write(key, fold(key, f.get_tensor(src)))
+                    weight_map[key] = shard
+                writer.close()
+                total += writer.total
+        if (base_dir / SAFE_INDEX).is_file() or len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        config = json.loads((base_dir / "config.json").read_text())
+        if out_dtype is not None:
+            config["dtype"] = DTYPE_FLAGS[dtype]
+            config.pop("torch_dtype", None)
+        if untied:
+            config["tie_word_embeddings"] = False
+            if isinstance(config.get("text_config"), dict):
+                config["text_config"]["tie_word_embeddings"] = False
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name in MODEL_FILES:
+            src = run / name if name in TOKENIZER_FILES and (run / name).is_file() else base_dir / name
+            if src.is_file():
+                shutil.copyfile(src, tmp / name)
+        if out_path.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.old-", dir=out_path.parent))
+            out_path.rename(trash / "old")
+            tmp.rename(out_path)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            tmp.rename(out_path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return MergeResult(
+        out=out_path,
+        base=base_dir,
+        merged_modules=len(deltas),
+        replaced_tensors=len(replacements),
+        shards=len(shards),
+        bytes_written=total,
+        dtype=dtype or "as base",
+        untied=sorted(set(untied)),
+        into_dequantized=into_dequantized,
+        seconds=time.perf_counter() - start,
+    )
