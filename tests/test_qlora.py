@@ -1,0 +1,135 @@
+"""QLoRA: the 4-bit base trains on CPU, and merge folds into the 16-bit or the NF4-dequantized base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from finetune.merge import merge
+from finetune.plan.types import Candidate
+from finetune.recipe import recipe_from_dict, recipe_to_yaml, shipped_recipes_dir
+from finetune.train.quantize import bnb_config, dequantized_weight, load_quantized, quantized_modules
+
+TINY = str(shipped_recipes_dir() / "models" / "tiny-llama")
+INPUT_IDS = torch.tensor([[1, 70, 71, 72, 40, 101, 102, 103, 104, 2], [1, 80, 90, 100, 110, 120, 33, 44, 55, 2]])
+
+
+def qlora_recipe(**quantization: object):
+    return recipe_from_dict(
+        {"model": {"path": TINY, "init": "random"}, "method": "qlora", "precision": "fp32",
+         "quantization": quantization, "data": {"train": "unused.jsonl"}, "train": {"seed": 3}}
+    )
+
+
+def candidate(precision: str = "fp32", strategy: str = "single") -> Candidate:
+    return Candidate(method="qlora", strategy=strategy, precision=precision, micro_batch_size=2, grad_accum_steps=1,
+                     activation_checkpointing=False, nproc=1)
+
+
+def with_lora(model: torch.nn.Module, targets: list[str] | str = "all-linear") -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
+
+
+def test_bnb_config_follows_the_recipe() -> None:
+    c = bnb_config(qlora_recipe().recipe, torch.bfloat16)
+    assert (c.load_in_4bit, c.bnb_4bit_quant_type, c.bnb_4bit_use_double_quant) == (True, "nf4", True)
+    assert c.bnb_4bit_compute_dtype == torch.bfloat16 and c.bnb_4bit_quant_storage == torch.uint8
+    c = bnb_config(qlora_recipe(quant_type="fp4", double_quant=False).recipe, torch.float32, torch.bfloat16)
+    assert (c.bnb_4bit_quant_type, c.bnb_4bit_use_double_quant, c.bnb_4bit_quant_storage) == ("fp4", False, torch.bfloat16)
+    c = bnb_config(qlora_recipe(bits=8).recipe, torch.float32)
+    assert c.load_in_8bit and not c.load_in_4bit
+
+
+def test_qlora_trains_on_cpu(tmp_path: Path) -> None:
+    """NF4 + double quant base, LoRA on every linear layer: the loss falls over a few AdamW steps."""
+    import bitsandbytes as bnb
+
+    loaded = qlora_recipe()
+    model = load_quantized(loaded, TINY, candidate(), "cpu", base_dir=tmp_path / "base")
+    four_bit = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(four_bit) == 4 * 7 and not isinstance(model.lm_head, bnb.nn.Linear4bit)
+    assert model.model.layers[0].mlp.up_proj.weight.quant_state.nested  # double quantization
+    assert (tmp_path / "base" / "model.safetensors").is_file()  # the random fp32 weights it started from
+    peft_model = with_lora(model)
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = peft_model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    peft_model.eval()
+    with torch.no_grad():  # eval without gradients (bitsandbytes' CPU inference path) still runs
+        assert torch.isfinite(peft_model(INPUT_IDS).logits).all()
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_dequantized_weight_is_what_the_4bit_model_computes_with(tmp_path: Path, quant_type: str) -> None:
+    import bitsandbytes.functional as bnbf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    loaded = qlora_recipe(quant_type=quant_type)
+    model = load_quantized(loaded, TINY, candidate(), "cpu", base_dir=tmp_path / "base")
+    weights = load_file(str(tmp_path / "base" / "model.safetensors"))
+    names = quantized_modules(AutoConfig.from_pretrained(tmp_path / "base"))
+    assert len(names) == 28 and "lm_head" not in names
+    for name in names:
+        w = model.get_submodule(name).weight
+        trained = bnbf.dequantize_4bit(w.data, w.quant_state)
+        assert torch.equal(dequantized_weight(weights[f"{name}.weight"], loaded.recipe.quantization, torch.float32),
+                           trained), name
+
+
+def make_qlora_run(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    """A qlora output dir as the trainer writes it: recipe.yaml, base/ (random init), the PEFT adapter."""
+    loaded = qlora_recipe()
+    run = tmp_path / "run"
+    model = load_quantized(loaded, TINY, candidate(), "cpu", base_dir=run / "base")
+    peft_model = with_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    peft_model.save_pretrained(run)
+    (run / "recipe.yaml").write_text(recipe_to_yaml(loaded.recipe))
+    return run, peft_model.eval()
+
+
+def test_qlora_merge_into_16bit_base_and_into_dequantized(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    run, trained = make_qlora_run(tmp_path)
+    assert yaml.safe_load((run / "recipe.yaml").read_text())["method"] == "qlora"
+    with torch.no_grad():
+        expected = trained(INPUT_IDS).logits
+
+    def merged_logits(out: Path) -> torch.Tensor:
+        m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return m(INPUT_IDS).logits
+
+    merge(run, tmp_path / "m16")
+    merge(run, tmp_path / "mdq", into_dequantized=True)
+    diff_16 = (merged_logits(tmp_path / "m16") - expected).abs().max().item()
+    diff_dq = (merged_logits(tmp_path / "mdq") - expected).abs().max().item()
+    print(f"QLoRA merge, max |logit diff| vs the trained 4-bit model: 16-bit base {diff_16:.3g}, "
+          f"dequantized NF4 {diff_dq:.3g}")
+    assert diff_dq < 1e-4, diff_dq
+    assert diff_16 > 100 * diff_dq  # the quantization error the default merge does not carry over
+    # a LoRA (non-quantized) run refuses --into-dequantized
+    (run / "recipe.yaml").write_text((run / "recipe.yaml").read_text().replace("method: qlora", "method: lora"))
+    from finetune.errors import UserError
+
+    with pytest.raises(UserError, match="--into-dequantized needs a qlora run"):
+        merge(run, tmp_path / "never", into_dequantized=True)
+    assert not (tmp_path / "never").exists()
