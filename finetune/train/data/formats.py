@@ -120,6 +120,8 @@ class Encoder:
             "drop_long": self.drop_long,
             "train_on_prompt": self.train_on_prompt,
             "chat_template": self.chat_template,
+            # the prompt layout is part of the output: a changed template must not read stale cache entries
+            "instruction_templates": [PROMPT_TEMPLATE, PROMPT_TEMPLATE_NO_INPUT],
         }
 
     def required_columns(self) -> list[str]:
