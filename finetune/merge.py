@@ -201,18 +201,28 @@ def find_base(run: Path, recipe: dict[str, Any] | None, adapter_config: dict[str
     return found
 
 
-def _shards(base: Path) -> dict[str, list[str]]:
-    """Shard file name -> tensor names, in the base checkpoint's order."""
+def _shards(base: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Shard file name -> tensor names in the base checkpoint's order, and each name -> its key in the file.
+
+    A base saved from a model with peft's layers injected stores ``X.base_layer.weight`` and the adapter's
+    own tensors; it is read as the plain model (``X.weight``) and the adapter tensors are left out.
+    """
     from safetensors import safe_open
 
     if (base / SAFE_INDEX).is_file():
         weight_map: dict[str, str] = json.loads((base / SAFE_INDEX).read_text())["weight_map"]
-        shards: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            shards.setdefault(shard, []).append(name)
-        return shards
-    with safe_open(str(base / SAFE_SINGLE), framework="pt") as f:
-        return {SAFE_SINGLE: list(f.keys())}
+    else:
+        with safe_open(str(base / SAFE_SINGLE), framework="pt") as f:
+            weight_map = dict.fromkeys(f.keys(), SAFE_SINGLE)
+    shards: dict[str, list[str]] = {}
+    source: dict[str, str] = {}
+    for key, shard in weight_map.items():
+        if re.search(r"\.(lora_[A-Za-z_]+|lora_embedding_[AB])\.", key):
+            continue
+        name = key.replace(".base_layer.", ".")
+        shards.setdefault(shard, []).append(name)
+        source[name] = key
+    return shards, source
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,14 +413,14 @@ def merge(
     meta = _meta_model(base_dir, trust)
     modules = dict(meta.named_modules())
     prefix = getattr(meta, "base_model_prefix", "")
-    shards = _shards(base_dir)
+    shards, source_of = _shards(base_dir)
     keys = {k for names in shards.values() for k in names}
     shard_of = {k: s for s, names in shards.items() for k in names}
     shapes: dict[str, list[int]] = {}
     for shard, names in shards.items():
         with safe_open(str(base_dir / shard), framework="pt") as f:
             for k in names:
-                shapes[k] = list(f.get_slice(k).get_shape())
+                shapes[k] = list(f.get_slice(source_of[k]).get_shape())
 
     # Tied parameters (e.g. lm_head <- embed_tokens) are stored once. A member missing from the checkpoint
     # is an alias of the stored one; if the adapter changes any member they stop being equal, so then
@@ -521,7 +531,7 @@ def merge(
         total = 0
         for shard, names in shards.items():
             with safe_open(str(base_dir / shard), framework="pt") as f:
-                items = [(k, k) for k in names] + extra.get(shard, [])
+                items = [(k, source_of[k]) for k in names] + [(k, source_of[src]) for k, src in extra.get(shard, [])]
                 specs = [(k, shapes[k], out_dtype_of(k, src, f)) for k, src in items]
                 # largest itemsize first keeps every tensor aligned to its dtype, as safetensors does
                 order = sorted(range(len(items)), key=lambda i: (-specs[i][2].itemsize, specs[i][0]))
