@@ -6,6 +6,12 @@ Each task's answer can be checked exactly, so exact-match accuracy measures what
 - reverse:   "Reverse the letters." + a made-up word  -> the word reversed
 - uppercase: "Write in capitals."  + a made-up word  -> the word in upper case
 Every task has train.jsonl and a held-out eval.jsonl whose words never occur in train.
+
+The same rows are also written in the other data formats, for the recipes that show each format:
+- reverse-chat/:         {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}   (data.format: chat)
+- reverse-text/:         {"text": "Reverse the letters: abc -> cba"}                        (data.format: text)
+- uppercase-tokenized/:  {"input_ids": [...], "labels": [...]} made with the tiny model's byte tokenizer and
+                         the instruction prompt, prompt tokens labelled -100               (data.format: tokenized)
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ TASKS = {
     "uppercase": ("Write in capitals.", lambda w: w.upper()),
 }
 N_TRAIN, N_EVAL = 4000, 200
+N_TOKENIZED_TRAIN = 1000  # keeps the pre-tokenized copy small; it is a demonstration of the format
+TINY_TOKENIZER = OUT.parent / "models" / "tiny-llama" / "tokenizer.json"
+PROMPT = "{instruction}\n{input}\nAnswer: "  # finetune.train.data.formats.PROMPT_TEMPLATE
+EOS_ID = 2
 
 
 def make_words(rng: random.Random, n: int, lo: int = 3, hi: int = 7) -> list[str]:
@@ -49,6 +59,51 @@ def main() -> None:
         write_jsonl(OUT / name / "train.jsonl", rows[:N_TRAIN])
         write_jsonl(OUT / name / "eval.jsonl", rows[N_TRAIN:])
         print(f"{name}: {N_TRAIN} train, {N_EVAL} eval -> {OUT / name}")
+        if name == "reverse":
+            write_other_formats(name, rows, chat=True, text=True)
+        if name == "uppercase":
+            write_tokenized(name, rows)
+
+
+def write_other_formats(name: str, rows: list[dict[str, str]], *, chat: bool, text: bool) -> None:
+    """The chat and text versions of a task's rows (same words, same split)."""
+    splits = {"train.jsonl": rows[:N_TRAIN], "eval.jsonl": rows[N_TRAIN:]}
+    for file, part in splits.items():
+        if chat:
+            write_jsonl(
+                OUT / f"{name}-chat" / file,
+                [
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"{r['instruction'][:-1]}: {r['input']}"},
+                            {"role": "assistant", "content": r["output"]},
+                        ]
+                    }
+                    for r in part
+                ],
+            )
+        if text:
+            write_jsonl(
+                OUT / f"{name}-text" / file,
+                [{"text": f"{r['instruction'][:-1]}: {r['input']} -> {r['output']}"} for r in part],
+            )
+    print(f"{name}: chat and text versions -> {OUT / (name + '-chat')}, {OUT / (name + '-text')}")
+
+
+def write_tokenized(name: str, rows: list[dict[str, str]]) -> None:
+    """A pre-tokenized copy (input_ids, labels with the prompt masked) made with the tiny model's tokenizer."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TINY_TOKENIZER))
+    splits = {"train.jsonl": rows[:N_TOKENIZED_TRAIN], "eval.jsonl": rows[N_TRAIN:]}
+    for file, part in splits.items():
+        out = []
+        for r in part:
+            prompt = tok.encode(PROMPT.format(**r), add_special_tokens=False).ids
+            answer = tok.encode(r["output"], add_special_tokens=False).ids + [EOS_ID]
+            out.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
+        write_jsonl(OUT / f"{name}-tokenized" / file, out)
+    print(f"{name}: tokenized version -> {OUT / (name + '-tokenized')}")
 
 
 if __name__ == "__main__":
