@@ -73,10 +73,126 @@ def launch(
     if nproc is None:
         nproc = r.distributed.nproc if r.distributed.nproc != "auto" else max(1, torch.cuda.device_count())
     plan = plan_for_run(loaded, nproc=nproc, nnodes=nnodes, device=device)
-    write_run_files(loaded, plan.to_dict())
+    if node_rank == 0:
+        from finetune.train.resume import preflight_resume
+
+        resume = preflight_resume(loaded, plan, resume)  # the checkpoint path; a mismatch is a UserError
+        write_run_files(loaded, plan.to_dict())
     if nproc * nnodes == 1:
         from finetune.train.loop import train_rank
 
-        train_rank(loaded, plan, measure_memory=measure_memory)
-        return 0
-    raise UserError("multi-process runs are not available yet")
+        return train_rank(loaded, plan, measure_memory=measure_memory, resume=resume).exit_code
+    return launch_workers(
+        loaded, plan.to_dict(), nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts, resume=resume, measure_memory=measure_memory,
+    )
+
+
+class WorkerFailed(UserError):
+    """A worker process of a multi-process run failed; the message names the rank and its error."""
+
+    exit_code = 1
+
+
+def write_spec(
+    loaded: LoadedRecipe, plan_dict: dict, path: Path, *, resume: str | None, measure_memory: bool
+) -> Path:
+    """Write what every worker needs to train exactly this run (finetune.train.worker reads it)."""
+    spec = {
+        "recipe": loaded.recipe.model_dump(mode="json"),
+        "plan": plan_dict,
+        "base_dir": str(loaded.base_dir),
+        "overrides": list(loaded.overrides),
+        "resume": resume,
+        "measure_memory": measure_memory,
+    }
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def torchrun_args(
+    spec_path: Path, *, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int,
+    run_id: str,
+) -> list[str]:
+    """The ``torch.distributed.run`` command line that starts this node's workers (c10d rendezvous)."""
+    if nnodes > 1 and not rdzv_endpoint:
+        raise UserError(
+            "--rdzv-endpoint: a run on several nodes needs the host:port of the rendezvous, e.g. "
+            "--rdzv-endpoint node0:29500, given identically on every node"
+        )
+    if not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank: {node_rank} is not in 0..{nnodes - 1} (--nnodes {nnodes})")
+    if max_restarts < 0:
+        raise UserError(f"--max-restarts: {max_restarts} is negative; give 0 or more")
+    args = [
+        f"--nproc-per-node={nproc}",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint or '127.0.0.1:0'}",
+        f"--rdzv-id={run_id}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.2",
+    ]
+    if nnodes > 1:
+        # Node 0 hosts the rendezvous store: said explicitly, so that several nodes on one host (or an
+        # endpoint written as an IP) never both try to host it.
+        args.append(f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'},join_timeout=300")
+    return [*args, "-m", "finetune.train.worker", str(spec_path)]
+
+
+def launch_workers(
+    loaded: LoadedRecipe, plan_dict: dict, *, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
+    max_restarts: int, resume: str | None, measure_memory: bool,
+) -> int:
+    """Start this node's ``nproc`` workers through torch.distributed.run (its elastic agent, in this process).
+
+    Returns 0 when every worker succeeded; a failed worker raises :class:`WorkerFailed` with the rank and its
+    message, after the agent has stopped every other worker of the node.
+    """
+    import hashlib
+    import logging
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from finetune.train.distributed import threads_per_process
+
+    # Every node of a job derives the same rendezvous id from the same recipe.
+    run_id = "finetune-" + hashlib.sha1(str(loaded.recipe.output.dir).encode()).hexdigest()[:12]
+    # torchrun would set one thread per process; a CPU run wants this node's cores shared out instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
+    # The agent's own INFO/WARNING chatter (and its failure tables) would bury the one line we print.
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="finetune-launch-") as tmp:
+        spec = write_spec(loaded, plan_dict, Path(tmp) / "spec.json", resume=resume, measure_memory=measure_memory)
+        argv = torchrun_args(
+            spec, nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+            max_restarts=max_restarts, run_id=run_id,
+        )
+        config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(argv))
+        try:
+            elastic_launch(config, cmd)(*cmd_args)
+        except ChildFailedError as err:
+            rank, failure = err.get_first_failure()
+            raise WorkerFailed(f"rank {rank} failed: {failure_message(failure)}") from None
+    return 0
+
+
+def failure_message(failure: object) -> str:
+    """The worker's own exception message from torchelastic's ProcessFailure, or how it died."""
+    msg = getattr(failure, "message", "")
+    if isinstance(msg, dict):
+        msg = msg.get("message", "")
+    msg = str(msg or "").strip()
+    if msg.startswith("UserError: "):
+        msg = msg[len("UserError: ") :]
+    if not msg or msg.startswith("To enable traceback"):
+        code = getattr(failure, "exitcode", None)
+        if code is not None and code < 0:
+            return f"killed by signal {failure.signal_name()}"  # type: ignore[attr-defined]
+        return f"exited with code {code} (its output above has the details)"
+    return msg

@@ -63,3 +63,39 @@ class DistContext:
         """Leave the process group."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_process(local_world_size: int) -> int:
+    """Torch threads for each of ``local_world_size`` processes sharing this node's cores (at least 1).
+
+    torchrun's default of one thread per process leaves a CPU run using one core per process, however many
+    cores the machine has.
+    """
+    return max(1, available_cores() // max(1, local_world_size))
+
+
+FAIL_RANK_ENV = "FINETUNE_FAIL_RANK"
+FAIL_STEP_ENV = "FINETUNE_FAIL_AT_STEP"
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the failure test hook."""
+
+
+def maybe_inject_failure(ctx: DistContext, step: int) -> None:
+    """Test hook: raise on rank ``$FINETUNE_FAIL_RANK`` when optimizer step ``$FINETUNE_FAIL_AT_STEP`` starts.
+
+    Used by the failure test to prove that one rank's exception ends the whole job with its message;
+    does nothing unless both variables are set.
+    """
+    rank, at = os.environ.get(FAIL_RANK_ENV), os.environ.get(FAIL_STEP_ENV)
+    if rank is not None and at is not None and int(rank) == ctx.rank and int(at) == step:
+        raise InjectedFailure(f"injected failure at step {step} ({FAIL_RANK_ENV}={rank})")

@@ -23,7 +23,7 @@ import torch
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe
 from finetune.train.data import BatchStream, TaskData, load_data
-from finetune.train.distributed import DistContext
+from finetune.train.distributed import DistContext, maybe_inject_failure
 from finetune.train.evaluate import EvalResult, evaluate
 from finetune.train.loss import causal_lm_loss, count_target_tokens
 from finetune.train.model import (
@@ -184,6 +184,7 @@ def train_rank(
     last_eval: EvalResult | None = None
     with reporter.progress(steps) as advance:
         while state.step < steps:
+            maybe_inject_failure(ctx, state.step + 1)  # test hook (FINETUNE_FAIL_RANK / _AT_STEP), else no-op
             epoch, in_epoch = _position(state.step, stream)
             micro = stream.micro_batches(
                 epoch, in_epoch, rank=ctx.rank, world_size=ctx.world_size, micro_batch_size=chosen.micro_batch_size

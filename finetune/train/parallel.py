@@ -1,4 +1,18 @@
-"""Apply the Plan's strategy to a model: single process, DDP, ZeRO-1, ZeRO-2 or FSDP (torch.distributed)."""
+"""Apply the Plan's strategy to a model: single process, DDP, ZeRO-1, ZeRO-2 or FSDP (torch.distributed).
+
+Every strategy is torch's own:
+
+- ``ddp``: ``DistributedDataParallel`` (gradients all-reduced and averaged in buckets during backward).
+- ``zero1``: the same DDP wrapper; the optimizer is a ``ZeroRedundancyOptimizer`` (loop.build_optimizer), so
+  each rank keeps the AdamW state of its share of the parameters and broadcasts its updated share.
+- ``zero2``: FSDP2 ``fully_shard(block, reshard_after_forward=False)`` on every decoder block, then on the
+  root: gradients and optimizer state are sharded, parameters stay gathered from forward to backward.
+- ``fsdp``: the same with ``reshard_after_forward=True`` on the blocks (ZeRO-3): each block's parameters are
+  all-gathered for its forward, freed, and gathered again for its backward.
+
+Order inside :func:`parallelize` (as torchtitan's ``parallelize``): activation checkpointing per block,
+then sharding bottom-up (blocks, then the root), then prefetch wiring.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +21,102 @@ from typing import Any
 
 import torch
 
+from finetune.errors import UserError
 from finetune.plan.types import Candidate
 from finetune.train.distributed import DistContext
+
+SHARDED = ("zero2", "fsdp")
 
 
 def parallelize(model: torch.nn.Module, chosen: Candidate, ctx: DistContext) -> torch.nn.Module:
     """Wrap ``model`` for ``chosen.strategy``; a single process is returned unchanged."""
     if chosen.strategy == "single" or not ctx.distributed:
         return model
-    raise NotImplementedError(f"strategy {chosen.strategy}")
+    if chosen.strategy in ("ddp", "zero1"):
+        return _data_parallel(model, ctx)
+    if chosen.strategy in SHARDED:
+        return _fully_shard(model, chosen, ctx)
+    raise UserError(f"distributed.strategy: unknown strategy `{chosen.strategy}`; use ddp, zero1, zero2 or fsdp")
+
+
+def _data_parallel(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+    """DistributedDataParallel over the trainable parameters."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Frozen weights (a LoRA base, QLoRA's 4-bit codes) are identical on every rank by construction (same
+    # checkpoint, or the same seed) and never change: broadcasting them at wrap time would only cost time.
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    # No buffer sync before every forward: the only buffers are rotary tables, identical on every rank.
+    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated decoder blocks, found generically: the classes its ``_no_split_modules`` names.
+
+    transformers lists there the block class that must never be split across devices (LlamaDecoderLayer,
+    Qwen2DecoderLayer, GPT2Block, ...), which is exactly the unit FSDP should shard and gather as one. A
+    model without it falls back to the children of its longest ``nn.ModuleList``.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if lists:
+        return list(max(lists, key=len))
+    raise UserError(
+        f"distributed.strategy: cannot find the decoder blocks of {type(base).__name__} to shard "
+        "(no _no_split_modules and no ModuleList); use ddp or zero1"
+    )
+
+
+def mixed_precision_policy(precision: str) -> Any:
+    """FSDP2's policy: 16-bit parameters for compute and fp32 gradient reduction (bf16/fp16), else none."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision in ("bf16", "fp16"):
+        from finetune.train.model import compute_dtype
+
+        return MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _fully_shard(model: torch.nn.Module, chosen: Candidate, ctx: DistContext) -> torch.nn.Module:
+    """FSDP2 per decoder block and at the root; ZeRO-2 keeps parameters gathered after forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if chosen.activation_checkpointing:
+        # Before sharding, so that each block's recomputation sits inside the block FSDP gathers for it.
+        from finetune.train.model import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    policy = mixed_precision_policy(chosen.precision)
+    reshard = chosen.strategy == "fsdp"
+    blocks = decoder_blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # The root (embeddings, final norm, head) is needed again as soon as backward starts: never reshard it.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    # Explicit prefetch: gather block i+1's parameters while block i computes (i-1 in backward).
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0 and reshard:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (zero2 / fsdp)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -24,12 +125,49 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def no_sync(model: torch.nn.Module, enabled: bool) -> Any:
-    """Skip gradient synchronisation for a non-final micro-batch (DDP's no_sync)."""
+    """Skip gradient synchronisation for a non-final micro-batch (DDP's no_sync, FSDP2's gradient sync flag).
+
+    DDP decides in forward, so its context wraps the forward. FSDP2 decides in backward, which runs after the
+    context exits: the flag is set here and stays set until the next call, and the loop calls this for every
+    micro-batch (``enabled=False`` on the last), so the final backward always reduces.
+    """
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(not enabled)
+        return contextlib.nullcontext()
     if enabled and hasattr(model, "no_sync"):
         return model.no_sync()
     return contextlib.nullcontext()
 
 
 def full_state_dict(model: torch.nn.Module, inner: torch.nn.Module, ctx: DistContext) -> dict[str, Any] | None:
-    """The full (unsharded) state dict on rank 0 for sharded strategies; None means "the module's own"."""
-    return None
+    """The full (unsharded) state dict on rank 0 for sharded strategies; None means "the module's own".
+
+    Every rank must call this under FSDP: it all-gathers each parameter (to CPU, rank 0 keeps the result;
+    other ranks get an empty dict).
+    """
+    if not ctx.distributed or not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext
+) -> dict[str, Any] | None:
+    """The optimizer's whole state on rank 0 (None on other ranks); every rank must call it.
+
+    ZeRO-1 first consolidates its shards to rank 0; FSDP gathers with torch.distributed.checkpoint (keys
+    are parameter names); DDP and single process already hold the full state.
+    """
+    if ctx.distributed and hasattr(optimizer, "consolidate_state_dict"):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if ctx.is_main else None
+    if ctx.distributed and is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        sd = get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return sd if ctx.is_main else None
+    return optimizer.state_dict() if ctx.is_main else None
