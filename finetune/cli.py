@@ -71,7 +71,8 @@ def run(
     resume: Annotated[
         Optional[str],
         typer.Option(
-            help="Resume from a checkpoint directory, or `latest` for the newest complete one in output.dir."
+            help="Resume from a checkpoint directory (checkpoints/step-N); `--resume` alone (or `latest`): the "
+            "newest complete one in output.dir."
         ),
     ] = None,
     measure_memory: Annotated[
@@ -160,10 +161,26 @@ def recipes_cp(
     typer.echo(f"copied {src.name} to {target}")
 
 
+def bare_resume(argv: list[str]) -> list[str]:
+    """``--resume`` with no value means ``--resume latest`` (click options cannot take an optional value).
+
+    The value is missing when ``--resume`` is last, or followed by another option or by the recipe file.
+    """
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--":
+            break
+        if arg == "--resume":
+            nxt = out[i + 1] if i + 1 < len(out) else None
+            if nxt is None or nxt.startswith("-") or nxt.endswith((".yaml", ".yml")) or Path(nxt).is_file():
+                out[i] = "--resume=latest"
+    return out
+
+
 def main() -> None:
     """Entry point of the ``finetune`` console script."""
     try:
-        app()
+        app(args=bare_resume(sys.argv[1:]))
     except KeyboardInterrupt:
         sys.exit(130)
 

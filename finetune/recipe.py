@@ -160,6 +160,12 @@ class TrainConfig(Section):
         "auto", description="Recompute each decoder block in backward; auto: only when the planner needs it."
     )
     seed: int = Field(0, description="Seeds weights (init: random), data order, dropout.")
+    on_nonfinite: Literal["auto", "stop", "skip"] = Field(
+        "auto",
+        description="A NaN/inf loss or gradient norm: stop (name the step and the last good checkpoint, exit 3), "
+        "or skip (no update for that step; counted and reported); auto: skip under fp16 loss scaling, where "
+        "overflow steps are expected, stop otherwise.",
+    )
 
 
 class DistributedConfig(Section):

@@ -35,10 +35,8 @@ from finetune.train.model import (
 )
 from finetune.train.outputs import MetricsWriter, Reporter, save_final
 from finetune.train.parallel import no_sync, parallelize, unwrap
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient norm became NaN/inf."""
+from finetune.train.resume import RunCheckpoints, inject_test_faults, nonfinite_policy, step_sleep
+from finetune.train.signals import StopRequest
 
 
 def seed_everything(seed: int) -> None:
@@ -116,6 +114,10 @@ class RunResult:
     output_dir: Path
     seconds: float
     measured_peak: int | None = None
+    model: torch.nn.Module | None = None  # the trained model (unwrapped), for in-process callers
+    exit_code: int = 0  # 130/143: stopped by Ctrl-C/SIGTERM after saving a checkpoint
+    checkpoint_seconds: list[float] = field(default_factory=list)  # time of each checkpoint save
+    losses: list[float] = field(default_factory=list)
 
 
 def _autocast_factory(precision: str, device: torch.device, strategy: str) -> Callable[[], Any]:
@@ -139,9 +141,13 @@ def _position(step: int, stream: BatchStream) -> tuple[int, int]:
 
 
 def train_rank(
-    loaded: LoadedRecipe, plan: Plan, *, measure_memory: bool = False, ctx: DistContext | None = None
+    loaded: LoadedRecipe, plan: Plan, *, measure_memory: bool = False, ctx: DistContext | None = None,
+    resume: str | None = None,
 ) -> RunResult:
-    """Run the whole training of this rank as ``plan`` says; rank 0 writes the outputs."""
+    """Run the whole training of this rank as ``plan`` says; rank 0 writes the outputs.
+
+    ``resume``: ``latest`` or a checkpoint directory to continue from (see finetune.train.resume).
+    """
     ctx = ctx or DistContext.from_env()
     r = loaded.recipe
     chosen = plan.chosen
@@ -169,6 +175,12 @@ def train_rank(
     metrics = MetricsWriter(out_dir / "metrics.jsonl", enabled=ctx.is_main)
     state = TrainState()
     reporter.start(plan, trainable, total, steps, data.stats, ctx.world_size)
+    checkpoints = RunCheckpoints(
+        loaded, plan, ctx, stream, model, unwrap(model), optimizer, scheduler, scaler, steps, reporter.print
+    )
+    checkpoints.start(state, resume)
+    on_nonfinite = nonfinite_policy(loaded, chosen.precision)
+    stop = StopRequest(reporter.print)
 
     def do_eval() -> EvalResult | None:
         if not data.eval and not data.eval_prompts:
@@ -182,7 +194,8 @@ def train_rank(
     window_tokens, window_start = 0, time.perf_counter()
     measured_peak = None
     last_eval: EvalResult | None = None
-    with reporter.progress(steps) as advance:
+    checkpoints.restore_rng()  # last thing before the first step: the resumed run draws what the first would
+    with stop, reporter.progress(steps, start=state.step) as advance:
         while state.step < steps:
             maybe_inject_failure(ctx, state.step + 1)  # test hook (FINETUNE_FAIL_RANK / _AT_STEP), else no-op
             epoch, in_epoch = _position(state.step, stream)
@@ -195,20 +208,20 @@ def train_rank(
             probe = _memory_probe(measure_memory, state.step, ctx, model, optimizer)
             with probe:
                 loss_sum = _accumulate(model, micro, global_tokens, ctx, autocast, scaler)
+                loss_sum = inject_test_faults(state.step + 1, params, loss_sum)  # test hook, else no-op
                 grad_norm = _clip(model, params, optimizer, scaler, r.train.max_grad_norm)
                 loss = float(ctx.all_reduce_sum(loss_sum)) / max(global_tokens, 1.0)
                 finite = math.isfinite(loss) and math.isfinite(grad_norm)
+                if not finite and on_nonfinite == "stop":
+                    raise checkpoints.nonfinite_error(state.step + 1, loss, grad_norm)
                 if scaler is not None:
                     scaler.step(optimizer)  # skips the update itself when the scaled grads overflowed
                     scaler.update()
-                    state.skipped_steps += int(not math.isfinite(grad_norm))
+                    state.skipped_steps += int(not finite)
                 elif finite:
                     optimizer.step()
-                else:
-                    raise NonFiniteError(
-                        f"step {state.step + 1}: loss {loss} / gradient norm {grad_norm} is not finite; "
-                        "lower train.lr or use precision: bf16"
-                    )
+                else:  # on_nonfinite: skip. No update; the step (and its batch) still counts.
+                    state.skipped_steps += 1
                 optimizer.zero_grad(set_to_none=True)
             if state.step == 0 and hasattr(probe, "measured_peak_bytes"):
                 measured_peak = probe.measured_peak_bytes
@@ -234,6 +247,14 @@ def train_rank(
                 window_tokens, window_start = 0, now
                 metrics.write(row)
             advance(loss=loss, lr=row["lr"], tokens_per_s=row.get("tokens_per_s"))
+            step_sleep()  # test hook, else no-op
+            if checkpoints.after_step(state, stop):  # saves when due; True after SIGTERM/Ctrl-C
+                return RunResult(
+                    steps=state.step, final_loss=loss, eval=None, output_dir=out_dir,
+                    seconds=time.perf_counter() - started, measured_peak=measured_peak, model=unwrap(model),
+                    losses=list(state.history), exit_code=stop.exit_code,
+                    checkpoint_seconds=checkpoints.save_seconds,
+                )
 
     last_eval = do_eval()
     if last_eval is not None:
@@ -242,6 +263,7 @@ def train_rank(
     result = RunResult(
         steps=state.step, final_loss=state.history[-1] if state.history else None, eval=last_eval,
         output_dir=out_dir, seconds=time.perf_counter() - started, measured_peak=measured_peak,
+        model=unwrap(model), losses=list(state.history), checkpoint_seconds=checkpoints.save_seconds,
     )
     reporter.summary(result, chosen, state.skipped_steps)
     return result

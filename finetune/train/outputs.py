@@ -76,13 +76,14 @@ class Reporter:
             self.print(f"plan: {fmt_bytes(c.memory.total)} per process predicted")
 
     @contextlib.contextmanager
-    def progress(self, steps: int) -> Iterator[Callable[..., None]]:
-        """A context whose value ``advance(loss=, lr=, tokens_per_s=)`` moves the bar one step."""
+    def progress(self, steps: int, start: int = 0) -> Iterator[Callable[..., None]]:
+        """A context whose value ``advance(loss=, lr=, tokens_per_s=)`` moves the bar one step (from ``start``
+        when a run resumes)."""
         if not self.enabled:
             yield lambda **_: None
             return
         if not sys.stdout.isatty():
-            state = {"step": 0, "t0": time.perf_counter()}
+            state = {"step": start, "t0": time.perf_counter()}
             every = max(1, steps // 20)
 
             def plain(loss: float, lr: float, tokens_per_s: float | None = None) -> None:
@@ -105,7 +106,7 @@ class Reporter:
             TimeRemainingColumn(),
         )
         with Progress(*columns, console=self.console, transient=False) as bar:
-            task = bar.add_task("train", total=steps, loss="-", lr="-", tps="-")
+            task = bar.add_task("train", total=steps, completed=start, loss="-", lr="-", tps="-")
             last_tps = {"v": "-"}
 
             def advance(loss: float, lr: float, tokens_per_s: float | None = None) -> None:

@@ -1,0 +1,233 @@
+"""A run's checkpoint lifecycle, as the training loop uses it: preflight, resume, periodic and final saves,
+the stop/skip policy for non-finite steps, and the resume command a user is shown.
+
+The loop calls :meth:`RunCheckpoints.start` once the model, optimizer, scheduler and scaler exist (it loads
+the checkpoint into them, or prepares a fresh start), :meth:`RunCheckpoints.restore_rng` just before the
+first step, and :meth:`RunCheckpoints.after_step` after every optimizer step. The files themselves are
+:mod:`finetune.train.checkpoint`'s business.
+
+Resume sources: ``--resume`` (``latest`` or a path) and, under ``--max-restarts``, torchrun's restart
+counter: a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the newest checkpoint by itself.
+
+Test hooks (tests only): ``FINETUNE_TEST_NAN_AT_STEP="3,5"`` makes those optimizer steps' loss and gradients
+NaN; ``FINETUNE_TEST_STEP_SLEEP=SECONDS`` sleeps after every step (so a test can signal a run mid-way).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.errors import UserError
+from finetune.plan.types import Plan
+from finetune.recipe import LoadedRecipe, recipe_to_yaml
+from finetune.train import checkpoint as ck
+
+NAN_HOOK = "FINETUNE_TEST_NAN_AT_STEP"
+SLEEP_HOOK = "FINETUNE_TEST_STEP_SLEEP"
+
+
+class NonFiniteError(UserError):
+    """The loss or gradient norm became NaN/inf under ``train.on_nonfinite: stop`` (exit status 3)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, exit_code=3)
+
+
+def identity_for(loaded: LoadedRecipe, plan: Plan) -> dict[str, Any]:
+    """What this run's checkpoints record and a resume must match."""
+    c = plan.chosen
+    return ck.run_identity(c.method, loaded.recipe.model.path, c.world_size, c.strategy, loaded.recipe)
+
+
+def preflight_resume(loaded: LoadedRecipe, plan: Plan, resume: str | None) -> str | None:
+    """Before launching: resolve ``--resume`` to a checkpoint directory and check that it fits the recipe.
+
+    Without ``--resume``, refuse to start over an unfinished run's checkpoints. Returns the path (or None).
+    """
+    out_dir = Path(loaded.recipe.output.dir)
+    if resume is None:
+        ck.check_fresh_start(out_dir)
+        return None
+    path = ck.resolve_resume(resume, out_dir)
+    ck.check_resume_matches(path, identity_for(loaded, plan))
+    return str(path)
+
+
+def nonfinite_policy(loaded: LoadedRecipe, precision: str) -> str:
+    """``train.on_nonfinite`` resolved: auto is skip under fp16 loss scaling, stop otherwise."""
+    p = loaded.recipe.train.on_nonfinite
+    if p == "auto":
+        return "skip" if precision == "fp16" else "stop"
+    return p
+
+
+def resume_command(loaded: LoadedRecipe) -> str:
+    """The command that continues this run from its newest checkpoint."""
+    recipe = loaded.path or Path(loaded.recipe.output.dir) / "recipe.yaml"
+    try:
+        shown = str(Path(recipe).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        shown = str(recipe)
+    sets = "".join(f" --set {shlex.quote(o)}" for o in loaded.overrides)
+    return f"finetune run {shlex.quote(shown)}{sets} --resume"
+
+
+def inject_test_faults(step: int, params: list[torch.Tensor], loss_sum: torch.Tensor) -> torch.Tensor:
+    """The NaN injection test hook (see the module docstring); returns the (possibly poisoned) loss sum."""
+    spec = os.environ.get(NAN_HOOK)
+    if spec and step in {int(s) for s in spec.split(",") if s.strip()}:
+        for p in params:
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+        return loss_sum * float("nan")
+    return loss_sum
+
+
+def step_sleep() -> None:
+    """The slow-step test hook (see the module docstring)."""
+    delay = os.environ.get(SLEEP_HOOK)
+    if delay:
+        time.sleep(float(delay))
+
+
+@dataclass
+class RunCheckpoints:
+    """Saving and resuming for one rank of one run."""
+
+    loaded: LoadedRecipe
+    plan: Plan
+    ctx: Any  # DistContext
+    stream: Any  # BatchStream
+    model: torch.nn.Module
+    inner: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    total_steps: int
+    say: Any  # Reporter.print
+    last_saved: Path | None = None
+    last_saved_step: int = -1
+    save_seconds: list[float] = field(default_factory=list)
+    _rng: dict[str, Any] | None = None
+
+    @property
+    def out_dir(self) -> Path:
+        """output.dir"""
+        return Path(self.loaded.recipe.output.dir)
+
+    def _kwargs(self) -> dict[str, Any]:
+        c = self.plan.chosen
+        return {
+            "model": self.model, "inner": self.inner, "optimizer": self.optimizer, "scheduler": self.scheduler,
+            "scaler": self.scaler, "method": c.method, "strategy": c.strategy, "rank": self.ctx.rank,
+            "world_size": self.ctx.world_size,
+        }
+
+    def start(self, state: Any, resume: str | None) -> None:
+        """Resume into ``state`` (a TrainState) and the built objects, or prepare a fresh start.
+
+        Also checks, on rank 0, that output.dir has room for the checkpoints the run will keep.
+        """
+        out = self.out_dir
+        metrics = out / "metrics.jsonl"
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        if resume is None and restarted and ck.latest_checkpoint(out) is not None:
+            resume = "latest"
+        if self.ctx.is_main:
+            self._check_disk()
+        if resume is None:
+            if not restarted:
+                ck.check_fresh_start(out)
+            if self.ctx.is_main:
+                removed = ck.clear_checkpoints(out)
+                if removed:
+                    self.say(f"starting over: removed {removed} checkpoint(s) of the finished run in {out}")
+                ck.truncate_metrics(metrics, 0)
+            self.ctx.barrier()
+            return
+        path = ck.resolve_resume(resume, out)
+        ck.check_resume_matches(path, identity_for(self.loaded, self.plan))
+        meta, self._rng = ck.load_checkpoint(path, **self._kwargs())
+        epoch, in_epoch = self.stream.restore_position(meta["position"])
+        if (epoch, in_epoch) != divmod(meta["step"], self.stream.steps_per_epoch):
+            raise UserError(f"--resume: {path} holds an inconsistent data position; choose another checkpoint")
+        state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
+        state.skipped_steps = int(meta["skipped_steps"])
+        state.history = [float(x) for x in meta["history"]]
+        self.last_saved, self.last_saved_step = path, state.step
+        if self.ctx.is_main:
+            dropped = ck.drop_newer(out, state.step)
+            ck.truncate_metrics(metrics, state.step)
+            note = f"; removed newer checkpoints {', '.join(p.name for p in dropped)}" if dropped else ""
+            self.say(
+                f"resumed from {path} at step {state.step} of {self.total_steps} "
+                f"(epoch {epoch}, batch {in_epoch}){note}"
+            )
+        self.ctx.barrier()
+
+    def _check_disk(self) -> None:
+        names = ck.trainable_names(self.inner)
+        full = self.plan.chosen.method == "full"
+        weights = trainable = 0
+        for n, p in self.inner.named_parameters():
+            if full or n in names:
+                weights += p.numel() * p.element_size()
+            if n in names:
+                trainable += p.numel()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        ck.check_free_disk(self.out_dir, ck.checkpoint_bytes(weights, trainable), self.loaded.recipe.output.keep)
+
+    def restore_rng(self) -> None:
+        """Restore the checkpoint's RNG state of this rank (call just before the first step)."""
+        if self._rng is not None:
+            ck.set_rng_state(self._rng)
+            self._rng = None
+
+    def save(self, state: Any) -> Path:
+        """Checkpoint ``state`` now (every rank calls)."""
+        started = time.perf_counter()
+        epoch, in_epoch = divmod(state.step, self.stream.steps_per_epoch)
+        snap = ck.Snapshot(
+            step=state.step, tokens=state.tokens, skipped_steps=state.skipped_steps,
+            position=self.stream.position_state(epoch, in_epoch), history=list(state.history),
+            total_steps=self.total_steps,
+        )
+        r = self.loaded.recipe
+        path = ck.save_checkpoint(
+            self.out_dir, snap, identity=identity_for(self.loaded, self.plan), recipe_yaml=recipe_to_yaml(r),
+            plan=self.plan.to_dict(), keep=r.output.keep, **self._kwargs(),
+        )
+        self.last_saved, self.last_saved_step = path, state.step
+        self.save_seconds.append(time.perf_counter() - started)
+        return path
+
+    def after_step(self, state: Any, stop: Any) -> bool:
+        """Save when due (every output.save_every steps and at the end) or when a signal asks to stop;
+        return True when the run must stop now (the checkpoint is saved and the resume command printed)."""
+        every = self.loaded.recipe.output.save_every
+        due = (every and state.step % every == 0) or state.step >= self.total_steps
+        stopping = stop.agreed(self.ctx.all_reduce_sum)
+        if (due or stopping) and self.last_saved_step != state.step:
+            self.save(state)
+        if stopping:
+            self.say(f"checkpoint saved: {self.last_saved} (step {state.step} of {self.total_steps})")
+            self.say(f"resume with: {resume_command(self.loaded)}")
+        return stopping
+
+    def nonfinite_error(self, step: int, loss: float, grad_norm: float) -> NonFiniteError:
+        """The one-line error of ``train.on_nonfinite: stop``, naming the step and the last good checkpoint."""
+        if self.last_saved is not None:
+            last = f"last good checkpoint: {self.last_saved} (resume with `{resume_command(self.loaded)}`)"
+        else:
+            last = "no checkpoint was saved yet (set output.save_every)"
+        return NonFiniteError(
+            f"step {step}: the loss is {loss} and the gradient norm {grad_norm}, training stopped "
+            f"(train.on_nonfinite: stop); {last}; lower train.lr, or set train.on_nonfinite: skip"
+        )
