@@ -71,16 +71,20 @@ def test_instruction_labels_only_the_output(tmp_path, tok):
 def test_instruction_custom_columns(tmp_path, tok):
     f = write_jsonl(tmp_path / "t.jsonl", [{"q": "Rev", "ctx": "ab", "a": "ba"}])
     data = load(
-        tmp_path, tok, train=str(f), format="instruction", columns={"instruction": "q", "input": "ctx", "output": "a"}
+        tmp_path,
+        tok,
+        train=str(f),
+        format="instruction",
+        columns={"instruction": "q", "input": "ctx", "output": "a"},
     )
-    assert data.train[0].input_ids == ids("Rev\nab\nAnswer: ba") + [EOS]
+    assert data.train[0].input_ids == [*ids("Rev\nab\nAnswer: ba"), EOS]
 
 
 def test_text_every_token_counts(tmp_path, tok):
     f = write_jsonl(tmp_path / "t.jsonl", [{"body": "hi there"}])
     data = load(tmp_path, tok, train=str(f), format="text", columns={"text": "body"})
-    assert data.train[0].input_ids == ids("hi there") + [EOS]
-    assert data.train[0].labels == ids("hi there") + [EOS]
+    assert data.train[0].input_ids == [*ids("hi there"), EOS]
+    assert data.train[0].labels == [*ids("hi there"), EOS]
     assert data.eval_prompts == []
 
 
@@ -120,9 +124,11 @@ def test_chat_labels_only_assistant_turns(tmp_path, tok):
     assert data.train[0].labels == want_labels
     # the eval prompt: everything up to the last assistant turn, with the generation prompt
     p = data.eval_prompts[0]
-    assert p.prompt_ids == ids("System: Be brief.\nUser: Rev: abc\nAssistant: cba") + [EOS] + ids(
-        "\nUser: x\nAssistant: "
-    )
+    assert p.prompt_ids == [
+        *ids("System: Be brief.\nUser: Rev: abc\nAssistant: cba"),
+        EOS,
+        *ids("\nUser: x\nAssistant: "),
+    ]
     assert p.answer == "y"
 
 
@@ -144,7 +150,7 @@ def test_chat_template_from_recipe_file(tmp_path, tok):
     )
     f = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION[1:3]}])
     data = load(tmp_path, tok, train=str(f), format="chat", chat_template="t.jinja")
-    assert data.train[0].input_ids == ids("u>Rev: abc\na>cba") + [EOS] + ids("\n")
+    assert data.train[0].input_ids == [*ids("u>Rev: abc\na>cba"), EOS, *ids("\n")]
     assert data.train[0].labels == [X] * len(ids("u>Rev: abc\na>")) + ids("cba") + [EOS, X]
 
 
@@ -171,7 +177,9 @@ def test_shipped_tokenized_data_equals_instruction_encoding(tmp_path, tok):
     root = TINY_MODEL.parent.parent / "data"
     first_tok = json.loads((root / "uppercase-tokenized/train.jsonl").open().readline())
     first_row = json.loads((root / "uppercase/train.jsonl").open().readline())
-    enc = Encoder(tok, "instruction", {"instruction": "instruction", "input": "input", "output": "output"}, 512)
+    enc = Encoder(
+        tok, "instruction", {"instruction": "instruction", "input": "input", "output": "output"}, 512
+    )
     e = enc.encode(first_row)
     assert (first_tok["input_ids"], first_tok["labels"]) == (e.input_ids, e.labels)
 
@@ -186,7 +194,7 @@ def test_truncation_and_drop_long_counted_once(tmp_path, tok):
     assert data.notes == ["2 samples were longer than data.max_seq_len=10 and were truncated"]
     dropped = load(tmp_path, tok, train=str(f), format="text", max_seq_len=10, drop_long=True)
     assert dropped.stats["dropped"] == 2 and dropped.stats["truncated"] == 0
-    assert [e.input_ids for e in dropped.train] == [ids("ab") + [EOS]]
+    assert [e.input_ids for e in dropped.train] == [[*ids("ab"), EOS]]
 
 
 def test_truncation_that_leaves_no_answer_drops_the_sample(tmp_path, tok):
@@ -197,4 +205,4 @@ def test_truncation_that_leaves_no_answer_drops_the_sample(tmp_path, tok):
     data = load(tmp_path, tok, train=str(f), format="instruction", max_seq_len=12)
     # the first sample's prompt alone is longer than 12 tokens: dropped (not counted as truncated-and-kept)
     assert data.stats["dropped"] == 1 and data.stats["truncated"] == 0
-    assert data.train[0].input_ids == ids("i\nAnswer: z") + [EOS]
+    assert data.train[0].input_ids == [*ids("i\nAnswer: z"), EOS]

@@ -13,6 +13,8 @@ import glob
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,14 +180,27 @@ def read_file(path: Path, required: list[str]) -> Source:
     return Source(str(path), ds, digest, True, bad)
 
 
+@contextmanager
+def _offline() -> Iterator[None]:
+    """Hugging Face libraries in offline mode: only the local cache is used, no network retries."""
+    import datasets
+    import huggingface_hub.constants as hub
+
+    saved = (datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE)
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
 def read_hf(name: str, split: str, key: str, required: list[str]) -> Source:
     """A split of a Hugging Face dataset from the local cache (nothing is downloaded)."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, split=split)
+        with _offline():
+            ds = datasets.load_dataset(name, split=split)
     except ValueError as exc:
         if "split" in str(exc).lower():
             raise UserError(
