@@ -1,25 +1,349 @@
-"""INTERIM: resolves "auto" settings without predicting memory. Replaced by the real planner (issue 3)."""
+"""The lecture's flowchart as a function: precision -> strategy -> method -> micro-batch -> accumulation.
+
+1. Precision: bf16 mixed precision where the GPU has it, else fp16 with loss scaling; fp32 on CPU.
+2. Full fine-tuning at micro-batch 1 under DDP, else ZeRO-2 (free: same communication), else FSDP
+   (shards the parameters too; all-gathers them again in backward).
+3. If full fine-tuning fits under none of them: LoRA, then QLoRA, each under the cheapest strategy that fits.
+   Activation checkpointing is tried only when a method fits under no strategy without it.
+4. The largest micro-batch that fits, and gradient accumulation that keeps the recipe's global batch.
+Everything the recipe pins is respected and checked. Every step is a sentence with the numbers that decided it.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Any
+
+from finetune.errors import UserError
+from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile, spec_lora_key
+from finetune.plan.hardware import Hardware, detect_hardware
+from finetune.plan.memory import Setup, candidate_memory
+from finetune.plan.shapes import Inventory, build_inventory
 from finetune.plan.types import Candidate, Plan
 from finetune.recipe import LoadedRecipe
 
+STRATEGY_NAMES = {"single": "one process", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
+METHOD_NAMES = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}
+PRECISION_NAMES = {
+    "bf16": "bf16 mixed precision (fp32 master weights, no loss scaler)",
+    "fp16": "fp16 mixed precision (fp32 master weights, dynamic loss scaling)",
+    "fp32": "fp32",
+    "bf16-pure": "pure bf16 (weights, gradients and AdamW state in bf16)",
+}
+
+
+@dataclass
+class Request:
+    """What to plan: the recipe's choices ("auto" = let the planner pick) and the model's config."""
+
+    config: Any
+    source: str
+    method: str = "auto"
+    strategy: str = "auto"
+    precision: str = "auto"
+    micro_batch_size: int | None = None
+    checkpointing: bool | None = None
+    global_batch_size: int = 8
+    seq_len: int = 512
+    packed: bool = False
+    lora: Any = None
+    double_quant: bool = True
+    attn_implementation: str = "sdpa"
+    for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
+
+
+def gib(n: float) -> str:
+    """Bytes as '31.0 GiB' (or MiB for small numbers)."""
+    if abs(n) >= 1024**3 or n == 0:
+        return f"{n / 1024**3:.1f} GiB"
+    return f"{n / 1024**2:.1f} MiB"
+
+
+def request_from_recipe(loaded: LoadedRecipe) -> Request:
+    """A :class:`Request` from a validated recipe (model config from its path, the catalog or the cache)."""
+    from finetune.plan.catalog import resolve_model_config
+
+    r = loaded.recipe
+    config, source = resolve_model_config(r.model.path, loaded.base_dir, r.model.trust_remote_code)
+    mbs = r.train.micro_batch_size
+    ac = r.train.activation_checkpointing
+    return Request(
+        config=config,
+        source=source,
+        method=r.method,
+        strategy=r.distributed.strategy,
+        precision=r.precision,
+        micro_batch_size=None if mbs == "auto" else int(mbs),
+        checkpointing=None if ac == "auto" else bool(ac),
+        global_batch_size=r.train.global_batch_size,
+        seq_len=r.data.max_seq_len,
+        packed=r.data.packing,
+        lora=r.lora,
+        double_quant=r.quantization.double_quant,
+        attn_implementation=r.model.attn_implementation,
+    )
+
 
 def plan_for_run(loaded: LoadedRecipe, *, nproc: int, nnodes: int, device: str) -> Plan:
-    """Resolve the recipe's "auto" choices for a run on ``nproc`` x ``nnodes`` processes on ``device``."""
-    r = loaded.recipe
-    world = nproc * nnodes
-    method = "full" if r.method == "auto" else r.method
-    strategy = r.distributed.strategy
-    if strategy == "auto":
-        strategy = "single" if world == 1 else "ddp"
-    precision = r.precision
-    if precision == "auto":
-        precision = "fp32" if device == "cpu" else "bf16"
-    per_rank = max(1, r.train.global_batch_size // world)
-    mbs = r.train.micro_batch_size if r.train.micro_batch_size != "auto" else min(per_rank, 8)
-    accum = max(1, r.train.global_batch_size // (mbs * world))
-    ac = r.train.activation_checkpointing if r.train.activation_checkpointing != "auto" else False
-    chosen = Candidate(method, strategy, precision, mbs, accum, bool(ac), nproc, nnodes)
-    return Plan(chosen=chosen, candidates=[chosen], walk=["interim plan: no memory prediction"], hardware={"device": device})
+    """The plan the trainer executes for ``nproc`` x ``nnodes`` processes on ``device`` ("cuda" or "cpu")."""
+    req = replace(request_from_recipe(loaded), for_run=True)
+    hw = detect_hardware(device=device, gpus=nproc, nodes=nnodes, nproc=nproc)
+    hw.gpus_per_node = nproc
+    return make_plan(req, hw)
+
+
+class _Planner:
+    def __init__(self, req: Request, hw: Hardware) -> None:
+        self.req, self.hw = req, hw
+        self.world = hw.world
+        self.walk: list[str] = []
+        self.lora = req.lora
+        if self.lora is None:
+            from finetune.recipe import LoraConfig
+
+            self.lora = LoraConfig()
+        self.inv: Inventory = build_inventory(req.config, req.source, self.lora)
+        self.profiles: dict[tuple[str, bool], ActivationProfile] = {}
+
+    # -- pieces -------------------------------------------------------------------------------------------
+    def profile(self, method: str, ac: bool) -> ActivationProfile:
+        key = (method, ac)
+        if key not in self.profiles:
+            spec = TraceSpec(
+                method=method,
+                precision=self.precision,
+                checkpointing=ac,
+                seq_len=self.req.seq_len,
+                packed=self.req.packed,
+                attn_implementation=self.req.attn_implementation,
+                lora=spec_lora_key(self.lora) if method != "full" else None,
+            )
+            self.profiles[key] = activation_profile(self.req.config, spec)
+        return self.profiles[key]
+
+    def evaluate(self, method: str, strategy: str, mbs: int, ac: bool) -> Candidate:
+        world = 1 if strategy == "single" else self.world
+        accum = max(1, self.global_batch // (mbs * self.world))
+        setup = Setup(method, self.precision, mbs, accum, ac, world, self.hw.device, self.req.double_quant)
+        states, _ = candidate_memory(self.inv, None, strategy, setup)
+        note = ""
+        if states.total > self.hw.memory_bytes:
+            mem, comm = states, candidate_memory(self.inv, None, strategy, setup)[1]
+            note = "model states alone exceed the memory (activations not traced)"
+        else:
+            mem, comm = candidate_memory(self.inv, self.profile(method, ac), strategy, setup)
+        secs = comm / self.hw.bandwidth if comm else 0.0
+        return Candidate(
+            method=method, strategy=strategy, precision=self.precision, micro_batch_size=mbs,
+            grad_accum_steps=accum, activation_checkpointing=ac, nproc=self.hw.gpus_per_node,
+            nnodes=self.hw.nodes, memory=mem, comm_bytes_per_step=comm, comm_seconds_per_step=secs,
+            fits=mem.total <= self.hw.memory_bytes, note=note,
+        )
+
+    def say(self, text: str) -> None:
+        self.walk.append(text)
+
+    # -- the walk -----------------------------------------------------------------------------------------
+    def resolve_precision(self) -> None:
+        req, hw = self.req, self.hw
+        if req.precision != "auto":
+            self.precision = req.precision
+            extra = ""
+            if hw.device == "cuda" and req.precision.startswith("bf16") and not hw.bf16:
+                extra = f" (pinned, but {hw.name} has no bf16 support: expect it to fail or run slowly)"
+            self.say(f"Precision: {PRECISION_NAMES[self.precision]}, as the recipe pins{extra}.")
+        elif hw.device == "cpu":
+            self.precision = "fp32"
+            self.say("Precision: fp32 (a CPU run).")
+        elif hw.bf16:
+            self.precision = "bf16"
+            self.say(f"Precision: {PRECISION_NAMES['bf16']}: {hw.name} supports bf16.")
+        else:
+            self.precision = "fp16"
+            self.say(f"Precision: {PRECISION_NAMES['fp16']}: {hw.name} has no bf16 (compute capability < 8.0).")
+
+    def resolve_batch(self) -> None:
+        g, w = self.req.global_batch_size, self.world
+        if g % w:
+            if self.req.for_run:
+                raise UserError(
+                    f"train.global_batch_size ({g}) must be a multiple of the number of processes ({w}); "
+                    f"use e.g. {w * max(1, round(g / w))}"
+                )
+            new = w * (-(-g // w))
+            self.say(f"The global batch {g} is not a multiple of {w} processes: planning for {new}.")
+            g = new
+        self.global_batch = g
+        mbs = self.req.micro_batch_size
+        if mbs is not None and g % (mbs * w):
+            raise UserError(
+                f"train.global_batch_size ({g}) must be divisible by micro_batch_size x processes "
+                f"({mbs} x {w} = {mbs * w})"
+            )
+
+    def strategies(self) -> list[str]:
+        if self.req.strategy != "auto":
+            return [self.req.strategy]
+        return ["single"] if self.world == 1 else ["ddp", "zero2", "fsdp"]
+
+    def table_strategies(self) -> list[str]:
+        if self.world == 1:
+            return ["single"] if self.req.strategy in ("auto", "single") else [self.req.strategy]
+        return ["ddp", "zero1", "zero2", "fsdp"]
+
+    def methods(self) -> list[str]:
+        return ["full", "lora", "qlora"] if self.req.method == "auto" else [self.req.method]
+
+    def describe(self, c: Candidate, with_method: bool = True) -> str:
+        head = f"{METHOD_NAMES[c.method]} under {STRATEGY_NAMES[c.strategy]}" if with_method else STRATEGY_NAMES[c.strategy]
+        return f"{head} needs {gib(c.memory.total)} per GPU"
+
+    @staticmethod
+    def sentence(parts: list[str], checkpointing: bool) -> str:
+        text = "; ".join(parts) + "."
+        if checkpointing:
+            return "With activation checkpointing, " + text
+        return text[0].upper() + text[1:]
+
+    def choose_method_and_strategy(self) -> tuple[Candidate | None, list[Candidate]]:
+        mbs1 = self.req.micro_batch_size or 1
+        acs = [False, True] if self.req.checkpointing is None else [self.req.checkpointing]
+        cap = gib(self.hw.memory_bytes)
+        tried: list[Candidate] = []
+        methods = self.methods()
+        for mi, method in enumerate(methods):
+            for ac in acs:
+                parts = []
+                for strategy in self.strategies():
+                    c = self.evaluate(method, strategy, mbs1, ac)
+                    tried.append(c)
+                    text = self.describe(c, with_method=not parts)
+                    if c.fits:
+                        parts.append(f"{text}: fits (micro-batch {mbs1}, {self.req.seq_len} tokens)")
+                        self.say(self.sentence(parts, ac and len(acs) > 1))
+                        return c, tried
+                    parts.append(f"{text} > {cap}")
+                self.say(self.sentence(parts, ac and len(acs) > 1))
+            if mi + 1 < len(methods):
+                nxt = methods[mi + 1]
+                sb = self.inv.storage(nxt, self.precision, self.req.double_quant)
+                self.say(
+                    f"{METHOD_NAMES[method][0].upper() + METHOD_NAMES[method][1:]} does not fit at micro-batch "
+                    f"{mbs1} under any strategy: trying {METHOD_NAMES[nxt]} ({sb.trainable / 1e6:.1f}M trainable "
+                    f"parameters, r={self.lora.r}, base weights {gib(sb.param_bytes)})."
+                )
+        return None, tried
+
+    def largest_micro_batch(self, c: Candidate) -> Candidate:
+        per_rank = self.global_batch // self.world
+        if self.req.micro_batch_size is not None:
+            return c
+        best = c
+        for b in sorted(b for b in range(2, per_rank + 1) if per_rank % b == 0):
+            cand = self.evaluate(c.method, c.strategy, b, c.activation_checkpointing)
+            if not cand.fits:
+                break
+            best = cand
+        ac = "on" if best.activation_checkpointing else "off"
+        self.say(
+            f"Largest micro-batch that fits at {self.req.seq_len} tokens: {best.micro_batch_size} "
+            f"(activation checkpointing {ac}, {gib(best.memory.total)} per GPU); gradient accumulation "
+            f"{best.grad_accum_steps} keeps the global batch at {self.global_batch}."
+        )
+        return best
+
+    def explain_comm(self, chosen: Candidate, table: list[Candidate]) -> None:
+        if self.world == 1:
+            return
+        by = {c.strategy: c for c in table if c.method == chosen.method and c.micro_batch_size == 1}
+        ddp, z2, fs = by.get("ddp"), by.get("zero2"), by.get("fsdp")
+        if not (ddp and z2 and fs):
+            return
+        link = self.hw.interconnect
+
+        def gb(c: Candidate) -> str:
+            return f"{c.comm_bytes_per_step / 1e9:.2f} GB, {c.comm_seconds_per_step:.2f} s over {link}"
+
+        self.say(
+            f"Communication per GPU per step ({METHOD_NAMES[chosen.method]}): DDP all-reduces the gradients "
+            f"({gb(ddp)}); ZeRO-2 reduce-scatters gradients and all-gathers parameters, the same volume as that "
+            f"all-reduce, so its memory saving is free ({gb(z2)}); FSDP all-gathers the parameters again in "
+            f"backward ({gb(fs)}, {fs.comm_bytes_per_step / max(1, ddp.comm_bytes_per_step):.1f}x DDP)."
+        )
+
+    def nothing_fits(self, tried: list[Candidate]) -> Candidate:
+        best = min(tried, key=lambda c: c.memory.total)
+        cap = gib(self.hw.memory_bytes)
+        advice = [f"Nothing fits in {cap} per GPU: the smallest option, {METHOD_NAMES[best.method]} under "
+                  f"{STRATEGY_NAMES[best.strategy]} at micro-batch {best.micro_batch_size}, needs "
+                  f"{gib(best.memory.total)}."]
+        # more GPUs (sharded strategies only shrink with the world size)
+        smallest = "fsdp" if self.req.strategy == "auto" else self.req.strategy
+        method = best.method if self.req.method != "auto" else "qlora"
+        if smallest in ("zero1", "zero2", "fsdp") or self.world == 1:
+            strat = smallest if smallest != "single" else "fsdp"
+            for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+                if k <= self.world:
+                    continue
+                saved = self.world, self.hw.gpus_per_node
+                self.world, self.hw.gpus_per_node = k, k // self.hw.nodes or 1
+                try:
+                    c = self.evaluate(method, strat, 1, True if self.req.checkpointing is None else self.req.checkpointing)
+                finally:
+                    self.world, self.hw.gpus_per_node = saved
+                if c.fits:
+                    advice.append(f"{METHOD_NAMES[method]} under {STRATEGY_NAMES[strat]} would fit on {k} GPUs "
+                                  f"({gib(c.memory.total)} per GPU).")
+                    break
+        if self.req.method not in ("auto", "qlora"):
+            q = self.evaluate("qlora", best.strategy, 1, best.activation_checkpointing)
+            advice.append(f"QLoRA would need {gib(q.memory.total)} per GPU ({'fits' if q.fits else 'still too much'}).")
+        acts = best.memory.activations
+        rest = best.memory.total - acts
+        if acts > 0 and rest < self.hw.memory_bytes:
+            frac = (self.hw.memory_bytes - rest) / acts
+            seq = int(self.req.seq_len * frac) // 64 * 64
+            if seq >= 64:
+                advice.append(f"Shorter sequences would fit: about {seq} tokens instead of {self.req.seq_len} "
+                              "(activations grow linearly with length).")
+        self.say(" ".join(advice))
+        return best
+
+    def run(self) -> Plan:
+        self.resolve_precision()
+        self.resolve_batch()
+        chosen, tried = self.choose_method_and_strategy()
+        if chosen is None:
+            chosen = self.nothing_fits(tried)
+        else:
+            chosen = self.largest_micro_batch(chosen)
+            pinned = [k for k, v in (("method", self.req.method), ("strategy", self.req.strategy)) if v != "auto"]
+            if pinned:
+                self.say(f"Pinned by the recipe and checked: {', '.join(pinned)}.")
+        table = self.table()
+        self.explain_comm(chosen, table)
+        key = (chosen.method, chosen.strategy, chosen.micro_batch_size, chosen.activation_checkpointing)
+        rows = [chosen] + [c for c in table if (c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing) != key]
+        sb = self.inv.storage(chosen.method, self.precision, self.req.double_quant)
+        model = {
+            "source": self.req.source, "model_type": self.inv.model_type, "layers": self.inv.num_layers,
+            "parameters": self.inv.n_params, "trainable": sb.trainable, "seq_len": self.req.seq_len,
+            "global_batch_size": self.global_batch, "packed": self.req.packed,
+        }
+        hw = self.hw.to_dict()
+        hw["world"] = self.world
+        return Plan(chosen=chosen, candidates=rows, walk=self.walk, hardware=hw, model=model)
+
+    def table(self) -> list[Candidate]:
+        out = []
+        mbs1 = self.req.micro_batch_size or 1
+        ac = bool(self.req.checkpointing)
+        for method in self.methods():
+            for strategy in self.table_strategies():
+                out.append(self.evaluate(method, strategy, mbs1, ac))
+        return out
+
+
+def make_plan(req: Request, hw: Hardware) -> Plan:
+    """Walk the flowchart for ``req`` on ``hw``; every step is recorded in ``Plan.walk``."""
+    return _Planner(req, hw).run()

@@ -50,6 +50,7 @@ class Candidate:
     comm_bytes_per_step: int = 0
     comm_seconds_per_step: float | None = None
     fits: bool = True
+    note: str = ""  # e.g. "model states alone exceed the GPU (activations not traced)"
 
     @property
     def world_size(self) -> int:
@@ -78,6 +79,7 @@ class Plan:
     candidates: list[Candidate] = field(default_factory=list)
     walk: list[str] = field(default_factory=list)
     hardware: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)  # source, parameter counts, sequence length
 
     def to_dict(self) -> dict[str, Any]:
         """The stable JSON form written as ``plan.json`` and printed by ``finetune plan --json``."""
@@ -86,6 +88,7 @@ class Plan:
             "candidates": [c.to_dict() for c in self.candidates],
             "walk": list(self.walk),
             "hardware": dict(self.hardware),
+            "model": dict(self.model),
         }
 
     @classmethod
@@ -96,4 +99,5 @@ class Plan:
             candidates=[Candidate.from_dict(c) for c in d.get("candidates", [])],
             walk=list(d.get("walk", [])),
             hardware=dict(d.get("hardware", {})),
+            model=dict(d.get("model", {})),
         )

@@ -71,9 +71,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._cuda_before = torch.cuda.memory_allocated()
             return self
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
+        tracker = mem_tracker_class()()
         tracker.track_external(*self.modules, *self.tensors)
         if self.optimizer is not None:
             tracker.track_external(self.optimizer)
@@ -158,3 +156,43 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+_TRACKER_CLASS: Any = None
+
+
+def mem_tracker_class() -> Any:
+    """``MemTracker`` that also works with frozen parameters (LoRA, QLoRA).
+
+    torch's MemTracker registers a gradient hook on every parameter it sees, which raises for parameters
+    that do not require grad; this subclass tracks those as parameters without a hook.
+    """
+    global _TRACKER_CLASS
+    if _TRACKER_CLASS is not None:
+        return _TRACKER_CLASS
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class FrozenAwareMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> tuple[int, int]:
+            def _grad_hook(grad: Any) -> None:
+                self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+            param_memory = 0
+            for param in module.parameters():
+                winfos = self._update_and_maybe_create_winfos(param, _MemRefType.PARAM)
+                param_memory += sum(w.mem_consumed for w in winfos)
+                if param.grad is not None:
+                    self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
+                if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(_grad_hook),
+                        param.register_post_accumulate_grad_hook(lambda p: _grad_hook(p.grad)),
+                    )
+            buffer_memory = 0
+            for buffer in module.buffers():
+                winfos = self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
+                buffer_memory += sum(w.mem_consumed for w in winfos)
+            return param_memory, buffer_memory
+
+    _TRACKER_CLASS = FrozenAwareMemTracker
+    return _TRACKER_CLASS

@@ -1,0 +1,140 @@
+"""Per-rank memory of one candidate (method x strategy x precision x micro-batch x checkpointing).
+
+Model states follow what the trainer builds (see finetune/train):
+  single  one process: parameters, gradients, AdamW state (exp_avg, exp_avg_sq) of the trainable values.
+  ddp     + DistributedDataParallel's gradient buckets (a second copy of the gradients).
+  zero1   ddp with ZeroRedundancyOptimizer: optimizer state sharded by parameter over the ranks.
+  zero2   FSDP2 fully_shard per decoder layer and on the root, reshard_after_forward=False: parameters,
+          gradients and optimizer state sharded, but every unit stays all-gathered from its forward to its
+          backward, so a full unsharded copy (in the compute dtype) is alive at the peak.
+  fsdp    the same with reshard_after_forward=True: only the unit being computed and the one prefetched
+          are all-gathered, plus the root unit (embeddings, final norm, lm_head), which FSDP2 never reshards.
+FSDP2's mixed precision (param_dtype 16-bit, reduce_dtype fp32) replaces autocast, so its traced
+activations leave out autocast's weight copies; DDP and single processes keep them.
+
+The peak of a step is the larger of the forward/backward peak (traced, see activations.py) and the
+optimizer step (parameters + gradients + state + AdamW's temporaries: one state-sized tensor for the
+foreach implementation torch uses on GPUs, a few of the largest tensor for the for-loop one on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.plan.activations import ActivationProfile
+from finetune.plan.shapes import Inventory, nf4_bytes
+from finetune.plan.types import MemoryBreakdown
+
+GiB = 1024**3
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces outside the allocator
+FRAGMENTATION = 0.05  # caching-allocator slack, as a fraction of tensor memory
+CPU_ADAM_TEMPORARIES = 3  # for-loop AdamW: ~3 temporaries of the largest tensor (measured)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything but the strategy that decides memory."""
+
+    method: str
+    precision: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    checkpointing: bool
+    world: int
+    device: str = "cuda"  # cuda | cpu
+    double_quant: bool = True
+
+
+def unsharded_bytes(inv: Inventory, method: str, precision: str, double_quant: bool, block_only: bool = False,
+                    root_only: bool = False) -> int:
+    """Bytes of parameters once all-gathered by FSDP2 (16-bit under mixed precision, 4-bit stays 4-bit)."""
+    cb = 4 if precision == "fp32" else 2
+    total = 0
+    for t in inv.base:
+        if (block_only and not t.in_block) or (root_only and t.in_block):
+            continue
+        per = nf4_bytes(t.numel, double_quant) if (method == "qlora" and t.quantizable) else t.numel * cb
+        total += per * (inv.num_layers if t.in_block and not block_only else 1)
+    for t in inv.adapters if method != "full" else []:
+        if (block_only and not t.in_block) or (root_only and t.in_block):
+            continue
+        total += t.numel * cb * (inv.num_layers if t.in_block and not block_only else 1)
+    return total
+
+
+def candidate_memory(
+    inv: Inventory, profile: ActivationProfile | None, strategy: str, s: Setup
+) -> tuple[MemoryBreakdown, int]:
+    """Predicted per-rank bytes by category, and bytes each rank sends per optimizer step.
+
+    Without a ``profile`` (activations not traced) only the model states are filled in.
+    """
+    sb = inv.storage(s.method, s.precision, s.double_quant)
+    n = max(1, s.world) if strategy != "single" else 1
+    gbytes = sb.param_dtype_bytes
+    grads_full = sb.trainable * gbytes
+    opt_full = 2 * sb.trainable * gbytes
+    largest = sb.largest_trainable * gbytes
+    reduce_bytes = 4 if s.precision in ("bf16", "fp16") else gbytes
+    f = (n - 1) / n
+
+    buffers_fb = 0  # strategy buffers alive at the forward/backward peak
+    buffers_step = 0  # ... and during the optimizer step
+    if strategy in ("single", "ddp", "zero1"):
+        params, grads = sb.param_bytes, grads_full
+        opt = opt_full if strategy != "zero1" else max(opt_full // n, 2 * largest)
+        if strategy != "single":
+            buffers_fb = buffers_step = grads_full  # DDP gradient buckets
+        comm = int(2 * f * sb.trainable * gbytes)
+    else:
+        params = -(-sb.param_bytes // n)
+        grads = -(-grads_full // n)
+        opt = -(-opt_full // n)
+        unit_grads = sb.block_trainable * (gbytes if s.precision not in ("bf16", "fp16") else 2 + reduce_bytes)
+        all_gathered = unsharded_bytes(inv, s.method, s.precision, s.double_quant)
+        unit = unsharded_bytes(inv, s.method, s.precision, s.double_quant, block_only=True)
+        root = unsharded_bytes(inv, s.method, s.precision, s.double_quant, root_only=True)
+        if strategy == "zero2":
+            buffers_fb = all_gathered + unit_grads
+            gathers = all_gathered
+        else:
+            buffers_fb = root + 2 * unit + unit_grads
+            gathers = all_gathered + (all_gathered - root)
+        comm = int(f * (sb.trainable * reduce_bytes + gathers))
+
+    # forward/backward peak
+    if profile is None:
+        fb_extra = 0
+    else:
+        windows = profile.at(inv.num_layers, s.micro_batch_size).values()
+        sharded = strategy in ("zero2", "fsdp")
+        mixed = s.precision in ("bf16", "fp16")
+        if s.grad_accum_steps == 1 and not sharded:
+            fb_extra = max(w.grads_and_acts for w in windows) - grads  # traced grads replace the full ones
+        else:
+            acts = max((w.acts_no_copies if sharded and mixed else w.acts) for w in windows)
+            fb_extra = acts + (largest if s.grad_accum_steps > 1 else 0)
+        if s.method == "qlora":
+            # bitsandbytes dequantizes one 4-bit weight at a time into the compute dtype
+            fb_extra += inv.largest_base_numel(quantizable_only=True) * (4 if s.precision == "fp32" else 2)
+    fb_total = params + grads + opt + buffers_fb + fb_extra
+
+    # optimizer step peak
+    trainable_rank = sb.trainable if strategy in ("single", "ddp") else -(-sb.trainable // n)
+    if s.device == "cuda":
+        step_temps = trainable_rank * gbytes  # foreach AdamW: sqrt(exp_avg_sq) of every tensor at once
+    else:
+        step_temps = CPU_ADAM_TEMPORARIES * largest
+    step_total = params + grads + opt + buffers_step + step_temps
+
+    tensor_total = max(fb_total, step_total) if profile is not None else params + grads + opt + buffers_fb
+    overhead = 0 if s.device != "cuda" else CUDA_CONTEXT_BYTES + int(FRAGMENTATION * tensor_total)
+    activations = tensor_total - (params + grads + opt + buffers_fb)
+    if activations < 0:  # the step's peak, when buffers are freed before it
+        buffers_fb += activations
+        activations = 0
+    mem = MemoryBreakdown(
+        params=params, grads=grads, optimizer=opt, activations=activations, buffers=buffers_fb, overhead=overhead
+    )
+    return mem, comm
+

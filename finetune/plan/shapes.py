@@ -1,0 +1,240 @@
+"""Model inventory without weights: exact parameter counts by block, dtype and trainability.
+
+The model is built on the meta device from its config with ONE decoder layer (decoder layers of one model
+are identical in shape), LoRA adapters are injected by peft itself, and the totals are
+``outside-the-blocks + num_layers x one-block``: exact, and instant even for 405B parameters.
+
+Storage per method (what the trainer loads):
+  full   every parameter in the master dtype (fp32; bf16 for bf16-pure), all trainable.
+  lora   frozen base in the compute dtype (fp32 when precision is fp32), adapters fp32, adapters trainable.
+  qlora  decoder-block linear weights in bitsandbytes NF4 with double quantization (4 bits per weight plus
+         quantization constants); every other base parameter in fp32 (peft's prepare_model_for_kbit_training
+         upcasts 16-bit parameters); adapters fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# bitsandbytes 4-bit layout (Params4bit + QuantState with double quantization), per quantized weight of n values
+NF4_BLOCKSIZE = 64
+NESTED_BLOCKSIZE = 256
+NF4_CONST_BYTES = 16 * 4 + 256 * 4 + 4  # NF4 code table, nested code table, nested offset (fp32)
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def nf4_bytes(n: int, double_quant: bool = True) -> int:
+    """Bytes bitsandbytes stores for one NF4-quantized weight of ``n`` values (packed data + constants)."""
+    packed = (n + 1) // 2
+    blocks = math.ceil(n / NF4_BLOCKSIZE)
+    if not double_quant:
+        return packed + blocks * 4 + 16 * 4
+    return packed + blocks + math.ceil(blocks / NESTED_BLOCKSIZE) * 4 + NF4_CONST_BYTES
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter: name (in the one-layer model), values, where it lives, what it is."""
+
+    name: str
+    numel: int
+    in_block: bool  # inside a decoder layer (repeated num_layers times)
+    quantizable: bool  # a Linear weight that bitsandbytes would quantize
+    adapter: bool  # a LoRA adapter weight
+
+
+@dataclass
+class Inventory:
+    """Parameters of one model (and its LoRA adapters), built without weights."""
+
+    source: str
+    model_type: str
+    num_layers: int
+    block_class: str
+    base: list[Tensor] = field(default_factory=list)
+    adapters: list[Tensor] = field(default_factory=list)
+
+    def count(self, tensors: list[Tensor], **where: bool) -> int:
+        """Total values over the whole model of ``tensors`` matching the flags in ``where``."""
+        n = 0
+        for t in tensors:
+            if all(getattr(t, k) == v for k, v in where.items()):
+                n += t.numel * (self.num_layers if t.in_block else 1)
+        return n
+
+    @property
+    def n_params(self) -> int:
+        """Base-model parameters (tied weights counted once)."""
+        return self.count(self.base)
+
+    @property
+    def n_adapter(self) -> int:
+        """LoRA adapter parameters."""
+        return self.count(self.adapters)
+
+    def block_numel(self, adapters: bool = False) -> int:
+        """Values in one decoder layer (base, or adapters)."""
+        return sum(t.numel for t in (self.adapters if adapters else self.base) if t.in_block)
+
+    def largest_base_numel(self, quantizable_only: bool = False) -> int:
+        """The largest single base parameter (for transient copies)."""
+        ts = [t.numel for t in self.base if t.quantizable or not quantizable_only]
+        return max(ts) if ts else 0
+
+    def storage(self, method: str, precision: str, double_quant: bool = True) -> StateBytes:
+        """Bytes of parameters, and values trained, for ``method`` at ``precision`` (see module docstring)."""
+        master = 2 if precision == "bf16-pure" else 4
+        compute = 4 if precision == "fp32" else 2
+        if method == "full":
+            return StateBytes(
+                param_bytes=self.n_params * master,
+                block_param_bytes=self.block_numel() * master,
+                trainable=self.n_params,
+                block_trainable=self.block_numel(),
+                param_dtype_bytes=master,
+                largest_trainable=self.largest_base_numel(),
+            )
+        adapters = self.n_adapter * 4
+        block_ad = self.block_numel(adapters=True) * 4
+        largest_ad = max((t.numel for t in self.adapters), default=0)
+        if method == "lora":
+            base = self.n_params * compute
+            block = self.block_numel() * compute
+        elif method == "qlora":
+            base = block = 0
+            for t in self.base:
+                per = nf4_bytes(t.numel, double_quant) if t.quantizable else t.numel * 4
+                base += per * (self.num_layers if t.in_block else 1)
+                block += per if t.in_block else 0
+        else:
+            raise ValueError(method)
+        return StateBytes(
+            param_bytes=base + adapters,
+            block_param_bytes=block + block_ad,
+            trainable=self.n_adapter,
+            block_trainable=self.block_numel(adapters=True),
+            param_dtype_bytes=4,
+            largest_trainable=largest_ad,
+        )
+
+
+@dataclass
+class StateBytes:
+    """What the model states of one method cost, before sharding."""
+
+    param_bytes: int  # all stored parameters (base + adapters)
+    block_param_bytes: int  # the same for one decoder layer
+    trainable: int  # values with gradients and optimizer state
+    block_trainable: int  # the same for one decoder layer
+    param_dtype_bytes: int  # bytes per trainable value (its gradient and optimizer states have this dtype)
+    largest_trainable: int  # values in the largest trainable tensor
+
+
+def reduced_config(config: Any, num_layers: int) -> Any:
+    """A copy of ``config`` with ``num_layers`` decoder layers (per-layer lists cut to match)."""
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = num_layers
+    for key in ("layer_types", "sliding_window_pattern_list"):
+        val = getattr(cfg, key, None)
+        if isinstance(val, list) and len(val) >= num_layers:
+            setattr(cfg, key, val[:num_layers])
+    return cfg
+
+
+def decoder_layer_names(model: Any) -> list[str]:
+    """Qualified names of the decoder layers (the classes in ``_no_split_modules``), in order."""
+    classes = set(getattr(model, "_no_split_modules", None) or [])
+    names = [n for n, m in model.named_modules() if type(m).__name__ in classes]
+    if not names:
+        from torch import nn
+
+        for n, m in model.named_modules():
+            if isinstance(m, nn.ModuleList) and len(m) > 0:
+                return [f"{n}.{i}" for i in range(len(m))]
+    return names
+
+
+def lora_kwargs(lora: Any) -> dict[str, Any]:
+    """peft ``LoraConfig`` arguments from the recipe's ``lora`` section."""
+    return {
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": lora.target_modules,
+        "task_type": "CAUSAL_LM",
+    }
+
+
+def build_inventory(config: Any, source: str, lora: Any | None = None) -> Inventory:
+    """Count every parameter of ``config``'s model (and of its LoRA adapters when ``lora`` is given)."""
+    key = (config.to_json_string(use_diff=False), source, _lora_key(lora))
+    return _inventory_cached(key, config, source, lora)
+
+
+def _lora_key(lora: Any) -> Any:
+    if lora is None:
+        return None
+    tm = lora.target_modules
+    return (lora.r, lora.alpha, lora.dropout, tuple(tm) if isinstance(tm, list) else tm)
+
+
+_INV_CACHE: dict[Any, Inventory] = {}
+
+
+def _inventory_cached(key: Any, config: Any, source: str, lora: Any) -> Inventory:
+    if key in _INV_CACHE:
+        return _INV_CACHE[key]
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    cfg = reduced_config(config, 1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    layers = decoder_layer_names(model)
+    block_prefix = layers[0] + "." if layers else "\0"
+    out_emb = model.get_output_embeddings()
+    params = list(model.named_parameters())
+    last = params[-1][0].rsplit(".", 1)[0] if params else ""
+    quant_modules = {
+        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not out_emb and n != last
+    }
+    inv = Inventory(source, config.model_type, config.num_hidden_layers, type(model).__name__)
+    if layers:
+        inv.block_class = type(model.get_submodule(layers[0])).__name__
+    for name, p in params:
+        owner = name.rsplit(".", 1)[0]
+        inv.base.append(
+            Tensor(name, p.numel(), name.startswith(block_prefix), owner in quant_modules and name.endswith(".weight"), False)
+        )
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        peft_model = get_peft_model(model, LoraConfig(**lora_kwargs(lora)))
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                inv.adapters.append(Tensor(name, p.numel(), block_prefix in name, False, True))
+    _INV_CACHE[key] = inv
+    return inv
+
+
+def root_param_bytes(inv: Inventory, method: str, precision: str, double_quant: bool = True) -> int:
+    """Bytes of the parameters outside the decoder layers (FSDP's root unit) for ``method``."""
+    master = 2 if precision == "bf16-pure" else 4
+    compute = 4 if precision == "fp32" else 2
+    total = 0
+    for t in inv.base:
+        if t.in_block:
+            continue
+        if method == "full":
+            total += t.numel * master
+        elif method == "lora":
+            total += t.numel * compute
+        else:
+            total += nf4_bytes(t.numel, double_quant) if t.quantizable else t.numel * 4
+    total += sum(t.numel * 4 for t in inv.adapters if not t.in_block)
+    return total
