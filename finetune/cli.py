@@ -129,6 +129,43 @@ def merge(
     )
 
 
+@app.command()
+def plan(
+    recipe: Annotated[Optional[str], typer.Argument(help="Recipe YAML file (or use --model).")] = None,
+    set_: SetOpt = None,
+    model: Annotated[Optional[str], typer.Option(help="Model: catalog name (llama-3.1-8b...), local dir or cached hub id.")] = None,
+    method: Annotated[Optional[str], typer.Option(help="auto | full | lora | qlora.")] = None,
+    strategy: Annotated[Optional[str], typer.Option(help="auto | single | ddp | zero1 | zero2 | fsdp.")] = None,
+    precision: Annotated[Optional[str], typer.Option(help="auto | fp32 | bf16 | fp16 | bf16-pure.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sample (data.max_seq_len).")] = None,
+    global_batch_size: Annotated[Optional[int], typer.Option(help="Samples per optimizer step.")] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option(help="Pin the micro-batch size.")] = None,
+    lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank.")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs per node (default: the visible ones).")] = None,
+    gpu_memory: Annotated[Optional[str], typer.Option(help="Memory per GPU, e.g. 80GiB.")] = None,
+    gpu_type: Annotated[Optional[str], typer.Option(help="h100, a100, l4, v100, t4... (memory, bf16 support).")] = None,
+    nodes: Annotated[Optional[int], typer.Option(help="Number of nodes.")] = None,
+    interconnect: Annotated[Optional[str], typer.Option(help="nvlink | pcie | infiniband | ethernet | 200GB/s.")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Predict per-GPU memory of every strategy and pick one by the flowchart (no GPU, no weights)."""
+    from finetune.plan.report import PlanOptions, build_plan, plan_json, print_plan, without_bitsandbytes
+
+    opts = PlanOptions(
+        recipe, tuple(set_ or []), model, method, strategy, precision, seq_len, global_batch_size,
+        micro_batch_size, gpus, gpu_memory, gpu_type, nodes, interconnect, lora_r,
+    )
+    try:
+        with without_bitsandbytes():
+            result = build_plan(opts)
+    except (RecipeError, UserError) as err:
+        _fail(err)
+    if json_:
+        typer.echo(plan_json(result))
+    else:
+        print_plan(result)
+
+
 @recipes_app.callback(invoke_without_command=True)
 def recipes_default(ctx: typer.Context) -> None:
     """List the shipped recipes (same as `finetune recipes ls`)."""

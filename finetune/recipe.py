@@ -191,6 +191,18 @@ class OutputConfig(Section):
     keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
 
 
+class HardwareConfig(Section):
+    gpus: Union[PositiveInt, Literal["auto"]] = Field(
+        "auto", description="GPUs per node `finetune plan` plans for; auto: the visible ones (runs use the real ones)."
+    )
+    gpu_memory: Union[str, None] = Field(None, description="Memory per GPU, e.g. 80GiB; default: the visible GPU's.")
+    gpu_type: Union[str, None] = Field(None, description="e.g. h100, a100, l4, v100 (sets memory and bf16 support).")
+    nodes: PositiveInt = Field(1, description="Number of nodes.")
+    interconnect: Union[str, None] = Field(
+        None, description="nvlink, pcie, infiniband, ethernet or a bandwidth like 200GB/s (communication time)."
+    )
+
+
 class Recipe(Section):
     """A whole fine-tuning recipe."""
 
@@ -213,6 +225,9 @@ class Recipe(Section):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Processes and sharding.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Outputs and checkpoints.")
+    hardware: HardwareConfig = Field(
+        default_factory=HardwareConfig, description="The machine `finetune plan` plans for (runs use the real one)."
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -496,7 +511,9 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
     r = loaded.recipe
     problems: list[Problem] = []
     mp = loaded.resolve_input(r.model.path)
-    if not mp.exists() and not _in_hf_cache(r.model.path):
+    from finetune.plan.catalog import catalog_name  # light: config facts only
+
+    if not mp.exists() and not _in_hf_cache(r.model.path) and catalog_name(r.model.path) is None:
         problems.append(
             loaded.problem(
                 "model.path",

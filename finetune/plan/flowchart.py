@@ -16,7 +16,7 @@ from typing import Any
 
 from finetune.errors import UserError
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile, spec_lora_key
-from finetune.plan.hardware import Hardware, detect_hardware
+from finetune.plan.hardware import GPU_TYPES, Hardware, detect_hardware
 from finetune.plan.memory import Setup, candidate_memory
 from finetune.plan.shapes import Inventory, build_inventory
 from finetune.plan.types import Candidate, Plan
@@ -121,15 +121,18 @@ class _Planner:
             self.profiles[key] = activation_profile(self.req.config, spec)
         return self.profiles[key]
 
-    def evaluate(self, method: str, strategy: str, mbs: int, ac: bool) -> Candidate:
+    def evaluate(self, method: str, strategy: str, mbs: int, ac: bool, table_only: bool = False) -> Candidate:
         world = 1 if strategy == "single" else self.world
         accum = max(1, self.global_batch // (mbs * self.world))
         setup = Setup(method, self.precision, mbs, accum, ac, world, self.hw.device, self.req.double_quant)
-        states, _ = candidate_memory(self.inv, None, strategy, setup)
+        states, comm = candidate_memory(self.inv, None, strategy, setup)
         note = ""
         if states.total > self.hw.memory_bytes:
-            mem, comm = states, candidate_memory(self.inv, None, strategy, setup)[1]
+            mem = states
             note = "model states alone exceed the memory (activations not traced)"
+        elif table_only and (method, ac) not in self.profiles:
+            mem = states
+            note = "activations not traced (the walk did not need this method)"
         else:
             mem, comm = candidate_memory(self.inv, self.profile(method, ac), strategy, setup)
         secs = comm / self.hw.bandwidth if comm else 0.0
@@ -137,7 +140,7 @@ class _Planner:
             method=method, strategy=strategy, precision=self.precision, micro_batch_size=mbs,
             grad_accum_steps=accum, activation_checkpointing=ac, nproc=self.hw.gpus_per_node,
             nnodes=self.hw.nodes, memory=mem, comm_bytes_per_step=comm, comm_seconds_per_step=secs,
-            fits=mem.total <= self.hw.memory_bytes, note=note,
+            fits=mem.total <= self.hw.memory_bytes and not note.startswith("activations not traced"), note=note,
         )
 
     def say(self, text: str) -> None:
@@ -157,7 +160,8 @@ class _Planner:
             self.say("Precision: fp32 (a CPU run).")
         elif hw.bf16:
             self.precision = "bf16"
-            self.say(f"Precision: {PRECISION_NAMES['bf16']}: {hw.name} supports bf16.")
+            why = f"{hw.name} supports bf16" if hw.detected or hw.name in GPU_TYPES else "assumed a bf16 GPU (--gpu-type v100/t4 for older ones)"
+            self.say(f"Precision: {PRECISION_NAMES['bf16']}: {why}.")
         else:
             self.precision = "fp16"
             self.say(f"Precision: {PRECISION_NAMES['fp16']}: {hw.name} has no bf16 (compute capability < 8.0).")
@@ -340,7 +344,7 @@ class _Planner:
         ac = bool(self.req.checkpointing)
         for method in self.methods():
             for strategy in self.table_strategies():
-                out.append(self.evaluate(method, strategy, mbs1, ac))
+                out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True))
         return out
 
 

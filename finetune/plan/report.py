@@ -1,0 +1,174 @@
+"""`finetune plan`: build the request (recipe or --model), walk the flowchart, print a table or JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from finetune.errors import UserError
+from finetune.plan.types import Plan
+
+
+@dataclass
+class PlanOptions:
+    """The command line of ``finetune plan`` (None: from the recipe, else the default)."""
+
+    recipe: str | None = None
+    overrides: tuple[str, ...] = ()
+    model: str | None = None
+    method: str | None = None
+    strategy: str | None = None
+    precision: str | None = None
+    seq_len: int | None = None
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    gpus: int | None = None
+    gpu_memory: str | None = None
+    gpu_type: str | None = None
+    nodes: int | None = None
+    interconnect: str | None = None
+    lora_r: int | None = None
+
+
+@contextlib.contextmanager
+def without_bitsandbytes() -> Iterator[None]:
+    """Hide bitsandbytes from peft while planning (it costs seconds to import and planning never needs it).
+
+    Only for the ``finetune plan`` process, which never trains: peft decides at import time whether its
+    4-bit layers exist.
+    """
+    if "bitsandbytes" in sys.modules or "peft" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # importlib.util.find_spec -> None
+    try:
+        yield
+    finally:
+        del sys.modules["bitsandbytes"]
+
+
+def build_plan(opts: PlanOptions) -> Plan:
+    """The plan for ``opts``: a recipe (with --set overrides and its hardware section) and/or flags."""
+    from finetune.plan.catalog import resolve_model_config
+    from finetune.plan.flowchart import Request, make_plan, request_from_recipe
+    from finetune.plan.hardware import detect_hardware
+    from finetune.recipe import RecipeError, load_recipe
+
+    hw_section: Any = None
+    if opts.recipe:
+        loaded = load_recipe(opts.recipe, list(opts.overrides))
+        req = request_from_recipe(loaded)
+        hw_section = loaded.recipe.hardware
+    elif opts.model:
+        config, source = resolve_model_config(opts.model)
+        req = Request(config=config, source=source, packed=True)
+    else:
+        raise UserError("give a recipe file or --model NAME (e.g. --model llama-3.1-8b)")
+    if opts.model and opts.recipe:
+        config, source = resolve_model_config(opts.model)
+        req = replace(req, config=config, source=source)
+    changes: dict[str, Any] = {}
+    for key in ("method", "strategy", "precision", "seq_len", "micro_batch_size"):
+        if getattr(opts, key) is not None:
+            changes[key] = getattr(opts, key)
+    if opts.lora_r is not None:
+        from finetune.recipe import LoraConfig
+
+        base = req.lora or LoraConfig()
+        changes["lora"] = base.model_copy(update={"r": opts.lora_r})
+    req = replace(req, **changes)
+
+    def pick(flag: Any, key: str) -> Any:
+        if flag is not None:
+            return flag
+        val = getattr(hw_section, key, None) if hw_section is not None else None
+        return None if val == "auto" else val
+
+    hw = detect_hardware(
+        gpus=pick(opts.gpus, "gpus"),
+        gpu_memory=pick(opts.gpu_memory, "gpu_memory"),
+        gpu_type=pick(opts.gpu_type, "gpu_type"),
+        nodes=pick(opts.nodes, "nodes"),
+        interconnect=pick(opts.interconnect, "interconnect"),
+    )
+    if opts.global_batch_size is not None:
+        req = replace(req, global_batch_size=opts.global_batch_size)
+    elif not opts.recipe:
+        req = replace(req, global_batch_size=max(8, hw.world))
+    if hw.device == "cuda" and not hw.detected and opts.gpu_memory is None and opts.gpu_type is None and (
+        hw_section is None or (hw_section.gpu_memory is None and hw_section.gpu_type is None)
+    ):
+        note = "No GPU is visible: planning for 80 GiB GPUs with bf16 (set --gpus/--gpu-memory/--gpu-type)."
+    else:
+        note = ""
+    try:
+        plan = make_plan(req, hw)
+    except RecipeError:
+        raise
+    if note:
+        plan.walk.insert(0, note)
+    return plan
+
+
+def gib(n: float) -> str:
+    """Bytes compactly: '31.0G', '62M', '12K'."""
+    for unit, size in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}" if unit == "G" else f"{n / size:.0f}{unit}"
+    return f"{n:.0f}B"
+
+
+def print_plan(plan: Plan, console: Any = None) -> None:
+    """The table (chosen row first, highlighted), then the walk."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 150)
+    hw, model = plan.hardware, plan.model
+    cap = hw.get("memory_bytes", 0)
+    console.print(
+        f"[bold]{model.get('source')}[/]: {model.get('parameters', 0) / 1e9:.2f}B parameters, "
+        f"{model.get('layers')} layers; {model.get('seq_len')} tokens per sample, global batch "
+        f"{model.get('global_batch_size')}; {hw.get('gpus_per_node')} x {hw.get('nodes')} "
+        f"{'processes' if hw.get('device') == 'cpu' else 'GPUs'} of {gib(cap)} ({hw.get('name')})"
+    )
+    t = Table(show_lines=False, header_style="bold")
+    for col in ("method", "strategy", "mb", "ckpt", "params", "grads", "optim", "activ", "buffers",
+                "overhead", "total/GPU", "comm/step", "fits"):
+        t.add_column(col, justify="left" if col in ("method", "strategy") else "right")
+    for i, c in enumerate(plan.candidates):
+        m = c.memory
+        comm = f"{c.comm_bytes_per_step / 1e9:.1f}GB" if c.comm_bytes_per_step else "-"
+        if c.comm_seconds_per_step:
+            comm += f" {c.comm_seconds_per_step:.2f}s"
+        acts = gib(m.activations) if not c.note else "-"
+        total = gib(m.total) if not c.note else f">= {gib(m.total)}"
+        fits = "yes" if c.fits else ("?" if c.note.startswith("activations not traced") else "no")
+        style = "bold green" if i == 0 else ("dim" if not c.fits else "")
+        t.add_row(
+            c.method + (" *" if i == 0 else ""), c.strategy, str(c.micro_batch_size),
+            "on" if c.activation_checkpointing else "off", gib(m.params), gib(m.grads), gib(m.optimizer), acts,
+            gib(m.buffers), gib(m.overhead), total, comm, fits, style=style,
+        )
+    console.print(t)
+    console.print("[dim]- activations not traced: model states alone exceed the memory, or the walk stopped before "
+                  "this method; comm: bytes each GPU sends per optimizer step, and the time over "
+                  f"{hw.get('interconnect')}.[/]")
+    ch = plan.chosen
+    console.print(
+        f"[bold]chosen[/]: {ch.method} / {ch.strategy} / {ch.precision}, micro-batch {ch.micro_batch_size}, "
+        f"gradient accumulation {ch.grad_accum_steps}, activation checkpointing "
+        f"{'on' if ch.activation_checkpointing else 'off'}, {gib(ch.memory.total)} per GPU"
+        + ("" if ch.fits else " [bold red](does not fit)[/]")
+    )
+    for sentence in plan.walk:
+        console.print(f"  - {sentence}")
+
+
+def plan_json(plan: Plan) -> str:
+    """The stable JSON form of a plan."""
+    return json.dumps(plan.to_dict(), indent=2)
