@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe, RecipeError, check_files, load_recipe, recipe_to_yaml
@@ -89,9 +90,10 @@ def launch(
 
 
 class WorkerFailed(UserError):
-    """A worker process of a multi-process run failed; the message names the rank and its error."""
+    """A worker process of a multi-process run failed; the message names the rank and its error.
 
-    exit_code = 1
+    The exit code is the worker's: 2 for a user's mistake (as a single-process run), 1 for a crash.
+    """
 
 
 def write_spec(
@@ -155,6 +157,7 @@ def launch_workers(
     import tempfile
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
@@ -166,7 +169,7 @@ def launch_workers(
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
     # The agent's own INFO/WARNING chatter (and its failure tables) would bury the one line we print.
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="finetune-launch-") as tmp:
         spec = write_spec(loaded, plan_dict, Path(tmp) / "spec.json", resume=resume, measure_memory=measure_memory)
         argv = torchrun_args(
@@ -176,10 +179,29 @@ def launch_workers(
         config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(argv))
         try:
             elastic_launch(config, cmd)(*cmd_args)
+        except RendezvousError as err:
+            raise UserError(
+                f"--rdzv-endpoint: the {nnodes} node(s) did not meet at {rdzv_endpoint or 'localhost'} ({err}); "
+                "start every node with the same --nnodes and --rdzv-endpoint (node 0's host:port)"
+            ) from None
         except ChildFailedError as err:
-            rank, failure = err.get_first_failure()
-            raise WorkerFailed(f"rank {rank} failed: {failure_message(failure)}") from None
+            rank, failure = first_cause(err.failures)
+            code = getattr(failure, "exitcode", 1)
+            raise WorkerFailed(
+                f"rank {rank} failed: {failure_message(failure)}", exit_code=code if code and code > 0 else 1
+            ) from None
     return 0
+
+
+def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure to report: the earliest that recorded an exception, before ranks that only lost a peer."""
+
+    def key(item: tuple[int, Any]) -> tuple[int, int, int]:
+        rank, f = item
+        recorded = isinstance(getattr(f, "message", None), dict)
+        return (0 if recorded else 1, int(getattr(f, "timestamp", 0)), rank)
+
+    return min(failures.items(), key=key)
 
 
 def failure_message(failure: object) -> str:

@@ -133,13 +133,25 @@ def load_quantized(
     model = build_random_base(loaded, path)
     if base_dir is not None:
         base_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(base_dir, safe_serialization=True)
+        _save_unquantized(model, base_dir)
         del model
         return disable_cpu_packed_inference(AutoModelForCausalLM.from_pretrained(str(base_dir), **kwargs))
     with tempfile.TemporaryDirectory(prefix="finetune-random-base-") as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        _save_unquantized(model, Path(tmp))
         del model
         return disable_cpu_packed_inference(AutoModelForCausalLM.from_pretrained(tmp, **kwargs))
+
+
+def _save_unquantized(model: torch.nn.Module, directory: Path) -> None:
+    """Write config.json and model.safetensors for quantized loading, on every rank.
+
+    ``save_pretrained`` writes nothing on ranks other than 0 once torch.distributed is initialised, but every
+    rank of a multi-process run quantizes its own copy of the base.
+    """
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(directory)
+    save_model(model, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
 
 
 def disable_cpu_packed_inference(model: torch.nn.Module) -> torch.nn.Module:

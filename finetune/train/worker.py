@@ -87,8 +87,26 @@ def main(argv: list[str] | None = None) -> None:
         handler.record_exception(err)  # the launcher prints it, once, naming the rank
         sys.exit(2)
     except Exception as err:
+        if _peer_failed(err):
+            # A consequence, not a cause: another rank died and took the connection with it. Record nothing
+            # (the launcher reports the rank that did record its error) and skip the traceback.
+            sys.stderr.write(f"rank {os.environ.get('RANK', '?')}: stopped, another rank failed\n")
+            sys.exit(PEER_FAILED_EXIT)
         handler.record_exception(err)
         raise
+
+
+#: Exit status of a rank that stopped because another rank's process died.
+PEER_FAILED_EXIT = 3
+
+
+def _peer_failed(err: BaseException) -> bool:
+    """Whether ``err`` is a collective failing because a peer process went away (gloo / nccl / store)."""
+    text = str(err)
+    return any(
+        s in text
+        for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+    )
 
 
 if __name__ == "__main__":
