@@ -306,6 +306,8 @@ def _section_fields(path: tuple[str, ...]) -> list[str]:
 
 def _suggest(word: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if not close:  # abbreviations and spelled-out names: `rank` for `r`, `lr_scheduler` for `lr_schedule`
+        close = [c for c in choices if word.startswith(c) or c.startswith(word) or c in word.split("_")][:1]
     if close:
         return f"did you mean `{close[0]}`?"
     return f"allowed keys: {', '.join(choices)}" if choices else ""

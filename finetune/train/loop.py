@@ -158,9 +158,10 @@ def train_rank(
     seed_everything(r.train.seed)
     tokenizer = load_tokenizer(loaded)
     data: TaskData = load_data(loaded, tokenizer)
-    model = build_model(loaded, chosen, ctx.device)
+    save_base = None
     if ctx.is_main and chosen.method != "full" and r.model.init == "random":
-        save_pretrained_base(model.get_base_model(), tokenizer, out_dir / "base")
+        save_base = lambda base: save_pretrained_base(base, tokenizer, out_dir / "base")  # noqa: E731
+    model = build_model(loaded, chosen, ctx.device, save_base=save_base)
     trainable, total = count_parameters(model)
     model = parallelize(model, chosen, ctx)
     optimizer = build_optimizer(model, loaded, chosen.strategy)

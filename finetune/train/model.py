@@ -6,6 +6,7 @@ sharding and data parallelism are applied afterwards by finetune.train.parallel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +134,17 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         base.enable_input_require_grads()
 
 
-def build_model(loaded: LoadedRecipe, chosen: Candidate, device: torch.device) -> torch.nn.Module:
-    """Base model + adapters + activation checkpointing, as the Plan says (single process or per rank)."""
+def build_model(
+    loaded: LoadedRecipe, chosen: Candidate, device: torch.device, *, save_base: Callable[[torch.nn.Module], None] | None = None
+) -> torch.nn.Module:
+    """Base model + adapters + activation checkpointing, as the Plan says (single process or per rank).
+
+    ``save_base`` is called with the base model before adapters are injected (an adapter run from a random
+    init saves the base it started from, so the adapter can be reloaded and merged).
+    """
     model = load_base_model(loaded, chosen, device)
+    if save_base is not None:
+        save_base(model)
     model = add_adapters(model, loaded, chosen)
     if chosen.activation_checkpointing and chosen.strategy not in ("zero2", "fsdp"):
         enable_activation_checkpointing(model)

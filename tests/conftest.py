@@ -1,0 +1,52 @@
+"""Shared fixtures: the repo's paths and a tiny, fast recipe for end-to-end runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ROOT / "recipes"
+TINY_MODEL = RECIPES / "models" / "tiny-llama"
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def tiny_recipe(out_dir: Path, **sections: dict) -> dict:
+    """A recipe dict for a few fast steps of the tiny model (override sections by keyword)."""
+    recipe = {
+        "model": {"path": str(TINY_MODEL), "init": "random"},
+        "method": "full",
+        "data": {
+            "train": str(RECIPES / "data/reverse/train.jsonl"),
+            "eval": str(RECIPES / "data/reverse/eval.jsonl"),
+            "max_seq_len": 48,
+        },
+        "train": {"max_steps": 4, "global_batch_size": 8, "micro_batch_size": 4, "lr": 1e-3, "seed": 0},
+        "precision": "fp32",
+        "distributed": {"strategy": "single"},
+        "eval": {"max_samples": 8, "max_new_tokens": 4, "batch_size": 8},
+        "output": {"dir": str(out_dir), "log_every": 1},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            recipe.setdefault(key, {}).update(value)
+        else:
+            recipe[key] = value
+    return recipe
+
+
+def write_recipe(path: Path, recipe: dict) -> Path:
+    """Write a recipe dict as YAML and return its path."""
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def finetune_cmd() -> list[str]:
+    """The real CLI, run as a subprocess with this interpreter."""
+    return [sys.executable, "-m", "finetune"]
