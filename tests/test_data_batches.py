@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from finetune.errors import UserError
 from finetune.train.data import BatchStream, Example, collate, pack
@@ -57,19 +57,29 @@ def test_collate_padded_and_packed():
     assert batch["labels"][1, 2:].tolist() == [IGNORE_INDEX] * 6
 
 
-def tiny_model(attn: str) -> torch.nn.Module:
-    config = LlamaConfig(**json.loads((TINY_MODEL / "config.json").read_text()))
+def tiny_model(attn: str, arch: str = "llama") -> torch.nn.Module:
+    if arch == "qwen2":
+        config = Qwen2Config(
+            vocab_size=264,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    else:
+        config = LlamaConfig(**json.loads((TINY_MODEL / "config.json").read_text()))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     return model.eval()
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_logits_equal_each_document_alone(attn):
+@pytest.mark.parametrize("attn,arch", [("sdpa", "llama"), ("eager", "llama"), ("sdpa", "qwen2")])
+def test_packed_logits_equal_each_document_alone(attn, arch):
     """Attention never crosses a document boundary inside a packed row (tiny Llama, random init, fp32)."""
     from transformers.masking_utils import find_packed_sequence_indices
 
-    model = tiny_model(attn)
+    model = tiny_model(attn, arch)
     samples = docs([7, 12, 5, 9], seed=1)
     row = pack(samples, 40)[0]
     assert len(row.input_ids) == 33

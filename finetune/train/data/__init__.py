@@ -138,6 +138,7 @@ def encode_source(src: Source, encoder: Encoder, cache_dir: Path, num_proc: int 
         num_proc=num_proc if num_proc and num_proc > 1 and len(src.dataset) > 1 else None,
         cache_file_name=str(cache_file),
         load_from_cache_file=True,
+        new_fingerprint=key,  # our key already covers the data, tokenizer and settings: no hashing
         desc=f"Tokenizing {Path(src.name).name}",
     )
     out = _Encoded(bad=list(src.bad_rows), cached=int(hit))
