@@ -298,10 +298,11 @@ def _emulate_kbit_preparation(model: Any) -> None:
     """
     import torch
     from torch import nn
+    from transformers.pytorch_utils import Conv1D
 
     out_emb = model.get_output_embeddings()
     linear_weights = {
-        id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and m is not out_emb
+        id(m.weight) for m in model.modules() if (type(m) is nn.Linear or isinstance(m, Conv1D)) and m is not out_emb
     }
     for p in model.parameters():
         p.requires_grad_(False)

@@ -200,6 +200,8 @@ class _Planner:
 
     def describe(self, c: Candidate, with_method: bool = True) -> str:
         head = f"{METHOD_NAMES[c.method]} under {STRATEGY_NAMES[c.strategy]}" if with_method else STRATEGY_NAMES[c.strategy]
+        if c.note.startswith("model states alone"):
+            return f"{head} needs {gib(c.memory.total)} per GPU for the model states alone"
         return f"{head} needs {gib(c.memory.total)} per GPU"
 
     @staticmethod

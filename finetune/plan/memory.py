@@ -63,11 +63,13 @@ def unsharded_bytes(inv: Inventory, method: str, precision: str, double_quant: b
 
 
 def candidate_memory(
-    inv: Inventory, profile: ActivationProfile | None, strategy: str, s: Setup
+    inv: Inventory, profile: ActivationProfile | None, strategy: str, s: Setup, first_step: bool = False
 ) -> tuple[MemoryBreakdown, int]:
     """Predicted per-rank bytes by category, and bytes each rank sends per optimizer step.
 
-    Without a ``profile`` (activations not traced) only the model states are filled in.
+    Without a ``profile`` (activations not traced) only the model states are filled in. The prediction is
+    for a steady-state step; ``first_step=True`` predicts the very first one instead, whose forward and
+    backward run before AdamW has allocated its state (what a probe around step 0 measures).
     """
     sb = inv.storage(s.method, s.precision, s.double_quant)
     n = max(1, s.world) if strategy != "single" else 1
@@ -117,7 +119,7 @@ def candidate_memory(
         if s.method == "qlora":
             # bitsandbytes dequantizes one 4-bit weight at a time into the compute dtype
             fb_extra += inv.largest_base_numel(quantizable_only=True) * (4 if s.precision == "fp32" else 2)
-    fb_total = params + grads + opt + buffers_fb + fb_extra
+    fb_total = params + grads + (0 if first_step else opt) + buffers_fb + fb_extra
 
     # optimizer step peak
     trainable_rank = sb.trainable if strategy in ("single", "ddp") else -(-sb.trainable // n)

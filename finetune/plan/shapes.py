@@ -200,8 +200,11 @@ def _inventory_cached(key: Any, config: Any, source: str, lora: Any) -> Inventor
     out_emb = model.get_output_embeddings()
     params = list(model.named_parameters())
     last = params[-1][0].rsplit(".", 1)[0] if params else ""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers: bitsandbytes quantizes them too
+
     quant_modules = {
-        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not out_emb and n != last
+        n for n, m in model.named_modules()
+        if (type(m) is nn.Linear or isinstance(m, Conv1D)) and m is not out_emb and n != last
     }
     inv = Inventory(source, config.model_type, config.num_hidden_layers, type(model).__name__)
     if layers:

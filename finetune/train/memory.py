@@ -57,6 +57,7 @@ class PeakMemory:
         self.tensors = tuple(tensors)
         self.measured_peak_bytes = 0
         self.by_category: dict[str, int] = {}
+        self.steps = 0  # how many blocks were measured (1: the first step only, no optimizer state before it)
         self._tracker: Any = None
         self._hook: Any = None
 
@@ -66,6 +67,7 @@ class PeakMemory:
             return self
         import torch
 
+        self.steps += 1
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -129,6 +131,7 @@ class PeakMemory:
             "predicted": pred,
             "predicted_with_overhead": predicted.total,
             "measured_peak": meas,
+            "steps_measured": self.steps,
             "error": (pred - meas) / meas if meas else None,
             "predicted_by_category": predicted.to_dict(),
             "by_category": dict(self.by_category),
