@@ -248,3 +248,19 @@ def test_cli_reports_bad_row_without_traceback(tmp_path, finetune_cmd):
     assert res.returncode == 2, res.stderr
     assert f"{f}:2: field `output`: expected a string, got a number (5)" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_csv_cells_hold_lists_as_json(tmp_path, tok):
+    """A .csv cannot hold a list: conversations and token ids are read from JSON text in the cell."""
+    f = write_csv(tmp_path / "c.csv", [{"messages": json.dumps(CONVERSATION)}])
+    from_csv = load(tmp_path, tok, train=str(f), format="chat")
+    from_jsonl = load(
+        tmp_path,
+        tok,
+        train=str(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])),
+        format="chat",
+    )
+    assert from_csv.train == from_jsonl.train
+    k = write_csv(tmp_path / "k.csv", [{"input_ids": "[5, 6, 2]", "labels": "[-100, 6, 2]"}])
+    data = load(tmp_path, tok, train=str(k), format="tokenized")
+    assert (data.train[0].input_ids, data.train[0].labels) == ([5, 6, 2], [-100, 6, 2])

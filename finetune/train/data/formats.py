@@ -62,8 +62,18 @@ def _string(row: dict[str, Any], col: str, *, optional: bool = False) -> str:
     return value
 
 
+def _list_value(value: Any) -> Any:
+    """A list written as JSON text (how a .csv cell holds one) is read as the list; anything else is kept."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
 def _int_list(row: dict[str, Any], col: str, *, allow_ignore: bool) -> list[int]:
-    value = row[col]
+    value = _list_value(row[col])
     if not isinstance(value, list):
         raise BadRow(col, f"expected a list of token ids, got {describe(value)}")
     for i, v in enumerate(value):
@@ -229,7 +239,7 @@ class Encoder:
         col = self.columns["messages"]
         if col not in row:
             raise BadRow(col, "missing (set data.columns.messages if your data names it differently)")
-        msgs = row[col]
+        msgs = _list_value(row[col])
         if not isinstance(msgs, list):
             raise BadRow(col, f"expected a list of {{role, content}} messages, got {describe(msgs)}")
         if not msgs:
