@@ -118,10 +118,19 @@ def default_cache_dir() -> Path:
 
 
 def encode_source(src: Source, encoder: Encoder, cache_dir: Path, num_proc: int | None) -> _Encoded:
-    """Tokenize one source through ``datasets.map`` into the cache (or read it back), then collect its samples."""
+    """Tokenize one source through ``datasets.map`` into the cache (or read it back), then collect its samples.
+
+    The cache key holds the source's name too: error messages in the cached rows name its file.
+    """
     key = hashlib.sha256(
         json.dumps(
-            [CACHE_VERSION, src.fingerprint, tokenizer_fingerprint(encoder.tokenizer), encoder.settings()],
+            [
+                CACHE_VERSION,
+                src.name,
+                src.fingerprint,
+                tokenizer_fingerprint(encoder.tokenizer),
+                encoder.settings(),
+            ],
             sort_keys=True,
         ).encode()
     ).hexdigest()[:32]
