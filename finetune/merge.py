@@ -75,7 +75,7 @@ class MergeResult:
     """What ``merge`` did, for the CLI's summary."""
 
     out: Path
-    base: Path
+    base: str
     merged_modules: int
     replaced_tensors: int
     shards: int
@@ -145,9 +145,38 @@ def _model_dir(value: str, base_dir: Path) -> Path | None:
     return None
 
 
-def find_base(run: Path, recipe: dict[str, Any] | None, adapter_config: dict[str, Any], base: str | None) -> Path:
+def _is_quantized(model_dir: Path) -> bool:
+    config = model_dir / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("quantization_config"))
+
+
+def _rebuild_random_base(recipe: dict[str, Any], run: Path, scratch: Path) -> Path:
+    """The fp32 weights a ``model.init: random`` qlora run quantized, rebuilt from its config and seed."""
+    from finetune.recipe import RecipeError, recipe_from_dict
+    from finetune.train.quantize import build_random_base
+
+    path = str((recipe.get("model") or {}).get("path", ""))
+    config_dir = _model_dir(path, run) if path else None
+    if config_dir is None:
+        raise UserError(f"{run} was trained from a random init of `{path}`, whose config cannot be found; pass --base DIR")
+    try:
+        loaded = recipe_from_dict(recipe, base_dir=run)
+    except RecipeError as err:
+        raise UserError(f"{run / 'recipe.yaml'} is not a valid recipe ({err}); pass --base DIR") from None
+    build_random_base(loaded, str(config_dir)).save_pretrained(scratch / "base", safe_serialization=True)
+    return scratch / "base"
+
+
+def find_base(
+    run: Path, recipe: dict[str, Any] | None, adapter_config: dict[str, Any], base: str | None,
+    scratch: Path | None = None,
+) -> Path:
     """The base model directory: ``--base``, else the run's recipe (``base/`` for a random init), else the
-    adapter's ``base_model_name_or_path``. A clear error when it cannot be found or holds no weights."""
+    adapter's ``base_model_name_or_path``. A clear error when it cannot be found or holds no weights.
+
+    A random-init qlora run whose ``base/`` is missing or holds the 4-bit model gets its fp32 base rebuilt
+    (from the config and ``train.seed``, as the run built it) in ``scratch``.
+    """
     saved_base = run / "base"
     if base is not None:
         found = _model_dir(base, Path.cwd())
@@ -157,12 +186,16 @@ def find_base(run: Path, recipe: dict[str, Any] | None, adapter_config: dict[str
     elif recipe is not None:
         model = recipe.get("model") or {}
         if model.get("init") == "random":
-            if not saved_base.is_dir():
+            usable = saved_base.is_dir() and not _is_quantized(saved_base)
+            if not usable and recipe.get("method") == "qlora" and scratch is not None:
+                found, where = _rebuild_random_base(recipe, run, scratch), "model.init: random, train.seed"
+            elif not saved_base.is_dir():
                 raise UserError(
                     f"{run} was trained from a random init and its base weights ({saved_base}) are missing; "
                     "pass --base DIR with the weights the run started from"
                 )
-            found, where = saved_base, f"{saved_base} (model.init: random)"
+            else:
+                found, where = saved_base, f"{saved_base} (model.init: random)"
         else:
             path = str(model.get("path", ""))
             found = _model_dir(path, run) if path else None
@@ -188,8 +221,7 @@ def find_base(run: Path, recipe: dict[str, Any] | None, adapter_config: dict[str
         where = f"base_model_name_or_path `{name}`"
     if not (found / "config.json").is_file():
         raise UserError(f"the base model {found} (from {where}) has no config.json; pass --base DIR")
-    config = json.loads((found / "config.json").read_text())
-    if config.get("quantization_config"):
+    if _is_quantized(found):
         raise UserError(
             f"the base model {found} is stored quantized; merge needs the 16-bit base: pass --base DIR"
         )
@@ -267,6 +299,12 @@ def _deltas(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[d
         alpha = float(_pattern_value(config.get("alpha_pattern") or {}, d.module, config.get("lora_alpha", r)))
         d.scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     return deltas, replacements
+
+
+def _delta_shape(d: LoraDelta, conv1d: bool) -> list[int]:
+    """Shape of :func:`_delta_weight` without computing it."""
+    out, inp = d.b.shape[0], d.a.shape[-1]
+    return [inp, out] if (d.embedding or conv1d) else [out, inp]
 
 
 def _delta_weight(d: LoraDelta, conv1d: bool) -> torch.Tensor:
@@ -379,20 +417,27 @@ def merge(
     ``into_dequantized`` (QLoRA runs) folds into the NF4-dequantized weights the run trained against.
     Raises :class:`UserError` on bad input before anything is written.
     """
+    with tempfile.TemporaryDirectory(prefix="finetune-merge-") as scratch:
+        return _merge(Path(run_dir), Path(out), dtype, base, force, into_dequantized, Path(scratch))
+
+
+def _merge(
+    run: Path, out_path: Path, dtype: str | None, base: str | None, force: bool, into_dequantized: bool,
+    scratch: Path,
+) -> MergeResult:
     import torch
     from safetensors import safe_open
 
     from finetune.train.quantize import dequantized_weight, quantized_modules
 
     start = time.perf_counter()
-    run, out_path = Path(run_dir), Path(out)
     if dtype is not None and dtype not in DTYPE_FLAGS:
         raise UserError(f"--dtype {dtype} is not one of bf16, fp16, fp32")
     if out_path.exists() and not force:
         raise UserError(f"--out {out_path} already exists; pass --force to replace it")
     adapter_config, adapter = _read_adapter(run)
     recipe = _read_run_recipe(run)
-    base_dir = find_base(run, recipe, adapter_config, base)
+    base_dir = find_base(run, recipe, adapter_config, base, scratch)
     for inp in (run, base_dir):
         if out_path.exists() and out_path.resolve() == inp.resolve():
             raise UserError(f"--out {out_path} is an input of the merge; choose another directory")
@@ -458,7 +503,7 @@ def merge(
                 "the adapter was trained on another model; pass the right --base"
             )
         conv1d = type(module).__name__ == "Conv1D"
-        expected = list(_delta_weight(d, conv1d).shape)
+        expected = _delta_shape(d, conv1d)
         if shapes[key] != expected:
             raise UserError(
                 f"the adapter's update of `{mod_name}` is {'x'.join(map(str, expected))} but the base weight "
@@ -570,7 +615,7 @@ def merge(
         raise
     return MergeResult(
         out=out_path,
-        base=base_dir,
+        base=str(base_dir) if not base_dir.is_relative_to(scratch) else "its seeded random init (rebuilt)",
         merged_modules=len(deltas),
         replaced_tensors=len(replacements),
         shards=len(shards),
