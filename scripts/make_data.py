@@ -100,7 +100,7 @@ def write_tokenized(name: str, rows: list[dict[str, str]]) -> None:
         out = []
         for r in part:
             prompt = tok.encode(PROMPT.format(**r), add_special_tokens=False).ids
-            answer = tok.encode(r["output"], add_special_tokens=False).ids + [EOS_ID]
+            answer = [*tok.encode(r["output"], add_special_tokens=False).ids, EOS_ID]
             out.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
         write_jsonl(OUT / f"{name}-tokenized" / file, out)
     print(f"{name}: tokenized version -> {OUT / (name + '-tokenized')}")
