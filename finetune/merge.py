@@ -32,14 +32,13 @@ import yaml
 
 from finetune.errors import UserError
 from finetune.recipe import QuantizationConfig, resolve_input_path
+from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, ST_DTYPES, ShardWriter, shard_map
 
 if TYPE_CHECKING:
     import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-SAFE_INDEX = "model.safetensors.index.json"
-SAFE_SINGLE = "model.safetensors"
 #: Non-weight files of a model directory that the merged directory needs (config is rewritten).
 MODEL_FILES = (
     "generation_config.json",
@@ -233,30 +232,6 @@ def find_base(
     return found
 
 
-def _shards(base: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """Shard file name -> tensor names in the base checkpoint's order, and each name -> its key in the file.
-
-    A base saved from a model with peft's layers injected stores ``X.base_layer.weight`` and the adapter's
-    own tensors; it is read as the plain model (``X.weight``) and the adapter tensors are left out.
-    """
-    from safetensors import safe_open
-
-    if (base / SAFE_INDEX).is_file():
-        weight_map: dict[str, str] = json.loads((base / SAFE_INDEX).read_text())["weight_map"]
-    else:
-        with safe_open(str(base / SAFE_SINGLE), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), SAFE_SINGLE)
-    shards: dict[str, list[str]] = {}
-    source: dict[str, str] = {}
-    for key, shard in weight_map.items():
-        if re.search(r"\.(lora_[A-Za-z_]+|lora_embedding_[AB])\.", key):
-            continue
-        name = key.replace(".base_layer.", ".")
-        shards.setdefault(shard, []).append(name)
-        source[name] = key
-    return shards, source
-
-
 # --------------------------------------------------------------------------------------------------
 # The adapter as deltas
 # --------------------------------------------------------------------------------------------------
@@ -314,57 +289,6 @@ def _delta_weight(d: LoraDelta, conv1d: bool) -> torch.Tensor:
         return (b @ a).t() * d.scaling
     delta = (b @ a) * d.scaling
     return delta.t() if conv1d else delta
-
-
-# --------------------------------------------------------------------------------------------------
-# Streaming safetensors writer
-# --------------------------------------------------------------------------------------------------
-
-_ST_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}
-
-
-class ShardWriter:
-    """Writes one safetensors file tensor by tensor, from a header computed up front.
-
-    safetensors' own ``save_file`` needs every tensor of the file in memory at once; the format is a
-    JSON header of (dtype, shape, byte offsets) followed by the raw bytes, so knowing shapes and output
-    dtypes in advance is enough to write each tensor as soon as it is computed.
-    """
-
-    def __init__(self, path: Path, specs: list[tuple[str, list[int], torch.dtype]]) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        self.expected: dict[str, tuple[list[int], torch.dtype, int]] = {}
-        for name, shape, dtype in specs:
-            nbytes = math.prod(shape) * dtype.itemsize
-            st = _ST_DTYPES[str(dtype).removeprefix("torch.")]
-            header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self.expected[name] = (list(shape), dtype, offset)
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-        self.order = [name for name, _, _ in specs]
-        self.total = offset
-        self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self.file.write(len(raw).to_bytes(8, "little") + raw)
-        self.next = 0
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append ``name``; tensors must come in the order of the specs."""
-        shape, dtype, _ = self.expected[name]
-        assert self.order[self.next] == name, f"{name} written out of order"
-        assert list(tensor.shape) == shape and tensor.dtype == dtype, f"{name}: {tensor.shape} {tensor.dtype}"
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(__import__("torch").uint8).numpy()
-        self.file.write(memoryview(data))
-        self.next += 1
-
-    def close(self) -> None:
-        """Finish the file (every tensor must have been written)."""
-        self.file.close()
-        assert self.next == len(self.order), "shard closed before every tensor was written"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -458,7 +382,7 @@ def _merge(
     meta = _meta_model(base_dir, trust)
     modules = dict(meta.named_modules())
     prefix = getattr(meta, "base_model_prefix", "")
-    shards, source_of = _shards(base_dir)
+    shards, source_of = shard_map(base_dir)
     keys = {k for names in shards.values() for k in names}
     shard_of = {k: s for s, names in shards.items() for k in names}
     shapes: dict[str, list[int]] = {}
@@ -565,7 +489,7 @@ def _merge(
 
     def out_dtype_of(key: str, source: str, f: Any) -> torch.dtype:
         st = f.get_slice(source).get_dtype()
-        src = {v: k for k, v in _ST_DTYPES.items()}[st]
+        src = {v: k for k, v in ST_DTYPES.items()}[st]
         floating = src.startswith(("float", "bfloat"))
         return out_dtype if (out_dtype is not None and floating) else getattr(torch, src)
 
