@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.errors import UserError
-from finetune.launch import failure_message, first_cause, torchrun_args
+from finetune.launch import failure_message, first_cause, launch, torchrun_args
 from finetune.train.distributed import available_cores, threads_per_process
 from finetune.train.parallel import decoder_blocks
 from tests.conftest import RECIPES, TINY_MODEL, write_recipe
@@ -119,8 +119,12 @@ class Runs:
         if key not in self.done:
             out = self.root / key
             recipe = write_recipe(self.root / f"{key}.yaml", parity_recipe(self.model_dir, out, method, strategy))
-            proc = finetune_run(recipe, "--nproc", str(nproc))
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+            if nproc == 1:  # the reference: the same launch() the CLI calls, in this process (no startup)
+                assert launch(str(recipe), overrides=[], nproc=1) == 0
+                proc = subprocess.CompletedProcess([], 0, "", "")
+            else:
+                proc = finetune_run(recipe, "--nproc", str(nproc))
+                assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
             self.done[key] = (out, proc)
         return self.done[key]
 
@@ -279,11 +283,11 @@ def test_first_cause_prefers_the_rank_that_recorded_an_error(tmp_path: Path) -> 
     err = tmp_path / "err1.json"
     err.write_text(json.dumps({"message": {"message": "UserError: data.train: bad row 3",
                                            "extraInfo": {"py_callstack": "", "timestamp": "100"}}}))
-    lost_peer = ProcessFailure(local_rank=0, pid=10, exitcode=3, error_file=str(tmp_path / "none.json"))
+    lost_peer = ProcessFailure(local_rank=0, pid=10, exitcode=75, error_file=str(tmp_path / "none.json"))
     cause = ProcessFailure(local_rank=1, pid=11, exitcode=2, error_file=str(err))
     rank, failure = first_cause({0: lost_peer, 1: cause})
     assert rank == 1 and failure_message(failure) == "data.train: bad row 3"
-    assert failure_message(lost_peer) == "exited with code 3 (its output above has the details)"
+    assert failure_message(lost_peer) == "exited with code 75 (its output above has the details)"
 
 
 def test_decoder_blocks_found_for_any_architecture() -> None:

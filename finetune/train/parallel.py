@@ -97,6 +97,7 @@ def _fully_shard(model: torch.nn.Module, chosen: Candidate, ctx: DistContext) ->
         enable_activation_checkpointing(model)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     policy = mixed_precision_policy(chosen.precision)
+    _check_quantized_storage(model, policy.param_dtype)
     reshard = chosen.strategy == "fsdp"
     blocks = decoder_blocks(model)
     for block in blocks:
@@ -110,6 +111,25 @@ def _fully_shard(model: torch.nn.Module, chosen: Candidate, ctx: DistContext) ->
         if i > 0 and reshard:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])
     return model
+
+
+def _check_quantized_storage(model: torch.nn.Module, param_dtype: torch.dtype | None) -> None:
+    """4-bit codes must never be cast by the mixed precision policy.
+
+    FSDP2 leaves integer storage (uint8) alone and shards it like any parameter; codes packed into a float
+    dtype (``bnb_4bit_quant_storage``) are safe only when that dtype is the policy's compute dtype.
+    bitsandbytes restores each weight's quantization state after FSDP's all-gather (its
+    ``fix_4bit_weight_quant_state_from_module``).
+    """
+    if param_dtype is None:
+        return
+    for name, module in model.named_modules():
+        w = getattr(module, "weight", None)
+        if type(w).__name__ == "Params4bit" and w.dtype.is_floating_point and w.dtype != param_dtype:
+            raise UserError(
+                f"quantization.compute_dtype: the 4-bit weights of {name} are stored as {w.dtype} but FSDP computes "
+                f"in {param_dtype}; leave quantization.compute_dtype at auto so both follow `precision`"
+            )
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

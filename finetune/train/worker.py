@@ -5,7 +5,8 @@ the run options, so that every rank executes exactly what the launcher planned. 
 threads, silences everything but errors on ranks other than 0, joins the process group and trains.
 
 Any exception is recorded in torchelastic's error file (the launcher reads it back and reports
-"rank N failed: <message>"); a user's mistake exits with status 2 and no traceback, like the CLI.
+"rank N failed: <message>"); a user's mistake (UserError) exits with its exit code (2 unless it says otherwise)
+and no traceback, like the CLI; a rank that only lost its peers exits 75 and records nothing.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         run_worker(args[0])
     except UserError as err:
         handler.record_exception(err)  # the launcher prints it, once, naming the rank
-        sys.exit(2)
+        sys.exit(getattr(err, "exit_code", 2))
     except Exception as err:
         if _peer_failed(err):
             # A consequence, not a cause: another rank died and took the connection with it. Record nothing
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         raise
 
 
-#: Exit status of a rank that stopped because another rank's process died.
-PEER_FAILED_EXIT = 3
+#: Exit status of a rank that stopped because another rank's process died (not a cause: never reported).
+PEER_FAILED_EXIT = 75
 
 
 def _peer_failed(err: BaseException) -> bool:
