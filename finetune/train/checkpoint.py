@@ -38,11 +38,12 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from finetune.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where it is used: finding and checking checkpoints needs none of it
+    import torch
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
@@ -276,6 +277,7 @@ def _remove_leftovers(root: Path) -> None:
 def rng_state() -> dict[str, Any]:
     """This process's RNG states in types ``torch.load(weights_only=True)`` accepts."""
     import numpy as np
+    import torch
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
@@ -292,6 +294,7 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` captured."""
     import numpy as np
+    import torch
 
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -397,6 +400,7 @@ def save_checkpoint(
 
     Returns the checkpoint's path (on every rank).
     """
+    import torch
     import torch.distributed as dist
 
     model_state = gather_model_state(model, inner, method, strategy)
@@ -502,6 +506,7 @@ def load_checkpoint(
 
     Returns (meta, this rank's RNG state); restore the RNG state last, just before the first step.
     """
+    import torch
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

@@ -177,11 +177,11 @@ def train_rank(
     state = TrainState()
     reporter.start(plan, trainable, total, steps, data.stats, ctx.world_size)
     checkpoints = RunCheckpoints(
-        loaded, plan, ctx, stream, model, unwrap(model), optimizer, scheduler, scaler, steps, reporter.print
+        loaded, plan, ctx, stream, model, unwrap(model), optimizer, scheduler, scaler, steps, reporter.plain
     )
     checkpoints.start(state, resume)
     on_nonfinite = nonfinite_policy(loaded, chosen.precision)
-    stop = StopRequest(reporter.print)
+    stop = StopRequest(reporter.plain)
 
     def do_eval() -> EvalResult | None:
         if not data.eval and not data.eval_prompts:

@@ -55,10 +55,14 @@ class Reporter:
         self.enabled = enabled
         self.console = Console(highlight=False)
 
-    def print(self, *args: Any) -> None:
-        """Print on rank 0 only."""
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Print on rank 0 only (``kwargs`` go to rich's Console.print)."""
         if self.enabled:
-            self.console.print(*args)
+            self.console.print(*args, **kwargs)
+
+    def plain(self, text: str) -> None:
+        """Print ``text`` as is on rank 0: no markup, never wrapped (paths and commands stay copyable)."""
+        self.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def start(self, plan: Plan, trainable: int, total: int, steps: int, stats: dict[str, int], world: int) -> None:
         """The run's header: what the Plan chose and the sizes involved."""
@@ -134,7 +138,7 @@ class Reporter:
         out = result.output_dir
         self.print(
             f"[bold green]done[/]: {result.steps} steps in {result.seconds:.1f}s, final loss "
-            f"{result.final_loss:.4f}" + (f", {skipped} steps skipped (fp16 overflow)" if skipped else "")
+            f"{result.final_loss:.4f}" + (f", {skipped} steps skipped (non-finite loss or gradients)" if skipped else "")
         )
         if result.eval is not None:
             self.print(f"final eval: {_eval_text(result.eval)}")

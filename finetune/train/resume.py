@@ -10,7 +10,9 @@ Resume sources: ``--resume`` (``latest`` or a path) and, under ``--max-restarts`
 counter: a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the newest checkpoint by itself.
 
 Test hooks (tests only): ``FINETUNE_TEST_NAN_AT_STEP="3,5"`` makes those optimizer steps' loss and gradients
-NaN; ``FINETUNE_TEST_STEP_SLEEP=SECONDS`` sleeps after every step (so a test can signal a run mid-way).
+NaN; ``FINETUNE_TEST_STEP_SLEEP=SECONDS`` sleeps after every step (so a test can signal a run mid-way);
+``FINETUNE_TEST_KILL_AT_STEP="RANK:STEP"`` makes that rank SIGKILL itself during that step, in the first
+attempt only (torchrun's restarts then run normally).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from finetune.train import checkpoint as ck
 
 NAN_HOOK = "FINETUNE_TEST_NAN_AT_STEP"
 SLEEP_HOOK = "FINETUNE_TEST_STEP_SLEEP"
+KILL_HOOK = "FINETUNE_TEST_KILL_AT_STEP"
 
 
 class NonFiniteError(UserError):
@@ -80,7 +83,14 @@ def resume_command(loaded: LoadedRecipe) -> str:
 
 
 def inject_test_faults(step: int, params: list[torch.Tensor], loss_sum: torch.Tensor) -> torch.Tensor:
-    """The NaN injection test hook (see the module docstring); returns the (possibly poisoned) loss sum."""
+    """The NaN and kill test hooks (see the module docstring); returns the (possibly poisoned) loss sum."""
+    kill = os.environ.get(KILL_HOOK)
+    if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        rank, _, at = kill.partition(":")
+        if int(rank) == int(os.environ.get("RANK", "0")) and int(at) == step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
     spec = os.environ.get(NAN_HOOK)
     if spec and step in {int(s) for s in spec.split(",") if s.strip()}:
         for p in params:

@@ -1,0 +1,120 @@
+"""Checkpoint files without training: finding the newest complete one, atomic leftovers, the resume checks,
+the disk-space preflight, RNG states through weights_only loading, metrics truncation, the --resume flag."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from finetune.cli import bare_resume
+from finetune.errors import UserError
+from finetune.train import checkpoint as ck
+
+
+def _fake_checkpoint(out: Path, name: str, meta: dict | None) -> Path:
+    d = ck.checkpoints_dir(out) / name
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(b"x" * 10)
+    if meta is not None:
+        (d / ck.META).write_text(json.dumps(meta))
+    return d
+
+
+def test_incomplete_checkpoints_are_never_chosen(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert ck.latest_checkpoint(out) is None
+    _fake_checkpoint(out, "step-3", {"step": 3})
+    _fake_checkpoint(out, "step-20", {"step": 20})  # numeric order, not text order: 20 > 3
+    _fake_checkpoint(out, ".tmp-step-30-123", {"step": 30})  # renamed into place only when complete
+    no_meta = _fake_checkpoint(out, "step-40", None)  # cut short before meta.json
+    _fake_checkpoint(out, "step-x", {"step": 50})
+    assert [s for s, _ in ck.list_checkpoints(out)] == [3, 20]
+    assert ck.resolve_resume("latest", out).name == "step-20"
+    assert ck.resolve_resume(str(out), out).name == "step-20"  # a run directory means its newest
+    with pytest.raises(UserError, match="is not a complete checkpoint"):
+        ck.resolve_resume(str(no_meta), out)
+    with pytest.raises(UserError, match="does not exist"):
+        ck.resolve_resume(str(out / "checkpoints" / "step-99"), out)
+    with pytest.raises(UserError, match="no complete checkpoint in"):
+        ck.resolve_resume("latest", tmp_path / "empty")
+
+
+def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    for s in (2, 4, 6, 8):
+        _fake_checkpoint(out, f"step-{s}", {"step": s})
+    leftover = _fake_checkpoint(out, ".tmp-step-10-99", None)
+    removed = ck.prune(out, keep=2)
+    assert sorted(p.name for p in removed) == ["step-2", "step-4"]
+    assert [s for s, _ in ck.list_checkpoints(out)] == [6, 8]
+    assert ck.drop_newer(out, 6)[0].name == "step-8"
+    assert ck.clear_checkpoints(out) == 1 and not leftover.exists()
+
+
+def test_fresh_start_refuses_an_unfinished_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _fake_checkpoint(out, "step-4", {"step": 4, "final": False})
+    with pytest.raises(UserError, match=r"holds an unfinished run \(newest checkpoint step-4\); continue it with --resume"):
+        ck.check_fresh_start(out)
+    _fake_checkpoint(out, "step-10", {"step": 10, "final": True})
+    ck.check_fresh_start(out)  # a finished run may be started over
+
+
+def test_resume_must_match_method_model_and_world_size(tmp_path: Path) -> None:
+    ident = {"method": "full", "model": "/m", "world_size": 2, "strategy": "ddp", "global_batch_size": 8, "seed": 0}
+    d = _fake_checkpoint(tmp_path, "step-5", {"identity": ident})
+    ck.check_resume_matches(d, dict(ident))
+    with pytest.raises(UserError) as err:
+        ck.check_resume_matches(d, {**ident, "world_size": 4})
+    assert str(err.value) == (
+        f"--resume: {d} was saved with the number of processes 2 but this run has 4; set --nproc back to 2 "
+        "or start a new run in another output.dir"
+    )
+    with pytest.raises(UserError, match="saved with the method full but this run has lora; set method back"):
+        ck.check_resume_matches(d, {**ident, "method": "lora"})
+
+
+def test_free_disk_preflight(tmp_path: Path) -> None:
+    assert ck.checkpoint_bytes(4 * 1000, 1000) == 4000 + 8000 + 64 * 1024  # fp32 weights + 2 fp32 moments
+    ck.check_free_disk(tmp_path, 1024, keep=2)
+    with pytest.raises(UserError, match=r"free but the checkpoints need about .* \(3 x .*: output.keep=2 plus one"):
+        ck.check_free_disk(tmp_path, 2**60, keep=2)
+
+
+def test_rng_states_round_trip_through_weights_only_load(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    torch.save({"rng": [ck.rng_state()]}, tmp_path / "trainer.pt")
+    want = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    loaded = torch.load(tmp_path / "trainer.pt", weights_only=True)  # plain tensors, tuples, numbers only
+    ck.set_rng_state(loaded["rng"][0])
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2])
+
+
+def test_truncate_metrics_keeps_rows_up_to_the_resumed_step(tmp_path: Path) -> None:
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in range(1, 8)) + '{"step": 8, "lo')
+    ck.truncate_metrics(m, 5)
+    assert [json.loads(x)["step"] for x in m.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_bare_resume_means_latest(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("x: 1\n")
+    assert bare_resume(["run", "r.yaml", "--resume"]) == ["run", "r.yaml", "--resume=latest"]
+    assert bare_resume(["run", "r.yaml", "--resume", "--nproc", "2"])[2] == "--resume=latest"
+    assert bare_resume(["run", "--resume", "my.yaml"]) == ["run", "--resume=latest", "my.yaml"]
+    assert bare_resume(["run", "--resume", str(recipe)])[1] == "--resume=latest"  # an existing file: the recipe
+    assert bare_resume(["run", "r.yaml", "--resume", "runs/x/checkpoints/step-4"])[2:] == [
+        "--resume", "runs/x/checkpoints/step-4"
+    ]

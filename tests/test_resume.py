@@ -1,0 +1,214 @@
+"""Exact resume on one CPU process, through the real CLI where a signal is involved.
+
+The reference is one uninterrupted 8-step run of the tiny model (48 samples, global batch 8: 6 steps per
+epoch, so the runs cross an epoch boundary). Every other run stops somewhere (a resume from a saved checkpoint,
+SIGKILL during a step, SIGKILL during a checkpoint write, SIGTERM, Ctrl-C) and is continued with --resume; its
+per-step losses and final weights must equal the reference's exactly (fp32 on CPU is deterministic).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from finetune.cli import app
+from finetune.launch import launch
+from finetune.train import checkpoint as ck
+from tests.conftest import RECIPES, tiny_recipe, write_recipe
+
+STEPS = 8
+
+
+def _recipe(tmp: Path, out: Path, **output: object) -> Path:
+    data = tmp / "train48.jsonl"
+    if not data.exists():
+        rows = (RECIPES / "data/reverse/train.jsonl").read_text().splitlines()[:48]
+        data.write_text("\n".join(rows) + "\n")
+    r = tiny_recipe(
+        out,
+        data={"train": str(data), "eval": None, "max_seq_len": 48},
+        train={"max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 4, "lr": 2e-3, "warmup_steps": 2},
+        output={"dir": str(out), "log_every": 1, **output},
+    )
+    return write_recipe(tmp / f"{out.name}.yaml", r)
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run (checkpoints at 4 and 8)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    out = tmp / "ref"
+    t0 = time.perf_counter()
+    assert launch(str(_recipe(tmp, out, save_every=4, keep=3)), overrides=[]) == 0
+    seconds = time.perf_counter() - t0
+    losses = _losses(out)
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    return {"out": out, "losses": losses, "weights": _weights(out), "seconds": seconds}
+
+
+def _spawn(recipe: Path, *args: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "finetune", "run", str(recipe), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env},
+    )
+
+
+def _wait_for(cond, proc: subprocess.Popen, timeout: float = 240) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, f"the run ended before the test could interrupt it:\n{proc.stdout.read()}"
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def _logged_steps(out: Path) -> int:
+    m = out / "metrics.jsonl"
+    return len(m.read_text().splitlines()) if m.exists() else 0
+
+
+def test_resume_from_step_4_matches_the_uninterrupted_run(reference: dict, tmp_path: Path) -> None:
+    ckpt = reference["out"] / "checkpoints" / "step-4"
+    meta = ck.read_meta(ckpt)
+    assert meta["step"] == 4 and meta["position"]["epoch"] == 0 and meta["position"]["step_in_epoch"] == 4
+    assert meta["history"] == [loss for _, loss in reference["losses"][:4]]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "meta.json", "model.safetensors", "optimizer.pt", "plan.json", "recipe.yaml", "trainer.pt"
+    ]
+    out = tmp_path / "resumed"
+    assert launch(str(_recipe(tmp_path, out)), overrides=[], resume=str(ckpt)) == 0
+    assert _losses(out) == reference["losses"][4:]  # identical floats, steps 5..8 (across the epoch end)
+    _assert_same_weights(_weights(out), reference["weights"])
+
+
+def test_sigkill_during_training_then_bare_resume(reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "killed"
+    recipe = _recipe(tmp_path, out, save_every=3)
+    proc = _spawn(recipe, env={"FINETUNE_TEST_STEP_SLEEP": "0.15"})
+    _wait_for(lambda: _logged_steps(out) >= 4, proc)  # checkpoint 3 is complete, step 6 not yet
+    proc.kill()
+    proc.wait()
+    assert ck.latest_checkpoint(out).name == "step-3"
+    done = subprocess.run(
+        [sys.executable, "-m", "finetune", "run", str(recipe), "--resume"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resumed from" in done.stdout and "step-3 at step 3 of 8" in done.stdout
+    assert _losses(out) == reference["losses"]  # metrics.jsonl continued from step 3: each step once
+    _assert_same_weights(_weights(out), reference["weights"])
+
+
+def test_sigkill_during_a_checkpoint_write(reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "killed-writing"
+    recipe = _recipe(tmp_path, out, save_every=3)
+    proc = _spawn(recipe, env={ck.SLEEP_HOOK: "6:60"})  # the write of step-6 stalls half-way
+    root = ck.checkpoints_dir(out)
+    _wait_for(lambda: any((p / "trainer.pt").exists() for p in root.glob(".tmp-step-6-*")), proc)
+    proc.kill()
+    proc.wait()
+    partial = next(root.glob(".tmp-step-6-*"))
+    assert (partial / "model.safetensors").exists() and not (partial / "meta.json").exists()
+    assert [s for s, _ in ck.list_checkpoints(out)] == [3]  # the partial write is not a checkpoint
+    assert ck.resolve_resume("latest", out).name == "step-3"
+    assert launch(str(recipe), overrides=[], resume="latest") == 0
+    assert not partial.exists()  # leftovers are removed by the next save
+    assert _losses(out) == reference["losses"]
+    _assert_same_weights(_weights(out), reference["weights"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_prints_the_resume_command(
+    reference: dict, tmp_path: Path, sig: signal.Signals
+) -> None:
+    out = tmp_path / f"signalled-{sig.name}"
+    recipe = _recipe(tmp_path, out)  # save_every 0: only the signal and the end save
+    proc = _spawn(recipe, env={"FINETUNE_TEST_STEP_SLEEP": "0.15"})
+    _wait_for(lambda: _logged_steps(out) >= 3, proc)
+    proc.send_signal(sig)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, stdout
+    step = ck.read_meta(ck.latest_checkpoint(out))["step"]
+    assert 3 <= step < STEPS
+    assert f"{sig.name} received: finishing this step and saving a checkpoint" in stdout
+    assert f"checkpoint saved: {out}/checkpoints/step-{step} (step {step} of {STEPS})" in stdout
+    assert f"resume with: finetune run {recipe} --resume" in stdout
+    if sig == signal.SIGINT:
+        return  # the same save as SIGTERM's; resuming it is proven once
+    assert launch(str(recipe), overrides=[], resume="latest") == 0
+    assert _losses(out) == reference["losses"]
+    _assert_same_weights(_weights(out), reference["weights"])
+
+
+def test_nonfinite_stop_names_the_step_and_last_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "nan-stop"
+    recipe = _recipe(tmp_path, out, save_every=2)
+    monkeypatch.setenv("FINETUNE_TEST_NAN_AT_STEP", "4")
+    res = CliRunner().invoke(app, ["run", str(recipe), "--set", "train.max_steps=5"])
+    assert res.exit_code == 3, res.output
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        f"error: step 4: the loss is nan and the gradient norm nan, training stopped (train.on_nonfinite: stop); "
+        f"last good checkpoint: {out}/checkpoints/step-2 (resume with `finetune run {recipe} --set "
+        "train.max_steps=5 --resume`); lower train.lr, or set train.on_nonfinite: skip"
+    ]
+    assert [s for s, _ in ck.list_checkpoints(out)] == [2]
+
+
+def test_nonfinite_skip_leaves_the_weights_unchanged_and_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "nan-skip"
+    recipe = _recipe(tmp_path, out, save_every=1, keep=10)
+    monkeypatch.setenv("FINETUNE_TEST_NAN_AT_STEP", "4")
+    res = CliRunner().invoke(app, ["run", str(recipe), "--set", "train.on_nonfinite=skip", "--set", "train.max_steps=5"])
+    assert res.exit_code == 0, res.output
+    losses = dict(_losses(out))
+    assert losses[4] != losses[4] and all(losses[s] == losses[s] for s in (1, 2, 3, 5))  # NaN only at 4
+    root = ck.checkpoints_dir(out)
+    _assert_same_weights(_weights(root / "step-3"), _weights(root / "step-4"))  # no update at step 4
+    assert not torch.equal(_weights(root / "step-4")["lm_head.weight"], _weights(root / "step-5")["lm_head.weight"])
+    assert ck.read_meta(root / "step-5")["skipped_steps"] == 1
+    assert "1 steps skipped" in res.output
+
+
+def test_preflight_errors_are_one_line_exit_2(reference: dict, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    runner = CliRunner()
+    cases = [
+        (["--set", f"output.dir={blocker}/run"], f"output.dir: cannot create {blocker}/run"),
+        (["--resume", str(reference["out"] / "checkpoints/step-4"), "--set", "train.global_batch_size=4"],
+         "was saved with the global batch size 8 but this run has 4; set train.global_batch_size back to 8"),
+        (["--resume", str(reference["out"] / "checkpoints/step-4"), "--set", "method=lora"],
+         "was saved with the method full but this run has lora"),
+        (["--resume", "latest"], "--resume: no complete checkpoint in"),
+        (["--set", "output.keep=1000000000"], "free but the checkpoints need about"),
+    ]
+    recipe = _recipe(tmp_path, tmp_path / "pre")
+    for args, message in cases:
+        res = runner.invoke(app, ["run", str(recipe), *args])
+        lines = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+        assert res.exit_code == 2 and len(lines) == 1 and message in lines[0], (args, res.output)
+    assert not ck.list_checkpoints(tmp_path / "pre")  # nothing was trained
