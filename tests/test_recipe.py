@@ -101,7 +101,12 @@ def test_not_yaml_and_missing_recipe(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_validates(path: Path) -> None:
     loaded = load_recipe(path)
-    assert check_files(loaded) == []
+    problems = check_files(loaded)
+    # A recipe that continues from another recipe's output (model.path: runs/...) can only name a model
+    # that does not exist yet; everything else it names must exist.
+    if loaded.recipe.model.path.startswith("runs/"):
+        problems = [p for p in problems if p.key != "model.path"]
+    assert problems == []
 
 
 def test_help_and_validate_import_no_torch() -> None:
