@@ -1,0 +1,84 @@
+"""FSDP2 internals on 2 gloo processes: mixed precision policy, fp16 loss scaling across shards, full state dict.
+
+One spawned pair of processes (no CLI) wraps a 2-block Llama with finetune.train.parallel.parallelize for
+``fsdp`` + fp16 + activation checkpointing and checks what torch does with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.dist
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from finetune.plan.types import Candidate
+    from finetune.train.distributed import DistContext
+    from finetune.train.parallel import decoder_blocks, full_state_dict, parallelize
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ctx = DistContext(rank, world, rank, torch.device("cpu"))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    full_shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    model = parallelize(model, Candidate("full", "fsdp", "fp16", 2, 1, True, world), ctx)
+    seen: list[str] = []
+    block = decoder_blocks(model)[0]
+    block.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(str(m.weight.dtype)))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    results = []
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(input_ids=ids, labels=ids).loss
+        scaler.scale(loss).backward()
+        if step == 0 and rank == 1:
+            params[0].grad.to_local()[0, 0] = math.inf  # only rank 1's shard overflows
+        before = [p.detach().to_local().clone() for p in params]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        changed = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, params, strict=True))
+        results.append({"changed": changed, "scale": scaler.get_scale()})
+    state = full_state_dict(model, model, ctx)
+    record = {
+        "compute_dtype": seen[0],
+        "sharded_dtype": str(params[0].dtype),
+        "sharded_rows": params[0].to_local().shape[0],
+        "checkpointing": bool(getattr(block, "gradient_checkpointing", False)),
+        "steps": results,
+        "state_shapes": {k: list(v.shape) for k, v in state.items()},
+        "state_dtypes": sorted({str(v.dtype) for v in state.values()}),
+        "full_shapes": full_shapes,
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+def test_fsdp_fp16_policy_scaler_and_full_state_dict(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for r in (r0, r1):
+        # Parameters are stored (sharded) in fp32 and gathered in fp16 for compute: MixedPrecisionPolicy.
+        assert (r["sharded_dtype"], r["compute_dtype"]) == ("torch.float32", "torch.float16")
+        assert r["sharded_rows"] == 32  # the 64-row embedding split over 2 ranks
+        assert r["checkpointing"]
+        # Rank 1's overflow is seen by both ranks: both skip step 1 and halve the scale; step 2 updates.
+        assert r["steps"] == [{"changed": False, "scale": 512.0}, {"changed": True, "scale": 512.0}]
+    # The full state dict is gathered on rank 0 (full shapes, fp32 masters) and empty elsewhere.
+    assert r0["state_shapes"] == r0["full_shapes"] and r0["state_dtypes"] == ["torch.float32"]
+    assert r1["state_shapes"] == {}
