@@ -534,6 +534,11 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
     eval_is_split = len(trains) == 1 and _in_hf_datasets_cache(trains[0]) and "/" not in (r.data.eval or "/")
     if r.data.eval and not eval_is_split and not _data_exists(loaded, r.data.eval):
         problems.append(loaded.problem("data.eval", f"no data found at `{r.data.eval}`"))
+    template = r.data.chat_template
+    if template and "{" not in template and not loaded.resolve_input(template).is_file():
+        problems.append(
+            loaded.problem("data.chat_template", f"no template file at `{template}` (a template itself contains {{%)")
+        )
     return problems
 
 

@@ -33,3 +33,10 @@ def test_chat_recipe_loads_the_shipped_chat_data(tmp_path):
     assert AutoTokenizer.from_pretrained(TINY_MODEL).decode(first.prompt_ids) == (
         "User: Reverse the letters: oormuy\nAssistant: "
     )
+
+
+def test_validate_reports_a_missing_chat_template_file():
+    loaded = load_recipe(RECIPES / "chat-reverse.yaml", ["data.chat_template=missing.jinja"])
+    assert [str(p) for p in check_files(loaded)] == [
+        "--set: data.chat_template: no template file at `missing.jinja` (a template itself contains {%)"
+    ]
