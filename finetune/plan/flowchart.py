@@ -92,6 +92,18 @@ def plan_for_run(loaded: LoadedRecipe, *, nproc: int, nnodes: int, device: str) 
     return make_plan(req, hw)
 
 
+def first_step_memory(loaded: LoadedRecipe, plan: Plan, *, device: str) -> Any:
+    """Predicted peak of the FIRST optimizer step of ``plan.chosen`` (AdamW's state does not exist yet
+    during its forward and backward), to compare with a probe that measures only that step."""
+    c = plan.chosen
+    req = replace(request_from_recipe(loaded), for_run=True)
+    hw = detect_hardware(device=device, gpus=c.nproc, nodes=c.nnodes, nproc=c.nproc)
+    p = _Planner(req, hw)
+    p.precision = c.precision
+    p.global_batch = c.micro_batch_size * c.grad_accum_steps * c.world_size
+    return p.evaluate(c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=True).memory
+
+
 class _Planner:
     def __init__(self, req: Request, hw: Hardware) -> None:
         self.req, self.hw = req, hw
@@ -121,7 +133,9 @@ class _Planner:
             self.profiles[key] = activation_profile(self.req.config, spec)
         return self.profiles[key]
 
-    def evaluate(self, method: str, strategy: str, mbs: int, ac: bool, table_only: bool = False) -> Candidate:
+    def evaluate(
+        self, method: str, strategy: str, mbs: int, ac: bool, table_only: bool = False, first_step: bool = False
+    ) -> Candidate:
         world = 1 if strategy == "single" else self.world
         accum = max(1, self.global_batch // (mbs * self.world))
         setup = Setup(method, self.precision, mbs, accum, ac, world, self.hw.device, self.req.double_quant)
@@ -134,7 +148,7 @@ class _Planner:
             mem = states
             note = "activations not traced (the walk did not need this method)"
         else:
-            mem, comm = candidate_memory(self.inv, self.profile(method, ac), strategy, setup)
+            mem, comm = candidate_memory(self.inv, self.profile(method, ac), strategy, setup, first_step)
         secs = comm / self.hw.bandwidth if comm else 0.0
         return Candidate(
             method=method, strategy=strategy, precision=self.precision, micro_batch_size=mbs,

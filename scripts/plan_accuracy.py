@@ -1,0 +1,160 @@
+"""How right is the planner? Real training steps on CPU, predicted vs measured peak memory.
+
+Each configuration runs ``finetune run RECIPE --measure-memory`` (the real trainer, 1 or 2 processes on
+gloo) for one optimizer step; the trainer's probe measures the peak of tensor memory with MemTracker and
+writes memory.json. The prediction is the planner's for the same recipe and processes (for the first
+optimizer step, which is what the probe measures: AdamW's state does not exist during its backward).
+
+    python scripts/plan_accuracy.py            # all configurations, a table, median and worst error
+    python scripts/plan_accuracy.py --fast     # the subset the test suite runs
+    python scripts/plan_accuracy.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "recipes" / "models" / "tiny-llama"
+SEQ_LEN = 128
+
+# Small models of other architectures, with the tiny model's byte-level tokenizer (vocab 264).
+ARCHS = {
+    "qwen2": {"model_type": "qwen2", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 688,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False},
+    "gpt2": {"model_type": "gpt2", "vocab_size": 264, "n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 512},
+    "gemma2": {"model_type": "gemma2", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 688,
+               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64},
+}
+
+# name, architecture, recipe changes, processes. Rows are exactly max_seq_len tokens with two documents
+# each (see packed_samples), so the prediction's worst case is what runs.
+CONFIGS: list[tuple[str, str, dict, int]] = [
+    ("llama full fp32 mb16", "llama", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
+    ("llama full fp32 mb1 accum16", "llama", {"method": "full", "precision": "fp32", "mbs": 1}, 1),
+    ("llama full bf16 mb16 ckpt", "llama", {"method": "full", "precision": "bf16", "mbs": 16, "ac": True}, 1),
+    ("llama lora fp32 mb16", "llama", {"method": "lora", "precision": "fp32", "mbs": 16}, 1),
+    ("llama qlora bf16 mb16", "llama", {"method": "qlora", "precision": "bf16", "mbs": 16}, 1),
+    ("qwen2 full fp32 mb16", "qwen2", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
+    ("gpt2 lora bf16 mb16", "gpt2", {"method": "lora", "precision": "bf16", "mbs": 16, "targets": ["c_attn"]}, 1),
+    ("gemma2 full bf16 mb8", "gemma2", {"method": "full", "precision": "bf16", "mbs": 8}, 1),
+    ("llama full fp32 ddp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "ddp"}, 2),
+    ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
+    ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
+]
+FAST = ["llama full fp32 mb16", "llama lora fp32 mb16"]
+
+
+def packed_samples(root: Path) -> Path:
+    """Pre-tokenized rows of exactly SEQ_LEN / 2 tokens: packing puts two documents in every row, so rows
+    are exactly SEQ_LEN wide and carry a document boundary (the masked attention path the planner plans for)."""
+    import random
+
+    path = root / "half_rows.jsonl"
+    if not path.exists():
+        rng = random.Random(0)
+        with path.open("w") as f:
+            for _ in range(256):
+                f.write(json.dumps({"input_ids": [rng.randrange(3, 256) for _ in range(SEQ_LEN // 2)]}) + "\n")
+    return path
+
+
+def model_dir(arch: str, root: Path) -> Path:
+    """A model directory (config + the tiny tokenizer) for ``arch``; random weights come from the seed."""
+    if arch == "llama":
+        return TINY
+    from transformers import AutoConfig
+
+    d = root / arch
+    if not d.exists():
+        d.mkdir(parents=True)
+        facts = dict(ARCHS[arch])
+        AutoConfig.for_model(facts.pop("model_type"), **facts).save_pretrained(d)
+        for f in TINY.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(f, d / f.name)
+    return d
+
+
+def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path) -> dict:
+    """The recipe of one configuration."""
+    mbs = change["mbs"]
+    return {
+        "model": {"path": str(model_dir(arch, root)), "init": "random"},
+        "method": change["method"],
+        "lora": {"r": 8, "alpha": 16, "target_modules": change.get("targets", ["q_proj", "v_proj"])},
+        "data": {"train": str(packed_samples(root)), "format": "tokenized", "max_seq_len": SEQ_LEN, "packing": True},
+        "train": {"max_steps": 1, "global_batch_size": 16, "micro_batch_size": mbs,
+                  "activation_checkpointing": change.get("ac", False), "lr": 1e-3, "seed": 0},
+        "precision": change["precision"],
+        "distributed": {"strategy": change.get("strategy", "single"), "nproc": nproc},
+        "eval": {"every": 0},
+        "output": {"dir": str(out), "log_every": 1},
+    }
+
+
+def run_one(name: str, arch: str, change: dict, nproc: int, root: Path) -> dict:
+    """Train one step through the real CLI; return predicted, measured and the error."""
+    from finetune.plan.flowchart import first_step_memory
+    from finetune.plan.types import Plan
+    from finetune.recipe import load_recipe
+
+    out = root / name.replace(" ", "_")
+    path = root / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(recipe_for(arch, change, nproc, root, out), sort_keys=False))
+    cmd = [sys.executable, "-m", "finetune", "run", str(path), "--measure-memory", "--nproc", str(nproc)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    mem_file = out / "memory.json"
+    if proc.returncode != 0 or not mem_file.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"config": name, "error": f"run failed ({proc.returncode}): {' | '.join(tail)}"}
+    measured = json.loads(mem_file.read_text())
+    plan = Plan.from_dict(json.loads((out / "plan.json").read_text()))
+    first = first_step_memory(load_recipe(path), plan, device="cpu")
+    steady = plan.chosen.memory.total
+    meas = int(measured["measured_peak"])
+    pred = first.total - first.overhead
+    return {
+        "config": name, "predicted": pred, "measured": meas, "error": (pred - meas) / meas,
+        "steady_state_prediction": steady, "by_category": measured.get("by_category", {}),
+        "chosen": {k: getattr(plan.chosen, k) for k in ("method", "strategy", "micro_batch_size", "grad_accum_steps")},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fast", action="store_true", help="only the configurations the test suite runs")
+    ap.add_argument("--only", nargs="*", help="configuration names to run")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    configs = [c for c in CONFIGS if (not args.fast or c[0] in FAST) and (not args.only or c[0] in args.only)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, arch, change, nproc in configs:
+            r = run_one(name, arch, change, nproc, Path(tmp))
+            rows.append(r)
+            if "predicted" in r:
+                print(f"{name:32s} predicted {r['predicted'] / 2**20:8.2f} MiB  measured {r['measured'] / 2**20:8.2f} MiB"
+                      f"  error {100 * r['error']:+6.2f}%", flush=True)
+            else:
+                print(f"{name:32s} {r['error']}", flush=True)
+    errs = [abs(r["error"]) for r in rows if "predicted" in r]
+    if errs:
+        print(f"\n{len(errs)} configurations: median |error| {100 * statistics.median(errs):.2f}%, "
+              f"worst {100 * max(errs):.2f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0 if errs and len(errs) == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
