@@ -74,6 +74,11 @@ def launch(
     if nproc is None:
         nproc = r.distributed.nproc if r.distributed.nproc != "auto" else max(1, torch.cuda.device_count())
     plan = plan_for_run(loaded, nproc=nproc, nnodes=nnodes, device=device)
+    if plan.chosen.strategy == "single" and nproc * nnodes > 1:
+        raise UserError(
+            f"distributed.strategy: `single` trains one process but {nproc * nnodes} were asked for "
+            "(--nproc/--nnodes or distributed.nproc); choose ddp, zero1, zero2, fsdp or auto, or run 1 process"
+        )
     if node_rank == 0:
         from finetune.train.resume import preflight_resume
 

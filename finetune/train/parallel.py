@@ -30,8 +30,10 @@ SHARDED = ("zero2", "fsdp")
 
 def parallelize(model: torch.nn.Module, chosen: Candidate, ctx: DistContext) -> torch.nn.Module:
     """Wrap ``model`` for ``chosen.strategy``; a single process is returned unchanged."""
-    if chosen.strategy == "single" or not ctx.distributed:
+    if not ctx.distributed:
         return model
+    if chosen.strategy == "single":  # each rank would train alone on its slice: never silently
+        raise UserError(f"distributed.strategy: `single` cannot run on {ctx.world_size} processes; use ddp")
     if chosen.strategy in ("ddp", "zero1"):
         return _data_parallel(model, ctx)
     if chosen.strategy in SHARDED:
