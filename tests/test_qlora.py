@@ -71,22 +71,25 @@ def test_qlora_trains_on_cpu(tmp_path: Path) -> None:
         assert torch.isfinite(peft_model(INPUT_IDS).logits).all()
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-def test_dequantized_weight_is_what_the_4bit_model_computes_with(tmp_path: Path, quant_type: str) -> None:
+@pytest.mark.parametrize("kind", ["nf4", "fp4", "int8"])
+def test_dequantized_weight_is_what_the_quantized_model_computes_with(tmp_path: Path, kind: str) -> None:
     import bitsandbytes.functional as bnbf
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    loaded = qlora_recipe(quant_type=quant_type)
+    loaded = qlora_recipe(bits=8) if kind == "int8" else qlora_recipe(quant_type=kind)
     model = load_quantized(loaded, TINY, candidate(), "cpu", base_dir=tmp_path / "base")
     weights = load_file(str(tmp_path / "base" / "model.safetensors"))
     names = quantized_modules(AutoConfig.from_pretrained(tmp_path / "base"))
     assert len(names) == 28 and "lm_head" not in names
     for name in names:
         w = model.get_submodule(name).weight
-        trained = bnbf.dequantize_4bit(w.data, w.quant_state)
-        assert torch.equal(dequantized_weight(weights[f"{name}.weight"], loaded.recipe.quantization, torch.float32),
-                           trained), name
+        if kind == "int8":  # int8 codes per row, scaled by the row's absmax / 127
+            trained = w.data.float() * (w.SCB.float().unsqueeze(1) / 127)
+        else:
+            trained = bnbf.dequantize_4bit(w.data, w.quant_state)
+        mine = dequantized_weight(weights[f"{name}.weight"], loaded.recipe.quantization, torch.float32)
+        assert torch.allclose(mine, trained, rtol=0, atol=1e-7 if kind == "int8" else 0), name
 
 
 def make_qlora_run(tmp_path: Path) -> tuple[Path, torch.nn.Module]:

@@ -14,6 +14,7 @@ path as a pretrained checkpoint, so the 4-bit model is the quantization of weigh
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +116,9 @@ def load_quantized(
 
     r = loaded.recipe
     compute_dtype = resolve_compute_dtype(r, chosen.precision)
+    if r.quantization.bits == 8:
+        # LLM.int8 casts fp32/bf16 inputs to fp16 by design; bitsandbytes warns on every matmul.
+        warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
     if quant_storage is None and chosen.strategy == "fsdp" and r.quantization.bits == 4:
         quant_storage = compute_dtype
     device = torch.device(device)
