@@ -49,11 +49,29 @@ with torch.no_grad():
 """
 
 
-def cli(*args: str, cwd: Path) -> str:
-    out = subprocess.run([sys.executable, "-m", "finetune", *args], cwd=cwd, capture_output=True, text=True,
-                         check=False)
+def finetune_run(recipe: Path, cwd: Path) -> None:
+    """`finetune run` in its own process, as a user runs it."""
+    out = subprocess.run([sys.executable, "-m", "finetune", "run", str(recipe)], cwd=cwd, capture_output=True,
+                         text=True, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
+
+
+def finetune_merge(*args: str, cwd: Path) -> str:
+    """`finetune merge` through the real CLI (in this process: the merge itself imports no peft)."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, ["merge", *args])
+    finally:
+        os.chdir(here)
+    assert result.exit_code == 0, result.output
+    return result.output
 
 
 def write_recipe(tmp: Path, method: str) -> Path:
@@ -103,6 +121,14 @@ def adapter_logits(tmp: Path, run: Path, quantized: bool) -> torch.Tensor:
         return model(torch.tensor(IDS)).logits
 
 
+def merged_logits(out: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(IDS)).logits
+
+
 def merged_logits_without_peft(out: Path) -> torch.Tensor:
     res = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_PEFT, str(out), json.dumps(IDS)],
                          capture_output=True, text=True, check=False)
@@ -112,10 +138,10 @@ def merged_logits_without_peft(out: Path) -> torch.Tensor:
 
 def test_lora_run_merge_load_without_peft(tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, "lora")
-    cli("run", str(recipe), cwd=tmp_path)
+    finetune_run(recipe, tmp_path)
     run = tmp_path / "run-lora"
     assert (run / "adapter_model.safetensors").is_file() and (run / "recipe.yaml").is_file()
-    printed = cli("merge", "run-lora", "--out", "merged", cwd=tmp_path)
+    printed = finetune_merge("run-lora", "--out", "merged", cwd=tmp_path)
     assert "merged 28 adapted modules" in printed
     expected = adapter_logits(tmp_path, run, quantized=False)
     diff = (merged_logits_without_peft(tmp_path / "merged") - expected).abs().max().item()
@@ -124,13 +150,13 @@ def test_lora_run_merge_load_without_peft(tmp_path: Path) -> None:
 
 def test_qlora_run_merge_into_dequantized(tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, "qlora")
-    cli("run", str(recipe), cwd=tmp_path)
+    finetune_run(recipe, tmp_path)
     run = tmp_path / "run-qlora"
-    cli("merge", "run-qlora", "--out", "merged-dq", "--into-dequantized", cwd=tmp_path)
-    cli("merge", "run-qlora", "--out", "merged-16", cwd=tmp_path)
+    finetune_merge("run-qlora", "--out", "merged-dq", "--into-dequantized", cwd=tmp_path)
+    finetune_merge("run-qlora", "--out", "merged-16", cwd=tmp_path)
     expected = adapter_logits(tmp_path, run, quantized=True)
-    diff_dq = (merged_logits_without_peft(tmp_path / "merged-dq") - expected).abs().max().item()
-    diff_16 = (merged_logits_without_peft(tmp_path / "merged-16") - expected).abs().max().item()
+    diff_dq = (merged_logits(tmp_path / "merged-dq") - expected).abs().max().item()
+    diff_16 = (merged_logits(tmp_path / "merged-16") - expected).abs().max().item()
     print(f"QLoRA run merged: max |logit diff| vs trained 4-bit model: dequantized {diff_dq:.3g}, 16-bit {diff_16:.3g}")
     assert diff_dq < 1e-4, diff_dq
     assert diff_16 > 100 * diff_dq
