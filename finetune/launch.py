@@ -109,6 +109,7 @@ def write_spec(
         "recipe": loaded.recipe.model_dump(mode="json"),
         "plan": plan_dict,
         "base_dir": str(loaded.base_dir),
+        "recipe_path": str(loaded.path) if loaded.path else None,  # for the resume command rank 0 prints
         "overrides": list(loaded.overrides),
         "resume": resume,
         "measure_memory": measure_memory,
@@ -161,6 +162,7 @@ def launch_workers(
     import logging
     import tempfile
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
@@ -181,9 +183,14 @@ def launch_workers(
             spec, nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
             max_restarts=max_restarts, run_id=run_id,
         )
+        # On SIGTERM/Ctrl-C the agent forwards the signal to the workers, which finish the step and save a
+        # checkpoint (finetune.train.signals); it waits this long before SIGKILL (torch's default: 30 s).
+        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
         config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(argv))
         try:
             elastic_launch(config, cmd)(*cmd_args)
+        except SignalException as err:
+            return 128 + int(err.sigval)  # rank 0 printed where the checkpoint is and how to resume
         except RendezvousError as err:
             raise UserError(
                 f"--rdzv-endpoint: the {nnodes} node(s) did not meet at {rdzv_endpoint or 'localhost'} ({err}); "

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,11 +87,6 @@ def _wait_for(cond, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.05)
 
 
-def _logged_steps(out: Path) -> int:
-    m = out / "metrics.jsonl"
-    return len(m.read_text().splitlines()) if m.exists() else 0
-
-
 def test_resume_from_step_4_matches_the_uninterrupted_run(reference: dict, tmp_path: Path) -> None:
     ckpt = reference["out"] / "checkpoints" / "step-4"
     meta = ck.read_meta(ckpt)
@@ -105,59 +101,85 @@ def test_resume_from_step_4_matches_the_uninterrupted_run(reference: dict, tmp_p
     _assert_same_weights(_weights(out), reference["weights"])
 
 
-def test_sigkill_during_training_then_bare_resume(reference: dict, tmp_path: Path) -> None:
-    out = tmp_path / "killed"
+def _max_step(out: Path) -> int:
+    m = out / "metrics.jsonl"
+    rows = [json.loads(x) for x in m.read_text().splitlines() if x.endswith("}")] if m.exists() else []
+    return max((r["step"] for r in rows), default=0)
+
+
+def test_sigkill_sigterm_and_a_killed_write_then_resume(reference: dict, tmp_path: Path) -> None:
+    """One run, stopped three ways through the real CLI, then finished: the result is the uninterrupted run's.
+
+    A: SIGKILL during a step (checkpoint 3 complete) -> B: bare `--resume`, SIGTERM (saves step k, prints the
+    resume command, exit 143) -> C: `--resume latest`, SIGKILL in the middle of writing the next checkpoint ->
+    D: `--resume latest` finishes.
+    """
+    out = tmp_path / "stopped"
     recipe = _recipe(tmp_path, out, save_every=3)
-    proc = _spawn(recipe, env={"FINETUNE_TEST_STEP_SLEEP": "0.15"})
-    _wait_for(lambda: _logged_steps(out) >= 4, proc)  # checkpoint 3 is complete, step 6 not yet
-    proc.kill()
-    proc.wait()
+    slow = {"FINETUNE_TEST_STEP_SLEEP": "0.15"}
+
+    a = _spawn(recipe, env=slow)
+    _wait_for(lambda: _max_step(out) >= 4, a)  # checkpoint 3 is complete, 6 not yet
+    a.kill()
+    a.wait()
     assert ck.latest_checkpoint(out).name == "step-3"
-    done = subprocess.run(
-        [sys.executable, "-m", "finetune", "run", str(recipe), "--resume"], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "resumed from" in done.stdout and "step-3 at step 3 of 8" in done.stdout
-    assert _losses(out) == reference["losses"]  # metrics.jsonl continued from step 3: each step once
-    _assert_same_weights(_weights(out), reference["weights"])
 
+    b_started = time.time()
+    b = _spawn(recipe, "--resume", env=slow)
+    metrics = out / "metrics.jsonl"
+    _wait_for(lambda: metrics.stat().st_mtime > b_started and _max_step(out) >= 5, b)
+    b.send_signal(signal.SIGTERM)
+    stdout, _ = b.communicate(timeout=300)
+    assert b.returncode == 143, stdout
+    k = ck.read_meta(ck.latest_checkpoint(out))["step"]
+    assert 5 <= k < STEPS
+    assert "resumed from" in stdout and "step-3 at step 3 of 8" in stdout
+    assert "SIGTERM received: finishing this step and saving a checkpoint" in stdout
+    assert f"checkpoint saved: {out}/checkpoints/step-{k} (step {k} of {STEPS})" in stdout
+    assert f"resume with: finetune run {recipe} --resume" in stdout
 
-def test_sigkill_during_a_checkpoint_write(reference: dict, tmp_path: Path) -> None:
-    out = tmp_path / "killed-writing"
-    recipe = _recipe(tmp_path, out, save_every=3)
-    proc = _spawn(recipe, env={ck.SLEEP_HOOK: "6:60"})  # the write of step-6 stalls half-way
+    next_save = 6 if k < 6 else STEPS
+    c = _spawn(recipe, "--resume", "latest", env={ck.SLEEP_HOOK: f"{next_save}:60"})  # that write stalls
     root = ck.checkpoints_dir(out)
-    _wait_for(lambda: any((p / "trainer.pt").exists() for p in root.glob(".tmp-step-6-*")), proc)
-    proc.kill()
-    proc.wait()
-    partial = next(root.glob(".tmp-step-6-*"))
+    _wait_for(lambda: any((p / "trainer.pt").exists() for p in root.glob(f".tmp-step-{next_save}-*")), c)
+    c.kill()
+    c.wait()
+    partial = next(root.glob(f".tmp-step-{next_save}-*"))
     assert (partial / "model.safetensors").exists() and not (partial / "meta.json").exists()
-    assert [s for s, _ in ck.list_checkpoints(out)] == [3]  # the partial write is not a checkpoint
-    assert ck.resolve_resume("latest", out).name == "step-3"
+    assert ck.list_checkpoints(out)[-1][0] == k  # the partial write is not a checkpoint
+    assert ck.resolve_resume("latest", out).name == f"step-{k}"
+
     assert launch(str(recipe), overrides=[], resume="latest") == 0
     assert not partial.exists()  # leftovers are removed by the next save
-    assert _losses(out) == reference["losses"]
+    assert _losses(out) == reference["losses"]  # metrics.jsonl continued at each resume: every step once
     _assert_same_weights(_weights(out), reference["weights"])
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_a_checkpoint_and_prints_the_resume_command(
-    reference: dict, tmp_path: Path, sig: signal.Signals
+def test_ctrl_c_saves_prints_the_resume_command_and_resumes_exactly(
+    reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    out = tmp_path / f"signalled-{sig.name}"
-    recipe = _recipe(tmp_path, out)  # save_every 0: only the signal and the end save
-    proc = _spawn(recipe, env={"FINETUNE_TEST_STEP_SLEEP": "0.15"})
-    _wait_for(lambda: _logged_steps(out) >= 3, proc)
-    proc.send_signal(sig)
-    stdout, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + sig, stdout
+    out = tmp_path / "ctrl-c"
+    recipe = _recipe(tmp_path, out)  # save_every 0: only Ctrl-C's and the final save
+    monkeypatch.setenv("FINETUNE_TEST_STEP_SLEEP", "0.15")
+
+    def press_ctrl_c() -> None:
+        end = time.monotonic() + 240
+        while _max_step(out) < 3 and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends this process on Ctrl-C
+
+    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    assert launch(str(recipe), overrides=[]) == 130
+    stdout = capfd.readouterr().out
     step = ck.read_meta(ck.latest_checkpoint(out))["step"]
     assert 3 <= step < STEPS
-    assert f"{sig.name} received: finishing this step and saving a checkpoint" in stdout
+    assert (
+        "SIGINT received: finishing this step and saving a checkpoint; press Ctrl-C again to quit without saving"
+        in stdout
+    )
     assert f"checkpoint saved: {out}/checkpoints/step-{step} (step {step} of {STEPS})" in stdout
     assert f"resume with: finetune run {recipe} --resume" in stdout
-    if sig == signal.SIGINT:
-        return  # the same save as SIGTERM's; resuming it is proven once
+    monkeypatch.delenv("FINETUNE_TEST_STEP_SLEEP")
     assert launch(str(recipe), overrides=[], resume="latest") == 0
     assert _losses(out) == reference["losses"]
     _assert_same_weights(_weights(out), reference["weights"])

@@ -73,7 +73,9 @@ def nonfinite_policy(loaded: LoadedRecipe, precision: str) -> str:
 
 def resume_command(loaded: LoadedRecipe) -> str:
     """The command that continues this run from its newest checkpoint."""
-    recipe = loaded.path or Path(loaded.recipe.output.dir) / "recipe.yaml"
+    recipe = loaded.path
+    if recipe is None or not Path(recipe).is_file():
+        recipe = Path(loaded.recipe.output.dir) / "recipe.yaml"  # the resolved copy every run saves
     try:
         shown = str(Path(recipe).resolve().relative_to(Path.cwd()))
     except ValueError:

@@ -2,11 +2,14 @@
 
 The handler only records the signal; the training loop asks :meth:`StopRequest.agreed` at the end of every
 optimizer step, which sums the flag over all ranks so every rank stops after the same step and joins the
-same (collective) checkpoint save. A second Ctrl-C restores the default handler and interrupts at once.
+same (collective) checkpoint save. A second Ctrl-C restores the default handler and interrupts at once,
+except in a worker started by torchrun: there the agent forwards the terminal's signal once more, so repeats
+are ignored (the agent kills the workers itself after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -37,6 +40,8 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None and "TORCHELASTIC_RUN_ID" in os.environ:
+            return  # the agent's forwarded copy of the signal this worker already has
         if self.signum is not None and signum == signal.SIGINT:
             # Second Ctrl-C: the user does not want to wait for the step and the save.
             signal.signal(signal.SIGINT, signal.default_int_handler)

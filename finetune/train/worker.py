@@ -58,6 +58,8 @@ def run_worker(spec_path: str) -> None:
 
     spec = read_spec(spec_path)
     loaded = recipe_from_dict(spec["recipe"], Path(spec["base_dir"]))
+    if spec.get("recipe_path"):
+        loaded.path = Path(spec["recipe_path"])  # the user's file (same directory as base_dir)
     loaded.overrides = list(spec.get("overrides", []))
     plan = Plan.from_dict(spec["plan"])
     ctx = DistContext.from_env()
