@@ -307,3 +307,11 @@ def test_decoder_blocks_found_for_any_architecture() -> None:
             model = AutoModelForCausalLM.from_config(config)
         blocks = decoder_blocks(model)
         assert [type(b).__name__ for b in blocks] == [block_class] * 3
+
+
+def test_single_strategy_on_two_processes_is_refused(tmp_path: Path, micro_model: Path) -> None:
+    """`single` on 2 processes would train two unsynchronised models: refused before any worker starts."""
+    recipe = write_recipe(tmp_path / "r.yaml", parity_recipe(micro_model, tmp_path / "out", "full", "single"))
+    with pytest.raises(UserError, match=r"distributed.strategy: `single` trains one process but 2 were asked"):
+        launch(str(recipe), overrides=[], nproc=2)
+    assert not (tmp_path / "out").exists()
