@@ -165,9 +165,11 @@ def test_lora_under_fsdp_parity(runs: Runs) -> None:
     assert not (dist / "model.safetensors").exists()
 
 
-def test_qlora_under_ddp_parity(runs: Runs) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_qlora_parity(runs: Runs, strategy: str) -> None:
+    """QLoRA under ddp, and under fsdp, where the 4-bit weights themselves are sharded and all-gathered."""
     single, _ = runs.get("qlora", "single", 1)
-    dist, _ = runs.get("qlora", "ddp", 2)
+    dist, _ = runs.get("qlora", strategy, 2)
     losses = [r["loss"] for r in step_rows(dist)]
     assert len(losses) == STEPS
     assert max_rel(losses, [r["loss"] for r in step_rows(single)]) <= LOSS_RTOL

@@ -12,8 +12,10 @@ and no traceback, like the CLI; a rank that only lost its peers exits 75 and rec
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,9 @@ def _quiet_if_not_main(rank: int) -> None:
     os.environ["TQDM_DISABLE"] = "1"
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    # Library warnings are the same on every rank: rank 0 shows them once. Errors still reach stderr.
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
 
 
 def _set_threads() -> None:
