@@ -190,12 +190,72 @@ class _WindowTracker:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
+TRACE_VERSION = 1  # bump when what a trace records changes: invalidates the disk cache
+
+
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
-    """Trace ``spec`` with two decoder layers at micro-batch 1 and 2 (cached per config and spec)."""
+    """Trace ``spec`` with two decoder layers at micro-batch 1 and 2.
+
+    Cached in memory and on disk (``$FINETUNE_CACHE`` or ~/.cache/finetune/traces, keyed by the config,
+    the spec and the versions of torch, transformers and peft): planning the same model again is instant.
+    """
     key = (config.to_json_string(use_diff=False), spec)
     if key not in _CACHE:
-        _CACHE[key] = ActivationProfile({b: trace_windows(config, spec, TRACE_LAYERS, b) for b in (1, 2)})
+        path = _disk_path(key)
+        profile = _load(path) if path else None
+        if profile is None:
+            profile = ActivationProfile({b: trace_windows(config, spec, TRACE_LAYERS, b) for b in (1, 2)})
+            _save(path, profile)
+        _CACHE[key] = profile
     return _CACHE[key]
+
+
+def _disk_path(key: Any) -> Any:
+    import hashlib
+    import os
+    from pathlib import Path
+
+    try:
+        import peft
+        import torch
+        import transformers
+
+        versions = (torch.__version__, transformers.__version__, peft.__version__, TRACE_VERSION)
+        digest = hashlib.sha256(repr((key, versions)).encode()).hexdigest()[:32]
+        root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "traces"
+        return root / f"{digest}.json"
+    except Exception:  # no home, odd environment: no disk cache
+        return None
+
+
+def _load(path: Any) -> ActivationProfile | None:
+    import json
+
+    try:
+        raw = json.loads(path.read_text())
+        points = {}
+        for b, r in raw.items():
+            windows = {w: WindowPeaks(**v) for w, v in r["windows"].items()}
+            points[int(b)] = TraceResult(windows, r["layer_acts"], r["layer_copies"], r["layer_grads"])
+        return ActivationProfile(points)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _save(path: Any, profile: ActivationProfile) -> None:
+    import json
+    import os
+    from dataclasses import asdict
+
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({b: asdict(r) for b, r in profile.points.items()}))
+        os.replace(tmp, path)  # atomic: concurrent planners never read half a file
+    except OSError:
+        pass
 
 
 def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> TraceResult:

@@ -1,0 +1,80 @@
+"""`finetune plan` through the real CLI: the JSON contract, user errors, and a fast accuracy subset."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "buffers", "overhead", "total"}
+CHOSEN_KEYS = {"method", "strategy", "precision", "micro_batch_size", "grad_accum_steps", "activation_checkpointing",
+               "nproc", "memory", "comm_bytes_per_step", "fits"}
+
+
+def plan(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
+    import os
+
+    env = dict(os.environ, FINETUNE_CACHE=str(env_cache))
+    return subprocess.run([sys.executable, "-m", "finetune", "plan", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+
+
+def test_json_schema_for_a_catalog_model_on_8_gpus(tmp_path):
+    out = plan("--model", "qwen2.5-0.5b", "--gpus", "8", "--gpu-memory", "24GiB", "--seq-len", "1024",
+               "--global-batch-size", "64", "--json", env_cache=tmp_path)
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    c = p["chosen"]
+    assert set(c) >= CHOSEN_KEYS
+    assert set(c["memory"]) == MEMORY_KEYS and all(isinstance(v, int) for v in c["memory"].values())
+    assert c["memory"]["total"] == sum(v for k, v in c["memory"].items() if k != "total")
+    assert c["memory"]["total"] <= 24 * 2**30 and c["fits"] is True
+    assert (c["method"], c["strategy"], c["precision"]) == ("full", "ddp", "bf16")  # 0.5B fits under DDP
+    assert c["micro_batch_size"] * c["grad_accum_steps"] * 8 == 64
+    assert isinstance(c["comm_bytes_per_step"], int) and c["comm_bytes_per_step"] > 0
+    # DDP all-reduce of fp32 gradients: 2 (N-1)/N x 4 bytes x parameters
+    assert c["comm_bytes_per_step"] == int(2 * 7 / 8 * 4 * 494_032_768)
+    assert p["model"]["parameters"] == 494_032_768
+    assert {(x["method"], x["strategy"]) for x in p["candidates"]} >= {("full", s) for s in ("ddp", "zero1", "zero2", "fsdp")}
+    assert all(set(x["memory"]) == MEMORY_KEYS and isinstance(x["fits"], bool) for x in p["candidates"])
+    assert p["walk"][1].startswith("Full fine-tuning under DDP needs") and ": fits" in p["walk"][1]
+
+
+def test_recipe_plan_and_user_errors(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))
+    monkeypatch.chdir(ROOT)
+    runner = CliRunner()
+    out = runner.invoke(app, ["plan", "recipes/llama-3.1-8b-lora.yaml", "--json"])
+    assert out.exit_code == 0, out.output
+    c = json.loads(out.stdout)["chosen"]
+    assert (c["method"], c["strategy"], c["precision"]) == ("lora", "single", "bf16") and c["fits"]
+    bad = runner.invoke(app, ["plan", "--model", "no-such-model"])
+    assert bad.exit_code == 2 and "is not a local model directory, a catalog model" in bad.output
+    assert "Traceback" not in bad.output
+    bad = runner.invoke(app, ["plan", "--model", "llama-3.2-1b", "--gpu-memory", "lots"])
+    assert bad.exit_code == 2 and "cannot read `lots` as a memory size" in bad.output
+
+
+@pytest.mark.slow
+def test_fast_accuracy_subset_within_10_percent():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import plan_accuracy
+    finally:
+        sys.path.pop(0)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, arch, change, nproc in plan_accuracy.CONFIGS:
+            if name in plan_accuracy.FAST[:1]:
+                r = plan_accuracy.run_one(name, arch, change, nproc, Path(tmp))
+                assert "predicted" in r, r
+                assert abs(r["error"]) <= 0.10, r
