@@ -121,6 +121,16 @@ def test_tied_head_lora_and_modules_to_save_untie(tmp_path: Path) -> None:
     assert (logits_of(tmp_path / "merged") - expected).abs().max().item() < 1e-4
 
 
+def test_tied_embedding_lora_unties(tmp_path: Path) -> None:
+    """LoRA on a tied input embedding (lora_embedding_A/B) of Llama: the head keeps the original weights."""
+    base, adapter, peft_model = make_run(tmp_path, "llama", ["embed_tokens", "q_proj"], tied=True)
+    with torch.no_grad():
+        expected = peft_model(INPUT_IDS).logits
+    res = merge(adapter, tmp_path / "merged", base=str(base))
+    assert res.untied == ["lm_head.weight", "model.embed_tokens.weight"]
+    assert (logits_of(tmp_path / "merged") - expected).abs().max().item() < 1e-4
+
+
 def test_streamed_shards_equal_in_memory_fold(tmp_path: Path) -> None:
     """Several input shards: every output tensor is bit-identical to peft's merge_and_unload, same layout."""
     base, adapter, peft_model = make_run(tmp_path, "llama", LLAMA_ALL, bias=True, shard="100KB")
