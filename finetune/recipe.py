@@ -179,6 +179,7 @@ class DistributedConfig(Section):
 
 class EvalConfig(Section):
     every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0: only at the end).")
+    at_start: bool = Field(True, description="Also evaluate before the first step, to show what training changed.")
     max_new_tokens: int = Field(32, ge=1, description="Greedy generation length for exact match.")
     max_samples: Union[int, None] = Field(None, ge=1, description="Evaluate on at most this many eval rows.")
     batch_size: int = Field(32, ge=1, description="Rows per eval forward pass.")

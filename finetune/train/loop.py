@@ -175,7 +175,7 @@ def train_rank(
     params = [p for p in model.parameters() if p.requires_grad]
     metrics = MetricsWriter(out_dir / "metrics.jsonl", enabled=ctx.is_main)
     state = TrainState()
-    reporter.start(plan, trainable, total, steps, data.stats, ctx.world_size)
+    reporter.start(plan, trainable, total, steps, data.stats, ctx.world_size, getattr(data, "notes", []))
     checkpoints = RunCheckpoints(
         loaded, plan, ctx, stream, model, unwrap(model), optimizer, scheduler, scaler, steps, reporter.plain
     )
@@ -195,6 +195,11 @@ def train_rank(
     window_tokens, window_start = 0, time.perf_counter()
     measured_peak = None
     last_eval: EvalResult | None = None
+    if r.eval.at_start and state.step == 0:
+        first = do_eval()
+        if first is not None:
+            metrics.write({"step": 0, **_eval_fields(first)})
+            reporter.eval_line(0, first)
     checkpoints.restore_rng()  # last thing before the first step: the resumed run draws what the first would
     with stop, reporter.progress(steps, start=state.step) as advance:
         while state.step < steps:

@@ -53,7 +53,8 @@ class Reporter:
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.console = Console(highlight=False)
+        # Not a terminal (a log file, CI): never wrap lines, so each log line stays one line.
+        self.console = Console(highlight=False, soft_wrap=not sys.stdout.isatty())
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Print on rank 0 only (``kwargs`` go to rich's Console.print)."""
@@ -64,18 +65,24 @@ class Reporter:
         """Print ``text`` as is on rank 0: no markup, never wrapped (paths and commands stay copyable)."""
         self.print(text, markup=False, highlight=False, soft_wrap=True)
 
-    def start(self, plan: Plan, trainable: int, total: int, steps: int, stats: dict[str, int], world: int) -> None:
-        """The run's header: what the Plan chose and the sizes involved."""
+    def start(
+        self, plan: Plan, trainable: int, total: int, steps: int, stats: dict[str, Any], world: int,
+        notes: list[str] | None = None,
+    ) -> None:
+        """The run's header: what the Plan chose, the sizes involved, and anything the data loader noticed."""
         c = plan.chosen
         self.print(
             f"[bold]finetune[/] {c.method} | {c.strategy} x{world} | {c.precision} | micro-batch {c.micro_batch_size}"
             f" x accumulation {c.grad_accum_steps} x {world} process(es)"
             f" | activation checkpointing {'on' if c.activation_checkpointing else 'off'}"
         )
+        shown = {k: v for k, v in stats.items() if v or k in ("train", "eval")}
         self.print(
             f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / max(total, 1):.2f}%) | "
-            f"{steps} steps | data: " + ", ".join(f"{k} {v}" for k, v in stats.items())
+            f"{steps} steps | data: " + ", ".join(f"{k} {v}" for k, v in shown.items())
         )
+        for note in notes or []:
+            self.print(f"data: {note}")
         if c.memory.total:
             self.print(f"plan: {fmt_bytes(c.memory.total)} per process predicted")
 
@@ -121,9 +128,10 @@ class Reporter:
             yield advance
 
     def eval_line(self, step: int, ev: EvalResult | None) -> None:
-        """One line per periodic evaluation."""
+        """One line per periodic evaluation (step 0: before training)."""
         if ev is not None:
-            self.print(f"eval @ step {step}: {_eval_text(ev)}")
+            when = "before training" if step == 0 else f"@ step {step}"
+            self.print(f"eval {when}: {_eval_text(ev)}")
 
     def memory_line(self, predicted: int, measured: int) -> None:
         """The plan's prediction beside the measured peak of the first optimizer step."""
@@ -173,6 +181,9 @@ def save_final(
     """
     from finetune.train.parallel import full_state_dict
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
     state = full_state_dict(model, inner, ctx)
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
