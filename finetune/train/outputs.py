@@ -179,9 +179,9 @@ def save_final(
 
     Every rank calls this: under FSDP the full state dict is gathered from all ranks first.
     """
-    from finetune.train.parallel import full_state_dict
-
     from transformers.utils import logging as hf_logging
+
+    from finetune.train.parallel import full_state_dict
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
     state = full_state_dict(model, inner, ctx)
