@@ -19,6 +19,7 @@ is exact for a stack of identical layers; four small traces stand for any depth 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -190,7 +191,7 @@ class _WindowTracker:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 1  # bump when what a trace records changes: invalidates the disk cache
+TRACE_VERSION = 2  # bump when what a trace records changes: invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
@@ -368,6 +369,48 @@ def _emulate_kbit_preparation(model: Any) -> None:
         p.requires_grad_(False)
         if id(p) not in linear_weights and p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.to(torch.float32)
+    for m in model.modules():
+        if (type(m) is nn.Linear or isinstance(m, Conv1D)) and m is not out_emb:
+            m.forward = functools.partial(_four_bit_forward, m)
+
+
+def _four_bit_forward(module: Any, x: Any) -> Any:
+    """bitsandbytes' Linear4bit.forward: input cast to the compute dtype, a matmul that saves only the packed
+    weight (never the input), output cast back to the input's dtype (fp32 next to peft's fp32 norms)."""
+
+    weight = module.weight if not hasattr(module, "nf") else module.weight.t()  # Conv1D stores W transposed
+    out = _FrozenMatmul.apply(x.to(weight.dtype), weight)
+    if getattr(module, "bias", None) is not None:
+        out = out + module.bias.to(out.dtype)
+    return out.to(x.dtype) if x.dtype != out.dtype else out
+
+
+class _FrozenMatmulMeta(type):
+    """Defers building the autograd.Function until torch is imported (this module stays import-light)."""
+
+    _fn: Any = None
+
+    def apply(cls, x: Any, w: Any) -> Any:
+        if cls._fn is None:
+            import torch
+
+            class Fn(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx: Any, x: Any, w: Any) -> Any:
+                    ctx.save_for_backward(w)
+                    return torch.nn.functional.linear(x, w)
+
+                @staticmethod
+                def backward(ctx: Any, grad: Any) -> Any:
+                    (w,) = ctx.saved_tensors
+                    return grad @ w.to(grad.dtype), None
+
+            cls._fn = Fn
+        return cls._fn.apply(x, w)
+
+
+class _FrozenMatmul(metaclass=_FrozenMatmulMeta):
+    pass
 
 
 def spec_lora_key(lora: Any) -> tuple | None:
