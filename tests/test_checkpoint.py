@@ -84,6 +84,8 @@ def test_free_disk_preflight(tmp_path: Path) -> None:
     ck.check_free_disk(tmp_path, 1024, keep=2)
     with pytest.raises(UserError, match=r"free but the checkpoints need about .* \(3 x .*: output.keep=2 plus one"):
         ck.check_free_disk(tmp_path, 2**60, keep=2)
+    with pytest.raises(UserError, match=r"\(1 x .*plus one being written, less the 5 already there\)"):
+        ck.check_free_disk(tmp_path, 2**60, keep=2, existing=5)
 
 
 def test_rng_states_round_trip_through_weights_only_load(tmp_path: Path) -> None:
@@ -118,3 +120,19 @@ def test_bare_resume_means_latest(tmp_path: Path) -> None:
     assert bare_resume(["run", "r.yaml", "--resume", "runs/x/checkpoints/step-4"])[2:] == [
         "--resume", "runs/x/checkpoints/step-4"
     ]
+
+
+def test_no_code_runs_when_loading_files() -> None:
+    """Every torch.load in the package is weights_only=True; YAML is read with safe_load only."""
+    import re
+
+    pkg = Path(ck.__file__).resolve().parent.parent
+    offenders = []
+    for py in pkg.rglob("*.py"):
+        text = py.read_text()
+        for m in re.finditer(r"torch\.load\((?:[^()]|\([^()]*\))*\)", text):
+            if "weights_only=True" not in m.group(0):
+                offenders.append(f"{py.name}: {m.group(0)}")
+        offenders += [f"{py.name}: yaml.load" for _ in re.finditer(r"yaml\.(?:load|unsafe_load)\(", text)]
+    assert offenders == []
+    assert "torch.load(ckpt / \"optimizer.pt\", map_location=\"cpu\", weights_only=True)" in Path(ck.__file__).read_text()

@@ -213,17 +213,22 @@ def checkpoint_bytes(saved_weight_bytes: int, trainable_params: int) -> int:
     return saved_weight_bytes + trainable_params * 2 * 4 + 64 * 1024
 
 
-def check_free_disk(out_dir: str | os.PathLike[str], one_checkpoint: int, keep: int) -> None:
-    """Refuse to start when ``out_dir`` cannot hold ``keep`` checkpoints plus the one being written."""
+def check_free_disk(out_dir: str | os.PathLike[str], one_checkpoint: int, keep: int, existing: int = 0) -> None:
+    """Refuse to start when ``out_dir`` cannot hold ``keep`` checkpoints plus the one being written.
+
+    ``existing`` checkpoints already on disk are reused space (pruned or replaced as the run goes).
+    """
     from finetune.train.outputs import fmt_bytes
 
-    need = one_checkpoint * (keep + 1)
+    count = max(1, keep + 1 - existing)
+    need = one_checkpoint * count
     free = shutil.disk_usage(out_dir).free
     if free < need:
+        already = f", less the {existing} already there" if existing else ""
         raise UserError(
             f"output.dir: {out_dir} has {fmt_bytes(free)} free but the checkpoints need about {fmt_bytes(need)} "
-            f"({keep + 1} x {fmt_bytes(one_checkpoint)}: output.keep={keep} plus one being written); free space, "
-            "lower output.keep, or choose another output.dir"
+            f"({count} x {fmt_bytes(one_checkpoint)}: output.keep={keep} plus one being written{already}); free "
+            "space, lower output.keep, or choose another output.dir"
         )
 
 

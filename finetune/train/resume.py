@@ -194,7 +194,9 @@ class RunCheckpoints:
             if n in names:
                 trainable += p.numel()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        ck.check_free_disk(self.out_dir, ck.checkpoint_bytes(weights, trainable), self.loaded.recipe.output.keep)
+        one = ck.checkpoint_bytes(weights, trainable)
+        existing = len(ck.list_checkpoints(self.out_dir))
+        ck.check_free_disk(self.out_dir, one, self.loaded.recipe.output.keep, existing)
 
     def restore_rng(self) -> None:
         """Restore the checkpoint's RNG state of this rank (call just before the first step)."""
