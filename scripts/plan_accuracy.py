@@ -32,6 +32,10 @@ ARCHS = {
     "qwen2": {"model_type": "qwen2", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 688,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False},
     "gpt2": {"model_type": "gpt2", "vocab_size": 264, "n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 512},
+    # ~0.7B parameters for the GPU check (scripts/gpu_check.sh)
+    "llama-0.7b": {"model_type": "llama", "vocab_size": 264, "hidden_size": 2048, "intermediate_size": 5504,
+                   "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
+                   "max_position_embeddings": 4096},
     "gemma2": {"model_type": "gemma2", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 688,
                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64},
 }
@@ -52,19 +56,27 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
 ]
 FAST = ["llama full fp32 mb16", "llama lora fp32 mb16"]
+# On a CUDA GPU (scripts/gpu_check.sh): torch.cuda.max_memory_allocated against the plan.
+GPU_CONFIGS: list[tuple[str, str, dict, int]] = [
+    ("0.7b full bf16 mb4", "llama-0.7b", {"method": "full", "precision": "bf16", "mbs": 4, "seq": 1024}, 1),
+    ("0.7b lora bf16 mb4", "llama-0.7b", {"method": "lora", "precision": "bf16", "mbs": 4, "seq": 1024}, 1),
+    ("0.7b qlora bf16 mb4", "llama-0.7b", {"method": "qlora", "precision": "bf16", "mbs": 4, "seq": 1024}, 1),
+    ("0.7b full bf16 mb4 ckpt", "llama-0.7b",
+     {"method": "full", "precision": "bf16", "mbs": 4, "seq": 1024, "ac": True}, 1),
+]
 
 
-def packed_samples(root: Path) -> Path:
-    """Pre-tokenized rows of exactly SEQ_LEN / 2 tokens: packing puts two documents in every row, so rows
-    are exactly SEQ_LEN wide and carry a document boundary (the masked attention path the planner plans for)."""
+def packed_samples(root: Path, seq_len: int = SEQ_LEN) -> Path:
+    """Pre-tokenized rows of exactly seq_len / 2 tokens: packing puts two documents in every row, so rows
+    are exactly seq_len wide and carry a document boundary (the masked attention path the planner plans for)."""
     import random
 
-    path = root / "half_rows.jsonl"
+    path = root / f"half_rows_{seq_len}.jsonl"
     if not path.exists():
         rng = random.Random(0)
         with path.open("w") as f:
             for _ in range(256):
-                f.write(json.dumps({"input_ids": [rng.randrange(3, 256) for _ in range(SEQ_LEN // 2)]}) + "\n")
+                f.write(json.dumps({"input_ids": [rng.randrange(3, 256) for _ in range(seq_len // 2)]}) + "\n")
     return path
 
 
@@ -92,7 +104,8 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path) -> di
         "model": {"path": str(model_dir(arch, root)), "init": "random"},
         "method": change["method"],
         "lora": {"r": 8, "alpha": 16, "target_modules": change.get("targets", ["q_proj", "v_proj"])},
-        "data": {"train": str(packed_samples(root)), "format": "tokenized", "max_seq_len": SEQ_LEN, "packing": True},
+        "data": {"train": str(packed_samples(root, change.get("seq", SEQ_LEN))), "format": "tokenized",
+                 "max_seq_len": change.get("seq", SEQ_LEN), "packing": True},
         "train": {"max_steps": 1, "global_batch_size": 16, "micro_batch_size": mbs,
                   "activation_checkpointing": change.get("ac", False), "lr": 1e-3, "seed": 0},
         "precision": change["precision"],
@@ -102,7 +115,7 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path) -> di
     }
 
 
-def run_one(name: str, arch: str, change: dict, nproc: int, root: Path) -> dict:
+def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: str = "cpu") -> dict:
     """Train one step through the real CLI; return predicted, measured and the error."""
     from finetune.plan.flowchart import first_step_memory
     from finetune.plan.types import Plan
@@ -111,7 +124,9 @@ def run_one(name: str, arch: str, change: dict, nproc: int, root: Path) -> dict:
     out = root / name.replace(" ", "_")
     path = root / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(recipe_for(arch, change, nproc, root, out), sort_keys=False))
-    cmd = [sys.executable, "-m", "finetune", "run", str(path), "--measure-memory", "--nproc", str(nproc)]
+    cmd = [sys.executable, "-m", "finetune", "run", str(path), "--nproc", str(nproc)]
+    if device == "cpu":
+        cmd.append("--measure-memory")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     mem_file = out / "memory.json"
     if proc.returncode != 0 or not mem_file.exists():
@@ -119,12 +134,12 @@ def run_one(name: str, arch: str, change: dict, nproc: int, root: Path) -> dict:
         return {"config": name, "error": f"run failed ({proc.returncode}): {' | '.join(tail)}"}
     measured = json.loads(mem_file.read_text())
     plan = Plan.from_dict(json.loads((out / "plan.json").read_text()))
-    first = first_step_memory(load_recipe(path), plan, device="cpu")
+    first = first_step_memory(load_recipe(path), plan, device=device)
     steady = plan.chosen.memory.total
     meas = int(measured["measured_peak"])
     pred = first.total - first.overhead
     return {
-        "config": name, "predicted": pred, "measured": meas, "error": (pred - meas) / meas,
+        "config": name, "predicted": pred, "measured": meas, "error": (pred - meas) / meas, "ratio": pred / meas,
         "steady_state_prediction": steady, "by_category": measured.get("by_category", {}),
         "chosen": {k: getattr(plan.chosen, k) for k in ("method", "strategy", "micro_batch_size", "grad_accum_steps")},
     }
@@ -135,16 +150,19 @@ def main() -> int:
     ap.add_argument("--fast", action="store_true", help="only the configurations the test suite runs")
     ap.add_argument("--only", nargs="*", help="configuration names to run")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--gpu", action="store_true", help="the CUDA configurations (see scripts/gpu_check.sh)")
     args = ap.parse_args()
-    configs = [c for c in CONFIGS if (not args.fast or c[0] in FAST) and (not args.only or c[0] in args.only)]
+    device = "cuda" if args.gpu else "cpu"
+    pool = GPU_CONFIGS if args.gpu else CONFIGS
+    configs = [c for c in pool if (not args.fast or c[0] in FAST) and (not args.only or c[0] in args.only)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, arch, change, nproc in configs:
-            r = run_one(name, arch, change, nproc, Path(tmp))
+            r = run_one(name, arch, change, nproc, Path(tmp), device)
             rows.append(r)
             if "predicted" in r:
                 print(f"{name:32s} predicted {r['predicted'] / 2**20:8.2f} MiB  measured {r['measured'] / 2**20:8.2f} MiB"
-                      f"  error {100 * r['error']:+6.2f}%", flush=True)
+                      f"  predicted/measured {r['ratio']:.3f}  error {100 * r['error']:+6.2f}%", flush=True)
             else:
                 print(f"{name:32s} {r['error']}", flush=True)
     errs = [abs(r["error"]) for r in rows if "predicted" in r]
