@@ -50,7 +50,7 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama qlora bf16 mb16", "llama", {"method": "qlora", "precision": "bf16", "mbs": 16}, 1),
     ("qwen2 full fp32 mb16", "qwen2", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
     ("gpt2 lora bf16 mb16", "gpt2", {"method": "lora", "precision": "bf16", "mbs": 16, "targets": ["c_attn"]}, 1),
-    ("gemma2 full bf16 mb8", "gemma2", {"method": "full", "precision": "bf16", "mbs": 8}, 1),
+    ("gemma2 full bf16 mb8 eager", "gemma2", {"method": "full", "precision": "bf16", "mbs": 8, "attn": "eager"}, 1),
     ("llama full fp32 ddp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "ddp"}, 2),
     ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
     ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
@@ -101,7 +101,7 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path) -> di
     """The recipe of one configuration."""
     mbs = change["mbs"]
     return {
-        "model": {"path": str(model_dir(arch, root)), "init": "random"},
+        "model": {"path": str(model_dir(arch, root)), "init": "random", "attn_implementation": change.get("attn", "sdpa")},
         "method": change["method"],
         "lora": {"r": 8, "alpha": 16, "target_modules": change.get("targets", ["q_proj", "v_proj"])},
         "data": {"train": str(packed_samples(root, change.get("seq", SEQ_LEN))), "format": "tokenized",

@@ -288,7 +288,7 @@ class _Planner:
             f"Communication per GPU per step ({METHOD_NAMES[chosen.method]}): DDP all-reduces the gradients "
             f"({gb(ddp)}); ZeRO-2 reduce-scatters gradients and all-gathers parameters, the same volume as that "
             f"all-reduce, so its memory saving is free ({gb(z2)}); FSDP all-gathers the parameters again in "
-            f"backward ({gb(fs)}, {fs.comm_bytes_per_step / max(1, ddp.comm_bytes_per_step):.1f}x DDP)."
+            f"backward ({gb(fs)}, {fs.comm_bytes_per_step / max(1, z2.comm_bytes_per_step):.2f}x ZeRO-2)."
         )
 
     def nothing_fits(self, tried: list[Candidate]) -> Candidate:
