@@ -252,7 +252,7 @@ def train_rank(
                 )
                 window_tokens, window_start = 0, now
                 metrics.write(row)
-            advance(loss=loss, lr=row["lr"], tokens_per_s=row.get("tokens_per_s"))
+            advance(loss=loss, lr=row["lr"], tokens_per_s=row.get("tokens_per_s") or window_tokens / max(time.perf_counter() - window_start, 1e-9))
             step_sleep()  # test hook, else no-op
             if checkpoints.after_step(state, stop):  # saves when due; True after SIGTERM/Ctrl-C
                 return RunResult(
