@@ -92,6 +92,16 @@ def plan_for_run(loaded: LoadedRecipe, *, nproc: int, nnodes: int, device: str) 
     return make_plan(req, hw)
 
 
+def _supports_sdpa(config: Any) -> bool:
+    """Whether transformers can build this architecture with SDPA attention."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return bool(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True))
+    except KeyError:
+        return True
+
+
 def first_step_memory(loaded: LoadedRecipe, plan: Plan, *, device: str) -> Any:
     """Predicted peak of the FIRST optimizer step of ``plan.chosen`` (AdamW's state does not exist yet
     during its forward and backward), to compare with a probe that measures only that step."""
@@ -115,6 +125,12 @@ class _Planner:
 
             self.lora = LoraConfig()
         self.inv: Inventory = build_inventory(req.config, req.source, self.lora)
+        if req.attn_implementation == "sdpa" and not _supports_sdpa(req.config):
+            self.req = replace(req, attn_implementation="eager")
+            self.say(
+                f"{type(req.config).__name__.replace('Config', '')} has no sdpa attention in transformers: planned "
+                "with eager attention (set model.attn_implementation: eager in the recipe to train it)."
+            )
         self.profiles: dict[tuple[str, bool], ActivationProfile] = {}
 
     # -- pieces -------------------------------------------------------------------------------------------
