@@ -124,7 +124,8 @@ class _Planner:
             from finetune.recipe import LoraConfig
 
             self.lora = LoraConfig()
-        self.inv: Inventory = build_inventory(req.config, req.source, self.lora)
+        adapters = self.lora if req.method != "full" else None  # a pinned full run never reads lora:
+        self.inv: Inventory = build_inventory(req.config, req.source, adapters)
         if req.attn_implementation == "sdpa" and not _supports_sdpa(req.config):
             self.req = replace(req, attn_implementation="eager")
             self.say(

@@ -217,7 +217,12 @@ def _inventory_cached(key: Any, config: Any, source: str, lora: Any) -> Inventor
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 
-        peft_model = get_peft_model(model, LoraConfig(**lora_kwargs(lora)))
+        try:
+            peft_model = get_peft_model(model, LoraConfig(**lora_kwargs(lora)))
+        except ValueError as exc:  # e.g. target modules not found in the model
+            from finetune.errors import UserError
+
+            raise UserError(f"lora.target_modules: {exc}") from None
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 inv.adapters.append(Tensor(name, p.numel(), block_prefix in name, False, True))
