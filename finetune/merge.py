@@ -33,6 +33,7 @@ import yaml
 from finetune.errors import UserError
 from finetune.recipe import QuantizationConfig, resolve_input_path
 from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, ST_DTYPES, ShardWriter, shard_map
+from finetune.train.quantize import dequantized_weight, quantized_modules
 
 if TYPE_CHECKING:
     import torch
@@ -326,6 +327,70 @@ def _compute_dtype_of_run(recipe: dict[str, Any], run: Path) -> str:
     return {"bf16-pure": "bf16"}.get(precision, precision) if precision != "auto" else "fp32"
 
 
+@dataclass
+class Fold:
+    """What happens to each checkpoint tensor: replaced, re-quantized, plus a LoRA update, cast."""
+
+    weight_delta: dict[str, tuple[LoraDelta, bool]]  # key -> (delta, is Conv1D)
+    bias_delta: dict[str, LoraDelta]
+    replace: dict[str, torch.Tensor]  # modules_to_save
+    quantized: dict[str, bool]  # keys quantized in training (--into-dequantized) -> is Conv1D
+    out_dtype: torch.dtype | None  # None: keep each tensor's dtype
+    qcfg: QuantizationConfig | None = None
+    compute_dtype: torch.dtype | None = None
+
+    def dtype_of(self, stored: torch.dtype) -> torch.dtype:
+        """Output dtype of a tensor stored as ``stored``."""
+        return self.out_dtype if (self.out_dtype is not None and stored.is_floating_point) else stored
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The merged value of checkpoint tensor ``key`` (computed in fp32)."""
+        target = self.dtype_of(tensor.dtype)
+        if key in self.replace:
+            return self.replace[key].to(target)
+        if not tensor.is_floating_point():
+            return tensor
+        w = tensor.float()
+        if key in self.quantized:
+            w = dequantized_weight(tensor, self.qcfg, self.compute_dtype, conv1d=self.quantized[key])
+        elif self.compute_dtype is not None:
+            w = tensor.to(self.compute_dtype).float()  # loaded in the compute dtype, then upcast for training
+        if key in self.weight_delta:
+            d, conv1d = self.weight_delta[key]
+            w = w + _delta_weight(d, conv1d)
+        if key in self.bias_delta:
+            d = self.bias_delta[key]
+            w = w + d.b_bias.float() * d.scaling
+        return w.to(target)
+
+
+def _write_shards(
+    base_dir: Path, shards: dict[str, list[str]], source_of: dict[str, str],
+    extra: dict[str, list[tuple[str, str]]], shapes: dict[str, list[int]], fold: Fold, out: Path,
+) -> tuple[dict[str, str], int]:
+    """Fold and write every shard of ``base_dir`` into ``out``, one tensor at a time; (weight map, bytes)."""
+    import torch
+    from safetensors import safe_open
+
+    st_to_torch = {v: getattr(torch, k) for k, v in ST_DTYPES.items()}
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard, names in shards.items():
+        with safe_open(str(base_dir / shard), framework="pt") as f:
+            items = [(k, source_of[k]) for k in names] + [(k, source_of[src]) for k, src in extra.get(shard, [])]
+            specs = [(k, shapes[k], fold.dtype_of(st_to_torch[f.get_slice(src).get_dtype()])) for k, src in items]
+            # largest itemsize first keeps every tensor aligned to its dtype, as safetensors does
+            order = sorted(range(len(items)), key=lambda i: (-specs[i][2].itemsize, specs[i][0]))
+            writer = ShardWriter(out / shard, [specs[i] for i in order])
+            for i in order:
+                key, src = items[i]
+                writer.write(key, fold(key, f.get_tensor(src)))
+                weight_map[key] = shard
+            writer.close()
+            total += writer.total
+    return weight_map, total
+
+
 def merge(
     run_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -352,7 +417,6 @@ def _merge(
     import torch
     from safetensors import safe_open
 
-    from finetune.train.quantize import dequantized_weight, quantized_modules
 
     start = time.perf_counter()
     if dtype is not None and dtype not in DTYPE_FLAGS:
@@ -468,49 +532,11 @@ def _merge(
 
     out_dtype = getattr(torch, DTYPE_FLAGS[dtype]) if dtype else None
 
-    def fold(key: str, tensor: torch.Tensor) -> torch.Tensor:
-        target = out_dtype if (out_dtype is not None and tensor.is_floating_point()) else tensor.dtype
-        if key in replace:
-            return replace[key].to(target)
-        if not tensor.is_floating_point():
-            return tensor
-        w = tensor.float()
-        if key in quantized:
-            w = dequantized_weight(tensor, qcfg, compute_dtype, conv1d=quantized[key])
-        elif into_dequantized:
-            w = tensor.to(compute_dtype).float()  # loaded in the compute dtype, then upcast for training
-        if key in weight_delta:
-            d, conv1d = weight_delta[key]
-            w = w + _delta_weight(d, conv1d)
-        if key in bias_delta:
-            d = bias_delta[key]
-            w = w + d.b_bias.float() * d.scaling
-        return w.to(target)
-
-    def out_dtype_of(key: str, source: str, f: Any) -> torch.dtype:
-        st = f.get_slice(source).get_dtype()
-        src = {v: k for k, v in ST_DTYPES.items()}[st]
-        floating = src.startswith(("float", "bfloat"))
-        return out_dtype if (out_dtype is not None and floating) else getattr(torch, src)
-
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.merging-", dir=out_path.parent))
     try:
-        weight_map: dict[str, str] = {}
-        total = 0
-        for shard, names in shards.items():
-            with safe_open(str(base_dir / shard), framework="pt") as f:
-                items = [(k, source_of[k]) for k in names] + [(k, source_of[src]) for k, src in extra.get(shard, [])]
-                specs = [(k, shapes[k], out_dtype_of(k, src, f)) for k, src in items]
-                # largest itemsize first keeps every tensor aligned to its dtype, as safetensors does
-                order = sorted(range(len(items)), key=lambda i: (-specs[i][2].itemsize, specs[i][0]))
-                writer = ShardWriter(tmp / shard, [specs[i] for i in order])
-                for i in order:
-                    key, src = items[i]
-                    writer.write(key, fold(key, f.get_tensor(src)))
-                    weight_map[key] = shard
-                writer.close()
-                total += writer.total
+        fold = Fold(weight_delta, bias_delta, replace, quantized, out_dtype, qcfg, compute_dtype)
+        weight_map, total = _write_shards(base_dir, shards, source_of, extra, shapes, fold, tmp)
         if (base_dir / SAFE_INDEX).is_file() or len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
