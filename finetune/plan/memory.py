@@ -104,22 +104,30 @@ def candidate_memory(
             gathers = all_gathered + (all_gathered - root)
         comm = int(f * (sb.trainable * reduce_bytes + gathers))
 
-    # forward/backward peak
+    # forward/backward peak: (gradients present, activations and temporaries) at the worst moment
+    opt_fb = 0 if first_step else opt
     if profile is None:
-        fb_extra = 0
+        fb_grads, fb_acts = grads, 0
     else:
-        windows = profile.at(inv.num_layers, s.micro_batch_size).values()
+        windows = list(profile.at(inv.num_layers, s.micro_batch_size).values())
         sharded = strategy in ("zero2", "fsdp")
         mixed = s.precision in ("bf16", "fp16")
-        if s.grad_accum_steps == 1 and not sharded:
-            fb_extra = max(w.grads_and_acts for w in windows) - grads  # traced grads replace the full ones
-        else:
+        if s.grad_accum_steps > 1:  # later micro-batches: every gradient exists from the start
             acts = max((w.acts_no_copies if sharded and mixed else w.acts) for w in windows)
-            fb_extra = acts + (largest if s.grad_accum_steps > 1 else 0)
+            fb_grads, fb_acts = grads, acts + largest
+        else:  # gradients appear during backward (set to None after every step); sharded ones 1/n of them
+
+            def at_peak(w: object) -> tuple[int, int]:
+                acts = w.grads_and_acts - w.grads_at_peak
+                if sharded and mixed:
+                    acts -= w.acts - w.acts_no_copies  # FSDP2's mixed precision: no autocast weight copies
+                return (w.grads_at_peak // n if sharded else w.grads_at_peak), acts
+
+            fb_grads, fb_acts = max((at_peak(w) for w in windows), key=sum)
         if s.method == "qlora":
             # bitsandbytes dequantizes one 4-bit weight at a time into the compute dtype
-            fb_extra += inv.largest_base_numel(quantizable_only=True) * (4 if s.precision == "fp32" else 2)
-    fb_total = params + grads + (0 if first_step else opt) + buffers_fb + fb_extra
+            fb_acts += inv.largest_base_numel(quantizable_only=True) * (4 if s.precision == "fp32" else 2)
+    fb_total = params + fb_grads + opt_fb + buffers_fb + fb_acts
 
     # optimizer step peak
     trainable_rank = sb.trainable if strategy in ("single", "ddp") else -(-sb.trainable // n)
@@ -129,14 +137,17 @@ def candidate_memory(
         step_temps = CPU_ADAM_TEMPORARIES * largest
     step_total = params + grads + opt + buffers_step + step_temps
 
-    tensor_total = max(fb_total, step_total) if profile is not None else params + grads + opt + buffers_fb
+    # The breakdown is the one at the peak moment (model states alone when activations were not traced).
+    if profile is None:
+        parts = (params, grads, opt, 0, buffers_fb)
+    elif fb_total >= step_total:
+        parts = (params, fb_grads, opt_fb, fb_acts, buffers_fb)
+    else:
+        parts = (params, grads, opt, step_temps, buffers_step)
+    tensor_total = sum(parts)
     overhead = 0 if s.device != "cuda" else CUDA_CONTEXT_BYTES + int(FRAGMENTATION * tensor_total)
-    activations = tensor_total - (params + grads + opt + buffers_fb)
-    if activations < 0:  # the step's peak, when buffers are freed before it
-        buffers_fb += activations
-        activations = 0
     mem = MemoryBreakdown(
-        params=params, grads=grads, optimizer=opt, activations=activations, buffers=buffers_fb, overhead=overhead
+        params=parts[0], grads=parts[1], optimizer=parts[2], activations=parts[3], buffers=parts[4], overhead=overhead
     )
     return mem, comm
 
