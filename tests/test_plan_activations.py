@@ -15,6 +15,15 @@ from .conftest import TINY_MODEL
 LORA = (8, 16.0, 0.0, ("q_proj", "v_proj"))
 
 
+@pytest.fixture(autouse=True)
+def fresh_trace_cache(tmp_path, monkeypatch):
+    """Trace for real (not from ~/.cache/finetune): these tests check the tracer itself."""
+    import finetune.plan.activations as acts
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))
+    monkeypatch.setattr(acts, "_CACHE", {})
+
+
 def measured_peak_above_params(cfg, method: str, precision: str, ac: bool, batch: int, seq: int) -> int:
     """Real forward + backward on CPU under MemTracker: peak minus parameters and buffers."""
     torch.manual_seed(0)
