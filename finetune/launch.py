@@ -74,6 +74,10 @@ def launch(
     if nproc is None:
         nproc = r.distributed.nproc if r.distributed.nproc != "auto" else max(1, torch.cuda.device_count())
     plan = plan_for_run(loaded, nproc=nproc, nnodes=nnodes, device=device)
+    if device == "cuda" and nproc > torch.cuda.device_count():
+        raise UserError(
+            f"--nproc: {nproc} processes but this node has {torch.cuda.device_count()} GPU(s); one process per GPU"
+        )
     if plan.chosen.strategy == "single" and nproc * nnodes > 1:
         raise UserError(
             f"distributed.strategy: `single` trains one process but {nproc * nnodes} were asked for "

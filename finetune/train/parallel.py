@@ -173,23 +173,3 @@ def full_state_dict(model: torch.nn.Module, inner: torch.nn.Module, ctx: DistCon
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-
-def full_optimizer_state_dict(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext
-) -> dict[str, Any] | None:
-    """The optimizer's whole state on rank 0 (None on other ranks); every rank must call it.
-
-    ZeRO-1 first consolidates its shards to rank 0; FSDP gathers with torch.distributed.checkpoint (keys
-    are parameter names); DDP and single process already hold the full state.
-    """
-    if ctx.distributed and hasattr(optimizer, "consolidate_state_dict"):
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if ctx.is_main else None
-    if ctx.distributed and is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        sd = get_optimizer_state_dict(
-            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        return sd if ctx.is_main else None
-    return optimizer.state_dict() if ctx.is_main else None
