@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from finetune.errors import UserError
 from finetune.recipe import RecipeError, check_files, load_recipe, shipped_recipes_dir
@@ -37,9 +38,10 @@ def _fail(err: Exception) -> None:
     """Print a user error (every line of it) and exit without a traceback."""
     if isinstance(err, RecipeError):
         for p in err.problems:
-            err_console.print(f"[bold red]error[/]: {p}", markup=True, soft_wrap=True)
+            err_console.print(f"[bold red]error[/]: {escape(str(p))}", markup=True, soft_wrap=True)
         raise typer.Exit(2)
-    err_console.print(f"[bold red]error[/]: {err}", markup=True, soft_wrap=True)
+    # escape: a message may hold brackets (paths, library errors) that rich would read as markup
+    err_console.print(f"[bold red]error[/]: {escape(str(err))}", markup=True, soft_wrap=True)
     raise typer.Exit(getattr(err, "exit_code", 2))
 
 
