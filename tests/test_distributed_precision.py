@@ -1,7 +1,8 @@
 """FSDP2 internals on 2 gloo processes: mixed precision policy, fp16 loss scaling across shards, full state dict.
 
 One spawned pair of processes (no CLI) wraps a 2-block Llama with finetune.train.parallel.parallelize for
-``fsdp`` + fp16 + activation checkpointing and checks what torch does with it.
+``fsdp`` + fp16 + activation checkpointing and checks what torch does with it; then a tied-embedding GPT-2
+under fp32 fsdp, whose gathered gradients must equal a single process's.
 """
 
 from __future__ import annotations
@@ -63,8 +64,37 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         "state_dtypes": sorted({str(v.dtype) for v in state.values()}),
         "full_shapes": full_shapes,
     }
+    record["gpt2"] = _gpt2_fsdp_grads_match(ctx)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
+
+
+def _gpt2_fsdp_grads_match(ctx) -> dict:
+    """GPT-2 (other block class, tied embeddings) under fsdp: the sharded gradients are the average over ranks."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from finetune.plan.types import Candidate
+    from finetune.train.parallel import decoder_blocks, parallelize
+
+    torch.manual_seed(1)
+    config = GPT2Config(vocab_size=64, n_layer=2, n_head=2, n_embd=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)  # no dropout: the two computations must see the same function
+    model = AutoModelForCausalLM.from_config(config)
+    reference = copy.deepcopy(model)
+    batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(100 + r)) for r in range(2)]
+    ref_loss = sum(reference(input_ids=b, labels=b).loss for b in batches) / 2
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    blocks = [type(b).__name__ for b in decoder_blocks(model)]
+    model = parallelize(model, Candidate("full", "fsdp", "fp32", 2, 1, False, 2), ctx)
+    mine = batches[ctx.rank]
+    model(input_ids=mine, labels=mine).loss.backward()
+    worst = 0.0
+    for name, p in model.named_parameters():
+        worst = max(worst, (p.grad.full_tensor() - ref_grads[name]).abs().max().item())
+    return {"blocks": blocks, "max_grad_diff": worst}
 
 
 def test_fsdp_fp16_policy_scaler_and_full_state_dict(tmp_path: Path) -> None:
@@ -82,3 +112,8 @@ def test_fsdp_fp16_policy_scaler_and_full_state_dict(tmp_path: Path) -> None:
     # The full state dict is gathered on rank 0 (full shapes, fp32 masters) and empty elsewhere.
     assert r0["state_shapes"] == r0["full_shapes"] and r0["state_dtypes"] == ["torch.float32"]
     assert r1["state_shapes"] == {}
+    # GPT-2's blocks are found the same way, and FSDP's reduce-scatter averages: the gathered gradients equal
+    # one process's gradients of the mean loss over both ranks' batches.
+    for r in (r0, r1):
+        assert r["gpt2"]["blocks"] == ["GPT2Block", "GPT2Block"]
+        assert r["gpt2"]["max_grad_diff"] < 1e-6
