@@ -54,6 +54,7 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama full fp32 ddp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "ddp"}, 2),
     ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
     ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
+    ("llama full bf16 fsdp x2", "llama", {"method": "full", "precision": "bf16", "mbs": 8, "strategy": "fsdp"}, 2),
 ]
 FAST = ["llama full fp32 mb16", "llama lora fp32 mb16"]
 # On a CUDA GPU (scripts/gpu_check.sh): torch.cuda.max_memory_allocated against the plan.

@@ -81,6 +81,7 @@ def candidate_memory(
     f = (n - 1) / n
 
     buffers_fb = 0  # strategy buffers alive at the forward/backward peak
+    unit_grads = 0  # FSDP2: a unit's unsharded gradients and reduce-scatter input, during layer backward
     buffers_step = 0  # ... and during the optimizer step
     if strategy in ("single", "ddp", "zero1"):
         params, grads = sb.param_bytes, grads_full
@@ -97,10 +98,10 @@ def candidate_memory(
         unit = unsharded_bytes(inv, s.method, s.precision, s.double_quant, block_only=True)
         root = unsharded_bytes(inv, s.method, s.precision, s.double_quant, root_only=True)
         if strategy == "zero2":
-            buffers_fb = all_gathered + unit_grads
+            buffers_fb = all_gathered
             gathers = all_gathered
         else:
-            buffers_fb = root + 2 * unit + unit_grads
+            buffers_fb = root + 2 * unit
             gathers = all_gathered + (all_gathered - root)
         comm = int(f * (sb.trainable * reduce_bytes + gathers))
 
@@ -109,21 +110,23 @@ def candidate_memory(
     if profile is None:
         fb_grads, fb_acts = grads, 0
     else:
-        windows = list(profile.at(inv.num_layers, s.micro_batch_size).values())
+        windows = profile.at(inv.num_layers, s.micro_batch_size)
         sharded = strategy in ("zero2", "fsdp")
         mixed = s.precision in ("bf16", "fp16")
-        if s.grad_accum_steps > 1:  # later micro-batches: every gradient exists from the start
-            acts = max((w.acts_no_copies if sharded and mixed else w.acts) for w in windows)
-            fb_grads, fb_acts = grads, acts + largest
-        else:  # gradients appear during backward (set to None after every step); sharded ones 1/n of them
 
-            def at_peak(w: object) -> tuple[int, int]:
-                acts = w.grads_and_acts - w.grads_at_peak
-                if sharded and mixed:
-                    acts -= w.acts - w.acts_no_copies  # FSDP2's mixed precision: no autocast weight copies
-                return (w.grads_at_peak // n if sharded else w.grads_at_peak), acts
+        def at_peak(name: str, w: object) -> tuple[int, int, int]:
+            """(gradients, activations, extra buffers) at the worst moment of one window."""
+            extra = unit_grads if name != "head" else 0
+            if s.grad_accum_steps > 1:  # later micro-batches: every gradient exists from the start
+                return grads, (w.acts_no_copies if sharded and mixed else w.acts) + largest, extra
+            # gradients appear during backward (set to None after every step); sharded ones 1/n of them
+            acts = w.grads_and_acts - w.grads_at_peak
+            if sharded and mixed:
+                acts -= w.acts - w.acts_no_copies  # FSDP2's mixed precision: no autocast weight copies
+            return (w.grads_at_peak // n if sharded else w.grads_at_peak), acts, extra
 
-            fb_grads, fb_acts = max((at_peak(w) for w in windows), key=sum)
+        fb_grads, fb_acts, fb_extra_buffers = max((at_peak(k, w) for k, w in windows.items()), key=sum)
+        buffers_fb += fb_extra_buffers
         if s.method == "qlora":
             # bitsandbytes dequantizes one 4-bit weight at a time into the compute dtype
             fb_acts += inv.largest_base_numel(quantizable_only=True) * (4 if s.precision == "fp32" else 2)
