@@ -117,8 +117,11 @@ def first_step_memory(loaded: LoadedRecipe, plan: Plan, *, device: str) -> Any:
 class _Planner:
     def __init__(self, req: Request, hw: Hardware) -> None:
         self.req, self.hw = req, hw
-        self.world = hw.world
         self.walk: list[str] = []
+        if req.strategy == "single" and hw.world > 1:
+            self.say(f"distributed.strategy is single: planning for one process, not {hw.world}.")
+            hw.gpus_per_node, hw.nodes = 1, 1
+        self.world = hw.world
         self.lora = req.lora
         if self.lora is None:
             from finetune.recipe import LoraConfig
