@@ -103,7 +103,10 @@ def run(
 
 @app.command()
 def merge(
-    run_dir: Annotated[str, typer.Argument(help="A lora/qlora run's output.dir, or a PEFT adapter directory.")],
+    run_dir: Annotated[
+        str,
+        typer.Argument(metavar="RUN_OR_ADAPTER_DIR", help="A lora/qlora run's output.dir, or a PEFT adapter directory."),
+    ],
     out: Annotated[Path, typer.Option("--out", help="Directory to write the merged Hugging Face model to.")],
     dtype: Annotated[
         Optional[str], typer.Option(help="bf16, fp16 or fp32 for every floating tensor (default: the base's).")
@@ -111,9 +114,10 @@ def merge(
     base: Annotated[
         Optional[str], typer.Option(help="Base model directory (default: from the run's recipe.yaml or base/).")
     ] = None,
-    force: Annotated[bool, typer.Option(help="Replace --out if it exists.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
     into_dequantized: Annotated[
-        bool, typer.Option(help="QLoRA: fold into the NF4-dequantized weights the run trained against.")
+        bool,
+        typer.Option("--into-dequantized", help="QLoRA: fold into the NF4-dequantized weights the run trained against."),
     ] = False,
 ) -> None:
     """Fold LoRA/QLoRA adapters into the base weights, streamed shard by shard, into a HF model directory."""
