@@ -118,7 +118,7 @@ class _Planner:
     def __init__(self, req: Request, hw: Hardware) -> None:
         self.req, self.hw = req, hw
         self.walk: list[str] = []
-        if req.strategy == "single" and hw.world > 1:
+        if req.strategy == "single" and hw.world > 1 and not req.for_run:  # a run: the launcher decides
             self.say(f"distributed.strategy is single: planning for one process, not {hw.world}.")
             hw.gpus_per_node, hw.nodes = 1, 1
         self.world = hw.world
