@@ -41,7 +41,9 @@ class DistContext:
             device = torch.device("cpu")
         if world > 1 and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(
+                backend=backend, device_id=device if device.type == "cuda" else None, **_restart_store(rank, world)
+            )
         return cls(rank, world, local, device)
 
     def all_reduce_sum(self, value: float | torch.Tensor) -> torch.Tensor:
@@ -63,6 +65,23 @@ class DistContext:
         """Leave the process group."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _restart_store(rank: int, world: int) -> dict[str, object]:
+    """After a torchrun restart, a store namespace of this attempt for the process group ({} otherwise).
+
+    torchrun's workers share the agent's store, which lives across restarts: the process group's keys of the
+    previous attempt (each rank's address) are still in it, so a restarted rank could read a dead peer's
+    address before the new peer overwrites it and fail with "connection refused". A prefix per attempt
+    keeps the attempts apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world, is_master=False
+    )
+    return {"store": dist.PrefixStore(f"finetune-attempt-{attempt}/", store), "rank": rank, "world_size": world}
 
 
 def available_cores() -> int:
