@@ -5,13 +5,15 @@
 Each strategy trains the built-in tiny Llama (random init, fp32) on the reverse task with the same global
 batch through the real CLI (`finetune run --nproc N`). Throughput is the input tokens of the steps after the
 first two (warm-up) divided by their wall time, from metrics.jsonl; the final loss is printed beside it so
-the table also shows that every strategy trained the same model. ``single`` runs one process.
+the table also shows that every strategy trained the same model. ``single`` runs one process (with all the
+cores as torch threads unless ``--threads`` says otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,8 +48,11 @@ def bench_one(workdir: Path, strategy: str, nproc: int, args: argparse.Namespace
     path.write_text(yaml.safe_dump(recipe(out, strategy, args.method, args.steps, args.global_batch,
                                           min(args.micro, per_rank), args.seq_len)))
     started = time.perf_counter()
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     proc = subprocess.run([sys.executable, "-m", "finetune", "run", str(path), "--nproc", str(nproc)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{strategy} failed:\n{proc.stderr[-3000:]}")
@@ -72,6 +77,9 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--strategies", default="single,ddp,zero1,zero2,fsdp")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per process (default: finetune's cores / processes). On a machine other "
+                    "jobs share, 1 avoids OpenMP spinning against them")
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of the table")
     args = ap.parse_args()
     results = []
