@@ -188,7 +188,7 @@ def launch_workers(
             max_restarts=max_restarts, run_id=run_id,
         )
         # On SIGTERM/Ctrl-C the agent forwards the signal to the workers, which finish the step and save a
-        # checkpoint (finetune.train.signals); it waits this long before SIGKILL (torch's default: 30 s).
+        # checkpoint (finetune.train.resume.StopRequest); it waits this long before SIGKILL (torch's default: 30 s).
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
         config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(argv))
         try:

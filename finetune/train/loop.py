@@ -35,8 +35,13 @@ from finetune.train.model import (
 )
 from finetune.train.outputs import MetricsWriter, Reporter, save_final
 from finetune.train.parallel import no_sync, parallelize, unwrap
-from finetune.train.resume import RunCheckpoints, inject_test_faults, nonfinite_policy, step_sleep
-from finetune.train.signals import StopRequest
+from finetune.train.resume import (
+    RunCheckpoints,
+    StopRequest,
+    inject_test_faults,
+    nonfinite_policy,
+    step_sleep,
+)
 
 
 def seed_everything(seed: int) -> None:

@@ -3,7 +3,8 @@ the stop/skip policy for non-finite steps, and the resume command a user is show
 
 The loop calls :meth:`RunCheckpoints.start` once the model, optimizer, scheduler and scaler exist (it loads
 the checkpoint into them, or prepares a fresh start), :meth:`RunCheckpoints.restore_rng` just before the
-first step, and :meth:`RunCheckpoints.after_step` after every optimizer step. The files themselves are
+first step, and :meth:`RunCheckpoints.after_step` after every optimizer step, which also turns SIGTERM and
+Ctrl-C (recorded by :class:`StopRequest`) into a checkpoint and a clean exit. The files themselves are
 :mod:`finetune.train.checkpoint`'s business.
 
 Resume sources: ``--resume`` (``latest`` or a path) and, under ``--max-restarts``, torchrun's restart
@@ -19,9 +20,14 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -90,8 +96,6 @@ def inject_test_faults(step: int, params: list[torch.Tensor], loss_sum: torch.Te
     if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
         rank, _, at = kill.partition(":")
         if int(rank) == int(os.environ.get("RANK", "0")) and int(at) == step:
-            import signal
-
             os.kill(os.getpid(), signal.SIGKILL)
     spec = os.environ.get(NAN_HOOK)
     if spec and step in {int(s) for s in spec.split(",") if s.strip()}:
@@ -245,3 +249,66 @@ class RunCheckpoints:
             f"step {step}: the loss is {loss} and the gradient norm {grad_norm}, training stopped "
             f"(train.on_nonfinite: stop); {last}; lower train.lr, or set train.on_nonfinite: skip"
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# Graceful stop on SIGTERM and Ctrl-C (SIGINT): finish the current step, save a checkpoint, exit.
+#
+# The handler only records the signal; the loop asks StopRequest.agreed at the end of every optimizer step,
+# which sums the flag over all ranks so every rank stops after the same step and joins the same (collective)
+# checkpoint save. A second Ctrl-C restores the default handler and interrupts at once, except in a worker
+# started by torchrun: there the agent forwards the terminal's signal once more, so repeats are ignored (the
+# agent kills the workers itself after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds).
+# --------------------------------------------------------------------------------------------------
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class StopRequest:
+    """Records SIGINT/SIGTERM while installed (a context manager); main thread only, else inert."""
+
+    def __init__(self, announce: Callable[[str], None] | None = None) -> None:
+        self.signum: int | None = None
+        self._announce = announce
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None and "TORCHELASTIC_RUN_ID" in os.environ:
+            return  # the agent's forwarded copy of the signal this worker already has
+        if self.signum is not None and signum == signal.SIGINT:
+            # Second Ctrl-C: the user does not want to wait for the step and the save.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.signum = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, self._handle)
+        if self._announce is not None:
+            name = signal.Signals(signum).name
+            extra = "; press Ctrl-C again to quit without saving" if signum == signal.SIGINT else ""
+            self._announce(f"\n{name} received: finishing this step and saving a checkpoint{extra}")
+            sys.stdout.flush()
+
+    def agreed(self, all_reduce_sum: Callable[[float], Any]) -> bool:
+        """True on every rank when any rank was signalled (a collective: every rank calls each step)."""
+        stop = float(all_reduce_sum(1.0 if self.signum is not None else 0.0)) > 0
+        if stop and self.signum is None:
+            self.signum = signal.SIGTERM  # another rank was signalled: stop the same way
+        return stop
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number (130 for Ctrl-C, 143 for SIGTERM), as a shell reports it."""
+        if self.signum is None:
+            return 0
+        return EXIT_CODES.get(signal.Signals(self.signum), 128 + int(self.signum))
