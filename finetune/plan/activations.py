@@ -43,6 +43,7 @@ class TraceSpec:
     packed: bool
     attn_implementation: str = "sdpa"
     lora: tuple | None = None  # (r, alpha, dropout, target_modules)
+    fsdp_compute: bool = False  # FSDP2 mixed precision: every parameter computed in 16-bit, no autocast
 
 
 @dataclass
@@ -191,7 +192,7 @@ class _WindowTracker:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 2  # bump when what a trace records changes: invalidates the disk cache
+TRACE_VERSION = 3  # bump when what a trace records changes: invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
@@ -273,7 +274,9 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         dtype = torch.bfloat16 if spec.precision == "bf16-pure" else torch.float32
     else:
         dtype = compute or torch.float32
-    autocast = spec.precision in ("bf16", "fp16")
+    autocast = spec.precision in ("bf16", "fp16") and not spec.fsdp_compute
+    if spec.fsdp_compute and compute is not None:
+        dtype = compute
     # Built on the meta device (peft's dtype moves do not work on fake parameters), then every parameter
     # and buffer is replaced by a fake CPU tensor of the same shape, dtype and sharing.
     with torch.device("meta"):
@@ -287,6 +290,10 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         r, alpha, dropout, targets = spec.lora
         lora = _LoraArgs(r, alpha, dropout, list(targets) if isinstance(targets, tuple) else targets)
         model = get_peft_model(model, LoraConfig(**lora_kwargs(lora)))
+    if spec.fsdp_compute and compute is not None:  # MixedPrecisionPolicy casts adapters and norms too
+        for prm in model.parameters():
+            if prm.is_floating_point():
+                prm.data = prm.data.to(compute)
     if spec.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -138,8 +138,9 @@ class _Planner:
         self.profiles: dict[tuple[str, bool], ActivationProfile] = {}
 
     # -- pieces -------------------------------------------------------------------------------------------
-    def profile(self, method: str, ac: bool) -> ActivationProfile:
-        key = (method, ac)
+    def profile(self, method: str, ac: bool, strategy: str = "single") -> ActivationProfile:
+        fsdp_compute = strategy in ("zero2", "fsdp") and self.precision in ("bf16", "fp16")
+        key = (method, ac, fsdp_compute)
         if key not in self.profiles:
             spec = TraceSpec(
                 method=method,
@@ -149,6 +150,7 @@ class _Planner:
                 packed=self.req.packed,
                 attn_implementation=self.req.attn_implementation,
                 lora=spec_lora_key(self.lora) if method != "full" else None,
+                fsdp_compute=fsdp_compute,
             )
             self.profiles[key] = activation_profile(self.req.config, spec)
         return self.profiles[key]
@@ -164,11 +166,11 @@ class _Planner:
         if states.total > self.hw.memory_bytes:
             mem = states
             note = "model states alone exceed the memory (activations not traced)"
-        elif table_only and (method, ac) not in self.profiles:
+        elif table_only and not any(k[:2] == (method, ac) for k in self.profiles):
             mem = states
             note = "activations not traced (the walk did not need this method)"
         else:
-            mem, comm = candidate_memory(self.inv, self.profile(method, ac), strategy, setup, first_step)
+            mem, comm = candidate_memory(self.inv, self.profile(method, ac, strategy), strategy, setup, first_step)
         secs = comm / self.hw.bandwidth if comm else 0.0
         return Candidate(
             method=method, strategy=strategy, precision=self.precision, micro_batch_size=mbs,

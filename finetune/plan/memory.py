@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.plan.activations import ActivationProfile
+from finetune.plan.activations import ActivationProfile, WindowPeaks
 from finetune.plan.shapes import Inventory, nf4_bytes
 from finetune.plan.types import MemoryBreakdown
 
@@ -63,13 +63,19 @@ def unsharded_bytes(inv: Inventory, method: str, precision: str, double_quant: b
 
 
 def candidate_memory(
-    inv: Inventory, profile: ActivationProfile | None, strategy: str, s: Setup, first_step: bool = False
+    inv: Inventory,
+    profile: ActivationProfile | None,
+    strategy: str,
+    s: Setup,
+    first_step: bool = False,
 ) -> tuple[MemoryBreakdown, int]:
     """Predicted per-rank bytes by category, and bytes each rank sends per optimizer step.
 
-    Without a ``profile`` (activations not traced) only the model states are filled in. The prediction is
-    for a steady-state step; ``first_step=True`` predicts the very first one instead, whose forward and
-    backward run before AdamW has allocated its state (what a probe around step 0 measures).
+    ``profile`` is the traced micro-step: with autocast for single/DDP/ZeRO-1 under mixed precision, with
+    16-bit compute weights and no autocast for ZeRO-2/FSDP (what FSDP2's MixedPrecisionPolicy runs).
+    Without one (activations not traced) only the model states are filled in. The prediction is for a
+    steady-state step; ``first_step=True`` predicts the very first one, whose forward and backward run
+    before AdamW has allocated its state (what a probe around step 0 measures).
     """
     sb = inv.storage(s.method, s.precision, s.double_quant)
     n = max(1, s.world) if strategy != "single" else 1
@@ -79,57 +85,60 @@ def candidate_memory(
     largest = sb.largest_trainable * gbytes
     reduce_bytes = 4 if s.precision in ("bf16", "fp16") else gbytes
     f = (n - 1) / n
+    sharded = strategy in ("zero2", "fsdp")
 
-    buffers_fb = 0  # strategy buffers alive at the forward/backward peak
-    unit_grads = 0  # FSDP2: a unit's unsharded gradients and reduce-scatter input, during layer backward
+    # strategy buffers alive in each window of the forward/backward (see activations.WINDOWS)
+    buffers: dict[str, int] = {"head": 0, "first": 0, "last": 0}
     buffers_step = 0  # ... and during the optimizer step
-    if strategy in ("single", "ddp", "zero1"):
+    if not sharded:
         params, grads = sb.param_bytes, grads_full
         opt = opt_full if strategy != "zero1" else max(opt_full // n, 2 * largest)
         if strategy != "single":
-            buffers_fb = buffers_step = grads_full  # DDP gradient buckets
+            buffers = dict.fromkeys(buffers, grads_full)  # DDP gradient buckets
+            buffers_step = grads_full
         comm = int(2 * f * sb.trainable * gbytes)
     else:
         params = -(-sb.param_bytes // n)
         grads = -(-grads_full // n)
         opt = -(-opt_full // n)
-        unit_grads = sb.block_trainable * (gbytes if s.precision not in ("bf16", "fp16") else 2 + reduce_bytes)
         all_gathered = unsharded_bytes(inv, s.method, s.precision, s.double_quant)
         unit = unsharded_bytes(inv, s.method, s.precision, s.double_quant, block_only=True)
         root = unsharded_bytes(inv, s.method, s.precision, s.double_quant, root_only=True)
-        if strategy == "zero2":
-            buffers_fb = all_gathered
+        reduce_scatter = sb.block_trainable * reduce_bytes  # a unit's gradients, copied for reduce-scatter
+        if strategy == "zero2":  # every unit stays gathered from its forward until its backward is done
+            buffers = {"head": all_gathered, "first": all_gathered + reduce_scatter,
+                       "last": root + unit + reduce_scatter}
             gathers = all_gathered
-        else:
-            buffers_fb = root + 2 * unit
+        else:  # the root stays gathered; one unit computes while the next is prefetched
+            buffers = {"head": root, "first": root + 2 * unit + reduce_scatter, "last": root + unit + reduce_scatter}
             gathers = all_gathered + (all_gathered - root)
         comm = int(f * (sb.trainable * reduce_bytes + gathers))
 
-    # forward/backward peak: (gradients present, activations and temporaries) at the worst moment
+    # forward/backward peak: (gradients present, activations and temporaries, buffers) at the worst moment
     opt_fb = 0 if first_step else opt
     if profile is None:
-        fb_grads, fb_acts = grads, 0
+        fb = (grads, 0, buffers["head"])
     else:
-        windows = profile.at(inv.num_layers, s.micro_batch_size)
-        sharded = strategy in ("zero2", "fsdp")
-        mixed = s.precision in ("bf16", "fp16")
+        layers = inv.num_layers
+        windows = profile.at(layers, s.micro_batch_size)
+        layer_grads = profile.points[1].layer_grads  # one layer's gradients in the traced dtype
 
-        def at_peak(name: str, w: object) -> tuple[int, int, int]:
-            """(gradients, activations, extra buffers) at the worst moment of one window."""
-            extra = unit_grads if name != "head" else 0
-            if s.grad_accum_steps > 1:  # later micro-batches: every gradient exists from the start
-                return grads, (w.acts_no_copies if sharded and mixed else w.acts) + largest, extra
-            # gradients appear during backward (set to None after every step); sharded ones 1/n of them
+        def at_peak(name: str, w: WindowPeaks) -> tuple[int, int, int]:
             acts = w.grads_and_acts - w.grads_at_peak
-            if sharded and mixed:
-                acts -= w.acts - w.acts_no_copies  # FSDP2's mixed precision: no autocast weight copies
-            return (w.grads_at_peak // n if sharded else w.grads_at_peak), acts, extra
+            if s.grad_accum_steps > 1:  # later micro-batches: every gradient exists from the start
+                return grads, max(w.acts, acts) + largest, buffers[name]
+            if not sharded:  # gradients appear during backward (set to None after every step)
+                return w.grads_at_peak, acts, buffers[name]
+            # FSDP2: the root's and the current unit's gradients stay unsharded; finished units' are 1/n
+            done = (layers - 1) * layer_grads if name == "last" else 0
+            finished = (layers - 1) * sb.block_trainable * gbytes // n if name == "last" else 0
+            return w.grads_at_peak - done + finished, acts, buffers[name]
 
-        fb_grads, fb_acts, fb_extra_buffers = max((at_peak(k, w) for k, w in windows.items()), key=sum)
-        buffers_fb += fb_extra_buffers
-        if s.method == "qlora":
-            # bitsandbytes dequantizes one 4-bit weight at a time into the compute dtype
-            fb_acts += inv.largest_base_numel(quantizable_only=True) * (4 if s.precision == "fp32" else 2)
+        fb = max((at_peak(k, w) for k, w in windows.items()), key=sum)
+    fb_grads, fb_acts, buffers_fb = fb
+    if profile is not None and s.method == "qlora":
+        # bitsandbytes dequantizes one 4-bit weight at a time into the compute dtype
+        fb_acts += inv.largest_base_numel(quantizable_only=True) * (4 if s.precision == "fp32" else 2)
     fb_total = params + fb_grads + opt_fb + buffers_fb + fb_acts
 
     # optimizer step peak
