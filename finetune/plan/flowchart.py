@@ -306,11 +306,16 @@ class _Planner:
         def gb(c: Candidate) -> str:
             return f"{c.comm_bytes_per_step / 1e9:.2f} GB, {c.comm_seconds_per_step:.2f} s over {link}"
 
+        if z2.comm_bytes_per_step <= 1.05 * ddp.comm_bytes_per_step:
+            zero2 = (f"ZeRO-2 reduce-scatters gradients and all-gathers parameters, no more than that all-reduce "
+                     f"(an all-reduce is a reduce-scatter plus an all-gather), so its memory saving is free ({gb(z2)})")
+        else:
+            zero2 = (f"ZeRO-2 sends more here ({gb(z2)}): FSDP2 all-gathers the frozen base weights too, while "
+                     "DDP only all-reduces the small trainable gradients")
         self.say(
             f"Communication per GPU per step ({METHOD_NAMES[chosen.method]}): DDP all-reduces the gradients "
-            f"({gb(ddp)}); ZeRO-2 reduce-scatters gradients and all-gathers parameters, the same volume as that "
-            f"all-reduce, so its memory saving is free ({gb(z2)}); FSDP all-gathers the parameters again in "
-            f"backward ({gb(fs)}, {fs.comm_bytes_per_step / max(1, z2.comm_bytes_per_step):.2f}x ZeRO-2)."
+            f"({gb(ddp)}); {zero2}; FSDP all-gathers the parameters again in backward "
+            f"({gb(fs)}, {fs.comm_bytes_per_step / max(1, z2.comm_bytes_per_step):.2f}x ZeRO-2)."
         )
 
     def nothing_fits(self, tried: list[Candidate]) -> Candidate:
