@@ -9,3 +9,4 @@ __version__ = "0.1.0"
 # bitsandbytes' note about an optional CPU kernel package, and a transformers deprecation peft triggers.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)

@@ -17,6 +17,9 @@ def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
     problems = check_files(loaded)
     if problems:
         raise RecipeError(problems)
+    from finetune.train.model import resolve_model_path
+
+    resolve_model_path(loaded)  # a planning-only catalog name or an uncached hub id fails here, before planning
     r = loaded.recipe
     mp = loaded.resolve_input(r.model.path)
     if mp.exists():

@@ -26,6 +26,7 @@ from finetune.train.data import BatchStream, TaskData, load_data
 from finetune.train.distributed import DistContext, maybe_inject_failure
 from finetune.train.evaluate import EvalResult, evaluate
 from finetune.train.loss import causal_lm_loss, count_target_tokens
+from finetune.train.memory import PeakMemory
 from finetune.train.model import (
     build_model,
     compute_dtype,
@@ -205,6 +206,7 @@ def train_rank(
         if first is not None:
             metrics.write({"step": 0, **_eval_fields(first)})
             reporter.eval_line(0, first)
+    start_step, longest, probe = state.step, 0, None
     checkpoints.restore_rng()  # last thing before the first step: the resumed run draws what the first would
     with stop, reporter.progress(steps, start=state.step) as advance:
         while state.step < steps:
@@ -216,8 +218,14 @@ def train_rank(
             micro = [{k: v.to(ctx.device) for k, v in mb.items()} for mb in micro]
             global_tokens = float(ctx.all_reduce_sum(sum(count_target_tokens(mb) for mb in micro)))
             input_tokens = int(ctx.all_reduce_sum(sum(_input_tokens(mb) for mb in micro)))
-            probe = _memory_probe(measure_memory, state.step, ctx, model, optimizer)
-            with probe:
+            if state.step == start_step:
+                probe = _memory_probe(measure_memory, ctx, model, optimizer)
+            if state.step - start_step < 2:  # the 2nd step is the steady state: AdamW's state exists by then
+                longest = max(longest, max(mb["input_ids"].shape[1] for mb in micro))
+                measuring = probe
+            else:
+                measuring = contextlib.nullcontext()
+            with measuring:
                 loss_sum = _accumulate(model, micro, global_tokens, ctx, autocast, scaler)
                 loss_sum = inject_test_faults(state.step + 1, params, loss_sum)  # test hook, else no-op
                 grad_norm = _clip(model, params, optimizer, scaler, r.train.max_grad_norm)
@@ -234,9 +242,9 @@ def train_rank(
                 else:  # on_nonfinite: skip. No update; the step (and its batch) still counts.
                     state.skipped_steps += 1
                 optimizer.zero_grad(set_to_none=True)
-            if state.step == 0 and hasattr(probe, "measured_peak_bytes"):
+            if isinstance(measuring, PeakMemory) and (state.step - start_step == 1 or state.step + 1 == steps):
                 measured_peak = probe.measured_peak_bytes
-                _report_memory(probe, plan, out_dir, ctx, reporter)
+                _report_memory(probe, loaded, plan, out_dir, ctx, reporter, longest)
             scheduler.step()
             state.step += 1
             state.tokens += input_tokens
@@ -321,23 +329,33 @@ def _eval_fields(ev: EvalResult | None) -> dict[str, Any]:
     return {"eval_loss": ev.loss, "eval_exact_match": ev.exact_match}
 
 
-def _memory_probe(enabled: bool, step: int, ctx: DistContext, model: torch.nn.Module, optimizer: Any) -> Any:
-    """Measure the first optimizer step's peak memory (CUDA always; CPU with --measure-memory)."""
-    if step != 0 or not (enabled or ctx.device.type == "cuda"):
+def _memory_probe(enabled: bool, ctx: DistContext, model: torch.nn.Module, optimizer: Any) -> Any:
+    """A probe of the first two optimizer steps' peak memory (CUDA always; CPU with --measure-memory)."""
+    if not (enabled or ctx.device.type == "cuda"):
         return contextlib.nullcontext()
-    from finetune.train.memory import PeakMemory
-
     return PeakMemory(ctx.device.type, enabled=True, modules=(model,), optimizer=optimizer)
 
 
-def _report_memory(probe: Any, plan: Plan, out_dir: Path, ctx: DistContext, reporter: Reporter) -> None:
-    import json
+def _report_memory(
+    probe: PeakMemory, loaded: LoadedRecipe, plan: Plan, out_dir: Path, ctx: DistContext, reporter: Reporter,
+    longest: int,
+) -> None:
+    """Write memory.json and print the plan's prediction beside the measured peak (rank 0).
 
+    After two steps the measurement includes AdamW's state, so it compares with the plan's steady state;
+    a one-step run compares with the planner's first-step figure (no optimizer state yet).
+    """
     if not ctx.is_main:
         return
-    predicted = plan.chosen.memory.total
-    measured = int(probe.measured_peak_bytes)
+    predicted = plan.chosen.memory
+    if probe.steps < 2:
+        from finetune.plan.flowchart import first_step_memory
+
+        predicted = first_step_memory(loaded, plan, device=ctx.device.type)
     out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"predicted": predicted, "measured_peak": measured, "by_category": getattr(probe, "by_category", {})}
-    (out_dir / "memory.json").write_text(json.dumps(record, indent=2) + "\n")
-    reporter.memory_line(predicted, measured)
+    probe.write(out_dir / "memory.json", predicted)
+    line = probe.summary_line(predicted)
+    planned = loaded.recipe.data.max_seq_len
+    if longest < planned:
+        line += f"; planned for {planned}-token rows, these batches were at most {longest} (padding to the longest)"
+    reporter.print(line)

@@ -57,6 +57,13 @@ def resolve_model_path(loaded: LoadedRecipe) -> str:
         cached = None
     if isinstance(cached, str):
         return value
+    from finetune.plan.catalog import catalog_name
+
+    if catalog_name(value) is not None:
+        raise UserError(
+            f"model.path: `{value}` is a planning-only catalog entry (its public config, no weights); "
+            "`finetune plan` can use it, but to train, point model.path at a local copy of the model"
+        )
     raise UserError(
         f"model.path: `{value}` is neither a local model directory nor in the Hugging Face cache, and this "
         "tool does not download; download it first or point model.path at a local directory"

@@ -133,14 +133,6 @@ class Reporter:
             when = "before training" if step == 0 else f"@ step {step}"
             self.print(f"eval {when}: {_eval_text(ev)}")
 
-    def memory_line(self, predicted: int, measured: int) -> None:
-        """The plan's prediction beside the measured peak of the first optimizer step."""
-        if predicted:
-            err = 100.0 * (predicted - measured) / max(measured, 1)
-            self.print(f"memory: predicted {fmt_bytes(predicted)}, measured {fmt_bytes(measured)} ({err:+.1f}%)")
-        else:
-            self.print(f"memory: measured peak {fmt_bytes(measured)} (no prediction in the plan)")
-
     def summary(self, result: RunResult, chosen: Candidate, skipped: int) -> None:
         """What was trained, the final eval, where the outputs are and how to load them."""
         out = result.output_dir
