@@ -376,10 +376,19 @@ class _Planner:
             "source": self.req.source, "model_type": self.inv.model_type, "layers": self.inv.num_layers,
             "parameters": self.inv.n_params, "trainable": sb.trainable, "seq_len": self.req.seq_len,
             "global_batch_size": self.global_batch, "packed": self.req.packed,
+            "checkpoint_bytes": self.checkpoint_size(chosen.method, sb),
         }
         hw = self.hw.to_dict()
         hw["world"] = self.world
         return Plan(chosen=chosen, candidates=rows, walk=self.walk, hardware=hw, model=model)
+
+    def checkpoint_size(self, method: str, sb: Any) -> int:
+        """Bytes of one checkpoint of ``method``: the saved weights (all of them for full fine-tuning, the
+        fp32 adapters otherwise) and AdamW's two moments per trainable parameter (what the trainer writes)."""
+        from finetune.train.checkpoint import checkpoint_bytes
+
+        weights = sb.param_bytes if method == "full" else sb.trainable * 4
+        return checkpoint_bytes(weights, sb.trainable)
 
     def table(self) -> list[Candidate]:
         out = []

@@ -122,6 +122,11 @@ def gib(n: float) -> str:
     return f"{n:.0f}B"
 
 
+def _count(n: float) -> str:
+    """3037440 -> '3.04M', 8.03e9 -> '8.03B'."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def print_plan(plan: Plan, console: Any = None) -> None:
     """The table (chosen row first, highlighted), then the walk."""
     from rich.console import Console
@@ -131,7 +136,7 @@ def print_plan(plan: Plan, console: Any = None) -> None:
     hw, model = plan.hardware, plan.model
     cap = hw.get("memory_bytes", 0)
     console.print(
-        f"[bold]{model.get('source')}[/]: {model.get('parameters', 0) / 1e9:.2f}B parameters, "
+        f"[bold]{model.get('source')}[/]: {_count(model.get('parameters', 0))} parameters, "
         f"{model.get('layers')} layers; {model.get('seq_len')} tokens per sample, global batch "
         f"{model.get('global_batch_size')}; {hw.get('gpus_per_node')} x {hw.get('nodes')} "
         f"{'processes' if hw.get('device') == 'cpu' else 'GPUs'} of {gib(cap)} ({hw.get('name')})"
@@ -167,6 +172,11 @@ def print_plan(plan: Plan, console: Any = None) -> None:
     )
     for sentence in plan.walk:
         console.print(f"  - {sentence}")
+    if model.get("checkpoint_bytes"):
+        console.print(
+            f"checkpoints: {gib(model['checkpoint_bytes'])} each (weights + AdamW state); a run keeps output.keep "
+            "of them and writes one more before pruning, and checks the free disk for that before it starts"
+        )
 
 
 def plan_json(plan: Plan) -> str:
