@@ -6,9 +6,10 @@ import pytest
 from transformers import AutoConfig
 
 from finetune.errors import UserError
-from finetune.plan.flowchart import Request, _Planner, gib, make_plan
+from finetune.plan.flowchart import Request, _Planner, make_plan
 from finetune.plan.hardware import Hardware
 from finetune.recipe import LoraConfig
+from finetune.units import fmt_bytes as gib
 
 from .conftest import TINY_MODEL
 

@@ -21,6 +21,7 @@ from finetune.plan.memory import Setup, candidate_memory
 from finetune.plan.shapes import Inventory, build_inventory
 from finetune.plan.types import Candidate, Plan
 from finetune.recipe import LoadedRecipe
+from finetune.units import fmt_bytes
 
 STRATEGY_NAMES = {"single": "one process", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
 METHOD_NAMES = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}
@@ -50,13 +51,6 @@ class Request:
     double_quant: bool = True
     attn_implementation: str = "sdpa"
     for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
-
-
-def gib(n: float) -> str:
-    """Bytes as '31.0 GiB' (or MiB for small numbers)."""
-    if abs(n) >= 1024**3 or n == 0:
-        return f"{n / 1024**3:.1f} GiB"
-    return f"{n / 1024**2:.1f} MiB"
 
 
 def request_from_recipe(loaded: LoadedRecipe) -> Request:
@@ -237,8 +231,8 @@ class _Planner:
     def describe(self, c: Candidate, with_method: bool = True) -> str:
         head = f"{METHOD_NAMES[c.method]} under {STRATEGY_NAMES[c.strategy]}" if with_method else STRATEGY_NAMES[c.strategy]
         if c.note.startswith("model states alone"):
-            return f"{head} needs {gib(c.memory.total)} per GPU for the model states alone"
-        return f"{head} needs {gib(c.memory.total)} per GPU"
+            return f"{head} needs {fmt_bytes(c.memory.total)} per GPU for the model states alone"
+        return f"{head} needs {fmt_bytes(c.memory.total)} per GPU"
 
     @staticmethod
     def sentence(parts: list[str], checkpointing: bool) -> str:
@@ -250,7 +244,7 @@ class _Planner:
     def choose_method_and_strategy(self) -> tuple[Candidate | None, list[Candidate]]:
         mbs1 = self.req.micro_batch_size or 1
         acs = [False, True] if self.req.checkpointing is None else [self.req.checkpointing]
-        cap = gib(self.hw.memory_bytes)
+        cap = fmt_bytes(self.hw.memory_bytes)
         tried: list[Candidate] = []
         methods = self.methods()
         for mi, method in enumerate(methods):
@@ -272,7 +266,7 @@ class _Planner:
                 self.say(
                     f"{METHOD_NAMES[method][0].upper() + METHOD_NAMES[method][1:]} does not fit at micro-batch "
                     f"{mbs1} under any strategy: trying {METHOD_NAMES[nxt]} ({sb.trainable / 1e6:.1f}M trainable "
-                    f"parameters, r={self.lora.r}, base weights {gib(sb.param_bytes)})."
+                    f"parameters, r={self.lora.r}, base weights {fmt_bytes(sb.param_bytes)})."
                 )
         return None, tried
 
@@ -289,7 +283,7 @@ class _Planner:
         ac = "on" if best.activation_checkpointing else "off"
         self.say(
             f"Largest micro-batch that fits at {self.req.seq_len} tokens: {best.micro_batch_size} "
-            f"(activation checkpointing {ac}, {gib(best.memory.total)} per GPU); gradient accumulation "
+            f"(activation checkpointing {ac}, {fmt_bytes(best.memory.total)} per GPU); gradient accumulation "
             f"{best.grad_accum_steps} keeps the global batch at {self.global_batch}."
         )
         return best
@@ -320,10 +314,10 @@ class _Planner:
 
     def nothing_fits(self, tried: list[Candidate]) -> Candidate:
         best = min(tried, key=lambda c: c.memory.total)
-        cap = gib(self.hw.memory_bytes)
+        cap = fmt_bytes(self.hw.memory_bytes)
         advice = [f"Nothing fits in {cap} per GPU: the smallest option, {METHOD_NAMES[best.method]} under "
                   f"{STRATEGY_NAMES[best.strategy]} at micro-batch {best.micro_batch_size}, needs "
-                  f"{gib(best.memory.total)}."]
+                  f"{fmt_bytes(best.memory.total)}."]
         # more GPUs (sharded strategies only shrink with the world size)
         smallest = "fsdp" if self.req.strategy == "auto" else self.req.strategy
         method = best.method if self.req.method != "auto" else "qlora"
@@ -340,11 +334,11 @@ class _Planner:
                     self.world, self.hw.gpus_per_node = saved
                 if c.fits:
                     advice.append(f"{METHOD_NAMES[method]} under {STRATEGY_NAMES[strat]} would fit on {k} GPUs "
-                                  f"({gib(c.memory.total)} per GPU).")
+                                  f"({fmt_bytes(c.memory.total)} per GPU).")
                     break
         if self.req.method not in ("auto", "qlora"):
             q = self.evaluate("qlora", best.strategy, 1, best.activation_checkpointing)
-            advice.append(f"QLoRA would need {gib(q.memory.total)} per GPU ({'fits' if q.fits else 'still too much'}).")
+            advice.append(f"QLoRA would need {fmt_bytes(q.memory.total)} per GPU ({'fits' if q.fits else 'still too much'}).")
         acts = best.memory.activations
         rest = best.memory.total - acts
         if acts > 0 and rest < self.hw.memory_bytes:

@@ -11,6 +11,7 @@ from typing import Any
 
 from finetune.errors import UserError
 from finetune.plan.types import Plan
+from finetune.units import compact_bytes
 
 
 @dataclass
@@ -114,14 +115,6 @@ def build_plan(opts: PlanOptions) -> Plan:
     return plan
 
 
-def gib(n: float) -> str:
-    """Bytes compactly: '31.0G', '62M', '12K'."""
-    for unit, size in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.1f}{unit}" if unit == "G" else f"{n / size:.0f}{unit}"
-    return f"{n:.0f}B"
-
-
 def _count(n: float) -> str:
     """3037440 -> '3.04M', 8.03e9 -> '8.03B'."""
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
@@ -139,7 +132,7 @@ def print_plan(plan: Plan, console: Any = None) -> None:
         f"[bold]{model.get('source')}[/]: {_count(model.get('parameters', 0))} parameters, "
         f"{model.get('layers')} layers; {model.get('seq_len')} tokens per sample, global batch "
         f"{model.get('global_batch_size')}; {hw.get('gpus_per_node')} x {hw.get('nodes')} "
-        f"{'processes' if hw.get('device') == 'cpu' else 'GPUs'} of {gib(cap)} ({hw.get('name')})"
+        f"{'processes' if hw.get('device') == 'cpu' else 'GPUs'} of {compact_bytes(cap)} ({hw.get('name')})"
     )
     t = Table(show_lines=False, header_style="bold")
     for col in ("method", "strategy", "mb", "ckpt", "params", "grads", "optim", "activ", "buffers",
@@ -150,14 +143,14 @@ def print_plan(plan: Plan, console: Any = None) -> None:
         comm = f"{c.comm_bytes_per_step / 1e9:.1f}GB" if c.comm_bytes_per_step else "-"
         if c.comm_seconds_per_step:
             comm += f" {c.comm_seconds_per_step:.2f}s"
-        acts = gib(m.activations) if not c.note else "-"
-        total = gib(m.total) if not c.note else f">= {gib(m.total)}"
+        acts = compact_bytes(m.activations) if not c.note else "-"
+        total = compact_bytes(m.total) if not c.note else f">= {compact_bytes(m.total)}"
         fits = "yes" if c.fits else ("?" if c.note.startswith("activations not traced") else "no")
         style = "bold green" if i == 0 else ("dim" if not c.fits else "")
         t.add_row(
             c.method + (" *" if i == 0 else ""), c.strategy, str(c.micro_batch_size),
-            "on" if c.activation_checkpointing else "off", gib(m.params), gib(m.grads), gib(m.optimizer), acts,
-            gib(m.buffers), gib(m.overhead), total, comm, fits, style=style,
+            "on" if c.activation_checkpointing else "off", compact_bytes(m.params), compact_bytes(m.grads), compact_bytes(m.optimizer), acts,
+            compact_bytes(m.buffers), compact_bytes(m.overhead), total, comm, fits, style=style,
         )
     console.print(t)
     console.print("[dim]- activations not traced: model states alone exceed the memory, or the walk stopped before "
@@ -167,14 +160,14 @@ def print_plan(plan: Plan, console: Any = None) -> None:
     console.print(
         f"[bold]chosen[/]: {ch.method} / {ch.strategy} / {ch.precision}, micro-batch {ch.micro_batch_size}, "
         f"gradient accumulation {ch.grad_accum_steps}, activation checkpointing "
-        f"{'on' if ch.activation_checkpointing else 'off'}, {gib(ch.memory.total)} per GPU"
+        f"{'on' if ch.activation_checkpointing else 'off'}, {compact_bytes(ch.memory.total)} per GPU"
         + ("" if ch.fits else " [bold red](does not fit)[/]")
     )
     for sentence in plan.walk:
         console.print(f"  - {sentence}")
     if model.get("checkpoint_bytes"):
         console.print(
-            f"checkpoints: {gib(model['checkpoint_bytes'])} each (weights + AdamW state); a run keeps output.keep "
+            f"checkpoints: {compact_bytes(model['checkpoint_bytes'])} each (weights + AdamW state); a run keeps output.keep "
             "of them and writes one more before pruning, and checks the free disk for that before it starts"
         )
 

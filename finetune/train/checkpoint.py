@@ -218,7 +218,7 @@ def check_free_disk(out_dir: str | os.PathLike[str], one_checkpoint: int, keep: 
 
     ``existing`` checkpoints already on disk are reused space (pruned or replaced as the run goes).
     """
-    from finetune.train.outputs import fmt_bytes
+    from finetune.units import fmt_bytes
 
     count = max(1, keep + 1 - existing)
     need = one_checkpoint * count

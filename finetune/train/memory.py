@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.plan.types import MemoryBreakdown
+from finetune.units import fmt_bytes
 
 # MemTracker's categories, renamed to the planner's vocabulary.
 _CATEGORY_NAMES = {
@@ -142,23 +143,13 @@ class PeakMemory:
         rep = self.report(predicted)
         err = rep["error"]
         off = f"{100 * err:+.1f}% off" if err is not None else "not measured"
-        return f"memory: predicted {format_bytes(rep['predicted'])}, measured {format_bytes(rep['measured_peak'])} ({off})"
+        return f"memory: predicted {fmt_bytes(rep['predicted'])}, measured {fmt_bytes(rep['measured_peak'])} ({off})"
 
     def write(self, path: str | Path, predicted: MemoryBreakdown) -> dict[str, Any]:
         """Write :meth:`report` as JSON to ``path`` and return it."""
         rep = self.report(predicted)
         Path(path).write_text(json.dumps(rep, indent=2) + "\n")
         return rep
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size: 1536 -> '1.5 KiB'."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 _TRACKER_CLASS: Any = None

@@ -16,19 +16,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from finetune.plan.types import Candidate, Plan
 from finetune.train.distributed import DistContext
+from finetune.units import fmt_bytes
 
 if TYPE_CHECKING:
     from finetune.train.evaluate import EvalResult
     from finetune.train.loop import RunResult
-
-
-def fmt_bytes(n: float) -> str:
-    """Human-readable bytes (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class MetricsWriter:
