@@ -5,6 +5,7 @@
 Each task's answer can be checked exactly, so exact-match accuracy measures what a model learned:
 - reverse:   "Reverse the letters." + a made-up word  -> the word reversed
 - uppercase: "Write in capitals."  + a made-up word  -> the word in upper case
+- reverse-upper: "Reverse the letters in capitals." -> the word reversed, in upper case (the LoRA quickstart)
 Every task has train.jsonl and a held-out eval.jsonl whose words never occur in train.
 
 The same rows are also written in the other data formats, for the recipes that show each format:
@@ -25,6 +26,8 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 TASKS = {
     "reverse": ("Reverse the letters.", lambda w: w[::-1]),
     "uppercase": ("Write in capitals.", lambda w: w.upper()),
+    # LoRA quickstart's task: the reversal the quickstart model knows, answered in capitals.
+    "reverse-upper": ("Reverse the letters in capitals.", lambda w: w[::-1].upper()),
 }
 N_TRAIN, N_EVAL = 4000, 200
 N_TOKENIZED_TRAIN = 1000  # keeps the pre-tokenized copy small; it is a demonstration of the format
