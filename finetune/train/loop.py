@@ -32,7 +32,6 @@ from finetune.train.model import (
     compute_dtype,
     count_parameters,
     load_tokenizer,
-    save_pretrained_base,
 )
 from finetune.train.outputs import MetricsWriter, Reporter, save_final
 from finetune.train.parallel import no_sync, parallelize, unwrap
@@ -164,10 +163,8 @@ def train_rank(
     seed_everything(r.train.seed)
     tokenizer = load_tokenizer(loaded)
     data: TaskData = load_data(loaded, tokenizer)
-    save_base = None
-    if ctx.is_main and chosen.method != "full" and r.model.init == "random":
-        save_base = lambda base: save_pretrained_base(base, tokenizer, out_dir / "base")  # noqa: E731
-    model = build_model(loaded, chosen, ctx.device, save_base=save_base)
+    keep_base = ctx.is_main and chosen.method != "full" and r.model.init == "random"
+    model = build_model(loaded, chosen, ctx.device, base_dir=out_dir / "base" if keep_base else None)
     trainable, total = count_parameters(model)
     model = parallelize(model, chosen, ctx)
     optimizer = build_optimizer(model, loaded, chosen.strategy)

@@ -6,7 +6,6 @@ sharding and data parallelism are applied afterwards by finetune.train.parallel.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +82,14 @@ def load_tokenizer(loaded: LoadedRecipe) -> Any:
     return tok
 
 
-def load_base_model(loaded: LoadedRecipe, chosen: Candidate, device: torch.device) -> torch.nn.Module:
-    """The base model on ``device`` in its storage dtype (4-bit for qlora), before adapters."""
+def load_base_model(
+    loaded: LoadedRecipe, chosen: Candidate, device: torch.device, base_dir: Path | None = None
+) -> torch.nn.Module:
+    """The base model on ``device`` in its storage dtype (4-bit for qlora), before adapters.
+
+    ``base_dir``: where a random-init base is saved (full precision, before quantization or adapters), so
+    that an adapter run can be reloaded and merged without re-deriving the seed.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     r = loaded.recipe
@@ -94,11 +99,13 @@ def load_base_model(loaded: LoadedRecipe, chosen: Candidate, device: torch.devic
     if chosen.method == "qlora":
         from finetune.train.quantize import load_quantized
 
-        return load_quantized(loaded, path, chosen, device)
+        return load_quantized(loaded, path, chosen, device, base_dir=base_dir)
     if r.model.init == "random":
         config = AutoConfig.from_pretrained(path, trust_remote_code=r.model.trust_remote_code, local_files_only=True)
         torch.manual_seed(r.train.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
+        if base_dir is not None:
+            save_pretrained_base(model, base_dir)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **common)
     return model.to(device)
@@ -142,16 +149,13 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def build_model(
-    loaded: LoadedRecipe, chosen: Candidate, device: torch.device, *, save_base: Callable[[torch.nn.Module], None] | None = None
+    loaded: LoadedRecipe, chosen: Candidate, device: torch.device, *, base_dir: Path | None = None
 ) -> torch.nn.Module:
     """Base model + adapters + activation checkpointing, as the Plan says (single process or per rank).
 
-    ``save_base`` is called with the base model before adapters are injected (an adapter run from a random
-    init saves the base it started from, so the adapter can be reloaded and merged).
+    ``base_dir``: see :func:`load_base_model` (given by rank 0 of an adapter run from a random init).
     """
-    model = load_base_model(loaded, chosen, device)
-    if save_base is not None:
-        save_base(model)
+    model = load_base_model(loaded, chosen, device, base_dir)
     model = add_adapters(model, loaded, chosen)
     if chosen.activation_checkpointing and chosen.strategy not in ("zero2", "fsdp"):
         enable_activation_checkpointing(model)
@@ -167,8 +171,7 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def save_pretrained_base(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+def save_pretrained_base(model: torch.nn.Module, out: Path) -> None:
     """Save a (random-init) base model as a HF directory, so an adapter run is reproducible and mergeable."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
