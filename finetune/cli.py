@@ -63,8 +63,10 @@ def validate(recipe: Annotated[str, typer.Argument(help="Recipe YAML file.")], s
 def run(
     recipe: Annotated[str, typer.Argument(help="Recipe YAML file.")],
     set_: SetOpt = None,
-    nproc: Annotated[Optional[int], typer.Option(help="Processes per node (overrides distributed.nproc).")] = None,
-    nnodes: Annotated[int, typer.Option(help="Number of nodes.")] = 1,
+    nproc: Annotated[
+        Optional[int], typer.Option(min=1, help="Processes per node (overrides distributed.nproc).")
+    ] = None,
+    nnodes: Annotated[int, typer.Option(min=1, help="Number of nodes.")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's rank (0..nnodes-1).")] = 0,
     rdzv_endpoint: Annotated[
         Optional[str], typer.Option(help="host:port of the rendezvous (node 0) for multi-node runs.")
@@ -200,6 +202,8 @@ def recipes_cp(
     target = dest / src.name if dest.is_dir() else dest
     if target.exists():
         _fail(UserError(f"{target} already exists; choose another destination"))
+    if not target.parent.is_dir():
+        _fail(UserError(f"{target.parent} is not a directory; create it first or choose another destination"))
     shutil.copyfile(src, target)
     typer.echo(f"copied {src.name} to {target}")
 

@@ -81,6 +81,13 @@ def launch(
         raise UserError(
             f"--nproc: {nproc} processes but this node has {torch.cuda.device_count()} GPU(s); one process per GPU"
         )
+    if plan.chosen.strategy in ("zero1", "zero2", "fsdp") and nproc * nnodes == 1:
+        # torch's sharding needs a process group: on one process it would silently run without the plan's
+        # mixed-precision policy and checkpointing (zero2/fsdp) or fail (zero1).
+        raise UserError(
+            f"distributed.strategy: `{plan.chosen.strategy}` shards over several processes but this run has one; "
+            "use --nproc N (N >= 2), or strategy single or auto"
+        )
     if plan.chosen.strategy == "single" and nproc * nnodes > 1:
         raise UserError(
             f"distributed.strategy: `single` trains one process but {nproc * nnodes} were asked for "

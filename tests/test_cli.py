@@ -43,3 +43,22 @@ def test_run_with_a_missing_model_is_one_clear_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
     assert f"{recipe}:2: model.path: `someone/not-downloaded` is neither a local directory nor a model in the Hugging Face cache" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_sharded_strategy_on_one_process_and_bad_counts_are_refused(tmp_path: Path) -> None:
+    recipe = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
+    for strategy in ("zero1", "fsdp"):
+        proc = subprocess.run(
+            [*CMD, "run", str(recipe), "--set", f"distributed.strategy={strategy}", "--set", f"output.dir={tmp_path / strategy}"],
+            capture_output=True, text=True,
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert f"`{strategy}` shards over several processes but this run has one" in proc.stderr
+    zero = subprocess.run([*CMD, "run", str(recipe), "--nproc", "0"], capture_output=True, text=True)
+    assert zero.returncode == 2 and "Traceback" not in zero.stderr and "--nproc" in zero.stderr
+
+
+def test_recipes_cp_into_a_missing_directory_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([*CMD, "recipes", "cp", "quickstart", str(tmp_path / "no" / "x.yaml")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "is not a directory; create it first" in proc.stderr

@@ -228,21 +228,3 @@ def _inventory_cached(key: Any, config: Any, source: str, lora: Any) -> Inventor
                 inv.adapters.append(Tensor(name, p.numel(), block_prefix in name, False, True))
     _INV_CACHE[key] = inv
     return inv
-
-
-def root_param_bytes(inv: Inventory, method: str, precision: str, double_quant: bool = True) -> int:
-    """Bytes of the parameters outside the decoder layers (FSDP's root unit) for ``method``."""
-    master = 2 if precision == "bf16-pure" else 4
-    compute = 4 if precision == "fp32" else 2
-    total = 0
-    for t in inv.base:
-        if t.in_block:
-            continue
-        if method == "full":
-            total += t.numel * master
-        elif method == "lora":
-            total += t.numel * compute
-        else:
-            total += nf4_bytes(t.numel, double_quant) if t.quantizable else t.numel * 4
-    total += sum(t.numel * 4 for t in inv.adapters if not t.in_block)
-    return total
