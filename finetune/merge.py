@@ -34,6 +34,7 @@ from finetune.errors import UserError
 from finetune.recipe import QuantizationConfig, resolve_input_path
 from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, ST_DTYPES, ShardWriter, shard_map
 from finetune.train.quantize import dequantized_weight, quantized_modules
+from finetune.units import DTYPE_NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,7 @@ MODEL_FILES = (
     "chat_template.json",
 )
 TOKENIZER_FILES = tuple(f for f in MODEL_FILES if f != "generation_config.json")
-DTYPE_FLAGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_FLAGS = {k: v for k, v in DTYPE_NAMES.items() if k != "bf16-pure"}  # what --dtype accepts
 _LORA_PART = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.(?P<leaf>weight|bias))?$")
 
 

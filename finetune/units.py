@@ -1,6 +1,14 @@
-"""Byte counts for people: one formatter for every message, table and log line."""
+"""Units shared by the whole package: byte counts for people, and the recipe's dtype names.
+
+No torch at import time (the CLI imports this).
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def fmt_bytes(n: float) -> str:
@@ -19,3 +27,14 @@ def compact_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f}{unit}" if unit == "G" else f"{n / size:.0f}{unit}"
     return f"{n:.0f}B"
+
+
+#: Recipe dtype names (precision, model.dtype, quantization.compute_dtype, --dtype) to torch's names.
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16-pure": "bfloat16"}
+
+
+def torch_dtype(name: str) -> torch.dtype:  # noqa: F821 (torch is imported lazily)
+    """The torch dtype of a recipe dtype name: 'bf16' -> torch.bfloat16 ('bf16-pure' computes in bf16 too)."""
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])

@@ -14,13 +14,12 @@ import torch
 from finetune.errors import UserError
 from finetune.plan.types import Candidate
 from finetune.recipe import LoadedRecipe
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from finetune.units import torch_dtype
 
 
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype matmuls run in for a precision setting."""
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-pure": torch.bfloat16, "fp16": torch.float16}[precision]
+    return torch_dtype(precision)
 
 
 def storage_dtype(loaded: LoadedRecipe, chosen: Candidate) -> torch.dtype:
@@ -36,7 +35,7 @@ def storage_dtype(loaded: LoadedRecipe, chosen: Candidate) -> torch.dtype:
     if chosen.method == "full":
         return torch.float32
     if pinned != "auto":
-        return DTYPES[pinned]
+        return torch_dtype(pinned)
     return compute_dtype(chosen.precision)
 
 

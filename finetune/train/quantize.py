@@ -26,17 +26,11 @@ if TYPE_CHECKING:
 
     from finetune.plan.types import Candidate
     from finetune.recipe import LoadedRecipe, QuantizationConfig, Recipe
+from finetune.units import DTYPE_NAMES, torch_dtype
 
 #: Values per quantization block (bitsandbytes' and transformers' default for 4-bit weights).
 BLOCKSIZE_4BIT = 64
 
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16-pure": "bfloat16"}
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    return getattr(torch, _DTYPE_NAMES[name])
 
 
 def resolve_compute_dtype(recipe: Recipe, precision: str) -> torch.dtype:
@@ -46,12 +40,12 @@ def resolve_compute_dtype(recipe: Recipe, precision: str) -> torch.dtype:
     """
     qc = recipe.quantization.compute_dtype
     if qc != "auto":
-        return _torch_dtype(qc)
-    if precision not in _DTYPE_NAMES:
+        return torch_dtype(qc)
+    if precision not in DTYPE_NAMES:
         raise UserError(
             f"precision `{precision}` is not resolved; set quantization.compute_dtype to bf16, fp16 or fp32"
         )
-    return _torch_dtype(precision)
+    return torch_dtype(precision)
 
 
 def bnb_config(
