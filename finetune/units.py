@@ -33,7 +33,7 @@ def compact_bytes(n: float) -> str:
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16-pure": "bfloat16"}
 
 
-def torch_dtype(name: str) -> torch.dtype:  # noqa: F821 (torch is imported lazily)
+def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a recipe dtype name: 'bf16' -> torch.bfloat16 ('bf16-pure' computes in bf16 too)."""
     import torch
 
