@@ -57,9 +57,10 @@ class LoraConfig(Section):
     r: int = Field(8, ge=1, description="Rank of the low-rank update B·A.")
     alpha: float = Field(16.0, gt=0, description="Scale of the update: ΔW = (alpha / r)·B·A.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
-    target_modules: Union[list[str], Literal["all-linear"]] = Field(
-        default_factory=lambda: ["q_proj", "v_proj"],
-        description="Module names that get adapters (e.g. [q_proj, v_proj]) or `all-linear`.",
+    target_modules: Union[list[str], Literal["all-linear"], None] = Field(
+        None,
+        description="Module names that get adapters (e.g. [q_proj, v_proj]) or `all-linear`; unset: peft's choice "
+        "for the architecture (q_proj, v_proj for Llama; c_attn for GPT-2), all-linear where it has none.",
     )
 
 

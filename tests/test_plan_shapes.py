@@ -44,6 +44,25 @@ def test_full_and_lora_counts_match_real_models(arch):
     assert inv.storage("full", "bf16-pure").param_bytes == inv.n_params * 2
 
 
+def test_default_lora_targets_follow_the_architecture():
+    """Unset lora.target_modules: q_proj+v_proj (Llama), c_attn (GPT-2), every linear layer for Phi-3, whose
+    fused qkv_proj peft has no default for (planning phi-3-mini with the Llama default used to fail)."""
+    lora = LoraConfig(r=4, alpha=8)
+    cfgs = tiny_configs()
+    phi3 = AutoConfig.for_model("phi3", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
+    r = 4
+    llama = cfgs["llama"]
+    h, kv = llama.hidden_size, llama.num_key_value_heads * (llama.hidden_size // llama.num_attention_heads)
+    per_layer = r * (h + h) + r * (h + kv)  # q_proj (h -> h) and v_proj (h -> kv)
+    assert build_inventory(llama, "llama", lora).n_adapter == llama.num_hidden_layers * per_layer
+    gpt2 = cfgs["gpt2"]
+    assert build_inventory(gpt2, "gpt2", lora).n_adapter == 3 * r * (64 + 3 * 64)  # c_attn: 64 -> 192
+    # all-linear on Phi-3: qkv_proj 64->192, o_proj 64->64, gate_up_proj 64->256, down_proj 128->64
+    per_layer = r * ((64 + 192) + (64 + 64) + (64 + 256) + (128 + 64))
+    assert build_inventory(phi3, "phi3", lora).n_adapter == 2 * per_layer
+
+
 def test_catalog_parameter_counts_are_the_published_ones():
     expected = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "llama-3.2-1b": 1_235_814_400,
                 "qwen2.5-0.5b": 494_032_768, "mistral-7b": 7_248_023_552, "gemma-2-2b": 2_614_341_888,

@@ -85,7 +85,7 @@ def test_bad_overrides_name_the_flag(tmp_path: Path) -> None:
 
 def test_defaults_a_user_expects(tmp_path: Path) -> None:
     r = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path / "out", method="lora"))).recipe
-    assert (r.lora.r, r.lora.alpha, r.lora.target_modules) == (8, 16.0, ["q_proj", "v_proj"])
+    assert (r.lora.r, r.lora.alpha, r.lora.target_modules) == (8, 16.0, None)  # None: peft's per-architecture default
 
 
 def test_not_yaml_and_missing_recipe(tmp_path: Path) -> None:

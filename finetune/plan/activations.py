@@ -289,7 +289,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
 
         r, alpha, dropout, targets = spec.lora
         lora = _LoraArgs(r, alpha, dropout, list(targets) if isinstance(targets, tuple) else targets)
-        model = get_peft_model(model, LoraConfig(**lora_kwargs(lora)))
+        model = get_peft_model(model, LoraConfig(**lora_kwargs(lora, cfg.model_type)))
     if spec.fsdp_compute and compute is not None:  # MixedPrecisionPolicy casts adapters and norms too
         for prm in model.parameters():
             if prm.is_floating_point():
@@ -418,11 +418,3 @@ class _FrozenMatmulMeta(type):
 
 class _FrozenMatmul(metaclass=_FrozenMatmulMeta):
     pass
-
-
-def spec_lora_key(lora: Any) -> tuple | None:
-    """The hashable form of a recipe ``lora`` section for :class:`TraceSpec`."""
-    if lora is None:
-        return None
-    tm = lora.target_modules
-    return (lora.r, lora.alpha, lora.dropout, tuple(tm) if isinstance(tm, list) else tm)

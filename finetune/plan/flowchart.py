@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile, spec_lora_key
+from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.hardware import GPU_TYPES, Hardware, detect_hardware
 from finetune.plan.memory import Setup, candidate_memory
-from finetune.plan.shapes import Inventory, build_inventory
+from finetune.plan.shapes import Inventory, build_inventory, lora_key, lora_targets
 from finetune.plan.types import Candidate, Plan
 from finetune.recipe import LoadedRecipe
 from finetune.units import fmt_bytes
@@ -143,7 +143,7 @@ class _Planner:
                 seq_len=self.req.seq_len,
                 packed=self.req.packed,
                 attn_implementation=self.req.attn_implementation,
-                lora=spec_lora_key(self.lora) if method != "full" else None,
+                lora=lora_key(self.lora) if method != "full" else None,
                 fsdp_compute=fsdp_compute,
             )
             self.profiles[key] = activation_profile(self.req.config, spec)
@@ -263,10 +263,12 @@ class _Planner:
             if mi + 1 < len(methods):
                 nxt = methods[mi + 1]
                 sb = self.inv.storage(nxt, self.precision, self.req.double_quant)
+                targets = lora_targets(self.lora, self.req.config.model_type)
+                targets = targets if isinstance(targets, str) else ", ".join(targets)
                 self.say(
                     f"{METHOD_NAMES[method][0].upper() + METHOD_NAMES[method][1:]} does not fit at micro-batch "
                     f"{mbs1} under any strategy: trying {METHOD_NAMES[nxt]} ({sb.trainable / 1e6:.1f}M trainable "
-                    f"parameters, r={self.lora.r}, base weights {fmt_bytes(sb.param_bytes)})."
+                    f"parameters, r={self.lora.r} on {targets}, base weights {fmt_bytes(sb.param_bytes)})."
                 )
         return None, tried
 

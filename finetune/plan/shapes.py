@@ -158,24 +158,36 @@ def decoder_layer_names(model: Any) -> list[str]:
     return names
 
 
-def lora_kwargs(lora: Any) -> dict[str, Any]:
-    """peft ``LoraConfig`` arguments from the recipe's ``lora`` section."""
+def lora_targets(lora: Any, model_type: str) -> list[str] | str:
+    """The modules that get adapters: the recipe's ``lora.target_modules``; when unset, peft's choice for the
+    architecture (q_proj and v_proj for Llama, Qwen2, Mistral, Gemma; c_attn for GPT-2), and every linear
+    layer (``all-linear``) for architectures peft has no choice for (Phi-3's fused qkv_proj)."""
+    if lora.target_modules is not None:
+        return lora.target_modules
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    return list(PEFT_DEFAULTS.get(model_type) or []) or "all-linear"
+
+
+def lora_kwargs(lora: Any, model_type: str) -> dict[str, Any]:
+    """peft ``LoraConfig`` arguments from the recipe's ``lora`` section, for a model of ``model_type``."""
     return {
         "r": lora.r,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": lora.target_modules,
+        "target_modules": lora_targets(lora, model_type),
         "task_type": "CAUSAL_LM",
     }
 
 
 def build_inventory(config: Any, source: str, lora: Any | None = None) -> Inventory:
     """Count every parameter of ``config``'s model (and of its LoRA adapters when ``lora`` is given)."""
-    key = (config.to_json_string(use_diff=False), source, _lora_key(lora))
+    key = (config.to_json_string(use_diff=False), source, lora_key(lora))
     return _inventory_cached(key, config, source, lora)
 
 
-def _lora_key(lora: Any) -> Any:
+def lora_key(lora: Any) -> tuple | None:
+    """The hashable form of a recipe ``lora`` section (a cache key, a :class:`TraceSpec` field)."""
     if lora is None:
         return None
     tm = lora.target_modules
@@ -218,7 +230,7 @@ def _inventory_cached(key: Any, config: Any, source: str, lora: Any) -> Inventor
         from peft import LoraConfig, get_peft_model
 
         try:
-            peft_model = get_peft_model(model, LoraConfig(**lora_kwargs(lora)))
+            peft_model = get_peft_model(model, LoraConfig(**lora_kwargs(lora, config.model_type)))
         except ValueError as exc:  # e.g. target modules not found in the model
             from finetune.errors import UserError
 

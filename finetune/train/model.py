@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError
+from finetune.plan.shapes import lora_targets
 from finetune.plan.types import Candidate
 from finetune.recipe import LoadedRecipe
 from finetune.units import torch_dtype
@@ -128,7 +129,7 @@ def add_adapters(model: torch.nn.Module, loaded: LoadedRecipe, chosen: Candidate
         r=lc.r,
         lora_alpha=lc.alpha,
         lora_dropout=lc.dropout,
-        target_modules=lc.target_modules,
+        target_modules=lora_targets(lc, model.config.model_type),
         bias="none",
         task_type="CAUSAL_LM",
     )
