@@ -3,7 +3,7 @@
 The model is built with 1 and 2 decoder layers inside ``FakeTensorMode`` (shapes and dtypes, no storage,
 no FLOPs), set up exactly as the trainer sets it up (dtype, LoRA adapters, autocast, activation checkpointing,
 the attention implementation), and ``finetune.train.loss.causal_lm_loss`` plus ``backward()`` run under
-``MemTracker``, which files every tensor as parameter, gradient, activation or temporary.
+a tracker that files every tensor storage as torch's ``MemTracker`` does (parameter, gradient, activation).
 
 A full model's backward runs head -> layer L-1 -> ... -> layer 0, with activations shrinking and gradients
 growing linearly, so its peak is in one of three windows, each of which is linear in the number of layers
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,24 +68,35 @@ class TraceResult:
     layer_grads: int = 0
 
 
-@dataclass
 class ActivationProfile:
     """Window peaks of a model at any depth and micro-batch, from two-layer traces at micro-batch 1 and 2.
 
     Depth: every extra layer adds its retained activations to the ``head`` and ``first`` windows and its
-    gradients to the ``last`` window. Micro-batch: linear between the two traces.
+    gradients to the ``last`` window. Micro-batch: linear between the two traces. The micro-batch-2 trace
+    is taken only when a larger micro-batch is asked for: at micro-batch 1 the first trace is the answer.
     """
 
-    points: dict[int, TraceResult]
+    def __init__(self, points: dict[int, TraceResult], trace: Callable[[int], TraceResult] | None = None) -> None:
+        self.points = points
+        self._trace = trace
+
+    def point(self, batch: int) -> TraceResult:
+        """The trace at micro-batch ``batch`` (1 or 2), traced now if it was not yet."""
+        if batch not in self.points:
+            if self._trace is None:
+                raise KeyError(f"no trace at micro-batch {batch}")
+            self.points[batch] = self._trace(batch)
+        return self.points[batch]
 
     def at(self, layers: int, batch: int) -> dict[str, WindowPeaks]:
         """The window peaks extrapolated to ``layers`` decoder layers and micro-batch ``batch``."""
-        deep = {b: self._deepen(r, layers - TRACE_LAYERS) for b, r in self.points.items()}
+        one = self._deepen(self.point(1), layers - TRACE_LAYERS)
+        two = self._deepen(self.point(2), layers - TRACE_LAYERS) if batch != 1 else one
         out: dict[str, WindowPeaks] = {}
         for w in WINDOWS:
             vals = {}
             for f in ("grads_and_acts", "grads_at_peak", "acts", "acts_no_copies"):
-                v1, v2 = getattr(deep[1][w], f), getattr(deep[2][w], f)
+                v1, v2 = getattr(one[w], f), getattr(two[w], f)
                 vals[f] = max(0, int(v1 + (batch - 1) * (v2 - v1)))
             out[w] = WindowPeaks(**vals)
         return out
@@ -103,112 +115,179 @@ class ActivationProfile:
         return out
 
 
-class _WindowTracker:
-    """A MemTracker that also keeps, per window, the peaks the planner needs (cheaply, no snapshots)."""
+def _window_tracker(root: str, layer_names: list[str], model: Any) -> Any:
+    """A ``TorchDispatchMode`` that files every new tensor storage as gradient or activation and keeps, per
+    window, the peaks the planner needs.
 
-    def __new__(cls, root: str, layer_names: list[str]) -> Any:
-        import torch
-        from torch.distributed._tools.mem_tracker import _MemRefType
+    It counts as torch's ``MemTracker`` does (same categories, same storages: parameters and buffers of
+    ``model`` are known up front and not counted; a storage becomes a gradient when autograd hands it to a
+    parameter), but keeps only two running totals instead of per-module snapshots: a trace costs about half.
+    Module positions (forward/backward, which decoder layer) come from torch's ``ModTracker``.
+    """
+    import torch
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
-        from finetune.train.memory import mem_tracker_class
+    class Tracker(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mt = ModTracker()
+            # ModTracker names modules "<RootClass>.<qualified name>"
+            self.first_layer = f"{root}.{layer_names[-1]}"
+            self.last_layer = f"{root}.{layer_names[0]}"
+            self.windows = {w: WindowPeaks() for w in WINDOWS}
+            self.seen_first = False
+            self.seen_last = False
+            self.grads = 0
+            self.acts = 0  # activations and backward temporaries: every tracked storage that is not a gradient
+            self.copies = 0
+            self.layer_in: tuple[int, int] | None = None
+            self.layer_out: tuple[int, int] | None = None
+            self.pending_out = False
+            # id(storage) -> [bytes, kind, weakref]; kind: "fixed" (parameter/buffer), "grad" or "act"
+            self.storages: dict[int, list[Any]] = {}
+            self.hooks: list[Any] = []
+            for t in [*model.parameters(), *model.buffers()]:
+                self._add(t.untyped_storage(), "fixed")
+            for prm in model.parameters():
+                if prm.requires_grad:
+                    self.hooks.append(prm.register_hook(self._mark_grad))
+                    self.hooks.append(prm.register_post_accumulate_grad_hook(lambda q: self._mark_grad(q.grad)))
 
-        class Tracker(mem_tracker_class()):
-            def __init__(self) -> None:
-                super().__init__()
-                # ModTracker names modules "<RootClass>.<qualified name>"
-                self.first_layer = f"{root}.{layer_names[-1]}"
-                self.last_layer = f"{root}.{layer_names[0]}"
-                self.windows = {w: WindowPeaks() for w in WINDOWS}
-                self.seen_first = False
-                self.seen_last = False
-                self.copies = 0
-                self.layer_in: tuple[int, int] | None = None
-                self.layer_out: tuple[int, int] | None = None
+        # -- storages ----------------------------------------------------------------------------------
+        def _add(self, st: Any, kind: str) -> list[Any]:
+            key = id(st)
+            entry = [st.nbytes(), kind, None]
+            entry[2] = weakref.ref(st, functools.partial(self._dead, key))
+            self.storages[key] = entry
+            if kind == "grad":
+                self.grads += entry[0]
+            elif kind == "act":
+                self.acts += entry[0]
+            return entry
+
+        def _dead(self, key: int, _ref: Any) -> None:
+            entry = self.storages.pop(key, None)
+            if entry is not None:
+                if entry[1] == "grad":
+                    self.grads -= entry[0]
+                elif entry[1] == "act":
+                    self.acts -= entry[0]
+
+        def _mark_grad(self, grad: Any) -> None:
+            if grad is None:
+                return
+            st = grad.untyped_storage()
+            entry = self.storages.get(id(st))
+            if entry is None:
+                self._add(st, "grad")
+            elif entry[1] == "act":
+                entry[1] = "grad"
+                self.acts -= entry[0]
+                self.grads += entry[0]
+
+        # -- module positions --------------------------------------------------------------------------
+        def _pre_fw(self, module: Any, inputs: Any) -> None:
+            # The layer's increment is measured from its start to the start of the next module, when
+            # the caller has dropped the layer's input (kept only if the layer saved it for backward).
+            if self.mt.is_bw:
+                return
+            if self.pending_out:
+                self.layer_out = (self.acts, self.copies)
                 self.pending_out = False
+            if self.layer_in is None and self.mt.get_known_fqn(module) == self.first_layer:
+                self.layer_in = (self.acts, self.copies)
 
-            def _acts_now(self) -> int:
-                return sum(
-                    d.get(_MemRefType.ACT, 0) + d.get(_MemRefType.TEMP, 0) for d in self._curr_mem_snap.values()
-                )
+        def _post_fw(self, module: Any, inputs: Any, outputs: Any) -> None:
+            if self.mt.is_bw or self.layer_out is not None:
+                return
+            if self.mt.get_known_fqn(module) == self.first_layer:
+                self.layer_out = (self.acts, self.copies)  # fallback if no module follows
+                self.pending_out = True
 
-            def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-                # The layer's increment is measured from its start to the start of the next module, when
-                # the caller has dropped the layer's input (kept only if the layer saved it for backward).
-                if self.pending_out and not self._mod_tracker.is_bw:
-                    self.layer_out = (self._acts_now(), self.copies)
-                    self.pending_out = False
-                super()._pre_fw_hook(module, inputs)
-                fqn = self._mod_tracker.get_known_fqn(module)
-                if fqn == self.first_layer and not self._mod_tracker.is_bw and self.layer_in is None:
-                    self.layer_in = (self._acts_now(), self.copies)
+        def _update_peaks(self) -> None:
+            grads, acts, mt = self.grads, self.acts, self.mt
+            active = []
+            if mt.is_bw and self.first_layer in mt.parents:
+                self.seen_first = True
+                active.append("first")
+            if mt.is_bw and self.last_layer in mt.parents:
+                self.seen_last = True
+            if self.seen_last:
+                active.append("last")
+            if not self.seen_first and not self.seen_last:
+                active.append("head")
+            for w in active:
+                wp = self.windows[w]
+                if grads + acts > wp.grads_and_acts:
+                    wp.grads_and_acts = grads + acts
+                    wp.grads_at_peak = grads
+                if acts > wp.acts:
+                    wp.acts = acts
+                if acts - self.copies > wp.acts_no_copies:
+                    wp.acts_no_copies = acts - self.copies
 
-            def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
-                super()._post_fw_hook(module, inputs, outputs)
-                fqn = self._mod_tracker.get_known_fqn(module)
-                if fqn == self.first_layer and not self._mod_tracker.is_bw and self.layer_out is None:
-                    self.layer_out = (self._acts_now(), self.copies)  # fallback if no module follows
-                    self.pending_out = True
+        # -- every op ----------------------------------------------------------------------------------
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            res = func(*args, **(kwargs or {}))
+            storages = self.storages
+            for t in tree_leaves(res):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    if id(st) not in storages:
+                        self._add(st, "act")
+            # autocast's low-precision copies of parameters: FSDP2 has all-gathered params instead
+            if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.nn.Parameter):
+                nbytes = res.untyped_storage().nbytes()
+                self.copies += nbytes
+                weakref.finalize(res.untyped_storage(), self._drop_copy, nbytes)
+            self._update_peaks()
+            return res
 
-            def _update_peak_stats(self, peak_state: Any) -> None:  # replaces the per-module snapshots
-                snap = self._curr_mem_snap
-                grads = acts = 0
-                for dev_snap in snap.values():
-                    grads += dev_snap.get(_MemRefType.GRAD, 0)
-                    acts += dev_snap.get(_MemRefType.ACT, 0) + dev_snap.get(_MemRefType.TEMP, 0)
-                mt = self._mod_tracker
-                active = []
-                if mt.is_bw and self.first_layer in mt.parents:
-                    self.seen_first = True
-                    active.append("first")
-                if mt.is_bw and self.last_layer in mt.parents:
-                    self.seen_last = True
-                if self.seen_last:
-                    active.append("last")
-                if not self.seen_first and not self.seen_last:
-                    active.append("head")
-                for w in active:
-                    wp = self.windows[w]
-                    if grads + acts > wp.grads_and_acts:
-                        wp.grads_and_acts = grads + acts
-                        wp.grads_at_peak = grads
-                    wp.acts = max(wp.acts, acts)
-                    wp.acts_no_copies = max(wp.acts_no_copies, acts - self.copies)
+        def _drop_copy(self, nbytes: int) -> None:
+            self.copies -= nbytes
 
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                res = super().__torch_dispatch__(func, types, args, kwargs)
-                # autocast's low-precision copies of parameters: FSDP2 has all-gathered params instead
-                if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.nn.Parameter):
-                    nbytes = res.untyped_storage().nbytes()
-                    self.copies += nbytes
-                    weakref.finalize(res.untyped_storage(), self._drop_copy, nbytes)
-                return res
+        def __enter__(self) -> Any:
+            self.mt.register_user_hooks(self._pre_fw, self._post_fw)
+            self.mt.__enter__()
+            return super().__enter__()
 
-            def _drop_copy(self, nbytes: int) -> None:
-                self.copies -= nbytes
+        def __exit__(self, *exc: Any) -> None:
+            super().__exit__(*exc)
+            self.mt.clear_user_hooks()
+            self.mt.__exit__(*exc)
+            for h in self.hooks:
+                h.remove()
 
-        return Tracker()
+    return Tracker()
 
 
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 3  # bump when what a trace records changes: invalidates the disk cache
+TRACE_VERSION = 4  # bump when what a trace records changes: invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
-    """Trace ``spec`` with two decoder layers at micro-batch 1 and 2.
+    """The activation profile of ``spec``: two decoder layers traced at micro-batch 1 (and 2 when needed).
 
-    Cached in memory and on disk (``$FINETUNE_CACHE`` or ~/.cache/finetune/traces, keyed by the config,
-    the spec and the versions of torch, transformers and peft): planning the same model again is instant.
+    Each trace is cached in memory and on disk (``$FINETUNE_CACHE`` or ~/.cache/finetune/traces, keyed by
+    the config, the spec, the micro-batch and the versions of torch, transformers and peft): planning the
+    same model again is instant.
     """
     key = (config.to_json_string(use_diff=False), spec)
     if key not in _CACHE:
-        path = _disk_path(key)
-        profile = _load(path) if path else None
-        if profile is None:
-            profile = ActivationProfile({b: trace_windows(config, spec, TRACE_LAYERS, b) for b in (1, 2)})
-            _save(path, profile)
-        _CACHE[key] = profile
+
+        def trace(batch: int) -> TraceResult:
+            path = _disk_path((*key, batch))
+            result = _load(path) if path else None
+            if result is None:
+                result = trace_windows(config, spec, TRACE_LAYERS, batch)
+                _save(path, result)
+            return result
+
+        _CACHE[key] = ActivationProfile({}, trace)
     return _CACHE[key]
 
 
@@ -230,21 +309,18 @@ def _disk_path(key: Any) -> Any:
         return None
 
 
-def _load(path: Any) -> ActivationProfile | None:
+def _load(path: Any) -> TraceResult | None:
     import json
 
     try:
-        raw = json.loads(path.read_text())
-        points = {}
-        for b, r in raw.items():
-            windows = {w: WindowPeaks(**v) for w, v in r["windows"].items()}
-            points[int(b)] = TraceResult(windows, r["layer_acts"], r["layer_copies"], r["layer_grads"])
-        return ActivationProfile(points)
+        r = json.loads(path.read_text())
+        windows = {w: WindowPeaks(**v) for w, v in r["windows"].items()}
+        return TraceResult(windows, r["layer_acts"], r["layer_copies"], r["layer_grads"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _save(path: Any, profile: ActivationProfile) -> None:
+def _save(path: Any, result: TraceResult) -> None:
     import json
     import os
     from dataclasses import asdict
@@ -254,7 +330,7 @@ def _save(path: Any, profile: ActivationProfile) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({b: asdict(r) for b, r in profile.points.items()}))
+        tmp.write_text(json.dumps(asdict(result)))
         os.replace(tmp, path)  # atomic: concurrent planners never read half a file
     except OSError:
         pass
@@ -305,8 +381,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         else:
             batch_dict["attention_mask"] = torch.ones_like(ids)
         layers = decoder_layer_names(model)
-        tracker = _WindowTracker(type(model).__name__, layers)
-        tracker.track_external(model)
+        tracker = _window_tracker(type(model).__name__, layers, model)
         with tracker, _attention_kernels(spec.attn_implementation):
             if autocast:
                 with torch.autocast("cpu", dtype=compute):

@@ -121,7 +121,7 @@ def candidate_memory(
     else:
         layers = inv.num_layers
         windows = profile.at(layers, s.micro_batch_size)
-        layer_grads = profile.points[1].layer_grads  # one layer's gradients in the traced dtype
+        layer_grads = profile.point(1).layer_grads  # one layer's gradients in the traced dtype
 
         def at_peak(name: str, w: WindowPeaks) -> tuple[int, int, int]:
             acts = w.grads_and_acts - w.grads_at_peak
