@@ -226,10 +226,29 @@ def bare_resume(argv: list[str]) -> list[str]:
 
 def main() -> None:
     """Entry point of the ``finetune`` console script."""
+    argv = bare_resume(sys.argv[1:])
     try:
-        app(args=bare_resume(sys.argv[1:]))
+        app(args=argv)
     except KeyboardInterrupt:
         sys.exit(130)
+    except SystemExit as done:
+        if argv[:1] == ["plan"]:
+            quick_exit(done.code)
+        raise
+
+
+def quick_exit(code: int | str | None) -> None:
+    """End the process without the interpreter's teardown of torch and transformers (about 0.9 s of a
+    `finetune plan`, a fifth of it). Only for commands that hold no open files, child processes or process
+    groups once they have printed: everything written is flushed first."""
+    import os
+
+    if isinstance(code, str):  # sys.exit("message") prints the message and exits 1
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":
