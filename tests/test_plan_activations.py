@@ -82,3 +82,24 @@ def test_depth_and_batch_extrapolation_is_exact_for_another_architecture():
     for name, w in traced.items():
         assert predicted[name].grads_and_acts == pytest.approx(w.grads_and_acts, rel=1e-3), name
         assert predicted[name].acts == pytest.approx(w.acts, rel=1e-3), name
+
+
+def test_micro_batch_two_is_traced_only_when_asked_and_both_traces_are_cached(tmp_path, monkeypatch):
+    import finetune.plan.activations as acts
+
+    cfg = AutoConfig.from_pretrained(TINY_MODEL)
+    spec = TraceSpec("lora", "fp32", False, 64, packed=True, lora=LORA)
+    traces = tmp_path / "traces"
+    one = activation_profile(cfg, spec).at(cfg.num_hidden_layers, 1)
+    assert len(list(traces.glob("*.json"))) == 1
+    four = activation_profile(cfg, spec).at(cfg.num_hidden_layers, 4)
+    assert len(list(traces.glob("*.json"))) == 2
+    assert four["head"].acts > one["head"].acts
+    # A new process (empty memory cache) reads both traces back from disk, tracing nothing, same answer.
+    acts._CACHE.clear()
+
+    def no_tracing(*args, **kwargs):
+        raise AssertionError("traced although the disk cache holds the trace")
+
+    monkeypatch.setattr(acts, "trace_windows", no_tracing)
+    assert activation_profile(cfg, spec).at(cfg.num_hidden_layers, 4) == four
