@@ -3,9 +3,20 @@
 # model with random weights (nothing downloaded), bf16: full fine-tuning, LoRA, QLoRA and full with
 # activation checkpointing, one optimizer step each through the real trainer (`finetune run`).
 # Prints predicted / measured per configuration (prediction without the runtime overhead, which
-# max_memory_allocated does not see). Takes a few minutes; writes gpu_check.json in the current directory.
+# max_memory_allocated does not see). Takes a few minutes; writes gpu_check.json (or $1; under $OUT when set).
+# On this workplace's lent H200: first `bash scripts/gpu_wheels.sh` here, then run it there with carry [".whl"].
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible')"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-python scripts/plan_accuracy.py --gpu --json "${1:-gpu_check.json}"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c "import torch, transformers, peft, bitsandbytes, datasets, pydantic; print('torch', torch.__version__, \
+'transformers', transformers.__version__, 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__)"
+out="${1:-${OUT:-.}/gpu_check.json}"
+python3 scripts/plan_accuracy.py --gpu --json "$out"
