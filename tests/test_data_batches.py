@@ -52,7 +52,8 @@ def test_collate_padded_and_packed():
     row = pack([a, b], 16)[0]
     short = pack(docs([2]), 16)[0]
     batch = collate([row, short], pad_id=0)
-    assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention mask: packed
+    assert set(batch) == {"input_ids", "labels", "position_ids", "num_tokens"}  # no attention mask: packed
+    assert int(batch["num_tokens"]) == 3 + 5 + 2 and int(padded["num_tokens"]) == 3 + 5  # padding not counted
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 0, 1, 2, 3, 4, 5]]
     assert batch["labels"][1, 2:].tolist() == [IGNORE_INDEX] * 6
 
@@ -150,7 +151,7 @@ def test_union_over_ranks_is_the_single_process_batch(world_size, micro):
 def test_packed_stream_gives_position_ids_and_padding_fraction():
     stream = BatchStream(numbered(16, packed=True), 4, seed=0, pad_id=0)
     mb = stream.micro_batches(0, 0, rank=1, world_size=2, micro_batch_size=2)[0]
-    assert set(mb) == {"input_ids", "labels", "position_ids"}
+    assert set(mb) == {"input_ids", "labels", "position_ids", "num_tokens"}
     assert stream.padding_fraction(micro_batch_size=2) == 0.0
     uneven = [Example([1] * n, [1] * n) for n in (2, 4, 2, 4)]
     # micro-batches of 2 padded to 4: 4 of 16 tokens are padding, in any order

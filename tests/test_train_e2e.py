@@ -98,3 +98,31 @@ def test_gradient_accumulation_matches_a_bigger_micro_batch(tmp_path: Path) -> N
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
     assert runs[2].losses[0] != runs[2].losses[-1]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_logged_tokens_are_the_real_tokens_not_padding(tmp_path: Path, packing: bool) -> None:
+    """metrics.jsonl `tokens` sums the tokens of the rows trained on, without the padding of micro-batches."""
+    from transformers import AutoTokenizer
+
+    from finetune.train.data import load_data
+    from finetune.train.data.batches import BatchStream
+    from tests.conftest import TINY_MODEL
+
+    out = tmp_path / "run"
+    recipe = tiny_recipe(out, data={"packing": packing}, eval={"every": 0})
+    path = write_recipe(tmp_path / "r.yaml", recipe)
+    _in_process(path)
+    logged = [r["tokens"] for r in _metrics(out) if "loss" in r]
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    stream = BatchStream(load_data(prepare(str(path), []), tok).train, 8, 0, tok.pad_token_id)
+    real, padded, expected = 0, 0, []
+    for step in range(4):
+        epoch, at = divmod(step, stream.steps_per_epoch)
+        rows = stream.rank_rows(epoch, at, rank=0, world_size=1)
+        real += sum(len(r.input_ids) for r in rows)
+        padded += sum(mb["input_ids"].numel() for mb in stream.micro_batches(epoch, at, rank=0, world_size=1,
+                                                                              micro_batch_size=4))
+        expected.append(real)
+    assert logged == expected
+    assert padded > real  # the micro-batches do carry padding that must not be counted

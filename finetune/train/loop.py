@@ -212,9 +212,9 @@ def train_rank(
             micro = stream.micro_batches(
                 epoch, in_epoch, rank=ctx.rank, world_size=ctx.world_size, micro_batch_size=chosen.micro_batch_size
             )
+            input_tokens = int(ctx.all_reduce_sum(sum(int(mb["num_tokens"]) for mb in micro)))  # no padding
             micro = [{k: v.to(ctx.device) for k, v in mb.items()} for mb in micro]
             global_tokens = float(ctx.all_reduce_sum(sum(count_target_tokens(mb) for mb in micro)))
-            input_tokens = int(ctx.all_reduce_sum(sum(_input_tokens(mb) for mb in micro)))
             if state.step == start_step:
                 probe = _memory_probe(measure_memory, ctx, model, optimizer)
             if state.step - start_step < 2:  # the 2nd step is the steady state: AdamW's state exists by then
@@ -313,11 +313,6 @@ def _clip(
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
-
-
-def _input_tokens(batch: dict[str, torch.Tensor]) -> int:
-    mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
 def _eval_fields(ev: EvalResult | None) -> dict[str, Any]:

@@ -75,7 +75,8 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, Any]:
     """A micro-batch as tensors, right-padded to its longest row.
 
     Padded samples get an ``attention_mask``; packed rows get ``position_ids`` and no attention mask
-    (their padding is one more short sequence with its own positions, and has no labels).
+    (their padding is one more short sequence with its own positions, and has no labels). ``num_tokens``
+    (a 0-d tensor) counts the tokens that are not padding, for throughput figures.
     """
     import torch
 
@@ -96,9 +97,10 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, Any]:
             pos[i, n:] = torch.arange(width - n)
         else:
             mask[i, :n] = 1
+    real = torch.tensor(sum(len(e.input_ids) for e in examples))
     if packed:
-        return {"input_ids": ids, "labels": labels, "position_ids": pos}
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        return {"input_ids": ids, "labels": labels, "position_ids": pos, "num_tokens": real}
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "num_tokens": real}
 
 
 class BatchStream:
