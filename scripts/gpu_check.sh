@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the plan against torch.cuda.max_memory_allocated for a ~0.7B Llama-shaped
 # model with random weights (nothing downloaded), bf16: full fine-tuning, LoRA, QLoRA and full with
-# activation checkpointing, one optimizer step each through the real trainer (`finetune run`).
+# activation checkpointing, and LoRA in fp16 (loss scaling), 8 optimizer steps each through the real trainer
+# (`finetune run`), with tokens/s after two warm-up steps.
 # Prints predicted / measured per configuration (prediction without the runtime overhead, which
 # max_memory_allocated does not see). Takes a few minutes; writes gpu_check.json (or $1; under $OUT when set).
 # On this workplace's lent H200: first `bash scripts/gpu_wheels.sh` here, then run it there with carry [".whl"].
@@ -19,4 +20,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c "import torch, transformers, peft, bitsandbytes, datasets, pydantic; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__)"
 out="${1:-${OUT:-.}/gpu_check.json}"
-python3 scripts/plan_accuracy.py --gpu --json "$out"
+python3 scripts/plan_accuracy.py --gpu --steps 8 --json "$out"

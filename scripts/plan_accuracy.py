@@ -64,6 +64,7 @@ GPU_CONFIGS: list[tuple[str, str, dict, int]] = [
     ("0.7b qlora bf16 mb4", "llama-0.7b", {"method": "qlora", "precision": "bf16", "mbs": 4, "seq": 1024}, 1),
     ("0.7b full bf16 mb4 ckpt", "llama-0.7b",
      {"method": "full", "precision": "bf16", "mbs": 4, "seq": 1024, "ac": True}, 1),
+    ("0.7b lora fp16 mb4", "llama-0.7b", {"method": "lora", "precision": "fp16", "mbs": 4, "seq": 1024}, 1),
 ]
 
 
@@ -98,7 +99,7 @@ def model_dir(arch: str, root: Path) -> Path:
     return d
 
 
-def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path) -> dict:
+def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps: int = 1) -> dict:
     """The recipe of one configuration."""
     mbs = change["mbs"]
     return {
@@ -107,7 +108,7 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path) -> di
         "lora": {"r": 8, "alpha": 16, "target_modules": change.get("targets", ["q_proj", "v_proj"])},
         "data": {"train": str(packed_samples(root, change.get("seq", SEQ_LEN))), "format": "tokenized",
                  "max_seq_len": change.get("seq", SEQ_LEN), "packing": True},
-        "train": {"max_steps": 1, "global_batch_size": 16, "micro_batch_size": mbs,
+        "train": {"max_steps": steps, "global_batch_size": 16, "micro_batch_size": mbs,
                   "activation_checkpointing": change.get("ac", False), "lr": 1e-3, "seed": 0},
         "precision": change["precision"],
         "distributed": {"strategy": change.get("strategy", "single"), "nproc": nproc},
@@ -116,15 +117,16 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path) -> di
     }
 
 
-def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: str = "cpu") -> dict:
-    """Train one step through the real CLI; return predicted, measured and the error."""
+def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: str = "cpu", steps: int = 1) -> dict:
+    """Train ``steps`` steps through the real CLI; return predicted, measured and the error (and tokens/s
+    after two warm-up steps when there are more)."""
     from finetune.plan.flowchart import first_step_memory
     from finetune.plan.types import Plan
     from finetune.recipe import load_recipe
 
     out = root / name.replace(" ", "_")
     path = root / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(recipe_for(arch, change, nproc, root, out), sort_keys=False))
+    path.write_text(yaml.safe_dump(recipe_for(arch, change, nproc, root, out, steps), sort_keys=False))
     cmd = [sys.executable, "-m", "finetune", "run", str(path), "--nproc", str(nproc)]
     if device == "cpu":
         cmd.append("--measure-memory")
@@ -138,8 +140,13 @@ def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: 
     first = first_step_memory(load_recipe(path), plan, device=device)
     steady = plan.chosen.memory.total
     meas = int(measured["measured_peak"])
-    pred = first.total - first.overhead
+    # One step: AdamW's state never exists, the first-step prediction applies; more: the probe spans the
+    # first two steps, the steady state's.
+    pred = first.total - first.overhead if steps == 1 else steady - plan.chosen.memory.overhead
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    speeds = [r["tokens_per_s"] for r in rows if r.get("step", 0) > 2 and "tokens_per_s" in r]
     return {
+        "tokens_per_s": statistics.median(speeds) if speeds else None,
         "config": name, "predicted": pred, "measured": meas, "error": (pred - meas) / meas, "ratio": pred / meas,
         "steady_state_prediction": steady, "by_category": measured.get("by_category", {}),
         "chosen": {k: getattr(plan.chosen, k) for k in ("method", "strategy", "micro_batch_size", "grad_accum_steps")},
@@ -152,6 +159,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", help="configuration names to run")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--gpu", action="store_true", help="the CUDA configurations (see scripts/gpu_check.sh)")
+    ap.add_argument("--steps", type=int, default=1, help="optimizer steps per run (> 2: tokens/s is printed)")
     args = ap.parse_args()
     device = "cuda" if args.gpu else "cpu"
     pool = GPU_CONFIGS if args.gpu else CONFIGS
@@ -159,11 +167,12 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, arch, change, nproc in configs:
-            r = run_one(name, arch, change, nproc, Path(tmp), device)
+            r = run_one(name, arch, change, nproc, Path(tmp), device, args.steps)
             rows.append(r)
             if "predicted" in r:
                 print(f"{name:32s} predicted {r['predicted'] / 2**20:8.2f} MiB  measured {r['measured'] / 2**20:8.2f} MiB"
-                      f"  predicted/measured {r['ratio']:.3f}  error {100 * r['error']:+6.2f}%", flush=True)
+                      f"  predicted/measured {r['ratio']:.3f}  error {100 * r['error']:+6.2f}%"
+                      + (f"  {r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else ""), flush=True)
             else:
                 print(f"{name:32s} {r['error']}", flush=True)
     errs = [abs(r["error"]) for r in rows if "predicted" in r]
