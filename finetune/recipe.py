@@ -306,7 +306,8 @@ def _section_fields(path: tuple[str, ...]) -> list[str]:
     return list(cls.model_fields) if hasattr(cls, "model_fields") else []
 
 
-def _suggest(word: str, choices: list[str]) -> str:
+def suggest(word: str, choices: list[str]) -> str:
+    """A hint for a mistyped ``word``: "did you mean `x`?" for the closest of ``choices``, else the choices."""
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if not close:  # abbreviations and spelled-out names: `rank` for `r`, `lr_scheduler` for `lr_schedule`
         close = [c for c in choices if word.startswith(c) or c.startswith(word) or c in word.split("_")][:1]
@@ -342,7 +343,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[Problem]:
         for i, part in enumerate(parts[:-1]):
             allowed = _section_fields(tuple(parts[:i]))
             if part not in allowed:
-                problems.append(Problem(f"--set {key}", f"unknown key `{part}`; {_suggest(part, allowed)}"))
+                problems.append(Problem(f"--set {key}", f"unknown key `{part}`; {suggest(part, allowed)}"))
                 break
             child = node.get(part)
             if not isinstance(child, dict):
@@ -352,7 +353,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[Problem]:
         else:
             allowed = _section_fields(tuple(parts[:-1]))
             if parts[-1] not in allowed:
-                problems.append(Problem(f"--set {key}", f"unknown key `{parts[-1]}`; {_suggest(parts[-1], allowed)}"))
+                problems.append(Problem(f"--set {key}", f"unknown key `{parts[-1]}`; {suggest(parts[-1], allowed)}"))
                 continue
             node[parts[-1]] = value
     return problems
@@ -438,7 +439,7 @@ def _validate(raw: Any, file: str | None, lines: dict[tuple[str, ...], int], ove
             etype = err["type"]
             if etype == "extra_forbidden":
                 allowed = _section_fields(tuple(clean[:-1]))
-                msg = f"unknown key; {_suggest(clean[-1], allowed)}"
+                msg = f"unknown key; {suggest(clean[-1], allowed)}"
             elif etype == "missing":
                 msg = "is required but missing"
             else:

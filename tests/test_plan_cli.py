@@ -78,3 +78,29 @@ def test_fast_accuracy_subset_within_10_percent():
                 r = plan_accuracy.run_one(name, arch, change, nproc, Path(tmp))
                 assert "predicted" in r, r
                 assert abs(r["error"]) <= 0.10, r
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--method", "lorra"], "--method: `lorra` is not one of full, lora, qlora, auto; did you mean `lora`?"),
+        (["--strategy", "fsdpp"], "--strategy: `fsdpp` is not one of auto, single, ddp, zero1, zero2, fsdp; did you "
+                                  "mean `fsdp`?"),
+        (["--precision", "fp8"], "--precision: `fp8` is not one of auto, fp32, bf16, fp16, bf16-pure"),
+        (["--seq-len", "0"], "--seq-len: 0 is not allowed: it must be greater than or equal to 8"),
+        (["--micro-batch-size", "0"], "--micro-batch-size: 0 is not allowed: it must be greater than 0"),
+        (["--gpus", "0"], "--gpus: 0 is not allowed: it must be greater than 0"),
+        (["--gpu-memory", "0GiB"], "--gpu-memory: 0GiB is no memory; write e.g. 80GiB or 24GB"),
+    ],
+)
+def test_bad_flags_get_one_sentence(flags, message):
+    """Each flag is checked by the rule of the recipe key it stands for; these were tracebacks (KeyError,
+    ZeroDivisionError, a reshape error) or silent nonsense plans."""
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    out = CliRunner().invoke(app, ["plan", "--model", "llama-3.2-1b", *flags])
+    assert out.exit_code == 2, out.output
+    assert f"error: {message}" in " ".join(out.output.split()), out.output
+    assert "Traceback" not in out.output

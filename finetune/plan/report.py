@@ -52,8 +52,54 @@ def without_bitsandbytes() -> Iterator[None]:
         del sys.modules["bitsandbytes"]
 
 
+# flag -> (recipe section class name, field): a flag is checked by the recipe key it stands for
+FLAG_FIELDS = {
+    "method": ("Recipe", "method"),
+    "strategy": ("DistributedConfig", "strategy"),
+    "precision": ("Recipe", "precision"),
+    "seq_len": ("DataConfig", "max_seq_len"),
+    "global_batch_size": ("TrainConfig", "global_batch_size"),
+    "micro_batch_size": ("TrainConfig", "micro_batch_size"),
+    "lora_r": ("LoraConfig", "r"),
+    "gpus": ("HardwareConfig", "gpus"),
+    "nodes": ("HardwareConfig", "nodes"),
+}
+
+
+def check_flags(opts: PlanOptions) -> None:
+    """Refuse a bad flag in one sentence, by the same rules as the recipe key it stands for (before any
+    slow import): ``--method lorra`` -> did you mean `lora`?; ``--seq-len 0`` -> the bound."""
+    from typing import Annotated, get_args
+
+    import pydantic
+
+    from finetune import recipe as schema
+    from finetune.plan.hardware import parse_bytes
+
+    for flag, (cls, field) in FLAG_FIELDS.items():
+        value = getattr(opts, flag)
+        if value is None:
+            continue
+        info = getattr(schema, cls).model_fields[field]
+        try:
+            kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+            pydantic.TypeAdapter(kind).validate_python(value)
+        except pydantic.ValidationError as err:
+            name = "--" + flag.replace("_", "-")
+            choices = [a for a in get_args(info.annotation) if isinstance(a, str)]
+            if choices and isinstance(value, str):
+                hint = schema.suggest(value, choices)
+                hint = f"; {hint}" if hint.startswith("did you mean") else ""
+                raise UserError(f"{name}: `{value}` is not one of {', '.join(choices)}{hint}") from None
+            bound = err.errors()[0]["msg"].lower().replace("input should be ", "must be ")
+            raise UserError(f"{name}: {value} is not allowed: it {bound}") from None
+    if opts.gpu_memory is not None and parse_bytes(opts.gpu_memory) <= 0:
+        raise UserError(f"--gpu-memory: {opts.gpu_memory} is no memory; write e.g. 80GiB or 24GB")
+
+
 def build_plan(opts: PlanOptions) -> Plan:
     """The plan for ``opts``: a recipe (with --set overrides and its hardware section) and/or flags."""
+    check_flags(opts)
     from finetune.plan.catalog import resolve_model_config
     from finetune.plan.flowchart import Request, make_plan, request_from_recipe
     from finetune.plan.hardware import detect_hardware
