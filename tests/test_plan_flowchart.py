@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import pytest
 from transformers import AutoConfig
 
@@ -97,7 +100,7 @@ def test_nothing_fits_suggests_with_numbers():
     assert not plan.chosen.fits
     advice = next(s for s in plan.walk if s.startswith("Nothing fits"))
     assert advice.startswith(f"Nothing fits in 64.0 MiB per GPU: the smallest option, QLoRA under FSDP at "
-                             f"micro-batch 1, needs {gib(plan.chosen.memory.total)}")
+                             f"micro-batch 1, needs at least {gib(plan.chosen.memory.total)}")  # states alone
     assert plan.chosen.method == "qlora" and plan.chosen.strategy == "fsdp"
 
 
@@ -122,3 +125,25 @@ def test_bf16_only_where_supported_and_batch_checks():
         make_plan(req(global_batch_size=15, for_run=True), hw(10**12))
     with pytest.raises(UserError, match="micro_batch_size"):
         make_plan(req(micro_batch_size=3), hw(10**12))
+
+
+def test_nothing_fits_finds_the_longest_sequence_that_does():
+    """At 8192 tokens nothing fits 800 MiB (0.75 GiB of it CUDA context); the walk names the longest length
+    that does, found on traced totals: it fits there and not 64 tokens later."""
+    r = req(seq_len=8192, global_batch_size=8)
+    plan = make_plan(r, hw(800 * 1024**2, gpus=1))
+    assert not plan.chosen.fits
+    advice = next(s for s in plan.walk if s.startswith("Nothing fits"))
+    m = re.search(r"Shorter sequences would fit: (\d+) tokens instead of 8192 \((\w+) under ([\w -]+?)(, activation "
+                  r"checkpointing on)?: ([\d.]+ [KMG]iB) per GPU\)", advice)
+    assert m, advice
+    seq, ckpt = int(m.group(1)), bool(m.group(4))
+    method = {"full fine-tuning": "full", "LoRA": "lora", "QLoRA": "qlora"}[m.group(2)]
+    assert 64 <= seq < 8192 and seq % 64 == 0
+
+    def pinned(n: int):
+        return make_plan(replace(r, seq_len=n, method=method, strategy="single", checkpointing=ckpt,
+                                 micro_batch_size=1), hw(800 * 1024**2, gpus=1)).chosen
+
+    assert pinned(seq).fits and gib(pinned(seq).memory.total) == m.group(5)
+    assert not pinned(seq + 64).fits

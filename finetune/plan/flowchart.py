@@ -17,7 +17,7 @@ from typing import Any
 from finetune.errors import UserError
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.hardware import GPU_TYPES, Hardware, detect_hardware
-from finetune.plan.memory import Setup, candidate_memory
+from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Setup, candidate_memory
 from finetune.plan.shapes import Inventory, build_inventory, lora_key, lora_targets
 from finetune.plan.types import Candidate, Plan
 from finetune.recipe import LoadedRecipe
@@ -314,12 +314,68 @@ class _Planner:
             f"({gb(fs)}, {fs.comm_bytes_per_step / max(1, z2.comm_bytes_per_step):.2f}x ZeRO-2)."
         )
 
+    def at_seq_len(self, c: Candidate, seq: int) -> Candidate:
+        """``c`` evaluated (traced) at ``seq`` tokens per sample instead of the request's."""
+        req, profiles = self.req, self.profiles
+        self.req, self.profiles = replace(req, seq_len=seq), {}
+        try:
+            return self.evaluate(c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing)
+        finally:
+            self.req, self.profiles = req, profiles
+
+    def shorter_sequences(self, tried: list[Candidate]) -> tuple[int, Candidate] | None:
+        """The longest sequence length (a multiple of 64) at which one of ``tried`` fits, found by tracing.
+
+        The candidate is the one whose other memory leaves activations the most room (not necessarily the
+        smallest: at long sequences QLoRA's fp32 activations outgrow full fine-tuning's). Memory is not
+        linear in the length (autocast weight copies do not grow; packed rows under sdpa carry a T x T mask),
+        so the length is searched on traced totals: secant steps from the two longest, then false position
+        inside the bracket, at most eight traces.
+        """
+        def room(m: Any) -> float:  # bytes left for activations; the overhead shrinks with them
+            ctx, frag = (CUDA_CONTEXT_BYTES, FRAGMENTATION) if m.overhead else (0, 0.0)
+            return (self.hw.memory_bytes - ctx) / (1 + frag) - (m.total - m.overhead - m.activations)
+
+        cap, seq_len = self.hw.memory_bytes, self.req.seq_len
+        options = [c for c in tried if c.memory.activations > 0 and room(c.memory) > 0]
+        if not options or seq_len < 128:
+            return None
+        c = max(options, key=lambda o: room(o.memory) / o.memory.activations)
+        over = [(seq_len, c.memory.total - cap)]  # (length, bytes over the cap), longest first
+        best: tuple[int, Candidate, float] | None = None  # the longest length that fits
+        t = max(64, seq_len // 2 // 64 * 64)
+        for _ in range(8):
+            found = self.at_seq_len(c, t)
+            excess = found.memory.total - cap
+            if found.fits:
+                best = (t, found, excess)
+            else:
+                over.append((t, excess))
+                over.sort(reverse=True)
+            hi, g_hi = min(over)  # the shortest length that does not fit
+            if best is not None:
+                lo, _, g_lo = best
+                if hi - lo <= 64:
+                    break
+                t = lo + (hi - lo) * (-g_lo) / (g_hi - g_lo)  # false position
+                t = min(max(int(t) // 64 * 64, lo + 64), hi - 64)
+            else:
+                (t1, g1), (t2, g2) = over[-1], over[-2]  # secant through the two shortest that do not fit
+                t = t1 - g1 * (t2 - t1) / (g2 - g1) if g2 != g1 else t1 / 2
+                t = int(min(t, t1 / 2 if t >= t1 else t)) // 64 * 64
+                if t < 64:
+                    if t1 == 64:
+                        return None
+                    t = 64
+        return (best[0], best[1]) if best is not None else None
+
     def nothing_fits(self, tried: list[Candidate]) -> Candidate:
         best = min(tried, key=lambda c: c.memory.total)
         cap = fmt_bytes(self.hw.memory_bytes)
+        at_least = "at least " if best.note.startswith("model states alone") else ""
         advice = [f"Nothing fits in {cap} per GPU: the smallest option, {METHOD_NAMES[best.method]} under "
                   f"{STRATEGY_NAMES[best.strategy]} at micro-batch {best.micro_batch_size}, needs "
-                  f"{fmt_bytes(best.memory.total)}."]
+                  f"{at_least}{fmt_bytes(best.memory.total)}."]
         # more GPUs (sharded strategies only shrink with the world size)
         smallest = "fsdp" if self.req.strategy == "auto" else self.req.strategy
         method = best.method if self.req.method != "auto" else "qlora"
@@ -341,14 +397,13 @@ class _Planner:
         if self.req.method not in ("auto", "qlora"):
             q = self.evaluate("qlora", best.strategy, 1, best.activation_checkpointing)
             advice.append(f"QLoRA would need {fmt_bytes(q.memory.total)} per GPU ({'fits' if q.fits else 'still too much'}).")
-        acts = best.memory.activations
-        rest = best.memory.total - acts
-        if acts > 0 and rest < self.hw.memory_bytes:
-            frac = (self.hw.memory_bytes - rest) / acts
-            seq = int(self.req.seq_len * frac) // 64 * 64
-            if seq >= 64:
-                advice.append(f"Shorter sequences would fit: about {seq} tokens instead of {self.req.seq_len} "
-                              "(activations grow linearly with length).")
+        shorter = self.shorter_sequences(tried)
+        if shorter is not None:
+            seq, c = shorter
+            ckpt = ", activation checkpointing on" if c.activation_checkpointing else ""
+            advice.append(f"Shorter sequences would fit: {seq} tokens instead of {self.req.seq_len} "
+                          f"({METHOD_NAMES[c.method]} under {STRATEGY_NAMES[c.strategy]}{ckpt}: "
+                          f"{fmt_bytes(c.memory.total)} per GPU).")
         self.say(" ".join(advice))
         return best
 
