@@ -66,6 +66,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     }
     record["gpt2"] = _gpt2_fsdp_grads_match(ctx)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    # Both ranks past every collective before either tears gloo down: once, under a loaded full suite, a rank
+    # aborted in teardown ("terminate called without an active exception") without it.
+    dist.barrier()
     dist.destroy_process_group()
 
 
