@@ -73,6 +73,21 @@ def test_traced_activations_match_measurement(method, precision, ac, batch, tole
     assert abs(predicted - measured) / measured < tolerance, (predicted, measured)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_traced_chunked_loss_matches_measurement(monkeypatch, precision):
+    """With the loss split into chunks of 16 rows (a large vocabulary's case) the trace still equals a real
+    measurement: the planner sees the chunked cross-entropy because it traces the trainer's own loss."""
+    import finetune.train.loss as loss_mod
+
+    cfg = AutoConfig.from_pretrained(TINY_MODEL)
+    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_BYTES", 4 * cfg.vocab_size * 16)
+    spec = TraceSpec("full", precision, False, 96, packed=True)
+    windows = activation_profile(cfg, spec).at(cfg.num_hidden_layers, 2)
+    predicted = max(w.grads_and_acts for w in windows.values())
+    measured = measured_peak_above_params(cfg, "full", precision, False, batch=2, seq=96)
+    assert abs(predicted - measured) / measured < 0.002, (predicted, measured)
+
+
 def test_depth_and_batch_extrapolation_is_exact_for_another_architecture():
     cfg = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=5,
                       num_attention_heads=4, num_key_value_heads=2)

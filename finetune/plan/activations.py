@@ -266,7 +266,7 @@ def _window_tracker(root: str, layer_names: list[str], model: Any) -> Any:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 4  # bump when what a trace records changes: invalidates the disk cache
+TRACE_VERSION = 5  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
@@ -301,7 +301,9 @@ def _disk_path(key: Any) -> Any:
         import torch
         import transformers
 
-        versions = (torch.__version__, transformers.__version__, peft.__version__, TRACE_VERSION)
+        from finetune.train.loss import LOSS_CHUNK_BYTES
+
+        versions = (torch.__version__, transformers.__version__, peft.__version__, TRACE_VERSION, LOSS_CHUNK_BYTES)
         digest = hashlib.sha256(repr((key, versions)).encode()).hexdigest()[:32]
         root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "traces"
         return root / f"{digest}.json"
