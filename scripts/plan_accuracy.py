@@ -36,6 +36,9 @@ ARCHS = {
     "llama-0.7b": {"model_type": "llama", "vocab_size": 264, "hidden_size": 2048, "intermediate_size": 5504,
                    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
                    "max_position_embeddings": 4096},
+    # a large vocabulary: the loss runs in two chunks (finetune.train.loss.LOSS_CHUNK_BYTES)
+    "llama-64k": {"model_type": "llama", "vocab_size": 65536, "hidden_size": 128, "intermediate_size": 344,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
     "gemma2": {"model_type": "gemma2", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 688,
                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64},
 }
@@ -50,6 +53,8 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama qlora bf16 mb16", "llama", {"method": "qlora", "precision": "bf16", "mbs": 16}, 1),
     ("qwen2 full fp32 mb16", "qwen2", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
     ("gpt2 lora bf16 mb16", "gpt2", {"method": "lora", "precision": "bf16", "mbs": 16, "targets": ["c_attn"]}, 1),
+    ("llama-64k vocab lora bf16 mb8", "llama-64k",
+     {"method": "lora", "precision": "bf16", "mbs": 8, "seq": 256}, 1),
     ("gemma2 full bf16 mb8 eager", "gemma2", {"method": "full", "precision": "bf16", "mbs": 8, "attn": "eager"}, 1),
     ("llama full fp32 ddp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "ddp"}, 2),
     ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
