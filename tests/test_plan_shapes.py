@@ -75,7 +75,7 @@ def test_catalog_parameter_counts_are_the_published_ones():
 
 def test_qlora_storage_matches_a_real_bitsandbytes_model(tmp_path):
     from peft import LoraConfig as PeftLora
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
     from transformers import BitsAndBytesConfig
 
     cfg = AutoConfig.from_pretrained(TINY_MODEL)
@@ -85,7 +85,7 @@ def test_qlora_storage_matches_a_real_bitsandbytes_model(tmp_path):
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16),
     )
-    q = prepare_model_for_kbit_training(q, use_gradient_checkpointing=False)
+    # as the trainer does (finetune.train.model.add_adapters): no fp32 upcast of the non-quantized parameters
     q = get_peft_model(q, PeftLora(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     storages: dict[int, int] = {}
     for p in q.parameters():

@@ -30,9 +30,8 @@ def candidate(precision: str = "fp32", strategy: str = "single") -> Candidate:
 
 
 def with_lora(model: torch.nn.Module, targets: list[str] | str = "all-linear") -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
 
 
@@ -136,3 +135,33 @@ def test_qlora_merge_into_16bit_base_and_into_dequantized(tmp_path: Path) -> Non
     with pytest.raises(UserError, match="--into-dequantized needs a qlora run"):
         merge(run, tmp_path / "never", into_dequantized=True)
     assert not (tmp_path / "never").exists()
+
+
+def test_qlora_bf16_keeps_the_frozen_base_in_bf16_and_trains(tmp_path: Path) -> None:
+    """The trainer's own QLoRA setup (load_quantized + add_adapters) at bf16: embeddings, norms and head stay
+    bf16 (no fp32 upcast), adapters are fp32, the residual stream is bf16, and AdamW steps lower the loss."""
+    from finetune.train.model import add_adapters
+
+    loaded = recipe_from_dict(
+        {"model": {"path": TINY, "init": "random"}, "method": "qlora", "precision": "bf16",
+         "lora": {"target_modules": "all-linear"}, "data": {"train": "unused.jsonl"}, "train": {"seed": 3}}
+    )
+    model = load_quantized(loaded, TINY, candidate("bf16"), "cpu", base_dir=tmp_path / "base")
+    model = add_adapters(model, loaded, candidate("bf16"))
+    dtypes = {n: p.dtype for n, p in model.named_parameters() if p.is_floating_point()}
+    assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
+    frozen = {n: d for n, d in dtypes.items() if "lora_" not in n}
+    assert frozen and set(frozen.values()) == {torch.bfloat16}, frozen  # embed_tokens, norms, lm_head
+    seen = []
+    model.base_model.model.model.layers[1].register_forward_hook(lambda m, a, out: seen.append(out[0].dtype))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert seen[0] == torch.bfloat16  # a decoder layer's output: the residual stream is not fp32
+    assert losses[-1] < 0.7 * losses[0], losses

@@ -266,7 +266,7 @@ def _window_tracker(root: str, layer_names: list[str], model: Any) -> Any:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 5  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
+TRACE_VERSION = 6  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
@@ -436,23 +436,17 @@ def _fakeify(model: Any) -> None:
 
 
 def _emulate_kbit_preparation(model: Any) -> None:
-    """QLoRA as the trainer runs it: frozen base; non-quantized parameters upcast to fp32 by peft.
+    """QLoRA as the trainer runs it: frozen base, non-quantized parameters in the compute dtype.
 
     The 4-bit linear weights are stood in for by compute-dtype weights: bitsandbytes dequantizes one weight at
     a time into a transient of that size, which :mod:`finetune.plan.memory` adds.
     """
-    import torch
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
     out_emb = model.get_output_embeddings()
-    linear_weights = {
-        id(m.weight) for m in model.modules() if (type(m) is nn.Linear or isinstance(m, Conv1D)) and m is not out_emb
-    }
     for p in model.parameters():
         p.requires_grad_(False)
-        if id(p) not in linear_weights and p.dtype in (torch.float16, torch.bfloat16):
-            p.data = p.data.to(torch.float32)
     for m in model.modules():
         if (type(m) is nn.Linear or isinstance(m, Conv1D)) and m is not out_emb:
             m.forward = functools.partial(_four_bit_forward, m)

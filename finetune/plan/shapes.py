@@ -8,8 +8,8 @@ Storage per method (what the trainer loads):
   full   every parameter in the master dtype (fp32; bf16 for bf16-pure), all trainable.
   lora   frozen base in the compute dtype (fp32 when precision is fp32), adapters fp32, adapters trainable.
   qlora  decoder-block linear weights in bitsandbytes NF4 with double quantization (4 bits per weight plus
-         quantization constants); every other base parameter in fp32 (peft's prepare_model_for_kbit_training
-         upcasts 16-bit parameters); adapters fp32.
+         quantization constants); every other base parameter in the compute dtype (the trainer does not
+         upcast them as peft's prepare_model_for_kbit_training would); adapters fp32.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Inventory:
         elif method == "qlora":
             base = block = 0
             for t in self.base:
-                per = nf4_bytes(t.numel, double_quant) if t.quantizable else t.numel * 4
+                per = nf4_bytes(t.numel, double_quant) if t.quantizable else t.numel * compute
                 base += per * (self.num_layers if t.in_block else 1)
                 block += per if t.in_block else 0
         else:

@@ -99,8 +99,8 @@ def load_quantized(
 ) -> torch.nn.Module:
     """The base model of ``path`` with 4-bit (or 8-bit) linear weights on ``device``, ready for adapters.
 
-    Non-quantized parameters (embeddings, norms, the head) are in the compute dtype; peft's
-    ``prepare_model_for_kbit_training`` then casts them to fp32 and enables input gradients.
+    Non-quantized parameters (embeddings, norms, the head) are in the compute dtype and stay there (see
+    ``finetune.train.model.add_adapters``: no fp32 upcast).
     For ``model.init: random`` the seeded fp32 model is saved to ``base_dir`` (the run's ``base/``; a
     temporary directory when None) and quantized while loading from there. ``quant_storage`` defaults to
     the compute dtype under FSDP (shardable), uint8 otherwise.
