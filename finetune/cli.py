@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from finetune.errors import UserError
-from finetune.recipe import RecipeError, check_files, load_recipe, shipped_recipes_dir
+from finetune.locate import shipped_recipes_dir
+from finetune.recipe import RecipeError, check_files, load_recipe
 
 app = typer.Typer(
     add_completion=False,
@@ -84,20 +85,14 @@ def run(
     ] = False,
 ) -> None:
     """Plan, launch and train: one process, or many through torch.distributed."""
-    from finetune.launch import launch
+    from finetune.launch import LaunchOptions, launch
 
+    options = LaunchOptions(
+        nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
+        resume=resume, measure_memory=measure_memory,
+    )
     try:
-        code = launch(
-            recipe,
-            overrides=set_ or [],
-            nproc=nproc,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            rdzv_endpoint=rdzv_endpoint,
-            max_restarts=max_restarts,
-            resume=resume,
-            measure_memory=measure_memory,
-        )
+        code = launch(recipe, set_ or [], options)
     except (RecipeError, UserError) as err:
         _fail(err)
     raise typer.Exit(code)
@@ -160,8 +155,9 @@ def plan(
     from finetune.plan.report import PlanOptions, build_plan, plan_json, print_plan, without_bitsandbytes
 
     opts = PlanOptions(
-        recipe, tuple(set_ or []), model, method, strategy, precision, seq_len, global_batch_size,
-        micro_batch_size, gpus, gpu_memory, gpu_type, nodes, interconnect, lora_r,
+        recipe=recipe, overrides=tuple(set_ or []), model=model, method=method, strategy=strategy,
+        precision=precision, seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+        gpus=gpus, gpu_memory=gpu_memory, gpu_type=gpu_type, nodes=nodes, interconnect=interconnect, lora_r=lora_r,
     )
     try:
         with without_bitsandbytes():

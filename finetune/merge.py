@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from finetune.errors import UserError
-from finetune.recipe import QuantizationConfig, resolve_input_path
+from finetune.locate import locate_model
+from finetune.recipe import QuantizationConfig
 from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, ST_DTYPES, ShardWriter, shard_map
 from finetune.train.quantize import dequantized_weight, quantized_modules
 from finetune.units import DTYPE_NAMES
@@ -133,17 +134,8 @@ def _read_run_recipe(run: Path) -> dict[str, Any] | None:
 
 def _model_dir(value: str, base_dir: Path) -> Path | None:
     """A local model directory for ``value`` (relative to ``base_dir``, cwd, built-ins, or the HF cache)."""
-    p = resolve_input_path(value, base_dir)
-    if p.is_dir():
-        return p
-    if value.count("/") == 1 and not value.startswith((".", "/")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(value, local_files_only=True))
-        except Exception:
-            return None
-    return None
+    location = locate_model(value, base_dir)
+    return Path(location.path) if location.has_weights else None
 
 
 def _is_quantized(model_dir: Path) -> bool:

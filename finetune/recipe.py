@@ -18,6 +18,15 @@ from typing import Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
+from finetune.locate import (
+    DataLocation,
+    ModelLocation,
+    locate_data,
+    locate_model,
+    resolve_input_path,
+    shipped_recipes_dir,
+)
+
 # --------------------------------------------------------------------------------------------------
 # Schema
 # --------------------------------------------------------------------------------------------------
@@ -364,6 +373,15 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[Problem]:
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """Where the recipe's inputs are, resolved once (see finetune.locate)."""
+
+    model: ModelLocation
+    train: list[DataLocation]
+    eval: DataLocation | None
+
+
 @dataclass
 class LoadedRecipe:
     """A validated recipe, where it came from, and the line of each key (for later error messages)."""
@@ -372,6 +390,7 @@ class LoadedRecipe:
     path: Path | None
     lines: dict[tuple[str, ...], int]
     overrides: list[str]
+    inputs: Inputs | None = None  # model.path and data specs, resolved once by load_recipe
 
     @property
     def base_dir(self) -> Path:
@@ -394,27 +413,6 @@ class LoadedRecipe:
     def resolve_input(self, value: str) -> Path:
         """Resolve a relative input path: next to the recipe, then the current directory."""
         return resolve_input_path(value, self.base_dir)
-
-
-def shipped_recipes_dir() -> Path:
-    """The directory of shipped recipes: installed with the package, or the repo's ``recipes/``."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "_recipes", here.parent / "recipes"):
-        if cand.is_dir():
-            return cand
-    return here.parent / "recipes"
-
-
-def resolve_input_path(value: str, base_dir: Path) -> Path:
-    """Find an input path: absolute, next to the recipe, in the current directory, or a built-in model."""
-    p = Path(os.path.expanduser(value))
-    if p.is_absolute():
-        return p
-    shipped = shipped_recipes_dir()
-    for cand in (base_dir / p, Path.cwd() / p, shipped / "models" / p, shipped / p):
-        if cand.exists():
-            return cand
-    return base_dir / p
 
 
 def _validate(raw: Any, file: str | None, lines: dict[tuple[str, ...], int], overrides: list[str]) -> Recipe:
@@ -498,8 +496,7 @@ def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None
         raise RecipeError(problems + exc.problems) from None
     if problems:
         raise RecipeError(problems)
-    loaded = LoadedRecipe(recipe, p.resolve(), lines, overrides)
-    return loaded
+    return resolve_inputs(LoadedRecipe(recipe, p.resolve(), lines, overrides))
 
 
 def recipe_from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> LoadedRecipe:
@@ -508,66 +505,50 @@ def recipe_from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Loade
     loaded = LoadedRecipe(recipe, None, {}, [])
     if base_dir is not None:
         loaded.path = base_dir / "recipe.yaml"
+    return resolve_inputs(loaded)
+
+
+def resolve_inputs(loaded: LoadedRecipe) -> LoadedRecipe:
+    """Resolve ``model.path``, ``data.train`` and ``data.eval`` once (finetune.locate) and write what was found
+    back as absolute paths, so the saved recipe is self-describing and every later reader sees the same files."""
+    r = loaded.recipe
+    base = loaded.base_dir
+    model = locate_model(r.model.path, base)
+    if model.kind == "dir":
+        r.model.path = model.path
+    specs = r.data.train if isinstance(r.data.train, list) else [r.data.train]
+    train = [locate_data(t, base) for t in specs]
+    absolute = [t.target if t.kind == "files" else t.value for t in train]
+    r.data.train = absolute if isinstance(r.data.train, list) else absolute[0]
+    held = None
+    if r.data.eval:
+        held = locate_data(r.data.eval, base, split_of=train[0] if len(train) == 1 else None)
+        r.data.eval = held.target if held.kind == "files" else held.value
+    loaded.inputs = Inputs(model, train, held)
     return loaded
 
 
 def check_files(loaded: LoadedRecipe) -> list[Problem]:
-    """Check that the files a recipe names exist (model, data); return the problems (no heavy imports)."""
+    """The problems with the inputs a recipe names (model, data, chat template), from their resolution."""
     r = loaded.recipe
+    inputs = loaded.inputs or resolve_inputs(loaded).inputs
+    assert inputs is not None
     problems: list[Problem] = []
-    mp = loaded.resolve_input(r.model.path)
-    from finetune.plan.catalog import catalog_name  # light: config facts only
-
-    if not mp.exists() and not _in_hf_cache(r.model.path) and catalog_name(r.model.path) is None:
-        problems.append(
-            loaded.problem(
-                "model.path",
-                f"`{r.model.path}` is neither a local directory nor a model in the Hugging Face cache "
-                "(this machine cannot download); give a local model directory or a built-in model such as tiny-llama",
-            )
-        )
-    elif mp.is_dir() and not (mp / "config.json").is_file():
-        problems.append(loaded.problem("model.path", f"{mp} has no config.json; it is not a Hugging Face model directory"))
-    trains = r.data.train if isinstance(r.data.train, list) else [r.data.train]
-    for i, t in enumerate(trains):
+    model_problem = inputs.model.problem()
+    if model_problem:
+        problems.append(loaded.problem("model.path", model_problem))
+    for i, t in enumerate(inputs.train):
         key = "data.train" if isinstance(r.data.train, str) else f"data.train.{i}"
-        if not _data_exists(loaded, t):
-            problems.append(loaded.problem(key, f"no data found at `{t}` (looked next to the recipe and in the current directory)"))
-    # with a Hugging Face dataset in data.train, data.eval may name another split of it
-    eval_is_split = len(trains) == 1 and _in_hf_datasets_cache(trains[0]) and "/" not in (r.data.eval or "/")
-    if r.data.eval and not eval_is_split and not _data_exists(loaded, r.data.eval):
-        problems.append(loaded.problem("data.eval", f"no data found at `{r.data.eval}`"))
+        if t.kind == "missing":
+            problems.append(loaded.problem(key, f"no data found at `{t.value}` (looked next to the recipe and in the current directory)"))
+    if inputs.eval is not None and inputs.eval.kind == "missing":
+        problems.append(loaded.problem("data.eval", f"no data found at `{inputs.eval.value}`"))
     template = r.data.chat_template
     if template and "{" not in template and not loaded.resolve_input(template).is_file():
         problems.append(
             loaded.problem("data.chat_template", f"no template file at `{template}` (a template itself contains {{%)")
         )
     return problems
-
-
-def _data_exists(loaded: LoadedRecipe, spec: str) -> bool:
-    import glob
-
-    if any(ch in spec for ch in "*?["):
-        return bool(glob.glob(str(loaded.base_dir / spec))) or bool(glob.glob(spec))
-    p = loaded.resolve_input(spec)
-    if p.exists():
-        return True
-    return _in_hf_datasets_cache(spec)
-
-
-def _in_hf_cache(repo_id: str) -> bool:
-    if repo_id.count("/") != 1 or repo_id.startswith((".", "/")):
-        return False
-    home = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub")
-    return (home / f"models--{repo_id.replace('/', '--')}").is_dir()
-
-
-def _in_hf_datasets_cache(name: str) -> bool:
-    if name.startswith((".", "/")) or "." in Path(name).name:
-        return False
-    home = Path(os.environ.get("HF_DATASETS_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "datasets")
-    return any(home.glob(f"{name.replace('/', '___')}*")) if home.is_dir() else False
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

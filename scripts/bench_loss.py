@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from finetune.train.loss import IGNORE_INDEX, LOSS_CHUNK_BYTES, _ChunkedCrossEntropy
+from finetune.loss import IGNORE_INDEX, LOSS_CHUNK_BYTES, _ChunkedCrossEntropy
 from finetune.train.memory import mem_tracker_class
 
 
@@ -25,7 +25,7 @@ def torch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """finetune.train.loss's chunked cross-entropy."""
+    """finetune.loss's chunked cross-entropy."""
     return _ChunkedCrossEntropy.apply(logits, targets, max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1])))
 
 

@@ -36,7 +36,7 @@ ARCHS = {
     "llama-0.7b": {"model_type": "llama", "vocab_size": 264, "hidden_size": 2048, "intermediate_size": 5504,
                    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
                    "max_position_embeddings": 4096},
-    # a large vocabulary: the loss runs in two chunks (finetune.train.loss.LOSS_CHUNK_BYTES)
+    # a large vocabulary: the loss runs in two chunks (finetune.loss.LOSS_CHUNK_BYTES)
     "llama-64k": {"model_type": "llama", "vocab_size": 65536, "hidden_size": 128, "intermediate_size": 344,
                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
     "gemma2": {"model_type": "gemma2", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 688,

@@ -14,6 +14,8 @@ RECIPES = ROOT / "recipes"
 TINY_MODEL = RECIPES / "models" / "tiny-llama"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Fault injection (failure, NaN, kill, slow steps) lives with the tests; every run of the suite installs it.
+os.environ.setdefault("FINETUNE_HOOKS", f"{Path(__file__).resolve().parent / 'fault_hooks.py'}:FaultHooks")
 
 
 def tiny_recipe(out_dir: Path, **sections: dict) -> dict:

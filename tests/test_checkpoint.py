@@ -14,6 +14,7 @@ import torch
 from finetune.cli import bare_resume
 from finetune.errors import UserError
 from finetune.train import checkpoint as ck
+from finetune.units import checkpoint_bytes
 
 
 def _fake_checkpoint(out: Path, name: str, meta: dict | None) -> Path:
@@ -80,7 +81,7 @@ def test_resume_must_match_method_model_and_world_size(tmp_path: Path) -> None:
 
 
 def test_free_disk_preflight(tmp_path: Path) -> None:
-    assert ck.checkpoint_bytes(4 * 1000, 1000) == 4000 + 8000 + 64 * 1024  # fp32 weights + 2 fp32 moments
+    assert checkpoint_bytes(4 * 1000, 1000) == 4000 + 8000 + 64 * 1024  # fp32 weights + 2 fp32 moments
     ck.check_free_disk(tmp_path, 1024, keep=2)
     with pytest.raises(UserError, match=r"free but the checkpoints need about .* \(3 x .*: output.keep=2 plus one"):
         ck.check_free_disk(tmp_path, 2**60, keep=2)

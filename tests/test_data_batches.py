@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from finetune.errors import UserError
+from finetune.loss import IGNORE_INDEX, causal_lm_loss
 from finetune.train.data import BatchStream, Example, collate, pack
-from finetune.train.loss import IGNORE_INDEX, causal_lm_loss
 
 from .conftest import TINY_MODEL
 

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.errors import UserError
-from finetune.launch import failure_message, first_cause, launch, torchrun_args
+from finetune.launch import LaunchOptions, failure_message, first_cause, launch, torchrun_args
 from finetune.train.distributed import available_cores, threads_per_process
 from finetune.train.parallel import decoder_blocks
 from tests.conftest import RECIPES, TINY_MODEL, write_recipe
@@ -120,7 +120,7 @@ class Runs:
             out = self.root / key
             recipe = write_recipe(self.root / f"{key}.yaml", parity_recipe(self.model_dir, out, method, strategy))
             if nproc == 1:  # the reference: the same launch() the CLI calls, in this process (no startup)
-                assert launch(str(recipe), overrides=[], nproc=1) == 0
+                assert launch(str(recipe), [], LaunchOptions(nproc=1)) == 0
                 proc = subprocess.CompletedProcess([], 0, "", "")
             else:
                 proc = finetune_run(recipe, "--nproc", str(nproc))
@@ -258,7 +258,7 @@ def test_user_error_on_every_rank_reports_one_line_exit_2(tmp_path: Path, micro_
 
 def test_torchrun_arguments_and_flag_errors(tmp_path: Path) -> None:
     spec = tmp_path / "spec.json"
-    args = torchrun_args(spec, nproc=4, nnodes=2, node_rank=1, rdzv_endpoint="host0:29500", max_restarts=3,
+    args = torchrun_args(spec, LaunchOptions(nproc=4, nnodes=2, node_rank=1, rdzv_endpoint="host0:29500", max_restarts=3),
                          run_id="x")
     for want in ("--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
                  "--rdzv-endpoint=host0:29500", "--max-restarts=3", "--rdzv-id=x"):
@@ -266,9 +266,9 @@ def test_torchrun_arguments_and_flag_errors(tmp_path: Path) -> None:
     assert "--rdzv-conf=is_host=false,join_timeout=300" in args
     assert args[-3:] == ["-m", "finetune.train.worker", str(spec)]
     with pytest.raises(UserError, match="--rdzv-endpoint: a run on several nodes needs"):
-        torchrun_args(spec, nproc=1, nnodes=2, node_rank=0, rdzv_endpoint=None, max_restarts=0, run_id="x")
+        torchrun_args(spec, LaunchOptions(nproc=1, nnodes=2, node_rank=0, rdzv_endpoint=None, max_restarts=0), run_id="x")
     with pytest.raises(UserError, match=r"--node-rank: 2 is not in 0\.\.1"):
-        torchrun_args(spec, nproc=1, nnodes=2, node_rank=2, rdzv_endpoint="h:1", max_restarts=0, run_id="x")
+        torchrun_args(spec, LaunchOptions(nproc=1, nnodes=2, node_rank=2, rdzv_endpoint="h:1", max_restarts=0), run_id="x")
 
 
 def test_threads_share_the_cores() -> None:
@@ -315,5 +315,5 @@ def test_single_strategy_on_two_processes_is_refused(tmp_path: Path, micro_model
     """`single` on 2 processes would train two unsynchronised models: refused before any worker starts."""
     recipe = write_recipe(tmp_path / "r.yaml", parity_recipe(micro_model, tmp_path / "out", "full", "single"))
     with pytest.raises(UserError, match=r"distributed.strategy: `single` trains one process but 2 were asked"):
-        launch(str(recipe), overrides=[], nproc=2)
+        launch(str(recipe), [], LaunchOptions(nproc=2))
     assert not (tmp_path / "out").exists()

@@ -21,7 +21,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from finetune.plan.types import Candidate
+    from finetune.spec import execution_spec
     from finetune.train.distributed import DistContext
     from finetune.train.parallel import decoder_blocks, full_state_dict, parallelize
 
@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     full_shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
-    model = parallelize(model, Candidate("full", "fsdp", "fp16", 2, 1, True, world), ctx)
+    model = parallelize(model, execution_spec("full", "fsdp", "fp16", checkpointing=True, world_size=world), ctx)
     seen: list[str] = []
     block = decoder_blocks(model)[0]
     block.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(str(m.weight.dtype)))
@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         opt.zero_grad()
         changed = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, params, strict=True))
         results.append({"changed": changed, "scale": scaler.get_scale()})
-    state = full_state_dict(model, model, ctx)
+    state = full_state_dict(model, ctx)
     record = {
         "compute_dtype": seen[0],
         "sharded_dtype": str(params[0].dtype),
@@ -83,7 +83,7 @@ def _gpt2_fsdp_grads_match(ctx) -> dict:
 
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from finetune.plan.types import Candidate
+    from finetune.spec import execution_spec
     from finetune.train.parallel import decoder_blocks, parallelize
 
     torch.manual_seed(1)
@@ -96,7 +96,7 @@ def _gpt2_fsdp_grads_match(ctx) -> dict:
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     blocks = [type(b).__name__ for b in decoder_blocks(model)]
-    model = parallelize(model, Candidate("full", "fsdp", "fp32", 2, 1, False, 2), ctx)
+    model = parallelize(model, execution_spec("full", "fsdp", "fp32", checkpointing=False, world_size=2), ctx)
     mine = batches[ctx.rank]
     model(input_ids=mine, labels=mine).loss.backward()
     worst = 0.0

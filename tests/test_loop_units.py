@@ -10,7 +10,8 @@ import torch
 
 from finetune.launch import prepare
 from finetune.plan.flowchart import plan_for_run
-from finetune.train.loop import _clip, lr_lambda, param_groups, train_rank
+from finetune.train.loop import clip_gradients, lr_lambda, param_groups
+from finetune.train.trainer import train_rank
 from tests.conftest import tiny_recipe, write_recipe
 
 
@@ -31,7 +32,7 @@ def test_clip_returns_the_norm_before_clipping_and_clips_to_max() -> None:
     lin.bias.grad = torch.full((3,), 2.0)
     params = list(lin.parameters())
     opt = torch.optim.AdamW(params)
-    norm = _clip(lin, params, opt, None, max_norm=1.0)
+    norm = clip_gradients(params, opt, None, max_norm=1.0)
     assert norm == pytest.approx(2.0 * math.sqrt(15))
     after = torch.sqrt(sum((p.grad**2).sum() for p in params))
     assert float(after) == pytest.approx(1.0, rel=1e-5)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import finetune.train.loss as loss_mod
-from finetune.train.loss import IGNORE_INDEX, _ChunkedCrossEntropy
+import finetune.loss as loss_mod
+from finetune.loss import IGNORE_INDEX, _ChunkedCrossEntropy
 from finetune.train.memory import mem_tracker_class
 
 

@@ -103,14 +103,13 @@ def adapter_logits(tmp: Path, run: Path, quantized: bool) -> torch.Tensor:
     """Logits of the trained model: the base (4-bit for qlora, as the run loaded it) plus the saved adapter."""
     from peft import PeftModel
 
-    from finetune.plan.types import Candidate
     from finetune.recipe import load_recipe
+    from finetune.spec import execution_spec
     from finetune.train.quantize import load_quantized
 
     if quantized:
         loaded = load_recipe(tmp / "qlora.yaml")
-        chosen = Candidate(method="qlora", strategy="single", precision="fp32", micro_batch_size=8,
-                           grad_accum_steps=1, activation_checkpointing=False, nproc=1)
+        chosen = execution_spec("qlora", "single", "fp32", checkpointing=False, quantization=loaded.recipe.quantization)
         model = load_quantized(loaded, str(tmp / "base"), chosen, "cpu")
     else:
         from transformers import AutoModelForCausalLM

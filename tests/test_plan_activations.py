@@ -6,13 +6,20 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
+from finetune.loss import causal_lm_loss
 from finetune.plan.activations import TraceSpec, activation_profile, trace_windows
-from finetune.train.loss import causal_lm_loss
+from finetune.spec import execution_spec
 from finetune.train.memory import mem_tracker_class
 
 from .conftest import TINY_MODEL
 
 LORA = (8, 16.0, 0.0, ("q_proj", "v_proj"))
+
+
+def trace_spec(method: str, precision: str, ac: bool, seq: int, packed: bool, lora: tuple | None = None) -> TraceSpec:
+    """The trace of one process's execution spec, as the planner asks for it."""
+    spec = execution_spec(method, "single", precision, checkpointing=ac)
+    return TraceSpec.of(spec, seq_len=seq, packed=packed, attn_implementation="sdpa", lora=lora)
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +73,7 @@ def measured_peak_above_params(cfg, method: str, precision: str, ac: bool, batch
 )
 def test_traced_activations_match_measurement(method, precision, ac, batch, tolerance):
     cfg = AutoConfig.from_pretrained(TINY_MODEL)  # 4 layers; traced with 2, extrapolated
-    spec = TraceSpec(method, precision, ac, 96, packed=True, lora=LORA if method == "lora" else None)
+    spec = trace_spec(method, precision, ac, 96, packed=True, lora=LORA if method == "lora" else None)
     windows = activation_profile(cfg, spec).at(cfg.num_hidden_layers, batch)
     predicted = max(w.grads_and_acts for w in windows.values())
     measured = measured_peak_above_params(cfg, method, precision, ac, batch=batch, seq=96)
@@ -77,11 +84,11 @@ def test_traced_activations_match_measurement(method, precision, ac, batch, tole
 def test_traced_chunked_loss_matches_measurement(monkeypatch, precision):
     """With the loss split into chunks of 16 rows (a large vocabulary's case) the trace still equals a real
     measurement: the planner sees the chunked cross-entropy because it traces the trainer's own loss."""
-    import finetune.train.loss as loss_mod
+    import finetune.loss as loss_mod
 
     cfg = AutoConfig.from_pretrained(TINY_MODEL)
     monkeypatch.setattr(loss_mod, "LOSS_CHUNK_BYTES", 4 * cfg.vocab_size * 16)
-    spec = TraceSpec("full", precision, False, 96, packed=True)
+    spec = trace_spec("full", precision, False, 96, packed=True)
     windows = activation_profile(cfg, spec).at(cfg.num_hidden_layers, 2)
     predicted = max(w.grads_and_acts for w in windows.values())
     measured = measured_peak_above_params(cfg, "full", precision, False, batch=2, seq=96)
@@ -91,7 +98,7 @@ def test_traced_chunked_loss_matches_measurement(monkeypatch, precision):
 def test_depth_and_batch_extrapolation_is_exact_for_another_architecture():
     cfg = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=5,
                       num_attention_heads=4, num_key_value_heads=2)
-    spec = TraceSpec("full", "bf16", False, 64, packed=True)
+    spec = trace_spec("full", "bf16", False, 64, packed=True)
     predicted = activation_profile(cfg, spec).at(5, 2)
     traced = trace_windows(cfg, spec, 5, 2).windows
     for name, w in traced.items():
@@ -103,7 +110,7 @@ def test_micro_batch_two_is_traced_only_when_asked_and_both_traces_are_cached(tm
     import finetune.plan.activations as acts
 
     cfg = AutoConfig.from_pretrained(TINY_MODEL)
-    spec = TraceSpec("lora", "fp32", False, 64, packed=True, lora=LORA)
+    spec = trace_spec("lora", "fp32", False, 64, packed=True, lora=LORA)
     traces = tmp_path / "traces"
     one = activation_profile(cfg, spec).at(cfg.num_hidden_layers, 1)
     assert len(list(traces.glob("*.json"))) == 1

@@ -6,9 +6,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, GPT2Config, Qwen2Config
 
-from finetune.plan.catalog import CATALOG, resolve_model_config
+from finetune.catalog import CATALOG
+from finetune.locate import resolve_model_config
 from finetune.plan.shapes import build_inventory, nf4_bytes
 from finetune.recipe import LoraConfig
+from finetune.spec import execution_spec
 
 from .conftest import TINY_MODEL
 
@@ -38,10 +40,10 @@ def test_full_and_lora_counts_match_real_models(arch):
     peft_model = get_peft_model(model, PeftLora(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     assert inv.n_adapter == trainable > 0
-    st = inv.storage("lora", "bf16")
+    st = inv.storage(execution_spec("lora", "single", "bf16", checkpointing=False))
     assert st.param_bytes == inv.n_params * 2 + trainable * 4
-    assert inv.storage("full", "bf16").param_bytes == inv.n_params * 4
-    assert inv.storage("full", "bf16-pure").param_bytes == inv.n_params * 2
+    assert inv.storage(execution_spec("full", "single", "bf16", checkpointing=False)).param_bytes == inv.n_params * 4
+    assert inv.storage(execution_spec("full", "single", "bf16-pure", checkpointing=False)).param_bytes == inv.n_params * 2
 
 
 def test_default_lora_targets_follow_the_architecture():
@@ -97,7 +99,7 @@ def test_qlora_storage_matches_a_real_bitsandbytes_model(tmp_path):
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     real = sum(storages.values())
     inv = build_inventory(cfg, "tiny", LoraConfig(r=8, alpha=16, target_modules=["q_proj", "v_proj"]))
-    predicted = inv.storage("qlora", "bf16").param_bytes
+    predicted = inv.storage(execution_spec("qlora", "single", "bf16", checkpointing=False)).param_bytes
     # Exact except for the code tables bitsandbytes shares between weights (counted per weight here).
     assert abs(predicted - real) / real < 0.02, (predicted, real)
     n = 256 * 688

@@ -9,8 +9,8 @@ import torch
 import yaml
 
 from finetune.merge import merge
-from finetune.plan.types import Candidate
 from finetune.recipe import recipe_from_dict, recipe_to_yaml, shipped_recipes_dir
+from finetune.spec import ExecSpec, execution_spec
 from finetune.train.quantize import bnb_config, dequantized_weight, load_quantized, quantized_modules
 
 TINY = str(shipped_recipes_dir() / "models" / "tiny-llama")
@@ -24,9 +24,8 @@ def qlora_recipe(**quantization: object):
     )
 
 
-def candidate(precision: str = "fp32", strategy: str = "single") -> Candidate:
-    return Candidate(method="qlora", strategy=strategy, precision=precision, micro_batch_size=2, grad_accum_steps=1,
-                     activation_checkpointing=False, nproc=1)
+def candidate(precision: str = "fp32", strategy: str = "single") -> ExecSpec:
+    return execution_spec("qlora", strategy, precision, checkpointing=False)
 
 
 def with_lora(model: torch.nn.Module, targets: list[str] | str = "all-linear") -> torch.nn.Module:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.launch import launch
+from finetune.launch import LaunchOptions, launch
 from finetune.train import checkpoint as ck
 from tests.conftest import RECIPES, tiny_recipe, write_recipe
 
@@ -65,7 +65,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("reference")
     out = tmp / "ref"
     t0 = time.perf_counter()
-    assert launch(str(_recipe(tmp, out, save_every=4, keep=3)), overrides=[]) == 0
+    assert launch(str(_recipe(tmp, out, save_every=4, keep=3)), []) == 0
     seconds = time.perf_counter() - t0
     losses = _losses(out)
     assert [s for s, _ in losses] == list(range(1, STEPS + 1))
@@ -96,7 +96,7 @@ def test_resume_from_step_4_matches_the_uninterrupted_run(reference: dict, tmp_p
         "meta.json", "model.safetensors", "optimizer.pt", "plan.json", "recipe.yaml", "trainer.pt"
     ]
     out = tmp_path / "resumed"
-    assert launch(str(_recipe(tmp_path, out)), overrides=[], resume=str(ckpt)) == 0
+    assert launch(str(_recipe(tmp_path, out)), [], LaunchOptions(resume=str(ckpt))) == 0
     assert _losses(out) == reference["losses"][4:]  # identical floats, steps 5..8 (across the epoch end)
     _assert_same_weights(_weights(out), reference["weights"])
 
@@ -149,7 +149,7 @@ def test_sigkill_sigterm_and_a_killed_write_then_resume(reference: dict, tmp_pat
     assert ck.list_checkpoints(out)[-1][0] == k  # the partial write is not a checkpoint
     assert ck.resolve_resume("latest", out).name == f"step-{k}"
 
-    assert launch(str(recipe), overrides=[], resume="latest") == 0
+    assert launch(str(recipe), [], LaunchOptions(resume="latest")) == 0
     assert not partial.exists()  # leftovers are removed by the next save
     assert _losses(out) == reference["losses"]  # metrics.jsonl continued at each resume: every step once
     _assert_same_weights(_weights(out), reference["weights"])
@@ -169,7 +169,7 @@ def test_ctrl_c_saves_and_prints_the_resume_command(
         os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends this process on Ctrl-C
 
     threading.Thread(target=press_ctrl_c, daemon=True).start()
-    assert launch(str(recipe), overrides=[]) == 130
+    assert launch(str(recipe), []) == 130
     stdout = capfd.readouterr().out
     step = ck.read_meta(ck.latest_checkpoint(out))["step"]
     assert 3 <= step < STEPS

@@ -12,7 +12,7 @@ import torch
 
 from finetune.launch import prepare
 from finetune.plan.flowchart import plan_for_run
-from finetune.train.loop import train_rank
+from finetune.train.trainer import train_rank
 from tests.conftest import tiny_recipe, write_recipe
 
 PROBE = torch.tensor([[5, 80, 81, 82, 83, 12, 40, 41, 42, 43, 44, 45]])

@@ -2,7 +2,7 @@
 
 The model is built with 1 and 2 decoder layers inside ``FakeTensorMode`` (shapes and dtypes, no storage,
 no FLOPs), set up exactly as the trainer sets it up (dtype, LoRA adapters, autocast, activation checkpointing,
-the attention implementation), and ``finetune.train.loss.causal_lm_loss`` plus ``backward()`` run under
+the attention implementation), and ``finetune.loss.causal_lm_loss`` plus ``backward()`` run under
 a tracker that files every tensor storage as torch's ``MemTracker`` does (parameter, gradient, activation).
 
 A full model's backward runs head -> layer L-1 -> ... -> layer 0, with activations shrinking and gradients
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.plan.shapes import decoder_layer_names, lora_kwargs, reduced_config
+from finetune.spec import ExecSpec
+from finetune.units import torch_dtype
 
 WINDOWS = ("head", "first", "last")
 # Traced depth: layer 0 is special (under LoRA nothing flows back into its input), so the per-layer
@@ -35,16 +37,32 @@ TRACE_LAYERS = 2
 
 @dataclass(frozen=True)
 class TraceSpec:
-    """What to trace: everything that changes activation memory."""
+    """What to trace: everything that changes activation memory (dtypes from the execution spec)."""
 
     method: str  # full | lora | qlora
-    precision: str  # fp32 | bf16 | fp16 | bf16-pure
     checkpointing: bool
     seq_len: int
     packed: bool
     attn_implementation: str = "sdpa"
     lora: tuple | None = None  # (r, alpha, dropout, target_modules)
-    fsdp_compute: bool = False  # FSDP2 mixed precision: every parameter computed in 16-bit, no autocast
+    base_dtype: str = "fp32"  # dtype the model is built in: full's masters, or the frozen base's
+    autocast_dtype: str | None = None  # torch.autocast around the forward (single, DDP, ZeRO-1)
+    fsdp_compute_dtype: str | None = None  # FSDP2 mixed precision: every parameter computed in it, no autocast
+
+    @classmethod
+    def of(cls, spec: ExecSpec, *, seq_len: int, packed: bool, attn_implementation: str, lora: tuple | None) -> TraceSpec:
+        """The trace of one execution spec at ``seq_len`` tokens per row."""
+        return cls(
+            method=str(spec.method),
+            checkpointing=spec.checkpointing,
+            seq_len=seq_len,
+            packed=packed,
+            attn_implementation=attn_implementation,
+            lora=lora if spec.method.adapters else None,
+            base_dtype=spec.base_dtype(False),
+            autocast_dtype=spec.compute_dtype if spec.autocast else None,
+            fsdp_compute_dtype=spec.fsdp_param_dtype,
+        )
 
 
 @dataclass
@@ -301,7 +319,7 @@ def _disk_path(key: Any) -> Any:
         import torch
         import transformers
 
-        from finetune.train.loss import LOSS_CHUNK_BYTES
+        from finetune.loss import LOSS_CHUNK_BYTES
 
         versions = (torch.__version__, transformers.__version__, peft.__version__, TRACE_VERSION, LOSS_CHUNK_BYTES)
         digest = hashlib.sha256(repr((key, versions)).encode()).hexdigest()[:32]
@@ -344,17 +362,12 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from finetune.train.loss import causal_lm_loss
+    from finetune.loss import causal_lm_loss
 
     cfg = reduced_config(config, num_layers)
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": torch.bfloat16}.get(spec.precision)
-    if spec.method == "full":
-        dtype = torch.bfloat16 if spec.precision == "bf16-pure" else torch.float32
-    else:
-        dtype = compute or torch.float32
-    autocast = spec.precision in ("bf16", "fp16") and not spec.fsdp_compute
-    if spec.fsdp_compute and compute is not None:
-        dtype = compute
+    compute = torch_dtype(spec.fsdp_compute_dtype) if spec.fsdp_compute_dtype else None
+    dtype = compute or torch_dtype(spec.base_dtype)
+    autocast = spec.autocast_dtype is not None
     # Built on the meta device (peft's dtype moves do not work on fake parameters), then every parameter
     # and buffer is replaced by a fake CPU tensor of the same shape, dtype and sharing.
     with torch.device("meta"):
@@ -368,7 +381,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         r, alpha, dropout, targets = spec.lora
         lora = _LoraArgs(r, alpha, dropout, list(targets) if isinstance(targets, tuple) else targets)
         model = get_peft_model(model, LoraConfig(**lora_kwargs(lora, cfg.model_type)))
-    if spec.fsdp_compute and compute is not None:  # MixedPrecisionPolicy casts adapters and norms too
+    if compute is not None:  # FSDP2's MixedPrecisionPolicy casts adapters and norms too
         for prm in model.parameters():
             if prm.is_floating_point():
                 prm.data = prm.data.to(compute)
@@ -386,7 +399,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         tracker = _window_tracker(type(model).__name__, layers, model)
         with tracker, _attention_kernels(spec.attn_implementation):
             if autocast:
-                with torch.autocast("cpu", dtype=compute):
+                with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype)):
                     loss, _ = causal_lm_loss(model, batch_dict)
             else:
                 loss, _ = causal_lm_loss(model, batch_dict)

@@ -21,6 +21,7 @@ from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Setup, candi
 from finetune.plan.shapes import Inventory, build_inventory, lora_key, lora_targets
 from finetune.plan.types import Candidate, Plan
 from finetune.recipe import LoadedRecipe
+from finetune.spec import ExecSpec, Method, Precision, Strategy, execution_spec
 from finetune.units import fmt_bytes
 
 STRATEGY_NAMES = {"single": "one process", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
@@ -48,17 +49,19 @@ class Request:
     seq_len: int = 512
     packed: bool = False
     lora: Any = None
-    double_quant: bool = True
+    model_dtype: str = "auto"  # model.dtype: the frozen base's storage (lora)
+    quantization: Any = None  # the recipe's quantization section (qlora); None: its defaults
     attn_implementation: str = "sdpa"
     for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
 
 
 def request_from_recipe(loaded: LoadedRecipe) -> Request:
     """A :class:`Request` from a validated recipe (model config from its path, the catalog or the cache)."""
-    from finetune.plan.catalog import resolve_model_config
+    from finetune.catalog import model_config
 
     r = loaded.recipe
-    config, source = resolve_model_config(r.model.path, loaded.base_dir, r.model.trust_remote_code)
+    assert loaded.inputs is not None, "load_recipe resolves the inputs"
+    config, source = model_config(loaded.inputs.model, r.model.trust_remote_code)
     mbs = r.train.micro_batch_size
     ac = r.train.activation_checkpointing
     return Request(
@@ -73,7 +76,8 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         seq_len=r.data.max_seq_len,
         packed=r.data.packing,
         lora=r.lora,
-        double_quant=r.quantization.double_quant,
+        model_dtype=r.model.dtype,
+        quantization=r.quantization,
         attn_implementation=r.model.attn_implementation,
     )
 
@@ -129,46 +133,46 @@ class _Planner:
                 f"{type(req.config).__name__.replace('Config', '')} has no sdpa attention in transformers: planned "
                 "with eager attention (set model.attn_implementation: eager in the recipe to train it)."
             )
-        self.profiles: dict[tuple[str, bool], ActivationProfile] = {}
+        self.profiles: dict[TraceSpec, ActivationProfile] = {}
 
     # -- pieces -------------------------------------------------------------------------------------------
-    def profile(self, method: str, ac: bool, strategy: str = "single") -> ActivationProfile:
-        fsdp_compute = strategy in ("zero2", "fsdp") and self.precision in ("bf16", "fp16")
-        key = (method, ac, fsdp_compute)
-        if key not in self.profiles:
-            spec = TraceSpec(
-                method=method,
-                precision=self.precision,
-                checkpointing=ac,
-                seq_len=self.req.seq_len,
-                packed=self.req.packed,
-                attn_implementation=self.req.attn_implementation,
-                lora=lora_key(self.lora) if method != "full" else None,
-                fsdp_compute=fsdp_compute,
-            )
-            self.profiles[key] = activation_profile(self.req.config, spec)
-        return self.profiles[key]
+    def exec_spec(self, method: str, strategy: str, ac: bool, world: int | None = None) -> ExecSpec:
+        """How ``method`` under ``strategy`` stores and computes each tensor (what the trainer will build)."""
+        return execution_spec(
+            method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
+            model_dtype=self.req.model_dtype, quantization=self.req.quantization,
+        )
+
+    def profile(self, spec: ExecSpec) -> ActivationProfile:
+        trace = TraceSpec.of(
+            spec, seq_len=self.req.seq_len, packed=self.req.packed,
+            attn_implementation=self.req.attn_implementation, lora=lora_key(self.lora),
+        )
+        if trace not in self.profiles:
+            self.profiles[trace] = activation_profile(self.req.config, trace)
+        return self.profiles[trace]
 
     def evaluate(
         self, method: str, strategy: str, mbs: int, ac: bool, table_only: bool = False, first_step: bool = False
     ) -> Candidate:
         world = 1 if strategy == "single" else self.world
         accum = max(1, self.global_batch // (mbs * self.world))
-        setup = Setup(method, self.precision, mbs, accum, ac, world, self.hw.device, self.req.double_quant)
-        states, comm = candidate_memory(self.inv, None, strategy, setup)
+        spec = self.exec_spec(method, strategy, ac, world)
+        setup = Setup(spec, mbs, accum, world, self.hw.device)
+        states, comm = candidate_memory(self.inv, None, setup)
         note = ""
         if states.total > self.hw.memory_bytes:
             mem = states
             note = "model states alone exceed the memory (activations not traced)"
-        elif table_only and not any(k[:2] == (method, ac) for k in self.profiles):
+        elif table_only and not any(k.method == method and k.checkpointing == ac for k in self.profiles):
             mem = states
             note = "activations not traced (the walk did not need this method)"
         else:
-            mem, comm = candidate_memory(self.inv, self.profile(method, ac, strategy), strategy, setup, first_step)
+            mem, comm = candidate_memory(self.inv, self.profile(spec), setup, first_step)
         secs = comm / self.hw.bandwidth if comm else 0.0
         return Candidate(
-            method=method, strategy=strategy, precision=self.precision, micro_batch_size=mbs,
-            grad_accum_steps=accum, activation_checkpointing=ac, nproc=self.hw.gpus_per_node,
+            method=Method(method), strategy=Strategy(strategy), precision=Precision(self.precision),
+            micro_batch_size=mbs, grad_accum_steps=accum, activation_checkpointing=ac, nproc=self.hw.gpus_per_node,
             nnodes=self.hw.nodes, memory=mem, comm_bytes_per_step=comm, comm_seconds_per_step=secs,
             fits=mem.total <= self.hw.memory_bytes and not note.startswith("activations not traced"), note=note,
         )
@@ -262,7 +266,7 @@ class _Planner:
                 self.say(self.sentence(parts, ac and len(acs) > 1))
             if mi + 1 < len(methods):
                 nxt = methods[mi + 1]
-                sb = self.inv.storage(nxt, self.precision, self.req.double_quant)
+                sb = self.inv.storage(self.exec_spec(nxt, "single", False))
                 targets = lora_targets(self.lora, self.req.config.model_type)
                 targets = targets if isinstance(targets, str) else ", ".join(targets)
                 self.say(
@@ -422,7 +426,10 @@ class _Planner:
         self.explain_comm(chosen, table)
         key = (chosen.method, chosen.strategy, chosen.micro_batch_size, chosen.activation_checkpointing)
         rows = [chosen] + [c for c in table if (c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing) != key]
-        sb = self.inv.storage(chosen.method, self.precision, self.req.double_quant)
+        execution = self.exec_spec(
+            chosen.method, chosen.strategy, chosen.activation_checkpointing, 1 if chosen.strategy == "single" else self.world
+        )
+        sb = self.inv.storage(execution)
         model = {
             "source": self.req.source, "model_type": self.inv.model_type, "layers": self.inv.num_layers,
             "parameters": self.inv.n_params, "trainable": sb.trainable, "seq_len": self.req.seq_len,
@@ -431,12 +438,14 @@ class _Planner:
         }
         hw = self.hw.to_dict()
         hw["world"] = self.world
-        return Plan(chosen=chosen, candidates=rows, walk=self.walk, hardware=hw, model=model)
+        model["param_bytes"] = sb.param_bytes
+        model["param_bytes_by_dtype"] = self.inv.bytes_by_dtype(execution)
+        return Plan(chosen=chosen, candidates=rows, walk=self.walk, hardware=hw, model=model, execution=execution)
 
     def checkpoint_size(self, method: str, sb: Any) -> int:
         """Bytes of one checkpoint of ``method``: the saved weights (all of them for full fine-tuning, the
         fp32 adapters otherwise) and AdamW's two moments per trainable parameter (what the trainer writes)."""
-        from finetune.train.checkpoint import checkpoint_bytes
+        from finetune.units import checkpoint_bytes
 
         weights = sb.param_bytes if method == "full" else sb.trainable * 4
         return checkpoint_bytes(weights, sb.trainable)

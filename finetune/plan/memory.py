@@ -22,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.plan.activations import ActivationProfile, WindowPeaks
-from finetune.plan.shapes import Inventory, nf4_bytes
+from finetune.plan.shapes import Inventory, quantized_bytes
 from finetune.plan.types import MemoryBreakdown
+from finetune.spec import DTYPE_BYTES, ExecSpec, Strategy
 
 GiB = 1024**3
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces outside the allocator
@@ -33,39 +34,37 @@ CPU_ADAM_TEMPORARIES = 3  # for-loop AdamW: ~3 temporaries of the largest tensor
 
 @dataclass(frozen=True)
 class Setup:
-    """Everything but the strategy that decides memory."""
+    """Everything but the strategy's wrapping that decides memory: the execution spec and the batch."""
 
-    method: str
-    precision: str
+    spec: ExecSpec
     micro_batch_size: int
     grad_accum_steps: int
-    checkpointing: bool
     world: int
     device: str = "cuda"  # cuda | cpu
-    double_quant: bool = True
 
 
-def unsharded_bytes(inv: Inventory, method: str, precision: str, double_quant: bool, block_only: bool = False,
-                    root_only: bool = False) -> int:
-    """Bytes of parameters once all-gathered by FSDP2 (16-bit under mixed precision, 4-bit stays 4-bit)."""
-    cb = 4 if precision == "fp32" else 2
+def unsharded_bytes(inv: Inventory, spec: ExecSpec, block_only: bool = False, root_only: bool = False) -> int:
+    """Bytes of parameters once all-gathered by FSDP2 (in the policy's compute dtype; quantized codes stay)."""
+    cb = DTYPE_BYTES[spec.gathered_dtype] if spec.fsdp_param_dtype else None
     total = 0
     for t in inv.base:
         if (block_only and not t.in_block) or (root_only and t.in_block):
             continue
-        per = nf4_bytes(t.numel, double_quant) if (method == "qlora" and t.quantizable) else t.numel * cb
+        if spec.quant is not None and t.quantizable:
+            per = quantized_bytes(t, spec.quant)
+        else:
+            per = t.numel * (cb or DTYPE_BYTES[spec.base_dtype(False)])
         total += per * (inv.num_layers if t.in_block and not block_only else 1)
-    for t in inv.adapters if method != "full" else []:
+    for t in inv.adapters if spec.method.adapters else []:
         if (block_only and not t.in_block) or (root_only and t.in_block):
             continue
-        total += t.numel * cb * (inv.num_layers if t.in_block and not block_only else 1)
+        total += t.numel * (cb or spec.trainable_bytes) * (inv.num_layers if t.in_block and not block_only else 1)
     return total
 
 
 def candidate_memory(
     inv: Inventory,
     profile: ActivationProfile | None,
-    strategy: str,
     s: Setup,
     first_step: bool = False,
 ) -> tuple[MemoryBreakdown, int]:
@@ -77,23 +76,24 @@ def candidate_memory(
     steady-state step; ``first_step=True`` predicts the very first one, whose forward and backward run
     before AdamW has allocated its state (what a probe around step 0 measures).
     """
-    sb = inv.storage(s.method, s.precision, s.double_quant)
-    n = max(1, s.world) if strategy != "single" else 1
+    spec = s.spec
+    sb = inv.storage(spec)
+    n = max(1, s.world) if spec.strategy.distributed else 1
     gbytes = sb.param_dtype_bytes
     grads_full = sb.trainable * gbytes
     opt_full = 2 * sb.trainable * gbytes
     largest = sb.largest_trainable * gbytes
-    reduce_bytes = 4 if s.precision in ("bf16", "fp16") else gbytes
+    reduce_bytes = DTYPE_BYTES[spec.reduce_dtype] if spec.reduce_dtype else gbytes
     f = (n - 1) / n
-    sharded = strategy in ("zero2", "fsdp")
+    sharded = spec.strategy.uses_fsdp
 
     # strategy buffers alive in each window of the forward/backward (see activations.WINDOWS)
     buffers: dict[str, int] = {"head": 0, "first": 0, "last": 0}
     buffers_step = 0  # ... and during the optimizer step
     if not sharded:
         params, grads = sb.param_bytes, grads_full
-        opt = opt_full if strategy != "zero1" else max(opt_full // n, 2 * largest)
-        if strategy != "single":
+        opt = opt_full if spec.strategy is not Strategy.ZERO1 else max(opt_full // n, 2 * largest)
+        if spec.strategy.distributed:
             buffers = dict.fromkeys(buffers, grads_full)  # DDP gradient buckets
             buffers_step = grads_full
         comm = int(2 * f * sb.trainable * gbytes)
@@ -101,11 +101,11 @@ def candidate_memory(
         params = -(-sb.param_bytes // n)
         grads = -(-grads_full // n)
         opt = -(-opt_full // n)
-        all_gathered = unsharded_bytes(inv, s.method, s.precision, s.double_quant)
-        unit = unsharded_bytes(inv, s.method, s.precision, s.double_quant, block_only=True)
-        root = unsharded_bytes(inv, s.method, s.precision, s.double_quant, root_only=True)
+        all_gathered = unsharded_bytes(inv, spec)
+        unit = unsharded_bytes(inv, spec, block_only=True)
+        root = unsharded_bytes(inv, spec, root_only=True)
         reduce_scatter = sb.block_trainable * reduce_bytes  # a unit's gradients, copied for reduce-scatter
-        if strategy == "zero2":  # every unit stays gathered from its forward until its backward is done
+        if not spec.reshard_after_forward:  # ZeRO-2: every unit stays gathered from its forward until its backward is done
             buffers = {"head": all_gathered, "first": all_gathered + reduce_scatter,
                        "last": root + unit + reduce_scatter}
             gathers = all_gathered
@@ -136,13 +136,13 @@ def candidate_memory(
 
         fb = max((at_peak(k, w) for k, w in windows.items()), key=sum)
     fb_grads, fb_acts, buffers_fb = fb
-    if profile is not None and s.method == "qlora":
-        # bitsandbytes dequantizes one 4-bit weight at a time into the compute dtype
-        fb_acts += inv.largest_base_numel(quantizable_only=True) * (4 if s.precision == "fp32" else 2)
+    if profile is not None and spec.quant is not None:
+        # bitsandbytes dequantizes one quantized weight at a time into the compute dtype
+        fb_acts += inv.largest_base_numel(quantizable_only=True) * DTYPE_BYTES[spec.quant.compute_dtype]
     fb_total = params + fb_grads + opt_fb + buffers_fb + fb_acts
 
     # optimizer step peak
-    trainable_rank = sb.trainable if strategy in ("single", "ddp") else -(-sb.trainable // n)
+    trainable_rank = sb.trainable if not spec.strategy.shards_optimizer else -(-sb.trainable // n)
     if s.device == "cuda":
         step_temps = trainable_rank * gbytes  # foreach AdamW: sqrt(exp_avg_sq) of every tensor at once
     else:

@@ -14,7 +14,7 @@ from finetune.plan.types import Plan
 from finetune.units import compact_bytes
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PlanOptions:
     """The command line of ``finetune plan`` (None: from the recipe, else the default)."""
 
@@ -100,7 +100,7 @@ def check_flags(opts: PlanOptions) -> None:
 def build_plan(opts: PlanOptions) -> Plan:
     """The plan for ``opts``: a recipe (with --set overrides and its hardware section) and/or flags."""
     check_flags(opts)
-    from finetune.plan.catalog import resolve_model_config
+    from finetune.locate import resolve_model_config
     from finetune.plan.flowchart import Request, make_plan, request_from_recipe
     from finetune.plan.hardware import detect_hardware
     from finetune.recipe import RecipeError, load_recipe

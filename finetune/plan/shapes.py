@@ -4,12 +4,13 @@ The model is built on the meta device from its config with ONE decoder layer (de
 are identical in shape), LoRA adapters are injected by peft itself, and the totals are
 ``outside-the-blocks + num_layers x one-block``: exact, and instant even for 405B parameters.
 
-Storage per method (what the trainer loads):
+Storage follows the execution spec (finetune/spec.py), which the trainer builds exactly:
   full   every parameter in the master dtype (fp32; bf16 for bf16-pure), all trainable.
-  lora   frozen base in the compute dtype (fp32 when precision is fp32), adapters fp32, adapters trainable.
-  qlora  decoder-block linear weights in bitsandbytes NF4 with double quantization (4 bits per weight plus
-         quantization constants); every other base parameter in the compute dtype (the trainer does not
-         upcast them as peft's prepare_model_for_kbit_training would); adapters fp32.
+  lora   frozen base in model.dtype (auto: the compute dtype), adapters fp32, adapters trainable.
+  qlora  decoder-block linear weights in bitsandbytes NF4/FP4 (4 bits per weight plus quantization
+         constants) or LLM.int8 (1 byte per weight plus an fp32 scale per row); every other base parameter in
+         quantization.compute_dtype (the trainer does not upcast them as peft's
+         prepare_model_for_kbit_training would); adapters fp32.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetune.spec import DTYPE_BYTES, ExecSpec, QuantSpec
+
 # bitsandbytes 4-bit layout (Params4bit + QuantState with double quantization), per quantized weight of n values
 NF4_BLOCKSIZE = 64
 NESTED_BLOCKSIZE = 256
 NF4_CONST_BYTES = 16 * 4 + 256 * 4 + 4  # NF4 code table, nested code table, nested offset (fp32)
-
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
 
 def nf4_bytes(n: int, double_quant: bool = True) -> int:
     """Bytes bitsandbytes stores for one NF4-quantized weight of ``n`` values (packed data + constants)."""
@@ -45,6 +45,7 @@ class Tensor:
     in_block: bool  # inside a decoder layer (repeated num_layers times)
     quantizable: bool  # a Linear weight that bitsandbytes would quantize
     adapter: bool  # a LoRA adapter weight
+    rows: int = 1  # output features of a quantizable weight (LLM.int8 keeps one scale per row)
 
 
 @dataclass
@@ -85,41 +86,61 @@ class Inventory:
         ts = [t.numel for t in self.base if t.quantizable or not quantizable_only]
         return max(ts) if ts else 0
 
-    def storage(self, method: str, precision: str, double_quant: bool = True) -> StateBytes:
-        """Bytes of parameters, and values trained, for ``method`` at ``precision`` (see module docstring)."""
-        master = 2 if precision == "bf16-pure" else 4
-        compute = 4 if precision == "fp32" else 2
-        if method == "full":
+    def base_bytes(self, spec: ExecSpec, t: Tensor) -> int:
+        """Stored bytes of one base parameter under ``spec`` (quantized codes and their constants, or a dtype)."""
+        if spec.quant is not None and t.quantizable:
+            return quantized_bytes(t, spec.quant)
+        return t.numel * DTYPE_BYTES[spec.base_dtype(t.quantizable)]
+
+    def storage(self, spec: ExecSpec) -> StateBytes:
+        """Bytes of parameters, and values trained, as ``spec`` stores them (see module docstring)."""
+        base = block = 0
+        for t in self.base:
+            per = self.base_bytes(spec, t)
+            base += per * (self.num_layers if t.in_block else 1)
+            block += per if t.in_block else 0
+        if not spec.method.adapters:
             return StateBytes(
-                param_bytes=self.n_params * master,
-                block_param_bytes=self.block_numel() * master,
+                param_bytes=base,
+                block_param_bytes=block,
                 trainable=self.n_params,
                 block_trainable=self.block_numel(),
-                param_dtype_bytes=master,
+                param_dtype_bytes=spec.trainable_bytes,
                 largest_trainable=self.largest_base_numel(),
             )
-        adapters = self.n_adapter * 4
-        block_ad = self.block_numel(adapters=True) * 4
-        largest_ad = max((t.numel for t in self.adapters), default=0)
-        if method == "lora":
-            base = self.n_params * compute
-            block = self.block_numel() * compute
-        elif method == "qlora":
-            base = block = 0
-            for t in self.base:
-                per = nf4_bytes(t.numel, double_quant) if t.quantizable else t.numel * compute
-                base += per * (self.num_layers if t.in_block else 1)
-                block += per if t.in_block else 0
-        else:
-            raise ValueError(method)
+        per_adapter = spec.trainable_bytes
         return StateBytes(
-            param_bytes=base + adapters,
-            block_param_bytes=block + block_ad,
+            param_bytes=base + self.n_adapter * per_adapter,
+            block_param_bytes=block + self.block_numel(adapters=True) * per_adapter,
             trainable=self.n_adapter,
             block_trainable=self.block_numel(adapters=True),
-            param_dtype_bytes=4,
-            largest_trainable=largest_ad,
+            param_dtype_bytes=per_adapter,
+            largest_trainable=max((t.numel for t in self.adapters), default=0),
         )
+
+    def bytes_by_dtype(self, spec: ExecSpec) -> dict[str, int]:
+        """Stored parameter bytes per dtype name as ``spec`` builds the model (quantized codes without their
+        constants, which bitsandbytes keeps outside the parameters): what the trainer checks at run start."""
+        out: dict[str, int] = {}
+        for t in self.base:
+            dtype = spec.base_dtype(t.quantizable)
+            if spec.quant is not None and t.quantizable:
+                n = (t.numel + 1) // 2 if spec.quant.bits == 4 else t.numel
+                n = -(-n // DTYPE_BYTES[dtype]) * DTYPE_BYTES[dtype]  # codes packed into a wider dtype
+            else:
+                n = t.numel * DTYPE_BYTES[dtype]
+            out[dtype] = out.get(dtype, 0) + n * (self.num_layers if t.in_block else 1)
+        if spec.method.adapters:
+            out[spec.trainable_dtype] = out.get(spec.trainable_dtype, 0) + self.n_adapter * spec.trainable_bytes
+        return out
+
+
+def quantized_bytes(t: Tensor, quant: QuantSpec) -> int:
+    """Bytes bitsandbytes keeps for one quantized weight: NF4/FP4 codes and constants, or LLM.int8 codes and
+    one fp32 scale per output row."""
+    if quant.bits == 8:
+        return t.numel + 4 * t.rows
+    return nf4_bytes(t.numel, quant.double_quant)
 
 
 @dataclass
@@ -223,9 +244,11 @@ def _inventory_cached(key: Any, config: Any, source: str, lora: Any) -> Inventor
         inv.block_class = type(model.get_submodule(layers[0])).__name__
     for name, p in params:
         owner = name.rsplit(".", 1)[0]
-        inv.base.append(
-            Tensor(name, p.numel(), name.startswith(block_prefix), owner in quant_modules and name.endswith(".weight"), False)
-        )
+        quantizable = owner in quant_modules and name.endswith(".weight")
+        rows = 1
+        if quantizable:  # GPT-2's Conv1D stores [in, out]
+            rows = p.shape[1] if isinstance(model.get_submodule(owner), Conv1D) else p.shape[0]
+        inv.base.append(Tensor(name, p.numel(), name.startswith(block_prefix), quantizable, False, rows))
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 

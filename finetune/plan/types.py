@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from finetune.spec import ExecSpec, Method, Precision, Strategy
+
 
 @dataclass
 class MemoryBreakdown:
@@ -38,9 +40,9 @@ class MemoryBreakdown:
 class Candidate:
     """One configuration the planner considered (and the chosen one)."""
 
-    method: str  # full | lora | qlora
-    strategy: str  # single | ddp | zero1 | zero2 | fsdp
-    precision: str  # fp32 | bf16 | fp16 | bf16-pure
+    method: Method
+    strategy: Strategy
+    precision: Precision
     micro_batch_size: int
     grad_accum_steps: int
     activation_checkpointing: bool
@@ -70,6 +72,10 @@ class Candidate:
         mem = {k: v for k, v in d.pop("memory", {}).items() if k != "total"}
         return cls(memory=MemoryBreakdown(**mem), **d)
 
+    def __post_init__(self) -> None:  # plain names (JSON, tests) become the enums
+        self.method, self.strategy = Method(self.method), Strategy(self.strategy)
+        self.precision = Precision(self.precision)
+
 
 @dataclass
 class Plan:
@@ -80,6 +86,7 @@ class Plan:
     walk: list[str] = field(default_factory=list)
     hardware: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)  # source, parameter counts, sequence length
+    execution: ExecSpec | None = None  # how the chosen configuration stores and computes every tensor
 
     def to_dict(self) -> dict[str, Any]:
         """The stable JSON form written as ``plan.json`` and printed by ``finetune plan --json``."""
@@ -89,6 +96,7 @@ class Plan:
             "walk": list(self.walk),
             "hardware": dict(self.hardware),
             "model": dict(self.model),
+            "execution": self.execution.to_dict() if self.execution else None,
         }
 
     @classmethod
@@ -100,4 +108,5 @@ class Plan:
             walk=list(d.get("walk", [])),
             hardware=dict(d.get("hardware", {})),
             model=dict(d.get("model", {})),
+            execution=ExecSpec.from_dict(d["execution"]) if d.get("execution") else None,
         )

@@ -24,9 +24,6 @@ checkpoints, so a write cut short (kill, crash, full disk) is never chosen by ``
 removed by the next save.
 
 Loading uses ``torch.load(weights_only=True)`` and ``safetensors``: a checkpoint cannot run code.
-
-Test hook (documented for the tests only): ``FINETUNE_TEST_CHECKPOINT_SLEEP="STEP:SECONDS"`` sleeps that long
-in the middle of writing the checkpoint of step STEP (after the weights, before meta.json and the rename).
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ if TYPE_CHECKING:  # torch is imported where it is used: finding and checking ch
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
 FORMAT_VERSION = 1
-SLEEP_HOOK = "FINETUNE_TEST_CHECKPOINT_SLEEP"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,15 +200,6 @@ def truncate_metrics(path: Path, step: int) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def checkpoint_bytes(saved_weight_bytes: int, trainable_params: int) -> int:
-    """Predicted size of one checkpoint: the saved weights' bytes (all weights for full fine-tuning, the
-    adapter for lora/qlora) + AdamW's two fp32 moments per trainable parameter + ~64 KiB of small files.
-
-    E.g. full fine-tuning of N fp32 parameters: 12·N bytes; a 7B model: ~84 GB per checkpoint.
-    """
-    return saved_weight_bytes + trainable_params * 2 * 4 + 64 * 1024
-
-
 def check_free_disk(out_dir: str | os.PathLike[str], one_checkpoint: int, keep: int, existing: int = 0) -> None:
     """Refuse to start when ``out_dir`` cannot hold ``keep`` checkpoints plus the one being written.
 
@@ -326,7 +313,7 @@ def trainable_names(inner: torch.nn.Module) -> set[str]:
     return {n for n, p in inner.named_parameters() if p.requires_grad}
 
 
-def gather_model_state(model: torch.nn.Module, inner: torch.nn.Module, method: str, strategy: str) -> dict[str, Any]:
+def gather_model_state(model: torch.nn.Module, inner: torch.nn.Module, method: str) -> dict[str, Any]:
     """Full (unsharded) CPU tensors of what a checkpoint keeps, on rank 0 (empty elsewhere). Every rank calls."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -410,7 +397,7 @@ def save_checkpoint(
     import torch
     import torch.distributed as dist
 
-    model_state = gather_model_state(model, inner, method, strategy)
+    model_state = gather_model_state(model, inner, method)
     optim_state = gather_optimizer_state(model, optimizer, strategy, rank)
     rng = [rng_state()]
     if world_size > 1:
@@ -434,7 +421,6 @@ def save_checkpoint(
         torch.save(trainer, tmp / "trainer.pt")
         (tmp / "recipe.yaml").write_text(recipe_yaml)
         (tmp / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
-        _test_sleep(snap.step)
         meta = {
             "format": FORMAT_VERSION,
             "step": snap.step,
@@ -464,14 +450,6 @@ def save_checkpoint(
     if world_size > 1:
         dist.barrier()
     return final
-
-
-def _test_sleep(step: int) -> None:
-    spec = os.environ.get(SLEEP_HOOK)
-    if spec:
-        at, _, seconds = spec.partition(":")
-        if int(at) == step:
-            time.sleep(float(seconds))
 
 
 def prune(out_dir: Path, keep: int) -> list[Path]:

@@ -99,22 +99,3 @@ def threads_per_process(local_world_size: int) -> int:
     cores the machine has.
     """
     return max(1, available_cores() // max(1, local_world_size))
-
-
-FAIL_RANK_ENV = "FINETUNE_FAIL_RANK"
-FAIL_STEP_ENV = "FINETUNE_FAIL_AT_STEP"
-
-
-class InjectedFailure(RuntimeError):
-    """Raised by the failure test hook."""
-
-
-def maybe_inject_failure(ctx: DistContext, step: int) -> None:
-    """Test hook: raise on rank ``$FINETUNE_FAIL_RANK`` when optimizer step ``$FINETUNE_FAIL_AT_STEP`` starts.
-
-    Used by the failure test to prove that one rank's exception ends the whole job with its message;
-    does nothing unless both variables are set.
-    """
-    rank, at = os.environ.get(FAIL_RANK_ENV), os.environ.get(FAIL_STEP_ENV)
-    if rank is not None and at is not None and int(rank) == ctx.rank and int(at) == step:
-        raise InjectedFailure(f"injected failure at step {step} ({FAIL_RANK_ENV}={rank})")

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from finetune.loss import causal_lm_loss
 from finetune.train.data import EvalPrompt, Example, collate
 from finetune.train.distributed import DistContext
-from finetune.train.loss import causal_lm_loss
 
 
 @dataclass

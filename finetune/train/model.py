@@ -13,60 +13,15 @@ import torch
 
 from finetune.errors import UserError
 from finetune.plan.shapes import lora_targets
-from finetune.plan.types import Candidate
 from finetune.recipe import LoadedRecipe
-from finetune.units import torch_dtype
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype matmuls run in for a precision setting."""
-    return torch_dtype(precision)
-
-
-def storage_dtype(loaded: LoadedRecipe, chosen: Candidate) -> torch.dtype:
-    """dtype the model's weights are stored in.
-
-    Full fine-tuning under mixed precision keeps fp32 master weights (autocast makes 16-bit copies for the
-    matmuls); pure bf16 stores bf16. A frozen LoRA base needs no master copy, so it is stored in the compute
-    dtype unless the recipe pins ``model.dtype``.
-    """
-    pinned = loaded.recipe.model.dtype
-    if chosen.precision == "bf16-pure":
-        return torch.bfloat16
-    if chosen.method == "full":
-        return torch.float32
-    if pinned != "auto":
-        return torch_dtype(pinned)
-    return compute_dtype(chosen.precision)
+from finetune.spec import ExecSpec
+from finetune.units import DTYPE_NAMES, torch_dtype
 
 
 def resolve_model_path(loaded: LoadedRecipe) -> str:
-    """A local model directory or a hub id present in the local cache; a clear error otherwise."""
-    value = loaded.recipe.model.path
-    p = loaded.resolve_input(value)
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise UserError(f"model.path: {p} has no config.json; it is not a Hugging Face model directory")
-        return str(p)
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        cached = try_to_load_from_cache(value, "config.json")
-    except Exception:
-        cached = None
-    if isinstance(cached, str):
-        return value
-    from finetune.plan.catalog import catalog_name
-
-    if catalog_name(value) is not None:
-        raise UserError(
-            f"model.path: `{value}` is a planning-only catalog entry (its public config, no weights); "
-            "`finetune plan` can use it, but to train, point model.path at a local copy of the model"
-        )
-    raise UserError(
-        f"model.path: `{value}` is neither a local model directory nor in the Hugging Face cache, and this "
-        "tool does not download; download it first or point model.path at a local directory"
-    )
+    """The directory to load ``model.path`` from (resolved once by load_recipe); a clear error otherwise."""
+    assert loaded.inputs is not None, "load_recipe resolves the inputs"
+    return loaded.inputs.model.weights_dir()
 
 
 def load_tokenizer(loaded: LoadedRecipe) -> Any:
@@ -83,7 +38,7 @@ def load_tokenizer(loaded: LoadedRecipe) -> Any:
 
 
 def load_base_model(
-    loaded: LoadedRecipe, chosen: Candidate, device: torch.device, base_dir: Path | None = None
+    loaded: LoadedRecipe, spec: ExecSpec, device: torch.device, base_dir: Path | None = None
 ) -> torch.nn.Module:
     """The base model on ``device`` in its storage dtype (4-bit for qlora), before adapters.
 
@@ -94,12 +49,12 @@ def load_base_model(
 
     r = loaded.recipe
     path = resolve_model_path(loaded)
-    dtype = storage_dtype(loaded, chosen)
+    dtype = torch_dtype(spec.base_dtype(False))
     common = {"trust_remote_code": r.model.trust_remote_code, "attn_implementation": r.model.attn_implementation}
-    if chosen.method == "qlora":
+    if spec.quant is not None:
         from finetune.train.quantize import load_quantized
 
-        return load_quantized(loaded, path, chosen, device, base_dir=base_dir)
+        return load_quantized(loaded, path, spec, device, base_dir=base_dir)
     if r.model.init == "random":
         config = AutoConfig.from_pretrained(path, trust_remote_code=r.model.trust_remote_code, local_files_only=True)
         torch.manual_seed(r.train.seed)
@@ -111,9 +66,9 @@ def load_base_model(
     return model.to(device)
 
 
-def add_adapters(model: torch.nn.Module, loaded: LoadedRecipe, chosen: Candidate) -> torch.nn.Module:
+def add_adapters(model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
     """Wrap ``model`` with peft LoRA adapters (lora/qlora); full fine-tuning trains every weight."""
-    if chosen.method == "full":
+    if not spec.method.adapters:
         for p in model.parameters():
             p.requires_grad_(True)
         return model
@@ -138,29 +93,53 @@ def add_adapters(model: torch.nn.Module, loaded: LoadedRecipe, chosen: Candidate
         raise UserError(f"lora.target_modules: {exc}") from None
 
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each decoder block in backward (non-reentrant torch.utils.checkpoint)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if hasattr(base, "enable_input_require_grads"):
-        # With a frozen embedding, the checkpointed blocks' inputs must require grad for backward to reach them.
-        base.enable_input_require_grads()
-
-
 def build_model(
-    loaded: LoadedRecipe, chosen: Candidate, device: torch.device, *, base_dir: Path | None = None
+    loaded: LoadedRecipe, spec: ExecSpec, device: torch.device, *, base_dir: Path | None = None
 ) -> torch.nn.Module:
-    """Base model + adapters + activation checkpointing, as the Plan says (single process or per rank).
+    """Base model + adapters, stored as ``spec`` says (activation checkpointing and wrapping are
+    finetune.train.parallel's, applied once for every strategy).
 
     ``base_dir``: see :func:`load_base_model` (given by rank 0 of an adapter run from a random init).
     """
-    model = load_base_model(loaded, chosen, device, base_dir)
-    model = add_adapters(model, loaded, chosen)
-    if chosen.activation_checkpointing and chosen.strategy not in ("zero2", "fsdp"):
-        enable_activation_checkpointing(model)
+    model = load_base_model(loaded, spec, device, base_dir)
+    model = add_adapters(model, loaded, spec)
     if hasattr(model, "config"):
         model.config.use_cache = False
     return model
+
+
+def stored_bytes_by_dtype(model: torch.nn.Module) -> dict[str, int]:
+    """Parameter bytes of ``model`` per dtype name (quantized codes as stored, without their constants)."""
+    names = {v: k for k, v in DTYPE_NAMES.items() if k != "bf16-pure"}
+    names.update({"uint8": "uint8", "int8": "int8"})
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        name = names.get(str(p.dtype).removeprefix("torch."), str(p.dtype))
+        out[name] = out.get(name, 0) + p.numel() * p.element_size()
+    return out
+
+
+def check_model_storage(model: torch.nn.Module, spec: ExecSpec, expected: dict[str, int] | None) -> None:
+    """The built model stores every tensor as the execution spec says: trained weights in its trainable dtype,
+    the frozen base in its frozen or quantized dtype, and ``expected`` bytes per dtype (the planner's inventory).
+
+    Called at run start on every rank, before wrapping; a mismatch is a bug in the trainer or the planner, so
+    it is an ``AssertionError`` naming the first tensor (or dtype) that differs, not a user error.
+    """
+    for name, p in model.named_parameters():
+        quantized = type(p).__name__ in ("Params4bit", "Int8Params")
+        if p.requires_grad:
+            want = spec.trainable_dtype
+        elif quantized:
+            assert spec.quant is not None, f"{name} is quantized but the execution spec has no quantization"
+            want = spec.quant.storage_dtype
+        else:
+            want = spec.frozen_dtype or spec.trainable_dtype
+        got = str(p.dtype).removeprefix("torch.")
+        assert got == DTYPE_NAMES.get(want, want), f"{name} is stored as {got}, the execution spec says {want}"
+    if expected is not None:
+        actual = stored_bytes_by_dtype(model)
+        assert actual == expected, f"the model stores {actual} bytes per dtype, the plan counted {expected}"
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +15,9 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from finetune.errors import UserError
 from finetune.plan.types import Candidate, Plan
+from finetune.recipe import LoadedRecipe, recipe_to_yaml
 from finetune.train.distributed import DistContext
 from finetune.units import fmt_bytes
 
@@ -156,9 +159,7 @@ def _eval_text(ev: EvalResult) -> str:
     return ", ".join(parts)
 
 
-def save_final(
-    model: torch.nn.Module, inner: torch.nn.Module, tokenizer: Any, out_dir: Path, chosen: Candidate, ctx: DistContext
-) -> None:
+def save_final(model: torch.nn.Module, inner: torch.nn.Module, tokenizer: Any, out_dir: Path, ctx: DistContext) -> None:
     """Write the trained model (HF directory) or adapter (PEFT directory) and the tokenizer, on rank 0.
 
     Every rank calls this: under FSDP the full state dict is gathered from all ranks first.
@@ -168,9 +169,23 @@ def save_final(
     from finetune.train.parallel import full_state_dict
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
-    state = full_state_dict(model, inner, ctx)
+    state = full_state_dict(model, ctx)
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
     ctx.barrier()
+
+
+def write_run_files(loaded: LoadedRecipe, plan_dict: dict[str, Any]) -> Path:
+    """Save the resolved recipe and the plan in the output directory (before training, by global rank 0)."""
+    out = Path(loaded.recipe.output.dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"output.dir: cannot create {out} ({exc.strerror}); choose a writable directory") from None
+    if not os.access(out, os.W_OK):
+        raise UserError(f"output.dir: {out} is not writable; choose a writable directory")
+    (out / "recipe.yaml").write_text(recipe_to_yaml(loaded.recipe))
+    (out / "plan.json").write_text(json.dumps(plan_dict, indent=2) + "\n")
+    return out

@@ -10,8 +10,9 @@ Every strategy is torch's own:
 - ``fsdp``: the same with ``reshard_after_forward=True`` on the blocks (ZeRO-3): each block's parameters are
   all-gathered for its forward, freed, and gathered again for its backward.
 
-Order inside :func:`parallelize` (as torchtitan's ``parallelize``): activation checkpointing per block,
-then sharding bottom-up (blocks, then the root), then prefetch wiring.
+Order inside :func:`parallelize` (as torchtitan's ``parallelize``): activation checkpointing per block (the
+one place it is applied, for every strategy), then sharding bottom-up (blocks, then the root), then
+prefetch wiring. Everything is read from the execution spec (finetune/spec.py).
 """
 
 from __future__ import annotations
@@ -22,23 +23,32 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError
-from finetune.plan.types import Candidate
+from finetune.spec import ExecSpec
 from finetune.train.distributed import DistContext
+from finetune.units import torch_dtype
 
-SHARDED = ("zero2", "fsdp")
 
-
-def parallelize(model: torch.nn.Module, chosen: Candidate, ctx: DistContext) -> torch.nn.Module:
-    """Wrap ``model`` for ``chosen.strategy``; a single process is returned unchanged."""
+def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torch.nn.Module:
+    """Apply the execution spec: activation checkpointing (every strategy), then the strategy's wrapping."""
+    if spec.checkpointing:
+        # Before sharding, so that each block's recomputation sits inside the block FSDP gathers for it.
+        apply_activation_checkpointing(model)
     if not ctx.distributed:
         return model
-    if chosen.strategy == "single":  # each rank would train alone on its slice: never silently
+    if not spec.strategy.distributed:  # each rank would train alone on its slice: never silently
         raise UserError(f"distributed.strategy: `single` cannot run on {ctx.world_size} processes; use ddp")
-    if chosen.strategy in ("ddp", "zero1"):
-        return _data_parallel(model, ctx)
-    if chosen.strategy in SHARDED:
-        return _fully_shard(model, chosen, ctx)
-    raise UserError(f"distributed.strategy: unknown strategy `{chosen.strategy}`; use ddp, zero1, zero2 or fsdp")
+    if spec.strategy.uses_fsdp:
+        return _fully_shard(model, spec, ctx)
+    return _data_parallel(model, ctx)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder block in backward (non-reentrant torch.utils.checkpoint)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(base, "enable_input_require_grads"):
+        # With a frozen embedding, the checkpointed blocks' inputs must require grad for backward to reach them.
+        base.enable_input_require_grads()
 
 
 def _data_parallel(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
@@ -76,31 +86,26 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     )
 
 
-def mixed_precision_policy(precision: str) -> Any:
+def mixed_precision_policy(spec: ExecSpec) -> Any:
     """FSDP2's policy: 16-bit parameters for compute and fp32 gradient reduction (bf16/fp16), else none."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if precision in ("bf16", "fp16"):
-        from finetune.train.model import compute_dtype
+    if spec.fsdp_param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=torch_dtype(spec.fsdp_param_dtype), reduce_dtype=torch_dtype(spec.reduce_dtype or "fp32")
+    )
 
-        return MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
 
-
-def _fully_shard(model: torch.nn.Module, chosen: Candidate, ctx: DistContext) -> torch.nn.Module:
+def _fully_shard(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torch.nn.Module:
     """FSDP2 per decoder block and at the root; ZeRO-2 keeps parameters gathered after forward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if chosen.activation_checkpointing:
-        # Before sharding, so that each block's recomputation sits inside the block FSDP gathers for it.
-        from finetune.train.model import enable_activation_checkpointing
-
-        enable_activation_checkpointing(model)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    policy = mixed_precision_policy(chosen.precision)
+    policy = mixed_precision_policy(spec)
     _check_quantized_storage(model, policy.param_dtype)
-    reshard = chosen.strategy == "fsdp"
+    reshard = spec.reshard_after_forward
     blocks = decoder_blocks(model)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -161,7 +166,7 @@ def no_sync(model: torch.nn.Module, enabled: bool) -> Any:
     return contextlib.nullcontext()
 
 
-def full_state_dict(model: torch.nn.Module, inner: torch.nn.Module, ctx: DistContext) -> dict[str, Any] | None:
+def full_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, Any] | None:
     """The full (unsharded) state dict on rank 0 for sharded strategies; None means "the module's own".
 
     Every rank must call this under FSDP: it all-gathers each parameter (to CPU, rank 0 keeps the result;

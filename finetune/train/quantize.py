@@ -18,34 +18,17 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.errors import UserError
-
 if TYPE_CHECKING:
     import torch
     from transformers import BitsAndBytesConfig
 
-    from finetune.plan.types import Candidate
     from finetune.recipe import LoadedRecipe, QuantizationConfig, Recipe
-from finetune.units import DTYPE_NAMES, torch_dtype
+    from finetune.spec import ExecSpec
+from finetune.units import torch_dtype
 
 #: Values per quantization block (bitsandbytes' and transformers' default for 4-bit weights).
 BLOCKSIZE_4BIT = 64
 
-
-
-def resolve_compute_dtype(recipe: Recipe, precision: str) -> torch.dtype:
-    """dtype the quantized weights are dequantized to for matmuls.
-
-    ``quantization.compute_dtype`` when set, else the run's precision (fp32, bf16, bf16-pure, fp16).
-    """
-    qc = recipe.quantization.compute_dtype
-    if qc != "auto":
-        return torch_dtype(qc)
-    if precision not in DTYPE_NAMES:
-        raise UserError(
-            f"precision `{precision}` is not resolved; set quantization.compute_dtype to bf16, fp16 or fp32"
-        )
-    return torch_dtype(precision)
 
 
 def bnb_config(
@@ -92,29 +75,28 @@ def build_random_base(loaded: LoadedRecipe, path: str) -> torch.nn.Module:
 def load_quantized(
     loaded: LoadedRecipe,
     path: str,
-    chosen: Candidate,
+    spec: ExecSpec,
     device: torch.device | str,
     base_dir: Path | None = None,
-    quant_storage: torch.dtype | None = None,
 ) -> torch.nn.Module:
     """The base model of ``path`` with 4-bit (or 8-bit) linear weights on ``device``, ready for adapters.
 
     Non-quantized parameters (embeddings, norms, the head) are in the compute dtype and stay there (see
     ``finetune.train.model.add_adapters``: no fp32 upcast).
     For ``model.init: random`` the seeded fp32 model is saved to ``base_dir`` (the run's ``base/``; a
-    temporary directory when None) and quantized while loading from there. ``quant_storage`` defaults to
-    the compute dtype under FSDP (shardable), uint8 otherwise.
+    temporary directory when None) and quantized while loading from there. The codes' storage dtype and the
+    compute dtype are the execution spec's (the compute dtype under FSDP2, so it can shard them; else uint8).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     r = loaded.recipe
-    compute_dtype = resolve_compute_dtype(r, chosen.precision)
-    if r.quantization.bits == 8:
+    assert spec.quant is not None, "load_quantized builds a quantized base"
+    compute_dtype = torch_dtype(spec.quant.compute_dtype)
+    quant_storage = torch_dtype(spec.quant.storage_dtype) if spec.quant.shardable else None
+    if spec.quant.bits == 8:
         # LLM.int8 casts fp32/bf16 inputs to fp16 by design; bitsandbytes warns on every matmul.
         warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
-    if quant_storage is None and chosen.strategy == "fsdp" and r.quantization.bits == 4:
-        quant_storage = compute_dtype
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

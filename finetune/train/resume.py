@@ -9,11 +9,6 @@ Ctrl-C (recorded by :class:`StopRequest`) into a checkpoint and a clean exit. Th
 
 Resume sources: ``--resume`` (``latest`` or a path) and, under ``--max-restarts``, torchrun's restart
 counter: a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the newest checkpoint by itself.
-
-Test hooks (tests only): ``FINETUNE_TEST_NAN_AT_STEP="3,5"`` makes those optimizer steps' loss and gradients
-NaN; ``FINETUNE_TEST_STEP_SLEEP=SECONDS`` sleeps after every step (so a test can signal a run mid-way);
-``FINETUNE_TEST_KILL_AT_STEP="RANK:STEP"`` makes that rank SIGKILL itself during that step, in the first
-attempt only (torchrun's restarts then run normally).
 """
 
 from __future__ import annotations
@@ -36,10 +31,7 @@ from finetune.errors import UserError
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe, recipe_to_yaml
 from finetune.train import checkpoint as ck
-
-NAN_HOOK = "FINETUNE_TEST_NAN_AT_STEP"
-SLEEP_HOOK = "FINETUNE_TEST_STEP_SLEEP"
-KILL_HOOK = "FINETUNE_TEST_KILL_AT_STEP"
+from finetune.units import checkpoint_bytes
 
 
 class NonFiniteError(UserError):
@@ -88,29 +80,6 @@ def resume_command(loaded: LoadedRecipe) -> str:
         shown = str(recipe)
     sets = "".join(f" --set {shlex.quote(o)}" for o in loaded.overrides)
     return f"finetune run {shlex.quote(shown)}{sets} --resume"
-
-
-def inject_test_faults(step: int, params: list[torch.Tensor], loss_sum: torch.Tensor) -> torch.Tensor:
-    """The NaN and kill test hooks (see the module docstring); returns the (possibly poisoned) loss sum."""
-    kill = os.environ.get(KILL_HOOK)
-    if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
-        rank, _, at = kill.partition(":")
-        if int(rank) == int(os.environ.get("RANK", "0")) and int(at) == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-    spec = os.environ.get(NAN_HOOK)
-    if spec and step in {int(s) for s in spec.split(",") if s.strip()}:
-        for p in params:
-            if p.grad is not None:
-                p.grad.fill_(float("nan"))
-        return loss_sum * float("nan")
-    return loss_sum
-
-
-def step_sleep() -> None:
-    """The slow-step test hook (see the module docstring)."""
-    delay = os.environ.get(SLEEP_HOOK)
-    if delay:
-        time.sleep(float(delay))
 
 
 @dataclass
@@ -198,7 +167,7 @@ class RunCheckpoints:
             if n in names:
                 trainable += p.numel()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        one = ck.checkpoint_bytes(weights, trainable)
+        one = checkpoint_bytes(weights, trainable)
         existing = len(ck.list_checkpoints(self.out_dir))
         ck.check_free_disk(self.out_dir, one, self.loaded.recipe.output.keep, existing)
 

@@ -1,7 +1,7 @@
 """The entry point of each process torch.distributed.run starts: ``python -m finetune.train.worker SPEC``.
 
-SPEC is a JSON file the launcher wrote (see finetune.launch.write_spec): the resolved recipe, the Plan and
-the run options, so that every rank executes exactly what the launcher planned. The worker sets its torch
+SPEC is the :class:`RunRequest` the launcher wrote as JSON: the resolved recipe, the Plan and the run
+options, so that every rank executes exactly what the launcher planned. The worker sets its torch
 threads, silences everything but errors on ranks other than 0, joins the process group and trains.
 
 Any exception is recorded in torchelastic's error file (the launcher reads it back and reports
@@ -16,15 +16,62 @@ import logging
 import os
 import sys
 import warnings
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
+from finetune.plan.types import Plan
+from finetune.recipe import LoadedRecipe, recipe_from_dict
 
 
-def read_spec(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The launcher's run description: ``recipe`` (dict), ``plan`` (dict), ``base_dir``, options."""
-    return json.loads(Path(path).read_text())
+@dataclass
+class RunRequest:
+    """Everything a rank needs to train exactly the run the launcher planned (written as JSON for workers)."""
+
+    recipe: dict[str, Any]  # the resolved recipe (absolute paths)
+    plan: dict[str, Any]  # Plan.to_dict()
+    base_dir: str  # where the recipe's relative paths were resolved
+    recipe_path: str | None = None  # the user's file, for the resume command rank 0 prints
+    overrides: list[str] = field(default_factory=list)
+    resume: str | None = None  # a checkpoint directory
+    measure_memory: bool = False
+
+    @classmethod
+    def of(cls, loaded: LoadedRecipe, plan: Plan, *, resume: str | None, measure_memory: bool) -> RunRequest:
+        """The request for a loaded recipe and its plan."""
+        return cls(
+            recipe=loaded.recipe.model_dump(mode="json"), plan=plan.to_dict(), base_dir=str(loaded.base_dir),
+            recipe_path=str(loaded.path) if loaded.path else None, overrides=list(loaded.overrides),
+            resume=resume, measure_memory=measure_memory,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunRequest:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**d)
+
+    def write(self, path: Path) -> Path:
+        """Save as JSON (the file ``python -m finetune.train.worker`` reads)."""
+        path.write_text(json.dumps(self.to_dict()))
+        return path
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> RunRequest:
+        """Load what :meth:`write` saved."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def loaded_recipe(self) -> LoadedRecipe:
+        """The recipe as the launcher loaded it (paths already absolute)."""
+        loaded = recipe_from_dict(self.recipe, Path(self.base_dir))
+        if self.recipe_path:
+            loaded.path = Path(self.recipe_path)  # the user's file (same directory as base_dir)
+        loaded.overrides = list(self.overrides)
+        return loaded
 
 
 def _quiet_if_not_main(rank: int) -> None:
@@ -51,30 +98,24 @@ def _set_threads() -> None:
     torch.set_num_threads(threads)
 
 
-def run_worker(spec_path: str) -> None:
-    """Train this rank as the spec says; rank 0 writes recipe.yaml, plan.json and every output."""
+def run_worker(request_path: str) -> None:
+    """Train this rank as the request says; global rank 0 writes recipe.yaml, plan.json and every output."""
     _quiet_if_not_main(int(os.environ.get("RANK", 0)))
     _set_threads()
-    from finetune.launch import write_run_files
-    from finetune.plan.types import Plan
-    from finetune.recipe import recipe_from_dict
     from finetune.train.distributed import DistContext
-    from finetune.train.loop import train_rank
+    from finetune.train.outputs import write_run_files
+    from finetune.train.trainer import train_rank
 
-    spec = read_spec(spec_path)
-    loaded = recipe_from_dict(spec["recipe"], Path(spec["base_dir"]))
-    if spec.get("recipe_path"):
-        loaded.path = Path(spec["recipe_path"])  # the user's file (same directory as base_dir)
-    loaded.overrides = list(spec.get("overrides", []))
-    plan = Plan.from_dict(spec["plan"])
+    request = RunRequest.read(request_path)
+    loaded = request.loaded_recipe()
     ctx = DistContext.from_env()
     try:
-        if ctx.is_main:
-            write_run_files(loaded, spec["plan"])
-        kwargs: dict[str, Any] = {"measure_memory": bool(spec.get("measure_memory")), "ctx": ctx}
-        if spec.get("resume"):
-            kwargs["resume"] = spec["resume"]
-        train_rank(loaded, plan, **kwargs)
+        if ctx.is_main:  # c10d may put global rank 0 on any node: it writes the run files there
+            write_run_files(loaded, request.plan)
+        train_rank(
+            loaded, Plan.from_dict(request.plan), measure_memory=request.measure_memory, ctx=ctx,
+            resume=request.resume,
+        )
     finally:
         ctx.close()
 

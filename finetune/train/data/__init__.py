@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
+from finetune.locate import DataLocation
 from finetune.recipe import LoadedRecipe
 from finetune.train.data.batches import BatchStream, Example, collate, pack
 from finetune.train.data.formats import (
@@ -36,7 +37,7 @@ from finetune.train.data.formats import (
     TRUNCATED,
     Encoder,
 )
-from finetune.train.data.sources import Source, is_hf_name, read_hf, read_sources
+from finetune.train.data.sources import Source, read_hf, read_sources
 
 __all__ = [
     "PROMPT_TEMPLATE",
@@ -224,11 +225,11 @@ def resolve_chat_template(loaded: LoadedRecipe, tokenizer: Any) -> str:
     return spec
 
 
-def _encode_spec(spec: str, key: str, loaded: LoadedRecipe, encoder: Encoder, split: str) -> _Encoded:
+def _encode_spec(location: DataLocation, key: str, loaded: LoadedRecipe, encoder: Encoder, split: str) -> _Encoded:
     d = loaded.recipe.data
     cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
     out = _Encoded()
-    for src in read_sources(spec, loaded.base_dir, key, split, encoder.required_columns()):
+    for src in read_sources(location, key, split, encoder.required_columns()):
         out.extend(encode_source(src, encoder, cache_dir, d.num_proc))
     return out
 
@@ -249,22 +250,22 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
     encoder = Encoder(
         tokenizer, d.format, d.columns.model_dump(), d.max_seq_len, d.drop_long, d.train_on_prompt, template
     )
-    trains = d.train if isinstance(d.train, list) else [d.train]
+    inputs = loaded.inputs
+    assert inputs is not None, "load_recipe resolves the inputs"
     with _local_rank_zero_first():
         train = _Encoded()
-        for i, spec in enumerate(trains):
+        for i, location in enumerate(inputs.train):
             key = "data.train" if isinstance(d.train, str) else f"data.train.{i}"
-            train.extend(_encode_spec(spec, key, loaded, encoder, d.split))
+            train.extend(_encode_spec(location, key, loaded, encoder, d.split))
         _check_bad_rows(train, d.on_bad_row)
         held = _Encoded()
-        if d.eval:
-            hf_train = len(trains) == 1 and is_hf_name(trains[0], loaded.base_dir)
-            if hf_train and "/" not in d.eval and is_hf_name(d.eval, loaded.base_dir):
+        if inputs.eval is not None:
+            if inputs.eval.kind == "split":  # another split of the data.train dataset
                 cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
-                src = read_hf(trains[0], d.eval, "data.eval", encoder.required_columns())
+                src = read_hf(inputs.train[0].value, inputs.eval.value, "data.eval", encoder.required_columns())
                 held = encode_source(src, encoder, cache_dir, d.num_proc)
             else:
-                held = _encode_spec(d.eval, "data.eval", loaded, encoder, d.split)
+                held = _encode_spec(inputs.eval, "data.eval", loaded, encoder, d.split)
             _check_bad_rows(held, d.on_bad_row)
     if d.eval_fraction:
         n = len(train.examples)

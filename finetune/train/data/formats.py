@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetune.loss import IGNORE_INDEX
 from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN
-from finetune.train.loss import IGNORE_INDEX
 
 PROMPT_TEMPLATE = "{instruction}\n{input}\nAnswer: "
 PROMPT_TEMPLATE_NO_INPUT = "{instruction}\nAnswer: "

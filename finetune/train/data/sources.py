@@ -9,10 +9,8 @@ the tokenizer step parses it back. A Hugging Face dataset is used as it is: its 
 from __future__ import annotations
 
 import csv
-import glob
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
+from finetune.locate import DATA_SUFFIXES as SUFFIXES
+from finetune.locate import DataLocation
 
-SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 ROW_COLUMN = "__row__"
 WHERE_COLUMN = "__where__"
 
@@ -40,45 +39,6 @@ class Source:
     fingerprint: str
     is_json_rows: bool
     bad_rows: list[str] = field(default_factory=list)
-
-
-def is_hf_name(spec: str, base_dir: Path) -> bool:
-    """Whether ``spec`` names a Hugging Face dataset rather than a local path or glob."""
-    if any(ch in spec for ch in "*?[") or spec.startswith((".", "/", "~")):
-        return False
-    if Path(spec).suffix in SUFFIXES:
-        return False
-    from finetune.recipe import resolve_input_path
-
-    return not resolve_input_path(spec, base_dir).exists()
-
-
-def expand_files(spec: str, base_dir: Path, key: str) -> list[Path]:
-    """The data files a local spec names: a file, a glob, or every data file in a directory (sorted)."""
-    from finetune.recipe import resolve_input_path
-
-    if any(ch in spec for ch in "*?["):
-        pattern = spec if os.path.isabs(spec) else str(base_dir / spec)
-        matches = sorted(glob.glob(pattern, recursive=True)) or sorted(glob.glob(spec, recursive=True))
-        files = [Path(m) for m in matches if Path(m).is_file()]
-        if not files:
-            raise UserError(f"{key}: the glob `{spec}` matches no files")
-    else:
-        p = resolve_input_path(spec, base_dir)
-        if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
-            if not files:
-                raise UserError(f"{key}: the directory {p} holds no {', '.join(SUFFIXES)} files")
-        elif p.is_file():
-            files = [p]
-        else:
-            raise UserError(
-                f"{key}: no data found at `{spec}` (looked next to the recipe and in the current directory)"
-            )
-    for f in files:
-        if f.suffix not in SUFFIXES:
-            raise UserError(f"{key}: {f} is not a data file this tool reads ({', '.join(SUFFIXES)})")
-    return files
 
 
 def _json_default(value: Any) -> Any:
@@ -225,8 +185,10 @@ def _not_cached(key: str, name: str) -> str:
     )
 
 
-def read_sources(spec: str, base_dir: Path, key: str, split: str, required: list[str]) -> list[Source]:
-    """Every :class:`Source` a recipe value names (a file, glob, directory or Hugging Face dataset)."""
-    if is_hf_name(spec, base_dir):
-        return [read_hf(spec, split, key, required)]
-    return [read_file(f, required) for f in expand_files(spec, base_dir, key)]
+def read_sources(location: DataLocation, key: str, split: str, required: list[str]) -> list[Source]:
+    """Every :class:`Source` a resolved data spec names (files, or a split of a Hugging Face dataset)."""
+    if location.kind == "dataset":
+        return [read_hf(location.value, split, key, required)]
+    if location.kind == "missing" and Path(location.value).suffix not in SUFFIXES and not location.value.startswith((".", "/", "~")):
+        raise UserError(_not_cached(key, location.value))
+    return [read_file(f, required) for f in location.files(key)]

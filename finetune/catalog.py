@@ -1,16 +1,19 @@
 """Public config facts of popular models, for planning without weights or network access.
 
 Each entry holds only what ``AutoConfig.for_model`` needs to build the architecture on the meta device:
-sizes, vocabulary, attention layout, tying. Weights are never involved. ``resolve_model_config`` accepts a
-catalog name, a local model directory, a built-in model (recipes/models) or a hub id in the local cache.
+sizes, vocabulary, attention layout, tying. Weights are never involved. :func:`model_config` builds the
+config of a resolved ``model.path`` (see finetune.locate): a catalog name, a local model directory, a built-in
+model (recipes/models) or a hub id in the local cache.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune.errors import UserError
+
+if TYPE_CHECKING:
+    from finetune.locate import ModelLocation
 
 _LLAMA31 = {"model_type": "llama", "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
             "max_position_embeddings": 131072, "tie_word_embeddings": False}
@@ -68,27 +71,26 @@ def catalog_name(name: str) -> str | None:
     return key if key in CATALOG else None
 
 
-def resolve_model_config(path: str, base_dir: Path | None = None, trust_remote_code: bool = False) -> tuple[Any, str]:
-    """Build a ``transformers`` config for ``path``; return (config, where it came from).
+def model_config(location: ModelLocation, trust_remote_code: bool = False) -> tuple[Any, str]:
+    """A ``transformers`` config for a resolved ``model.path``; return (config, where it came from).
 
-    Order: a local directory (next to the recipe, the current directory, the built-in models), the catalog,
-    then a hub id already in the local cache. Raises :class:`UserError` when none matches.
+    A local directory or cached hub snapshot is read from disk; a catalog name is built from its facts.
+    Raises :class:`UserError` for a model that is none of these.
     """
     from transformers import AutoConfig
 
-    from finetune.recipe import _in_hf_cache, resolve_input_path
+    if location.kind == "catalog":
+        facts = dict(CATALOG[location.path])
+        return AutoConfig.for_model(facts.pop("model_type"), **facts), f"catalog:{location.path}"
+    problem = location.problem()
+    if problem is not None:
+        if location.kind == "missing":
+            problem = (
+                f"model `{location.value}` is not a local model directory, a catalog model ({', '.join(CATALOG)}) "
+                "or a hub id in the local cache"
+            )
+        raise UserError(problem)
+    config = AutoConfig.from_pretrained(location.path, trust_remote_code=trust_remote_code, local_files_only=True)
+    source = location.path if location.kind == "dir" else f"hub-cache:{location.value}"
+    return config, source
 
-    local = resolve_input_path(path, base_dir or Path.cwd())
-    if local.is_dir() and (local / "config.json").is_file():
-        return AutoConfig.from_pretrained(str(local), trust_remote_code=trust_remote_code), str(local)
-    name = catalog_name(path)
-    if name is not None:
-        facts = dict(CATALOG[name])
-        return AutoConfig.for_model(facts.pop("model_type"), **facts), f"catalog:{name}"
-    if _in_hf_cache(path):
-        cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
-        return cfg, f"hub-cache:{path}"
-    raise UserError(
-        f"model `{path}` is not a local model directory, a catalog model ({', '.join(CATALOG)}) or a hub id "
-        "in the local cache"
-    )

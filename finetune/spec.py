@@ -1,0 +1,270 @@
+"""The execution spec: how every kind of tensor of a run is stored, computed, checkpointed and sharded.
+
+The planner decides a configuration (method, strategy, precision, activation checkpointing, processes);
+:func:`execution_spec` turns it, with the recipe's storage settings (``model.dtype``, ``quantization``), into
+one :class:`ExecSpec`. The planner's inventory and traces (``finetune/plan``) and the trainer
+(``finetune/train``) both read that object: nothing downstream re-derives a dtype or a wrapping rule from
+the recipe, so the plan and the run cannot disagree on how a tensor is stored.
+
+Strategy, method and precision are enums with properties, so code asks ``spec.strategy.uses_fsdp``
+instead of comparing strings. They are ``str`` subclasses: ``Strategy.FSDP == "fsdp"`` and JSON keeps the
+plain names.
+
+Pure Python (no torch): dtypes are the recipe's names (fp32, bf16, fp16; uint8/int8 for quantized codes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+
+class _Name(str, Enum):
+    """A recipe value with behaviour: prints and formats as its plain name."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __hash__(self) -> int:  # as the plain name's, so either finds the other in a dict or set
+        return hash(self.value)
+
+
+class Method(_Name):
+    """What is trained."""
+
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"
+
+    @property
+    def adapters(self) -> bool:
+        """Adapters on a frozen base (the base gets no gradients or optimizer state)."""
+        return self is not Method.FULL
+
+    @property
+    def quantized(self) -> bool:
+        """The frozen base's linear weights are quantized (bitsandbytes)."""
+        return self is Method.QLORA
+
+    @property
+    def title(self) -> str:
+        """The name people use."""
+        return {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}[self.value]
+
+
+class Strategy(_Name):
+    """How the ranks share the work (torch.distributed)."""
+
+    SINGLE = "single"
+    DDP = "ddp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    FSDP = "fsdp"
+
+    @property
+    def distributed(self) -> bool:
+        """Needs a process group (every strategy but one process)."""
+        return self is not Strategy.SINGLE
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """Wrapped by FSDP2 ``fully_shard`` (ZeRO-2 and ZeRO-3): its mixed-precision policy replaces autocast."""
+        return self in (Strategy.ZERO2, Strategy.FSDP)
+
+    @property
+    def replicates(self) -> bool:
+        """Every rank holds the whole model (one process, DDP, ZeRO-1)."""
+        return not self.uses_fsdp
+
+    @property
+    def shards_params(self) -> bool:
+        """Parameters, gradients and optimizer state are sharded at rest (FSDP2)."""
+        return self.uses_fsdp
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """AdamW's state is split over the ranks (ZeRO-1 and up)."""
+        return self in (Strategy.ZERO1, Strategy.ZERO2, Strategy.FSDP)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Each unit's parameters are freed after its forward and gathered again for backward (ZeRO-3)."""
+        return self is Strategy.FSDP
+
+    @property
+    def title(self) -> str:
+        """The name people use."""
+        return {"single": "one process", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}[
+            self.value
+        ]
+
+
+class Precision(_Name):
+    """The run's precision setting."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    BF16_PURE = "bf16-pure"
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit compute over fp32 master weights."""
+        return self in (Precision.BF16, Precision.FP16)
+
+    @property
+    def compute(self) -> str:
+        """dtype name the matmuls run in."""
+        return "bf16" if self is Precision.BF16_PURE else self.value
+
+    @property
+    def master(self) -> str:
+        """dtype name of trained weights (and so of their gradients and AdamW state)."""
+        return "bf16" if self is Precision.BF16_PURE else "fp32"
+
+
+#: Bytes per value of each dtype name the spec uses.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "uint8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How the frozen base's linear weights are quantized (bitsandbytes)."""
+
+    bits: int  # 4 (NF4/FP4) or 8 (LLM.int8)
+    quant_type: str  # nf4 | fp4 (4-bit)
+    double_quant: bool  # 4-bit: quantize the quantization constants too
+    compute_dtype: str  # the dtype a quantized weight is dequantized to for its matmul
+    storage_dtype: str  # the dtype the packed codes are stored in
+
+    @property
+    def shardable(self) -> bool:
+        """Packed 4-bit codes stored in a float dtype, so FSDP2 can shard them like any parameter."""
+        return self.storage_dtype not in ("uint8", "int8")
+
+
+@dataclass(frozen=True)
+class ExecSpec:
+    """How one configuration stores and computes each kind of tensor (see the module docstring)."""
+
+    method: Method
+    strategy: Strategy
+    precision: Precision
+    world_size: int  # data-parallel ranks (1 for a single process)
+    compute_dtype: str  # matmul dtype
+    trainable_dtype: str  # trained weights: full fine-tuning's masters, or the adapters
+    frozen_dtype: str | None  # the frozen base's unquantized weights (None: nothing is frozen)
+    quant: QuantSpec | None  # the frozen base's quantized linear weights (qlora)
+    autocast: bool  # torch.autocast around forward (single, DDP, ZeRO-1 under mixed precision)
+    fsdp_param_dtype: str | None  # FSDP2 MixedPrecisionPolicy: every parameter computed in this dtype
+    reduce_dtype: str | None  # ... and gradients reduced in this one
+    loss_scaling: bool  # fp16: dynamic loss scaling
+    checkpointing: bool  # activation checkpointing of every decoder block, applied once before wrapping
+    reshard_after_forward: bool  # FSDP2 units (ZeRO-3); the root never reshards
+
+    @property
+    def trainable_bytes(self) -> int:
+        """Bytes per trained value (its gradient and each AdamW moment have the same dtype)."""
+        return DTYPE_BYTES[self.trainable_dtype]
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per value of a weight as computed (16-bit under mixed precision)."""
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def gathered_dtype(self) -> str:
+        """dtype of an FSDP2 unit once all-gathered for compute (its policy's, else the stored one)."""
+        return self.fsdp_param_dtype or self.trainable_dtype
+
+    def base_dtype(self, quantizable: bool) -> str:
+        """Stored dtype of a base parameter: the master dtype (full), the quantized codes, or frozen."""
+        if not self.method.adapters:
+            return self.trainable_dtype
+        if quantizable and self.quant is not None:
+            return self.quant.storage_dtype
+        assert self.frozen_dtype is not None
+        return self.frozen_dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the plan's ``execution``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ExecSpec:
+        """Inverse of :meth:`to_dict`."""
+        d = dict(d)
+        quant = d.pop("quant", None)
+        return cls(
+            method=Method(d.pop("method")),
+            strategy=Strategy(d.pop("strategy")),
+            precision=Precision(d.pop("precision")),
+            quant=QuantSpec(**quant) if quant else None,
+            **d,
+        )
+
+
+def execution_spec(
+    method: str,
+    strategy: str,
+    precision: str,
+    *,
+    checkpointing: bool,
+    world_size: int = 1,
+    model_dtype: str = "auto",
+    quantization: Any = None,
+) -> ExecSpec:
+    """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
+
+    Storage rules (the trainer builds exactly this, and checks it at run start on every rank):
+      full   every weight trained, in the master dtype (fp32; bf16 for bf16-pure).
+      lora   frozen base in ``model.dtype`` when pinned, else the compute dtype; adapters fp32.
+      qlora  linear weights quantized: 4-bit codes in uint8, or in the compute dtype under FSDP2 (ZeRO-2 and
+             FSDP alike, which then shard them like any parameter); 8-bit in int8. Every other base weight in
+             ``quantization.compute_dtype`` (auto: the run's compute dtype); adapters fp32.
+    ``quantization`` is the recipe's section (bits, quant_type, double_quant, compute_dtype) or None.
+    """
+    m, s, p = Method(method), Strategy(strategy), Precision(precision)
+    compute = p.compute
+    trainable = p.master if m is Method.FULL else "fp32"
+    frozen: str | None = None
+    quant: QuantSpec | None = None
+    if m is Method.LORA:
+        frozen = "bf16" if p is Precision.BF16_PURE else (compute if model_dtype in ("auto", None) else model_dtype)
+    elif m is Method.QLORA:
+        bits = int(getattr(quantization, "bits", 4))
+        qc = getattr(quantization, "compute_dtype", "auto")
+        qcompute = compute if qc in ("auto", None) else qc
+        frozen = qcompute
+        if bits == 8:
+            storage = "int8"
+        else:
+            storage = qcompute if s.uses_fsdp else "uint8"
+        quant = QuantSpec(
+            bits=bits,
+            quant_type=str(getattr(quantization, "quant_type", "nf4")),
+            double_quant=bool(getattr(quantization, "double_quant", True)),
+            compute_dtype=qcompute,
+            storage_dtype=storage,
+        )
+    mixed_fsdp = p.mixed and s.uses_fsdp
+    return ExecSpec(
+        method=m,
+        strategy=s,
+        precision=p,
+        world_size=world_size if s.distributed else 1,
+        compute_dtype=compute,
+        trainable_dtype=trainable,
+        frozen_dtype=frozen,
+        quant=quant,
+        autocast=p.mixed and not s.uses_fsdp,
+        fsdp_param_dtype=compute if mixed_fsdp else None,
+        reduce_dtype="fp32" if mixed_fsdp else None,
+        loss_scaling=p is Precision.FP16,
+        checkpointing=bool(checkpointing),
+        reshard_after_forward=s.reshards_after_forward,
+    )

@@ -1,0 +1,264 @@
+"""One rank's run, in named phases: setup -> train (train_step ..., evaluate) -> save -> cleanup.
+
+Read top to bottom, this is everything ``finetune run`` does on a rank once the Plan exists:
+
+    setup       tokenizer and data; the model as the execution spec says (built, checked against the plan's
+                inventory, activation checkpointing and the strategy's wrapping); optimizer, scheduler, loss
+                scaler; the checkpointer, which resumes when asked
+    train       evaluate before the first step, then ``train_step`` until the last step, logging, evaluating
+                and checkpointing as the recipe says
+    train_step  one optimizer step over the global batch (micro-batches, gradient accumulation, clipping,
+                non-finite policy), with the memory probe around the first two steps
+    evaluate    eval loss and exact match (collective-safe: every rank runs the same forwards)
+    save        the final model or adapter, and the tokenizer (rank 0 writes; every rank gathers)
+    cleanup     nothing to release today but the process group, which the worker owns
+
+A global batch is split into ``grad_accum_steps`` micro-batches on each of ``world_size`` ranks. Every
+micro-batch's summed token loss is divided by the number of target tokens in the *whole global batch*
+(counted before the forward passes, and summed over ranks), then multiplied by the world size because data
+parallelism averages gradients over ranks: the update is exactly the single-process update on the same
+global batch, whatever the micro-batch size, accumulation or number of processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.loss import count_target_tokens
+from finetune.plan.types import Plan
+from finetune.recipe import LoadedRecipe
+from finetune.train.data import BatchStream, TaskData, load_data
+from finetune.train.distributed import DistContext
+from finetune.train.evaluate import EvalResult, evaluate
+from finetune.train.hooks import TrainerHooks, load_hooks
+from finetune.train.loop import (
+    RunResult,
+    TrainState,
+    accumulate,
+    autocast_factory,
+    build_optimizer,
+    clip_gradients,
+    eval_fields,
+    lr_lambda,
+    memory_probe,
+    position,
+    report_memory,
+    seed_everything,
+    total_steps,
+)
+from finetune.train.memory import PeakMemory
+from finetune.train.model import build_model, check_model_storage, count_parameters, load_tokenizer
+from finetune.train.outputs import MetricsWriter, Reporter, save_final
+from finetune.train.parallel import parallelize, unwrap
+from finetune.train.resume import RunCheckpoints, StopRequest, nonfinite_policy
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports."""
+
+    loss: float
+    grad_norm: float
+    input_tokens: int  # real tokens (no padding) over all ranks
+    epoch: int
+
+
+class Trainer:
+    """Trains one rank exactly as ``plan`` says; rank 0 prints and writes the outputs."""
+
+    def __init__(
+        self,
+        loaded: LoadedRecipe,
+        plan: Plan,
+        ctx: DistContext | None = None,
+        *,
+        measure_memory: bool = False,
+        resume: str | None = None,
+        hooks: TrainerHooks | None = None,
+    ) -> None:
+        assert plan.execution is not None, "a plan for a run carries its execution spec"
+        self.loaded, self.plan, self.spec = loaded, plan, plan.execution
+        self.ctx = ctx or DistContext.from_env()
+        self.measure_memory, self.resume = measure_memory, resume
+        self.hooks = hooks or load_hooks()
+        self.out_dir = Path(loaded.recipe.output.dir)
+        self.reporter = Reporter(self.ctx.is_main)
+        self.state = TrainState()
+        self.started = time.perf_counter()
+        self.measured_peak: int | None = None
+
+    # -- setup ------------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Data, model, optimizer and checkpointer; resumes when asked."""
+        r, ctx, chosen = self.loaded.recipe, self.ctx, self.plan.chosen
+        seed_everything(r.train.seed)
+        self.tokenizer = load_tokenizer(self.loaded)
+        self.data: TaskData = load_data(self.loaded, self.tokenizer)
+        self.model = self._setup_model()
+        self.optimizer = build_optimizer(self.model, r.train, self.spec.strategy)
+        self.stream = BatchStream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
+        self.total = total_steps(self.loaded, self.stream)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(r.train.lr_schedule, r.train.warmup_steps, self.total, r.train.min_lr_ratio)
+        )
+        self.scaler = torch.amp.GradScaler(ctx.device.type) if self.spec.loss_scaling else None
+        self.autocast = autocast_factory(self.spec, ctx.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", enabled=ctx.is_main)
+        self.reporter.start(
+            self.plan, self.trainable, self.total_params, self.total, self.data.stats, ctx.world_size,
+            getattr(self.data, "notes", []),
+        )
+        self.checkpoints = RunCheckpoints(
+            self.loaded, self.plan, ctx, self.stream, self.model, unwrap(self.model), self.optimizer,
+            self.scheduler, self.scaler, self.total, self.reporter.plain,
+        )
+        self.checkpoints.start(self.state, self.resume)
+        self.on_nonfinite = nonfinite_policy(self.loaded, chosen.precision)
+
+    def _setup_model(self) -> torch.nn.Module:
+        """Build the model the execution spec describes, check it against the plan, then wrap it."""
+        r, spec = self.loaded.recipe, self.spec
+        keep_base = self.ctx.is_main and spec.method.adapters and r.model.init == "random"
+        model = build_model(self.loaded, spec, self.ctx.device, base_dir=self.out_dir / "base" if keep_base else None)
+        check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
+        self.trainable, self.total_params = count_parameters(model)
+        return parallelize(model, spec, self.ctx)
+
+    # -- one optimizer step -----------------------------------------------------------------------------------
+    def train_step(self, start_step: int) -> StepResult:
+        """Forward and backward every micro-batch of this rank's share of the global batch, then update."""
+        ctx, state, chosen = self.ctx, self.state, self.plan.chosen
+        step = state.step + 1
+        self.hooks.before_step(step, ctx.rank)
+        epoch, in_epoch = position(state.step, self.stream)
+        micro = self.stream.micro_batches(
+            epoch, in_epoch, rank=ctx.rank, world_size=ctx.world_size, micro_batch_size=chosen.micro_batch_size
+        )
+        input_tokens = int(ctx.all_reduce_sum(sum(int(mb["num_tokens"]) for mb in micro)))  # no padding
+        micro = [{k: v.to(ctx.device) for k, v in mb.items()} for mb in micro]
+        global_tokens = float(ctx.all_reduce_sum(sum(count_target_tokens(mb) for mb in micro)))
+        if state.step == start_step:
+            self.probe = memory_probe(self.measure_memory, ctx, self.model, self.optimizer)
+        measuring: Any = contextlib.nullcontext()
+        if state.step - start_step < 2:  # the 2nd step is the steady state: AdamW's state exists by then
+            self.longest = max(self.longest, max(mb["input_ids"].shape[1] for mb in micro))
+            measuring = self.probe
+        with measuring:
+            loss_sum = accumulate(self.model, micro, global_tokens, ctx, self.autocast, self.scaler)
+            loss_sum = self.hooks.after_backward(step, self.params, loss_sum)
+            grad_norm = clip_gradients(self.params, self.optimizer, self.scaler, self.loaded.recipe.train.max_grad_norm)
+            loss = float(ctx.all_reduce_sum(loss_sum)) / max(global_tokens, 1.0)
+            self._update(step, loss, grad_norm)
+        if isinstance(measuring, PeakMemory) and (state.step - start_step == 1 or step == self.total):
+            self.measured_peak = measuring.measured_peak_bytes
+            report_memory(measuring, self.loaded, self.plan, self.out_dir, ctx, self.reporter, self.longest)
+        self.scheduler.step()
+        state.step = step
+        state.tokens += input_tokens
+        state.history.append(loss)
+        return StepResult(loss, grad_norm, input_tokens, epoch)
+
+    def _update(self, step: int, loss: float, grad_norm: float) -> None:
+        """The optimizer step, or none when the loss or gradients are not finite (``train.on_nonfinite``)."""
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if not finite and self.on_nonfinite == "stop":
+            raise self.checkpoints.nonfinite_error(step, loss, grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips the update itself when the scaled grads overflowed
+            self.scaler.update()
+            self.state.skipped_steps += int(not finite)
+        elif finite:
+            self.optimizer.step()
+        else:  # on_nonfinite: skip. No update; the step (and its batch) still counts.
+            self.state.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- evaluation -------------------------------------------------------------------------------------------
+    def evaluate(self) -> EvalResult | None:
+        """Eval loss and exact match on the held-out data (None when the recipe has none)."""
+        r = self.loaded.recipe
+        if not self.data.eval and not self.data.eval_prompts:
+            return None
+        return evaluate(
+            self.model, self.data.eval, self.data.eval_prompts, self.tokenizer, self.ctx,
+            batch_size=r.eval.batch_size, max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
+        )
+
+    # -- the whole run ----------------------------------------------------------------------------------------
+    def train(self) -> RunResult:
+        """Every step of the run; returns early (after a checkpoint) when SIGTERM or Ctrl-C asks to stop."""
+        r, state = self.loaded.recipe, self.state
+        stop = StopRequest(self.reporter.plain)
+        self.model.train()
+        if r.eval.at_start and state.step == 0:
+            first = self.evaluate()
+            if first is not None:
+                self.metrics.write({"step": 0, **eval_fields(first)})
+                self.reporter.eval_line(0, first)
+        start_step, self.longest, self.probe = state.step, 0, None
+        window_tokens, window_start = 0, time.perf_counter()
+        self.checkpoints.restore_rng()  # last thing before the first step: the resumed run draws what the first would
+        with stop, self.reporter.progress(self.total, start=state.step) as advance:
+            while state.step < self.total:
+                result = self.train_step(start_step)
+                window_tokens += result.input_tokens
+                row: dict[str, Any] = {"step": state.step, "loss": result.loss, "lr": self.scheduler.get_last_lr()[0]}
+                if r.eval.every and state.step % r.eval.every == 0 and state.step < self.total:
+                    ev = self.evaluate()
+                    row.update(eval_fields(ev))
+                    self.reporter.eval_line(state.step, ev)
+                now = time.perf_counter()
+                tokens_per_s = window_tokens / max(now - window_start, 1e-9)
+                if state.step % r.output.log_every == 0 or state.step == self.total or "eval_loss" in row:
+                    row.update(tokens=state.tokens, tokens_per_s=tokens_per_s, grad_norm=result.grad_norm, epoch=result.epoch)
+                    window_tokens, window_start = 0, now
+                    self.metrics.write(row)
+                advance(loss=result.loss, lr=row["lr"], tokens_per_s=tokens_per_s)
+                self.hooks.after_step(state.step)
+                if self.checkpoints.after_step(state, stop):  # saves when due; True after SIGTERM/Ctrl-C
+                    return self._result(None, exit_code=stop.exit_code)
+        last_eval = self.evaluate()
+        if last_eval is not None:
+            self.metrics.write({"step": state.step, **eval_fields(last_eval)})
+        self.save()
+        result = self._result(last_eval)
+        self.reporter.summary(result, self.plan.chosen, state.skipped_steps)
+        return result
+
+    def save(self) -> None:
+        """The final model or adapter and the tokenizer (every rank calls; rank 0 writes)."""
+        save_final(self.model, unwrap(self.model), self.tokenizer, self.out_dir, self.ctx)
+
+    def cleanup(self) -> None:
+        """Release what setup acquired beyond memory (nothing today: the worker owns the process group)."""
+
+    def _result(self, last_eval: EvalResult | None, exit_code: int = 0) -> RunResult:
+        history = self.state.history
+        return RunResult(
+            steps=self.state.step, final_loss=history[-1] if history else None, eval=last_eval,
+            output_dir=self.out_dir, seconds=time.perf_counter() - self.started, measured_peak=self.measured_peak,
+            model=unwrap(self.model), losses=list(history), exit_code=exit_code,
+            checkpoint_seconds=self.checkpoints.save_seconds,
+        )
+
+
+def train_rank(
+    loaded: LoadedRecipe, plan: Plan, *, measure_memory: bool = False, ctx: DistContext | None = None,
+    resume: str | None = None,
+) -> RunResult:
+    """Run the whole training of this rank as ``plan`` says (setup, train, cleanup)."""
+    trainer = Trainer(loaded, plan, ctx, measure_memory=measure_memory, resume=resume)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.cleanup()
+

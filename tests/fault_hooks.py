@@ -1,0 +1,54 @@
+"""Fault injection for the tests, installed in every run of the suite through $FINETUNE_HOOKS (conftest.py).
+
+Each fault is switched on by an environment variable, so a test asks for it per run (also in the worker
+processes torch.distributed.run starts):
+  FINETUNE_FAIL_RANK=R, FINETUNE_FAIL_AT_STEP=S  rank R raises InjectedFailure when step S starts
+  FINETUNE_TEST_NAN_AT_STEP="3,5"                 those steps' loss and gradients become NaN
+  FINETUNE_TEST_KILL_AT_STEP="R:S"                rank R SIGKILLs itself in step S (first torchrun attempt only)
+  FINETUNE_TEST_STEP_SLEEP=SECONDS                sleep after every step (so a test can signal a run mid-way)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from finetune.train.hooks import TrainerHooks
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the failure hook."""
+
+
+class FaultHooks(TrainerHooks):
+    """The faults the environment asks for (see the module docstring)."""
+
+    def before_step(self, step: int, rank: int) -> None:
+        """Raise on the asked rank and step."""
+        fail_rank, at = os.environ.get("FINETUNE_FAIL_RANK"), os.environ.get("FINETUNE_FAIL_AT_STEP")
+        if fail_rank is not None and at is not None and int(fail_rank) == rank and int(at) == step:
+            raise InjectedFailure(f"injected failure at step {step} (FINETUNE_FAIL_RANK={fail_rank})")
+
+    def after_backward(self, step: int, params: list[torch.Tensor], loss_sum: torch.Tensor) -> torch.Tensor:
+        """SIGKILL or NaN as asked."""
+        kill = os.environ.get("FINETUNE_TEST_KILL_AT_STEP")
+        if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+            rank, _, at = kill.partition(":")
+            if int(rank) == int(os.environ.get("RANK", "0")) and int(at) == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+        nan_steps = os.environ.get("FINETUNE_TEST_NAN_AT_STEP")
+        if nan_steps and step in {int(s) for s in nan_steps.split(",") if s.strip()}:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+            return loss_sum * float("nan")
+        return loss_sum
+
+    def after_step(self, step: int) -> None:
+        """Sleep as asked."""
+        delay = os.environ.get("FINETUNE_TEST_STEP_SLEEP")
+        if delay:
+            time.sleep(float(delay))
