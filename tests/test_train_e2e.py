@@ -126,3 +126,26 @@ def test_logged_tokens_are_the_real_tokens_not_padding(tmp_path: Path, packing: 
         expected.append(real)
     assert logged == expected
     assert padded > real  # the micro-batches do carry padding that must not be counted
+
+
+def test_relative_glob_from_another_directory_validates_and_runs(tmp_path: Path) -> None:
+    """The recipe lives in one directory, the data under the current one: `validate` and `run` resolve the
+    relative glob the same way (once, in finetune.locate), so a recipe that validates also runs."""
+    import shutil
+
+    from tests.conftest import RECIPES
+
+    here = tmp_path / "work"
+    (here / "data").mkdir(parents=True)
+    shutil.copy(RECIPES / "data/reverse/train.jsonl", here / "data" / "part-1.jsonl")
+    recipe = tiny_recipe(tmp_path / "out", train={"max_steps": 1, "global_batch_size": 4, "micro_batch_size": 4})
+    recipe["data"] = {"train": "data/*.jsonl", "max_seq_len": 48}
+    recipe["eval"] = {"at_start": False, "max_samples": 4, "max_new_tokens": 2}
+    path = write_recipe((tmp_path / "recipes").mkdir() or tmp_path / "recipes" / "r.yaml", recipe)
+    for command in ("validate", "run"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "finetune", command, str(path)], capture_output=True, text=True, cwd=here, timeout=600
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved = (tmp_path / "out" / "recipe.yaml").read_text()
+    assert str(here / "data" / "*.jsonl") in saved  # the glob that matched, made absolute
