@@ -99,7 +99,7 @@ def test_no_import_cycles() -> None:
             if dep not in g:
                 continue
             if state.get(dep) == 1:
-                cycles.append(stack[stack.index(dep) :] + [dep])
+                cycles.append([*stack[stack.index(dep) :], dep])
             elif dep not in state:
                 visit(dep)
         stack.pop()
