@@ -6,6 +6,7 @@ processes torch.distributed.run starts):
   FINETUNE_TEST_NAN_AT_STEP="3,5"                 those steps' loss and gradients become NaN
   FINETUNE_TEST_KILL_AT_STEP="R:S"                rank R SIGKILLs itself in step S (first torchrun attempt only)
   FINETUNE_TEST_STEP_SLEEP=SECONDS                sleep after every step (so a test can signal a run mid-way)
+  FINETUNE_TEST_CHECKPOINT_SLEEP="STEP:SECONDS"   stall the checkpoint of STEP half-written (tensors, no meta.json)
 """
 
 from __future__ import annotations
@@ -52,3 +53,14 @@ class FaultHooks(TrainerHooks):
         delay = os.environ.get("FINETUNE_TEST_STEP_SLEEP")
         if delay:
             time.sleep(float(delay))
+
+    def checkpoint_half_written(self, step: int) -> None:
+        """Stall as asked."""
+        spec = os.environ.get(CHECKPOINT_SLEEP)
+        if spec:
+            at, _, seconds = spec.partition(":")
+            if int(at) == step:
+                time.sleep(float(seconds))
+
+
+CHECKPOINT_SLEEP = "FINETUNE_TEST_CHECKPOINT_SLEEP"

@@ -26,6 +26,7 @@ from finetune.cli import app
 from finetune.launch import LaunchOptions, launch
 from finetune.train import checkpoint as ck
 from tests.conftest import RECIPES, tiny_recipe, write_recipe
+from tests.fault_hooks import CHECKPOINT_SLEEP
 
 STEPS = 8
 
@@ -139,7 +140,7 @@ def test_sigkill_sigterm_and_a_killed_write_then_resume(reference: dict, tmp_pat
     assert f"resume with: finetune run {recipe} --resume" in stdout
 
     next_save = 6 if k < 6 else STEPS
-    c = _spawn(recipe, "--resume", "latest", env={ck.SLEEP_HOOK: f"{next_save}:60"})  # that write stalls
+    c = _spawn(recipe, "--resume", "latest", env={CHECKPOINT_SLEEP: f"{next_save}:60"})  # that write stalls
     root = ck.checkpoints_dir(out)
     _wait_for(lambda: any((p / "trainer.pt").exists() for p in root.glob(f".tmp-step-{next_save}-*")), c)
     c.kill()

@@ -33,6 +33,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -389,8 +390,11 @@ def save_checkpoint(
     recipe_yaml: str,
     plan: dict[str, Any],
     keep: int,
+    half_written: Callable[[int], None] | None = None,
 ) -> Path:
     """Write ``checkpoints/step-N`` atomically (rank 0 writes; every rank must call), prune to ``keep``.
+
+    ``half_written(step)`` runs once the tensors are on disk and before meta.json and the rename (a hook).
 
     Returns the checkpoint's path (on every rank).
     """
@@ -421,6 +425,8 @@ def save_checkpoint(
         torch.save(trainer, tmp / "trainer.pt")
         (tmp / "recipe.yaml").write_text(recipe_yaml)
         (tmp / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+        if half_written is not None:
+            half_written(snap.step)
         meta = {
             "format": FORMAT_VERSION,
             "step": snap.step,

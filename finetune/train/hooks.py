@@ -33,6 +33,9 @@ class TrainerHooks:
     def after_step(self, step: int) -> None:
         """Optimizer step ``step`` is done (logged and evaluated; not yet checkpointed)."""
 
+    def checkpoint_half_written(self, step: int) -> None:
+        """Rank 0 has written the checkpoint of ``step``'s tensors, not yet its meta.json nor the rename."""
+
 
 def load_hooks() -> TrainerHooks:
     """The hooks ``$FINETUNE_HOOKS`` names, or the no-op ones."""

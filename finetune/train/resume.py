@@ -97,6 +97,7 @@ class RunCheckpoints:
     scaler: Any
     total_steps: int
     say: Any  # Reporter.print
+    half_written: Callable[[int], None] | None = None  # TrainerHooks.checkpoint_half_written
     last_saved: Path | None = None
     last_saved_step: int = -1
     save_seconds: list[float] = field(default_factory=list)
@@ -189,7 +190,7 @@ class RunCheckpoints:
         r = self.loaded.recipe
         path = ck.save_checkpoint(
             self.out_dir, snap, identity=identity_for(self.loaded, self.plan), recipe_yaml=recipe_to_yaml(r),
-            plan=self.plan.to_dict(), keep=r.output.keep, **self._kwargs(),
+            plan=self.plan.to_dict(), keep=r.output.keep, half_written=self.half_written, **self._kwargs(),
         )
         self.last_saved, self.last_saved_step = path, state.step
         self.save_seconds.append(time.perf_counter() - started)

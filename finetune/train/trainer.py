@@ -118,7 +118,7 @@ class Trainer:
         )
         self.checkpoints = RunCheckpoints(
             self.loaded, self.plan, ctx, self.stream, self.model, unwrap(self.model), self.optimizer,
-            self.scheduler, self.scaler, self.total, self.reporter.plain,
+            self.scheduler, self.scaler, self.total, self.reporter.plain, self.hooks.checkpoint_half_written,
         )
         self.checkpoints.start(self.state, self.resume)
         self.on_nonfinite = nonfinite_policy(self.loaded, chosen.precision)
