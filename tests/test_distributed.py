@@ -165,9 +165,10 @@ def test_lora_under_fsdp_parity(runs: Runs) -> None:
     assert not (dist / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
 def test_qlora_parity(runs: Runs, strategy: str) -> None:
-    """QLoRA under ddp, and under fsdp, where the 4-bit weights themselves are sharded and all-gathered."""
+    """QLoRA under ddp, and under zero2 and fsdp, where the 4-bit weights themselves are sharded and
+    all-gathered (one storage rule for every FSDP2 strategy: the execution spec's)."""
     single, _ = runs.get("qlora", "single", 1)
     dist, _ = runs.get("qlora", strategy, 2)
     losses = [r["loss"] for r in step_rows(dist)]
