@@ -103,7 +103,7 @@ def build_plan(opts: PlanOptions) -> Plan:
     from finetune.locate import resolve_model_config
     from finetune.plan.flowchart import Request, make_plan, request_from_recipe
     from finetune.plan.hardware import detect_hardware
-    from finetune.recipe import RecipeError, load_recipe
+    from finetune.recipe import load_recipe
 
     hw_section: Any = None
     if opts.recipe:
@@ -152,10 +152,7 @@ def build_plan(opts: PlanOptions) -> Plan:
         note = "No GPU is visible: planning for 80 GiB GPUs with bf16 (set --gpus/--gpu-memory/--gpu-type)."
     else:
         note = ""
-    try:
-        plan = make_plan(req, hw)
-    except RecipeError:
-        raise
+    plan = make_plan(req, hw)
     if note:
         plan.walk.insert(0, note)
     return plan

@@ -172,7 +172,7 @@ def memory_probe(enabled: bool, ctx: DistContext, model: torch.nn.Module, optimi
     """A probe of the first two optimizer steps' peak memory (CUDA always; CPU with --measure-memory)."""
     if not (enabled or ctx.device.type == "cuda"):
         return contextlib.nullcontext()
-    return PeakMemory(ctx.device.type, enabled=True, modules=(model,), optimizer=optimizer)
+    return PeakMemory(ctx.device.type, modules=(model,), optimizer=optimizer)
 
 
 def report_memory(

@@ -6,7 +6,7 @@ optimizer state, activations, temporaries), which is what the planner predicts w
 
 Usage (the trainer wraps its first optimizer steps; entering several times keeps the maximum)::
 
-    peak = PeakMemory(device, enabled=True, modules=(model,), optimizer=opt)
+    peak = PeakMemory(device, modules=(model,), optimizer=opt)
     for step in ...:
         with peak if step < 2 else contextlib.nullcontext():
             ...  # forward + backward of every micro-batch, optimizer.step(), zero_grad()
@@ -44,7 +44,6 @@ class PeakMemory:
     def __init__(
         self,
         device: str,
-        enabled: bool = True,
         modules: tuple[Any, ...] = (),
         optimizer: Any = None,
         tensors: tuple[Any, ...] = (),
@@ -52,7 +51,6 @@ class PeakMemory:
         """``device``: "cuda" or "cpu"; ``modules``/``optimizer``/``tensors``: objects created before the
         block whose tensors count (needed on CPU, where MemTracker only sees what it is told about)."""
         self.device = str(device).split(":")[0]
-        self.enabled = enabled
         self.modules = tuple(m for m in modules if m is not None)
         self.optimizer = optimizer
         self.tensors = tuple(tensors)
@@ -64,8 +62,6 @@ class PeakMemory:
 
     # -- context manager ------------------------------------------------------------------------------
     def __enter__(self) -> PeakMemory:
-        if not self.enabled:
-            return self
         import torch
 
         self.steps += 1
@@ -93,8 +89,6 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if not self.enabled:
-            return
         import torch
 
         if self.device == "cuda":
