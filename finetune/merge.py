@@ -55,6 +55,8 @@ MODEL_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+#: Written into every merged directory: what was merged, and the mark that lets ``--force`` replace it.
+MERGE_MARKER = "finetune_merge.json"
 TOKENIZER_FILES = tuple(f for f in MODEL_FILES if f != "generation_config.json")
 DTYPE_FLAGS = {k: v for k, v in DTYPE_NAMES.items() if k != "bf16-pure"}  # what --dtype accepts
 _LORA_PART = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.(?P<leaf>weight|bias))?$")
@@ -384,6 +386,35 @@ def _write_shards(
     return weight_map, total
 
 
+def _check_out_apart(out: Path, inp: Path, what: str) -> None:
+    """Refuse an ``--out`` that is, contains or lies inside an input: replacing it would delete the input."""
+    o, i = out.resolve(), inp.resolve()
+    for relation, overlaps in (
+        ("is", o == i),
+        ("contains", i.is_relative_to(o)),
+        ("lies inside", o.is_relative_to(i)),
+    ):
+        if overlaps:
+            raise UserError(
+                f"--out {out} {relation} {what} {inp}, an input of the merge; choose a directory outside it"
+            )
+
+
+def _check_replaceable(out: Path) -> None:
+    """``--force`` replaces only what merge itself wrote (its marker file) or an empty directory."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise UserError(
+            f"--out {out} exists and is not a directory; remove it yourself or choose another path"
+        )
+    if any(out.iterdir()) and not (out / MERGE_MARKER).is_file():
+        raise UserError(
+            f"--out {out} is not empty and was not written by finetune merge (no {MERGE_MARKER}); "
+            "--force only replaces an earlier merge: remove it yourself or choose another directory"
+        )
+
+
 def merge(
     run_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -395,7 +426,9 @@ def merge(
     """Fold the adapter of ``run_dir`` into its base and write a Hugging Face model directory at ``out``.
 
     ``dtype`` (bf16, fp16, fp32) converts every floating tensor; by default each keeps the base's dtype.
-    ``base`` overrides where the base model is found. ``force`` replaces an existing ``out``.
+    ``base`` overrides where the base model is found. ``force`` replaces an existing ``out`` when it is empty
+    or an earlier merge (it holds ``finetune_merge.json``); an ``out`` that is, contains or lies inside the
+    adapter or the base directory is always refused.
     ``into_dequantized`` (QLoRA runs) folds into the NF4-dequantized weights the run trained against.
     Raises :class:`UserError` on bad input before anything is written.
     """
@@ -416,12 +449,12 @@ def _merge(
         raise UserError(f"--dtype {dtype} is not one of bf16, fp16, fp32")
     if out_path.exists() and not force:
         raise UserError(f"--out {out_path} already exists; pass --force to replace it")
+    _check_out_apart(out_path, run, "the adapter directory")
     adapter_config, adapter = _read_adapter(run)
     recipe = _read_run_recipe(run)
     base_dir = find_base(run, recipe, adapter_config, base, scratch)
-    for inp in (run, base_dir):
-        if out_path.exists() and out_path.resolve() == inp.resolve():
-            raise UserError(f"--out {out_path} is an input of the merge; choose another directory")
+    _check_out_apart(out_path, base_dir, "the base model")
+    _check_replaceable(out_path)
     trust = bool(((recipe or {}).get("model") or {}).get("trust_remote_code", False))
     deltas, replacements = _deltas(adapter_config, adapter)
 
@@ -546,6 +579,13 @@ def _merge(
             src = run / name if name in TOKENIZER_FILES and (run / name).is_file() else base_dir / name
             if src.is_file():
                 shutil.copyfile(src, tmp / name)
+        marker = {
+            "adapter": str(run.resolve()),
+            "base": str(base_dir.resolve()),
+            "dtype": dtype or "as base",
+            "into_dequantized": into_dequantized,
+        }
+        (tmp / MERGE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if out_path.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.old-", dir=out_path.parent))
             out_path.rename(trash / "old")

@@ -229,6 +229,7 @@ def test_shape_mismatch(tmp_path: Path) -> None:
 
 
 def test_existing_out_needs_force(tmp_path: Path) -> None:
+    """--force replaces an empty directory or an earlier merge, never a directory finetune did not write."""
     base, adapter, _ = make_run(tmp_path, "llama", ["q_proj"])
     out_dir = tmp_path / "merged"
     out_dir.mkdir()
@@ -240,7 +241,45 @@ def test_existing_out_needs_force(tmp_path: Path) -> None:
     assert_nothing_written(tmp_path, before)
     assert (out_dir / "keep.txt").read_text() == "mine"
     code, out = run_cli(str(adapter), "--out", str(out_dir), "--base", str(base), "--force")
+    assert code == 2
+    assert out.strip() == (
+        f"error: --out {out_dir} is not empty and was not written by finetune merge (no finetune_merge.json); "
+        "--force only replaces an earlier merge: remove it yourself or choose another directory"
+    )
+    assert (out_dir / "keep.txt").read_text() == "mine"
+    (out_dir / "keep.txt").unlink()
+    # an empty directory is replaced
+    code, out = run_cli(str(adapter), "--out", str(out_dir), "--base", str(base), "--force")
+    assert code == 0, out
+    assert (out_dir / "finetune_merge.json").is_file() and (out_dir / "model.safetensors").is_file()
+    # and so is an earlier merge
+    code, out = run_cli(str(adapter), "--out", str(out_dir), "--base", str(base), "--force")
     assert code == 0, out
     assert "merged 2 adapted modules" in out
-    assert not (out_dir / "keep.txt").exists() and (out_dir / "model.safetensors").is_file()
+    assert (out_dir / "model.safetensors").is_file()
     assert_nothing_written(tmp_path, before)  # no temporary directories left beside --out
+
+
+@pytest.mark.parametrize("where", ["parent-of-run", "run", "inside-run", "parent-of-base", "inside-base"])
+def test_out_overlapping_an_input_is_refused_even_with_force(tmp_path: Path, where: str) -> None:
+    """`merge runs/x --out runs --force` once renamed runs/ away and removed it, the run with it."""
+    base, adapter, _ = make_run(tmp_path / "work", "llama", ["q_proj"])
+    (tmp_path / "models").mkdir()
+    base = base.rename(tmp_path / "models" / base.name)  # apart from the adapter, so each check shows alone
+    out_dir = {
+        "parent-of-run": adapter.parent,
+        "run": adapter,
+        "inside-run": adapter / "merged",
+        "parent-of-base": base.parent,
+        "inside-base": base / "merged",
+    }[where]
+    what = "the adapter directory" if "run" in where else "the base model"
+    inp = adapter if "run" in where else base
+    files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code, out = run_cli(str(adapter), "--out", str(out_dir), "--base", str(base), "--force")
+    assert code == 2, out
+    relation = {"parent": "contains", "run": "is", "inside": "lies inside"}[where.split("-")[0]]
+    assert out.strip() == (
+        f"error: --out {out_dir} {relation} {what} {inp}, an input of the merge; choose a directory outside it"
+    )
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == files
