@@ -83,13 +83,20 @@ def run(
     measure_memory: Annotated[
         bool, typer.Option(help="On CPU, measure peak tensor memory (MemTracker) to compare with the plan.")
     ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Start over in an output.dir that holds an earlier run, removing its checkpoints, metrics and model.",
+        ),
+    ] = False,
 ) -> None:
     """Plan, launch and train: one process, or many through torch.distributed."""
     from finetune.launch import LaunchOptions, launch
 
     options = LaunchOptions(
         nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
-        resume=resume, measure_memory=measure_memory,
+        resume=resume, measure_memory=measure_memory, overwrite=overwrite,
     )
     try:
         code = launch(recipe, set_ or [], options)

@@ -25,6 +25,7 @@ class LaunchOptions:
     max_restarts: int = 0
     resume: str | None = None  # ``latest`` or a checkpoint directory
     measure_memory: bool = False  # measure the peak on CPU too (MemTracker)
+    overwrite: bool = False  # replace an earlier run in output.dir (without it or resume, such a run is refused)
 
 
 def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
@@ -75,7 +76,7 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
         from finetune.train.outputs import write_run_files
         from finetune.train.resume import preflight_resume
 
-        resume = preflight_resume(loaded, plan, resume)  # the checkpoint path; a mismatch is a UserError
+        resume = preflight_resume(loaded, plan, resume, options.overwrite)  # the checkpoint path; a mismatch is a UserError
         write_run_files(loaded, plan.to_dict())
     if nproc * nnodes == 1:
         from finetune.train.trainer import train_rank

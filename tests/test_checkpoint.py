@@ -63,7 +63,13 @@ def test_fresh_start_refuses_an_unfinished_run(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"holds an unfinished run \(newest checkpoint step-4\); continue it with --resume"):
         ck.check_fresh_start(out)
     _fake_checkpoint(out, "step-10", {"step": 10, "final": True})
-    ck.check_fresh_start(out)  # a finished run may be started over
+    with pytest.raises(UserError, match=r"holds a finished run \(newest checkpoint step-10\); .* --overwrite"):
+        ck.check_fresh_start(out)  # starting over would destroy it: --overwrite says so
+    (out / "model.safetensors").write_text("")
+    (out / "notes.txt").write_text("mine")
+    ck.clear_run(out)
+    ck.check_fresh_start(out)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "notes.txt"]  # only what a run writes
 
 
 def test_resume_must_match_method_model_and_world_size(tmp_path: Path) -> None:

@@ -236,3 +236,50 @@ def test_preflight_errors_are_one_line_exit_2(reference: dict, tmp_path: Path) -
         lines = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
         assert res.exit_code == 2 and len(lines) == 1 and message in lines[0], (args, res.output)
     assert not ck.list_checkpoints(tmp_path / "pre")  # nothing was trained
+
+
+def test_fresh_run_over_an_earlier_run_is_refused_unless_overwrite(tmp_path: Path) -> None:
+    """A fresh run into a finished run's output.dir once cleared its checkpoints and appended to its
+    metrics.jsonl (keeping the old step-0 evaluation beside the new one)."""
+    out = tmp_path / "run"
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        tiny_recipe(out, train={"max_steps": 2}, eval={"max_samples": 4, "max_new_tokens": 2, "batch_size": 4}),
+    )
+    runner = CliRunner()
+    res = runner.invoke(app, ["run", str(recipe)])
+    assert res.exit_code == 0, res.output
+    metrics = (out / "metrics.jsonl").read_text()
+    checkpoints = [p.name for _, p in ck.list_checkpoints(out)]
+    assert checkpoints  # the final checkpoint: what a silent fresh start used to delete
+
+    res = runner.invoke(app, ["run", str(recipe)])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == (
+        f"error: output.dir: {out} holds a finished run (newest checkpoint {checkpoints[-1]}); continue it "
+        "with --resume, replace it with --overwrite, or choose another output.dir"
+    )
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert [p.name for _, p in ck.list_checkpoints(out)] == checkpoints
+
+    res = runner.invoke(app, ["run", str(recipe), "--overwrite"])
+    assert res.exit_code == 0, res.output
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 2]  # one evaluation before training, two steps, the final evaluation: a clean file
+
+    res = runner.invoke(app, ["run", str(recipe), "--overwrite", "--resume", "latest"])
+    assert res.exit_code == 2 and "error: --overwrite starts over and --resume continues" in res.output
+
+
+def test_fresh_run_over_metrics_without_checkpoints_is_refused(tmp_path: Path) -> None:
+    """A run killed before its first checkpoint leaves metrics.jsonl only: nothing to resume, so --overwrite."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval_loss": 5.0}\n')
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(out, train={"max_steps": 1}))
+    res = CliRunner().invoke(app, ["run", str(recipe)])
+    assert res.exit_code == 2
+    assert res.output.strip() == (
+        f"error: output.dir: {out} holds the metrics.jsonl of an earlier run (no checkpoint to resume); "
+        "replace it with --overwrite, or choose another output.dir"
+    )

@@ -44,6 +44,17 @@ if TYPE_CHECKING:  # torch is imported where it is used: finding and checking ch
     import torch
 
 CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+#: What a run writes at the top of output.dir besides checkpoints/ and base/ (``--overwrite`` removes them).
+RUN_FILES = (
+    METRICS,
+    "recipe.yaml",
+    "plan.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+)
 META = "meta.json"
 FORMAT_VERSION = 1
 
@@ -160,16 +171,33 @@ def _show(v: Any) -> str:
 
 
 def check_fresh_start(out_dir: str | os.PathLike[str]) -> None:
-    """Refuse to start from scratch over an unfinished run's checkpoints (``--resume`` was probably meant)."""
+    """Refuse to start from scratch over an earlier run (its checkpoints or metrics.jsonl) in ``out_dir``:
+    a fresh start would destroy it. ``--resume`` continues it, ``--overwrite`` (:func:`clear_run`) replaces it."""
     newest = latest_checkpoint(out_dir)
-    if newest is None:
-        return
-    meta = read_meta(newest)
-    if not meta.get("final"):
+    if newest is not None:
+        state = "a finished" if read_meta(newest).get("final") else "an unfinished"
         raise UserError(
-            f"output.dir: {out_dir} holds an unfinished run (newest checkpoint {newest.name}); continue it with "
-            f"--resume, or delete {checkpoints_dir(out_dir)} (or choose another output.dir) to start over"
+            f"output.dir: {out_dir} holds {state} run (newest checkpoint {newest.name}); continue it with "
+            "--resume, replace it with --overwrite, or choose another output.dir"
         )
+    if (Path(out_dir) / METRICS).is_file():
+        raise UserError(
+            f"output.dir: {out_dir} holds the {METRICS} of an earlier run (no checkpoint to resume); "
+            "replace it with --overwrite, or choose another output.dir"
+        )
+
+
+def clear_run(out_dir: str | os.PathLike[str]) -> None:
+    """``--overwrite``: remove what an earlier run left in ``out_dir`` (checkpoints, metrics, saved model or
+    adapter), so nothing of it mixes with the new run. Only names finetune writes are touched."""
+    out = Path(out_dir)
+    clear_checkpoints(out)
+    if out.is_dir():
+        for p in out.iterdir():
+            if p.name in RUN_FILES or (p.name.startswith("model-") and p.name.endswith(".safetensors")):
+                p.unlink(missing_ok=True)
+        if (out / "base").is_dir() and (out / "base" / "config.json").is_file():
+            shutil.rmtree(out / "base", ignore_errors=True)
 
 
 def clear_checkpoints(out_dir: str | os.PathLike[str]) -> int:

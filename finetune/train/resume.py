@@ -47,12 +47,17 @@ def identity_for(loaded: LoadedRecipe, plan: Plan) -> dict[str, Any]:
     return ck.run_identity(c.method, loaded.recipe.model.path, c.world_size, c.strategy, loaded.recipe)
 
 
-def preflight_resume(loaded: LoadedRecipe, plan: Plan, resume: str | None) -> str | None:
+def preflight_resume(loaded: LoadedRecipe, plan: Plan, resume: str | None, overwrite: bool = False) -> str | None:
     """Before launching: resolve ``--resume`` to a checkpoint directory and check that it fits the recipe.
 
-    Without ``--resume``, refuse to start over an unfinished run's checkpoints. Returns the path (or None).
+    Without ``--resume``, refuse to start over an earlier run in output.dir unless ``overwrite``, which
+    removes it. Returns the path (or None).
     """
     out_dir = Path(loaded.recipe.output.dir)
+    if resume is not None and overwrite:
+        raise UserError("--overwrite starts over and --resume continues; pass one of them")
+    if overwrite:
+        ck.clear_run(out_dir)
     if resume is None:
         ck.check_fresh_start(out_dir)
         return None
@@ -132,10 +137,10 @@ class RunCheckpoints:
             if not restarted:
                 ck.check_fresh_start(out)
             if self.ctx.is_main:
-                removed = ck.clear_checkpoints(out)
-                if removed:
-                    self.say(f"starting over: removed {removed} checkpoint(s) of the finished run in {out}")
-                ck.truncate_metrics(metrics, 0)
+                # An earlier run here was refused or removed (--overwrite) before launch; what is left is a
+                # failed first attempt of this run (torchrun restarted it before any checkpoint).
+                ck.clear_checkpoints(out)
+                metrics.unlink(missing_ok=True)
             self.ctx.barrier()
             return
         path = ck.resolve_resume(resume, out)
