@@ -9,6 +9,7 @@ This module imports no torch/transformers: ``finetune validate`` and ``--help`` 
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from dataclasses import dataclass, field
@@ -497,6 +498,20 @@ def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None
     if problems:
         raise RecipeError(problems)
     return resolve_inputs(LoadedRecipe(recipe, p.resolve(), lines, overrides))
+
+
+def recipe_with_overrides(raw: dict[str, Any], overrides: list[str]) -> LoadedRecipe:
+    """A recipe built in memory (``finetune plan --model``) with ``--set`` overrides applied and checked
+    exactly as for a recipe file; raise :class:`RecipeError` listing every problem."""
+    raw = copy.deepcopy(raw)
+    problems = apply_overrides(raw, overrides)
+    try:
+        recipe = _validate(raw, None, {}, overrides)
+    except RecipeError as exc:
+        raise RecipeError(problems + exc.problems) from None
+    if problems:
+        raise RecipeError(problems)
+    return resolve_inputs(LoadedRecipe(recipe, None, {}, list(overrides)))
 
 
 def recipe_from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> LoadedRecipe:

@@ -104,3 +104,36 @@ def test_bad_flags_get_one_sentence(flags, message):
     assert out.exit_code == 2, out.output
     assert f"error: {message}" in " ".join(out.output.split()), out.output
     assert "Traceback" not in out.output
+
+
+def test_model_flag_applies_every_set_as_a_recipe_does(tmp_path, monkeypatch):
+    """`plan --model M --set train.activation_checkpointing=true` once planned with checkpointing off: the
+    overrides were dropped without a recipe file. They now apply (and are checked) as in a recipe."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    runner = CliRunner()
+    flags = ["--method", "lora", "--seq-len", "64", "--micro-batch-size", "2", "--global-batch-size", "2"]
+    sets = ["--set", "train.activation_checkpointing=true", "--set", "lora.r=4"]
+    by_model = runner.invoke(app, ["plan", "--model", "tiny-llama", *flags, *sets, "--gpus", "1", "--json"])
+    assert by_model.exit_code == 0, by_model.output
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"path": "tiny-llama"}, "method": "lora", "lora": {"r": 4},
+        "data": {"train": "unused.jsonl", "max_seq_len": 64, "packing": True},
+        "train": {"micro_batch_size": 2, "global_batch_size": 2, "activation_checkpointing": True},
+    }))
+    by_recipe = runner.invoke(app, ["plan", str(recipe), "--gpus", "1", "--json"])
+    assert by_recipe.exit_code == 0, by_recipe.output
+    model_plan, recipe_plan = json.loads(by_model.stdout), json.loads(by_recipe.stdout)
+    assert model_plan["chosen"]["activation_checkpointing"] is True
+    assert model_plan["chosen"] == recipe_plan["chosen"]
+    assert model_plan["model"]["trainable"] == recipe_plan["model"]["trainable"]  # lora.r=4 applied
+    bad = runner.invoke(app, ["plan", "--model", "tiny-llama", "--set", "train.activation_checkpointing=maybe"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+    assert "--set train.activation_checkpointing" in bad.output
+    bad = runner.invoke(app, ["plan", "--model", "tiny-llama", "--set", "train.checkpointing=true"])
+    assert bad.exit_code == 2 and "unknown key `checkpointing`" in bad.output

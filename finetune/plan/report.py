@@ -52,6 +52,13 @@ def without_bitsandbytes() -> Iterator[None]:
         del sys.modules["bitsandbytes"]
 
 
+#: What ``finetune plan --model`` plans when neither a flag nor a ``--set`` says otherwise.
+MODEL_ONLY_RECIPE: dict[str, Any] = {
+    "method": "auto",
+    "data": {"train": "(none: planning only)", "packing": True},
+}
+
+
 # flag -> (recipe section class name, field): a flag is checked by the recipe key it stands for
 FLAG_FIELDS = {
     "method": ("Recipe", "method"),
@@ -101,20 +108,21 @@ def build_plan(opts: PlanOptions) -> Plan:
     """The plan for ``opts``: a recipe (with --set overrides and its hardware section) and/or flags."""
     check_flags(opts)
     from finetune.locate import resolve_model_config
-    from finetune.plan.flowchart import Request, make_plan, request_from_recipe
+    from finetune.plan.flowchart import make_plan, request_from_recipe
     from finetune.plan.hardware import detect_hardware
-    from finetune.recipe import load_recipe
+    from finetune.recipe import load_recipe, recipe_with_overrides
 
-    hw_section: Any = None
     if opts.recipe:
         loaded = load_recipe(opts.recipe, list(opts.overrides))
-        req = request_from_recipe(loaded)
-        hw_section = loaded.recipe.hardware
     elif opts.model:
-        config, source = resolve_model_config(opts.model)
-        req = Request(config=config, source=source, packed=True)
+        # A recipe with the defaults of a plan from flags alone; the --set overrides apply to it and are
+        # checked by the schema exactly as they are on a recipe file.
+        loaded = recipe_with_overrides(MODEL_ONLY_RECIPE | {"model": {"path": opts.model}}, list(opts.overrides))
     else:
         raise UserError("give a recipe file or --model NAME (e.g. --model llama-3.1-8b)")
+    req = request_from_recipe(loaded)
+    hw_section: Any = loaded.recipe.hardware
+    overridden = {o.split("=", 1)[0].strip() for o in opts.overrides}
     if opts.model and opts.recipe:
         config, source = resolve_model_config(opts.model)
         req = replace(req, config=config, source=source)
@@ -144,7 +152,7 @@ def build_plan(opts: PlanOptions) -> Plan:
     )
     if opts.global_batch_size is not None:
         req = replace(req, global_batch_size=opts.global_batch_size)
-    elif not opts.recipe:
+    elif not opts.recipe and "train.global_batch_size" not in overridden:
         req = replace(req, global_batch_size=max(8, hw.world))
     if hw.device == "cuda" and not hw.detected and opts.gpu_memory is None and opts.gpu_type is None and (
         hw_section is None or (hw_section.gpu_memory is None and hw_section.gpu_type is None)
