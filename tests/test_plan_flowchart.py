@@ -111,7 +111,10 @@ def test_pinned_choices_are_respected_and_checked():
     assert (c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, c.precision) == (
         "lora", "ddp", 2, True, "fp32")
     assert c.grad_accum_steps == 16 // (2 * 2)
-    assert any("Pinned by the recipe and checked: method, strategy" in s for s in plan.walk)
+    assert (
+        "Pinned by the recipe and checked: method, distributed.strategy, precision, train.micro_batch_size, "
+        "train.activation_checkpointing." in plan.walk
+    )
     small = make_plan(r, hw(1024**2))
     assert not small.chosen.fits and small.chosen.method == "lora" and small.chosen.strategy == "ddp"
     assert any("> 1.0 MiB" in s for s in small.walk)

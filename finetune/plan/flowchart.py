@@ -419,7 +419,7 @@ class _Planner:
             chosen = self.nothing_fits(tried)
         else:
             chosen = self.largest_micro_batch(chosen)
-            pinned = [k for k, v in (("method", self.req.method), ("strategy", self.req.strategy)) if v != "auto"]
+            pinned = self.pinned_keys()
             if pinned:
                 self.say(f"Pinned by the recipe and checked: {', '.join(pinned)}.")
         table = self.table()
@@ -441,6 +441,18 @@ class _Planner:
         model["param_bytes"] = sb.param_bytes
         model["param_bytes_by_dtype"] = self.inv.bytes_by_dtype(execution)
         return Plan(chosen=chosen, candidates=rows, walk=self.walk, hardware=hw, model=model, execution=execution)
+
+    def pinned_keys(self) -> list[str]:
+        """The recipe keys the walk took as given instead of choosing them (named as in the recipe)."""
+        r = self.req
+        given = (
+            ("method", r.method != "auto"),
+            ("distributed.strategy", r.strategy != "auto"),
+            ("precision", r.precision != "auto"),
+            ("train.micro_batch_size", r.micro_batch_size is not None),
+            ("train.activation_checkpointing", r.checkpointing is not None),
+        )
+        return [key for key, pinned in given if pinned]
 
     def checkpoint_size(self, method: str, sb: Any) -> int:
         """Bytes of one checkpoint of ``method``: the saved weights (all of them for full fine-tuning, the
