@@ -164,3 +164,21 @@ def test_qlora_bf16_keeps_the_frozen_base_in_bf16_and_trains(tmp_path: Path) -> 
         losses.append(loss.item())
     assert seen[0] == torch.bfloat16  # a decoder layer's output: the residual stream is not fp32
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.parametrize("storage", [None, torch.bfloat16], ids=["uint8-storage", "bf16-storage"])
+def test_qlora_parameter_count_is_the_unquantized_models(tmp_path: Path, storage: torch.dtype | None) -> None:
+    """The run header's counts: bitsandbytes packs two 4-bit codes per uint8 (four per bf16 element under
+    FSDP), so counting numel() gave about half the parameters and twice the trainable share."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.train.model import count_parameters
+
+    targets = ["q_proj", "v_proj"]
+    base = load_quantized(qlora_recipe(), TINY, candidate(), "cpu", tmp_path / "base", quant_storage=storage)
+    quantized = with_lora(base, targets)
+    plain = with_lora(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY)), targets)
+    expected = plain.get_nb_trainable_parameters()
+    assert expected == (28_672, 3_037_440 + 28_672)  # the tiny model and r=8 adapters on q (256->256), v (256->128)
+    assert count_parameters(quantized) == expected
+    assert count_parameters(quantized) == quantized.get_nb_trainable_parameters()

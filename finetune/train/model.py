@@ -143,9 +143,17 @@ def check_model_storage(model: torch.nn.Module, spec: ExecSpec, expected: dict[s
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    """(trainable, total) parameter counts, a 4-bit weight counted as the weights it stands for (as peft's
+    ``get_nb_trainable_parameters``)."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if type(p).__name__ == "Params4bit":
+            # bitsandbytes packs two 4-bit codes per byte of its storage dtype (uint8, or bf16 under FSDP)
+            n *= 2 * p.element_size()
+        total += n
+        if p.requires_grad:
+            trainable += n
     return trainable, total
 
 
