@@ -125,13 +125,20 @@ def torchrun_args(request_path: Path, options: LaunchOptions, run_id: str) -> li
     return [*args, "-m", "finetune.train.worker", str(request_path)]
 
 
+def rendezvous_id(rdzv_endpoint: str | None) -> str:
+    """The rendezvous id every node of a job derives alike: from the endpoint they all name, not from the
+    recipe (nodes whose recipes differ must meet, so that the workers can say how they differ)."""
+    import hashlib
+
+    return "finetune-" + hashlib.sha1(str(rdzv_endpoint or "local").encode()).hexdigest()[:12]
+
+
 def launch_workers(request: RunRequest, options: LaunchOptions) -> int:
     """Start this node's ``nproc`` workers through torch.distributed.run (its elastic agent, in this process).
 
     Returns 0 when every worker succeeded; a failed worker raises :class:`WorkerFailed` with the rank and its
     message, after the agent has stopped every other worker of the node.
     """
-    import hashlib
     import logging
     import tempfile
 
@@ -144,8 +151,7 @@ def launch_workers(request: RunRequest, options: LaunchOptions) -> int:
     from finetune.train.distributed import threads_per_process
 
     nproc, nnodes = options.nproc or 1, options.nnodes
-    # Every node of a job derives the same rendezvous id from the same recipe.
-    run_id = "finetune-" + hashlib.sha1(str(request.recipe["output"]["dir"]).encode()).hexdigest()[:12]
+    run_id = rendezvous_id(options.rdzv_endpoint)
     # torchrun would set one thread per process; a CPU run wants this node's cores shared out instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
     # The agent's own INFO/WARNING chatter (and its failure tables) would bury the one line we print.

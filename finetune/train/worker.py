@@ -103,6 +103,7 @@ def run_worker(request_path: str) -> None:
     _quiet_if_not_main(int(os.environ.get("RANK", 0)))
     _set_threads()
     from finetune.train.distributed import DistContext
+    from finetune.train.nodes import agree_with_node0
     from finetune.train.outputs import write_run_files
     from finetune.train.trainer import train_rank
 
@@ -110,10 +111,12 @@ def run_worker(request_path: str) -> None:
     loaded = request.loaded_recipe()
     ctx = DistContext.from_env()
     try:
+        # Every node planned on its own hardware; all of them run node 0's plan (and the same recipe).
+        plan_dict = agree_with_node0(request.recipe, request.plan, ctx)
         if ctx.is_main:  # c10d may put global rank 0 on any node: it writes the run files there
-            write_run_files(loaded, request.plan)
+            write_run_files(loaded, plan_dict)
         train_rank(
-            loaded, Plan.from_dict(request.plan), measure_memory=request.measure_memory, ctx=ctx,
+            loaded, Plan.from_dict(plan_dict), measure_memory=request.measure_memory, ctx=ctx,
             resume=request.resume,
         )
     finally:
