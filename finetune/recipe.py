@@ -193,7 +193,11 @@ class EvalConfig(Section):
     at_start: bool = Field(True, description="Also evaluate before the first step, to show what training changed.")
     max_new_tokens: int = Field(32, ge=1, description="Greedy generation length for exact match.")
     max_samples: Union[int, None] = Field(None, ge=1, description="Evaluate on at most this many eval rows.")
-    batch_size: int = Field(32, ge=1, description="Rows per eval forward pass.")
+    batch_size: Union[PositiveInt, Literal["auto"]] = Field(
+        "auto",
+        description="Rows per eval forward pass and per generation batch; auto: the largest (up to 64) whose "
+        "logits and KV cache fit beside the model states (the planner traces both).",
+    )
 
 
 class OutputConfig(Section):

@@ -356,13 +356,12 @@ def _save(path: Any, result: TraceResult) -> None:
         pass
 
 
-def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> TraceResult:
-    """One fake-tensor trace of a training micro-step; the peak of each window, in bytes."""
+def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any, Any, bool]:
+    """The model of ``spec`` with ``num_layers`` decoder layers on the meta device, set up as the trainer sets
+    it up (dtype, QLoRA's frozen base, LoRA adapters, FSDP2's compute dtype, checkpointing); returns
+    (model, the autocast dtype or None, whether the trainer runs it under autocast)."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
-
-    from finetune.loss import causal_lm_loss
 
     cfg = reduced_config(config, num_layers)
     compute = torch_dtype(spec.fsdp_compute_dtype) if spec.fsdp_compute_dtype else None
@@ -387,6 +386,17 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
                 prm.data = prm.data.to(compute)
     if spec.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, torch_dtype(spec.autocast_dtype) if autocast else None, autocast
+
+
+def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> TraceResult:
+    """One fake-tensor trace of a training micro-step; the peak of each window, in bytes."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from finetune.loss import causal_lm_loss
+
+    model, _compute, autocast = build_meta_model(config, spec, num_layers)
     with FakeTensorMode(allow_non_fake_inputs=True):
         _fakeify(model)
         ids = torch.zeros(batch, spec.seq_len, dtype=torch.long)

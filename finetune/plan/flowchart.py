@@ -53,6 +53,8 @@ class Request:
     quantization: Any = None  # the recipe's quantization section (qlora); None: its defaults
     attn_implementation: str = "sdpa"
     for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
+    eval_batch_size: int | None = None  # None: auto (the largest that fits)
+    eval_max_new_tokens: int = 32
 
 
 def request_from_recipe(loaded: LoadedRecipe) -> Request:
@@ -79,6 +81,8 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         model_dtype=r.model.dtype,
         quantization=r.quantization,
         attn_implementation=r.model.attn_implementation,
+        eval_batch_size=None if r.eval.batch_size == "auto" else int(r.eval.batch_size),
+        eval_max_new_tokens=r.eval.max_new_tokens,
     )
 
 
@@ -422,6 +426,8 @@ class _Planner:
             pinned = self.pinned_keys()
             if pinned:
                 self.say(f"Pinned by the recipe and checked: {', '.join(pinned)}.")
+        if chosen.fits:
+            self.plan_evaluation(chosen)
         table = self.table()
         self.explain_comm(chosen, table)
         key = (chosen.method, chosen.strategy, chosen.micro_batch_size, chosen.activation_checkpointing)
@@ -441,6 +447,42 @@ class _Planner:
         model["param_bytes"] = sb.param_bytes
         model["param_bytes_by_dtype"] = self.inv.bytes_by_dtype(execution)
         return Plan(chosen=chosen, candidates=rows, walk=self.walk, hardware=hw, model=model, execution=execution)
+
+    def plan_evaluation(self, c: Candidate) -> None:
+        """The evaluation's peak at eval.batch_size (or the largest batch that fits, for auto) on ``c``."""
+        from finetune.plan.evaluation import MAX_AUTO_EVAL_BATCH, eval_memory
+
+        world = 1 if c.strategy == "single" else self.world
+        execution = self.exec_spec(c.method, c.strategy, False, world)
+        spec = TraceSpec.of(
+            execution, seq_len=self.req.seq_len, packed=False, attn_implementation=self.req.attn_implementation,
+            lora=lora_key(self.lora),
+        )
+        setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, world, self.hw.device)
+        cap = self.hw.memory_bytes
+
+        def at(batch: int) -> tuple[int, Any]:
+            return eval_memory(self.inv, self.req.config, spec, str(c.strategy), setup, batch,
+                               self.req.eval_max_new_tokens)
+
+        pinned = self.req.eval_batch_size
+        if pinned is not None:
+            total, peak = at(pinned)
+        else:  # arithmetic on four cached traces: trying every batch costs nothing
+            batch = next((b for b in range(MAX_AUTO_EVAL_BATCH, 0, -1) if at(b)[0] <= cap), 1)
+            total, peak = at(batch)
+        c.eval_batch_size, c.eval_memory = peak.batch_size, total
+        how = "eval.batch_size" if pinned is not None else "eval.batch_size auto, the largest that fits"
+        text = (
+            f"Evaluation at {self.req.seq_len} tokens ({how}: {peak.batch_size}): {fmt_bytes(total)} per GPU "
+            f"(loss forward {fmt_bytes(peak.loss)}, generating {self.req.eval_max_new_tokens} tokens with a KV cache "
+            f"{fmt_bytes(peak.generation)}, beside the model states)"
+        )
+        if total > cap:
+            fix = "set eval.batch_size: auto" if pinned is not None and at(1)[0] <= cap else (
+                "lower eval.max_new_tokens or data.max_seq_len")
+            text += f" > {fmt_bytes(cap)}: the run would fail at its first evaluation; {fix}"
+        self.say(text + ".")
 
     def pinned_keys(self) -> list[str]:
         """The recipe keys the walk took as given instead of choosing them (named as in the recipe)."""

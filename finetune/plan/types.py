@@ -53,6 +53,8 @@ class Candidate:
     comm_seconds_per_step: float | None = None
     fits: bool = True
     note: str = ""  # e.g. "model states alone exceed the GPU (activations not traced)"
+    eval_batch_size: int = 0  # rows per evaluation batch (eval.batch_size, or the largest that fits); 0: not planned
+    eval_memory: int = 0  # predicted per-GPU peak of an evaluation at that batch (states + logits + KV cache)
 
     @property
     def world_size(self) -> int:

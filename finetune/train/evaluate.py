@@ -58,21 +58,27 @@ def eval_loss(
     return float(total / count) if count > 0 else None
 
 
-@torch.no_grad()
-def greedy_generate(
-    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_id: int, device: torch.device,
-    autocast: Any,
-) -> list[list[int]]:
-    """Greedy continuation of each prompt (left-padded batch, KV cache), ``max_new_tokens`` steps exactly."""
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of ``prompts`` left-padded to the longest."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    return ids, mask
+
+
+@torch.no_grad()
+def greedy_tokens(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, autocast: Any
+) -> torch.Tensor:
+    """The (B, max_new_tokens) greedy continuation of a left-padded batch, with a KV cache.
+
+    The planner traces this function (``finetune.plan.evaluation``) for the memory of generation.
+    """
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out_tokens = torch.empty((len(prompts), 0), dtype=torch.long, device=device)
+    out_tokens = torch.empty((ids.shape[0], 0), dtype=torch.long, device=ids.device)
     cache = None
     step_ids = ids
     step_pos = positions
@@ -81,10 +87,22 @@ def greedy_generate(
             out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache, use_cache=True)
         cache = out.cache
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        del out  # the prompt's (B, T, V) logits must not outlive the step that needs them
         out_tokens = torch.cat([out_tokens, nxt], dim=1)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
         step_ids = nxt
         step_pos = step_pos[:, -1:] + 1
+    return out_tokens
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_id: int, device: torch.device,
+    autocast: Any,
+) -> list[list[int]]:
+    """Greedy continuation of each prompt (left-padded batch, KV cache), ``max_new_tokens`` steps exactly."""
+    ids, mask = left_padded(prompts, pad_id)
+    out_tokens = greedy_tokens(model, ids.to(device), mask.to(device), max_new_tokens, autocast)
     result = []
     for row in out_tokens.tolist():
         result.append(row[: row.index(eos_id)] if eos_id in row else row)

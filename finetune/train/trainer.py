@@ -189,7 +189,7 @@ class Trainer:
             return None
         return evaluate(
             self.model, self.data.eval, self.data.eval_prompts, self.tokenizer, self.ctx,
-            batch_size=r.eval.batch_size, max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
+            batch_size=eval_batch_size(r, self.plan.chosen), max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
         )
 
     # -- the whole run ----------------------------------------------------------------------------------------
@@ -262,3 +262,9 @@ def train_rank(
     finally:
         trainer.cleanup()
 
+
+def eval_batch_size(recipe: Any, chosen: Any) -> int:
+    """eval.batch_size, or for auto the plan's largest batch that fits (32 for a plan made before evaluation
+    was planned)."""
+    b = recipe.eval.batch_size
+    return int(b) if b != "auto" else (chosen.eval_batch_size or 32)

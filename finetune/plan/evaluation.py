@@ -1,0 +1,165 @@
+"""Evaluation memory, traced like the training step: the eval loss forward and greedy generation.
+
+An evaluation runs between optimizer steps, with the parameters, the optimizer state and the strategy's
+buffers alive but no gradients, under ``torch.no_grad``: its activations are the forward's transients, the
+(B, T, V) logits of the loss, and for exact match the prompt's logits and the KV cache that grows by one
+token per generated token. Both are traced on fake tensors by running the trainer's own functions
+(``causal_lm_loss`` and ``finetune.train.evaluate.greedy_tokens``) on the model built as
+:mod:`finetune.plan.activations` builds it, at 1 and 2 decoder layers x eval batch 1 and 2, and extrapolated
+bilinearly (the cache grows linearly in both). Generation is traced for 2 and 3 new tokens: each decode step
+adds the same cache, so the peak of step N follows; the prompt's forward (prefill) is its own peak.
+
+The eval batch ``auto`` is the largest (up to :data:`MAX_AUTO_EVAL_BATCH`) whose peak fits beside the states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from finetune.plan.activations import TraceSpec, _attention_kernels, _disk_path, _fakeify, _window_tracker
+from finetune.plan.shapes import decoder_layer_names
+
+#: The largest eval batch ``eval.batch_size: auto`` picks (more rarely speeds up a small eval set).
+MAX_AUTO_EVAL_BATCH = 64
+EVAL_TRACE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EvalTrace:
+    """Peak bytes of non-parameter tensors during one evaluation, at one depth and batch."""
+
+    loss: int  # the eval-loss forward (logits of the whole batch and the loss's chunks)
+    prefill: int  # generation's first forward over the prompt
+    decode2: int  # the second generated token's step
+    decode3: int  # the third's: the difference is one token of KV cache
+
+
+@dataclass(frozen=True)
+class EvalPeak:
+    """The evaluation's activation peak at a batch size, split as the plan shows it."""
+
+    batch_size: int
+    loss: int
+    generation: int
+
+    @property
+    def activations(self) -> int:
+        """The larger of the two passes."""
+        return max(self.loss, self.generation)
+
+
+def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> EvalTrace:
+    """One fake-tensor trace of an evaluation at ``spec.seq_len`` tokens (eval rows and prompts)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from finetune.loss import causal_lm_loss
+    from finetune.plan.activations import build_meta_model
+    from finetune.train.evaluate import greedy_tokens
+
+    model, compute, autocast = build_meta_model(config, replace(spec, checkpointing=False), num_layers)
+    model.eval()
+
+    def ac() -> Any:
+        return torch.autocast("cpu", dtype=compute) if autocast else contextlib.nullcontext()
+
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        _fakeify(model)
+        layers = decoder_layer_names(model)
+        ids = torch.zeros(batch, spec.seq_len, dtype=torch.long)
+        mask = torch.ones_like(ids)
+        tracker = _window_tracker(type(model).__name__, layers, model)
+        with tracker, _attention_kernels(spec.attn_implementation), ac():
+            causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask})
+        loss = tracker.windows["head"].acts
+
+        # One peak per call of the model: prefill, then each decode step.
+        peaks: list[int] = []
+        tracker = _window_tracker(type(model).__name__, layers, model)
+
+        def next_call(_module: Any, _args: Any) -> None:
+            peaks.append(tracker.windows["head"].acts)  # the peak since the previous call (first: the setup)
+            tracker.windows["head"].acts = tracker.acts  # what is alive between calls starts the next peak
+
+        hook = model.register_forward_pre_hook(next_call)
+        try:
+            with tracker, _attention_kernels(spec.attn_implementation):
+                out = greedy_tokens(model, ids, mask, 3, ac)
+                del out
+        finally:
+            hook.remove()
+        peaks.append(tracker.windows["head"].acts)
+    _setup, prefill, decode2, decode3 = peaks
+    return EvalTrace(loss, prefill, decode2, decode3)
+
+
+_CACHE: dict[Any, EvalTrace] = {}
+
+
+def _traced(config: Any, spec: TraceSpec, layers: int, batch: int) -> EvalTrace:
+    key = (config.to_json_string(use_diff=False), spec, layers, batch, "eval", EVAL_TRACE_VERSION)
+    if key in _CACHE:
+        return _CACHE[key]
+    path = _disk_path(key)
+    found = None
+    if path is not None and path.is_file():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            found = EvalTrace(**json.loads(path.read_text()))
+    if found is None:
+        found = trace_eval(config, spec, layers, batch)
+        if path is not None:
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(asdict(found)))
+    _CACHE[key] = found
+    return found
+
+
+def eval_peak(config: Any, spec: TraceSpec, layers: int, batch: int, max_new_tokens: int) -> EvalPeak:
+    """The evaluation's activation peak of the ``layers``-layer model at eval batch ``batch`` generating
+    ``max_new_tokens`` tokens, from the four small traces (bilinear in depth and batch)."""
+    t = {(n, b): _traced(config, spec, n, b) for n in (1, 2) for b in (1, 2)}
+
+    def at(field: str) -> int:
+        v11, v21, v12, v22 = (getattr(t[k], field) for k in ((1, 1), (2, 1), (1, 2), (2, 2)))
+        dl, db = layers - 1, batch - 1
+        return max(0, int(v11 + dl * (v21 - v11) + db * (v12 - v11) + dl * db * (v22 - v21 - v12 + v11)))
+
+    decode2, decode3 = at("decode2"), at("decode3")
+    last_step = decode2 + max(0, max_new_tokens - 2) * max(0, decode3 - decode2)
+    generation = at("prefill") if max_new_tokens < 2 else max(at("prefill"), last_step)
+    return EvalPeak(batch, at("loss"), generation)
+
+
+def eval_memory(
+    inv: Any, config: Any, spec: TraceSpec, strategy: str, setup: Any, batch: int, max_new_tokens: int
+) -> tuple[int, EvalPeak]:
+    """Per-GPU bytes at an evaluation's peak on ``strategy``: parameters, AdamW state (evaluations after the
+    first step), the strategy's resident buffers, no gradients (set to None after each step), and the traced
+    activations; plus the CUDA context and allocator slack as for training. Returns (total, activations)."""
+    from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, unsharded_bytes
+    from finetune.spec import DTYPE_BYTES
+
+    sb = inv.storage(setup.spec)
+    n = max(1, setup.world) if strategy != "single" else 1
+    opt = 2 * sb.trainable * sb.param_dtype_bytes
+    if strategy in ("zero2", "fsdp"):
+        params, opt = -(-sb.param_bytes // n), -(-opt // n)
+        gathered = unsharded_bytes(inv, setup.spec)
+        root = unsharded_bytes(inv, setup.spec, root_only=True)
+        unit = unsharded_bytes(inv, setup.spec, block_only=True)
+        buffers = gathered if strategy == "zero2" else root + 2 * unit  # zero2 keeps units gathered
+    else:
+        params = sb.param_bytes
+        opt = opt if strategy != "zero1" else -(-opt // n)
+        buffers = sb.trainable * sb.param_dtype_bytes if strategy in ("ddp", "zero1") else 0  # DDP's buckets
+    peak = eval_peak(config, spec, inv.num_layers, batch, max_new_tokens)
+    acts = peak.activations
+    if spec.method == "qlora":  # bitsandbytes dequantizes one 4-bit weight at a time
+        acts += inv.largest_base_numel(quantizable_only=True) * DTYPE_BYTES[setup.spec.quant.compute_dtype]
+    tensors = params + opt + buffers + acts
+    overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * tensors) if setup.device == "cuda" else 0
+    return tensors + overhead, peak
