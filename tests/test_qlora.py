@@ -166,8 +166,9 @@ def test_qlora_bf16_keeps_the_frozen_base_in_bf16_and_trains(tmp_path: Path) -> 
     assert losses[-1] < 0.7 * losses[0], losses
 
 
-@pytest.mark.parametrize("storage", [None, torch.bfloat16], ids=["uint8-storage", "bf16-storage"])
-def test_qlora_parameter_count_is_the_unquantized_models(tmp_path: Path, storage: torch.dtype | None) -> None:
+@pytest.mark.parametrize(("precision", "strategy"), [("fp32", "single"), ("bf16", "fsdp")],
+                         ids=["uint8-storage", "bf16-storage"])
+def test_qlora_parameter_count_is_the_unquantized_models(tmp_path: Path, precision: str, strategy: str) -> None:
     """The run header's counts: bitsandbytes packs two 4-bit codes per uint8 (four per bf16 element under
     FSDP), so counting numel() gave about half the parameters and twice the trainable share."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -175,7 +176,9 @@ def test_qlora_parameter_count_is_the_unquantized_models(tmp_path: Path, storage
     from finetune.train.model import count_parameters
 
     targets = ["q_proj", "v_proj"]
-    base = load_quantized(qlora_recipe(), TINY, candidate(), "cpu", tmp_path / "base", quant_storage=storage)
+    base = load_quantized(qlora_recipe(), TINY, candidate(precision, strategy), "cpu", tmp_path / "base")
+    storage = {p.dtype for n, p in base.named_parameters() if "proj" in n and "weight" in n}
+    assert storage == {torch.uint8 if strategy == "single" else torch.bfloat16}  # the codes' storage dtype
     quantized = with_lora(base, targets)
     plain = with_lora(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY)), targets)
     expected = plain.get_nb_trainable_parameters()
