@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from finetune.generation import greedy_tokens
 from finetune.loss import causal_lm_loss
 from finetune.plan.activations import TraceSpec
 from finetune.plan.evaluation import eval_peak
 from finetune.plan.flowchart import Request, make_plan
 from finetune.plan.hardware import Hardware
-from finetune.train.evaluate import greedy_tokens
 from finetune.train.memory import PeakMemory
 
 from .conftest import TINY_MODEL

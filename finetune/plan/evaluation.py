@@ -4,7 +4,7 @@ An evaluation runs between optimizer steps, with the parameters, the optimizer s
 buffers alive but no gradients, under ``torch.no_grad``: its activations are the forward's transients, the
 (B, T, V) logits of the loss, and for exact match the prompt's logits and the KV cache that grows by one
 token per generated token. Both are traced on fake tensors by running the trainer's own functions
-(``causal_lm_loss`` and ``finetune.train.evaluate.greedy_tokens``) on the model built as
+(``causal_lm_loss`` and ``finetune.generation.greedy_tokens``) on the model built as
 :mod:`finetune.plan.activations` builds it, at 1 and 2 decoder layers x eval batch 1 and 2, and extrapolated
 bilinearly (the cache grows linearly in both). Generation is traced for 2 and 3 new tokens: each decode step
 adds the same cache, so the peak of step N follows; the prompt's forward (prefill) is its own peak.
@@ -56,9 +56,9 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from finetune.generation import greedy_tokens
     from finetune.loss import causal_lm_loss
     from finetune.plan.activations import build_meta_model
-    from finetune.train.evaluate import greedy_tokens
 
     model, compute, autocast = build_meta_model(config, replace(spec, checkpointing=False), num_layers)
     model.eval()
