@@ -36,6 +36,10 @@ def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
         raise RecipeError(problems)
     assert loaded.inputs is not None
     loaded.inputs.model.weights_dir()  # a planning-only catalog name fails here, before planning
+    if loaded.recipe.output.trackers:
+        from finetune.train.trackers import check_installed
+
+        check_installed(list(loaded.recipe.output.trackers))  # before any weights load, not after
     return loaded
 
 

@@ -205,6 +205,11 @@ class OutputConfig(Section):
     log_every: int = Field(10, ge=1, description="Write a metrics.jsonl line every N steps.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only the final save).")
     keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="Also log metrics.jsonl's rows, the recipe and the plan to these (rank 0; wandb offline and "
+        "MLflow in output.dir/mlruns unless WANDB_MODE / MLFLOW_TRACKING_URI say otherwise).",
+    )
 
 
 class HardwareConfig(Section):

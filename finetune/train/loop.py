@@ -178,23 +178,24 @@ def memory_probe(enabled: bool, ctx: DistContext, model: torch.nn.Module, optimi
 def report_memory(
     probe: PeakMemory, loaded: LoadedRecipe, plan: Plan, out_dir: Path, ctx: DistContext, reporter: Reporter,
     longest: int,
-) -> None:
-    """Write memory.json and print the plan's prediction beside the measured peak (rank 0).
+) -> dict[str, Any] | None:
+    """Write memory.json and print the plan's prediction beside the measured peak (rank 0); return its content.
 
     After two steps the measurement includes AdamW's state, so it compares with the plan's steady state;
     a one-step run compares with the planner's first-step figure (no optimizer state yet).
     """
     if not ctx.is_main:
-        return
+        return None
     predicted = plan.chosen.memory
     if probe.steps < 2:
         from finetune.plan.flowchart import first_step_memory
 
         predicted = first_step_memory(loaded, plan, device=ctx.device.type)
     out_dir.mkdir(parents=True, exist_ok=True)
-    probe.write(out_dir / "memory.json", predicted)
+    report = probe.write(out_dir / "memory.json", predicted)
     line = probe.summary_line(predicted)
     planned = loaded.recipe.data.max_seq_len
     if longest < planned:
         line += f"; planned for {planned}-token rows, these batches were at most {longest} (padding to the longest)"
     reporter.print(line)
+    return report

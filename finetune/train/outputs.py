@@ -29,9 +29,10 @@ if TYPE_CHECKING:
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl (rank 0 only)."""
 
-    def __init__(self, path: Path, enabled: bool) -> None:
+    def __init__(self, path: Path, enabled: bool, trackers: Any = None) -> None:
         self.path = path
         self.enabled = enabled
+        self.trackers = trackers  # finetune.train.trackers.Trackers: the same rows, to TensorBoard/wandb/MLflow
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -41,6 +42,17 @@ class MetricsWriter:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        self.track(row)
+
+    def track(self, row: dict[str, Any]) -> None:
+        """Send ``row`` to the trackers only (what metrics.jsonl keeps elsewhere, e.g. memory.json)."""
+        if self.enabled and self.trackers is not None:
+            self.trackers.log(row)
+
+    def close(self) -> None:
+        """Finish the trackers' runs."""
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 class Reporter:

@@ -121,6 +121,8 @@ class Trainer:
             self.scheduler, self.scaler, self.total, self.reporter.plain, self.hooks.checkpoint_half_written,
         )
         self.checkpoints.start(self.state, self.resume)
+        resumed_at = self.state.step if self.checkpoints.last_saved is not None else None
+        self.metrics.trackers = open_trackers(self.loaded, self.plan, ctx, resumed_at)
         self.on_nonfinite = nonfinite_policy(self.loaded, chosen.precision)
 
     def _setup_model(self) -> torch.nn.Module:
@@ -159,7 +161,12 @@ class Trainer:
             self._update(step, loss, grad_norm)
         if isinstance(measuring, PeakMemory) and (state.step - start_step == 1 or step == self.total):
             self.measured_peak = measuring.measured_peak_bytes
-            report_memory(measuring, self.loaded, self.plan, self.out_dir, ctx, self.reporter, self.longest)
+            report = report_memory(measuring, self.loaded, self.plan, self.out_dir, ctx, self.reporter, self.longest)
+            if report is not None:  # the trackers get the plan's prediction and the measured peak once
+                self.metrics.track(
+                    {"step": step, "memory/predicted_bytes": report["predicted"],
+                     "memory/measured_bytes": report["measured_peak"]}
+                )
         self.scheduler.step()
         state.step = step
         state.tokens += input_tokens
@@ -224,10 +231,12 @@ class Trainer:
                 advance(loss=result.loss, lr=row["lr"], tokens_per_s=tokens_per_s)
                 self.hooks.after_step(state.step)
                 if self.checkpoints.after_step(state, stop):  # saves when due; True after SIGTERM/Ctrl-C
+                    self.metrics.close()
                     return self._result(None, exit_code=stop.exit_code)
         last_eval = self.evaluate()
         if last_eval is not None:
             self.metrics.write({"step": state.step, **eval_fields(last_eval)})
+        self.metrics.close()
         self.save()
         result = self._result(last_eval)
         self.reporter.summary(result, self.plan.chosen, state.skipped_steps)
@@ -248,6 +257,17 @@ class Trainer:
             model=unwrap(self.model), losses=list(history), exit_code=exit_code,
             checkpoint_seconds=self.checkpoints.save_seconds,
         )
+
+
+def open_trackers(loaded: LoadedRecipe, plan: Plan, ctx: DistContext, resume_step: int | None) -> Any:
+    """output.trackers on rank 0 (none elsewhere), started fresh or continued at ``resume_step``."""
+    from finetune.train.trackers import Trackers
+
+    config = {"recipe": loaded.recipe.model_dump(mode="json"), "plan": plan.to_dict()}
+    out_dir = Path(loaded.recipe.output.dir)
+    return Trackers.open(
+        list(loaded.recipe.output.trackers), out_dir, config, resume_step=resume_step, enabled=ctx.is_main
+    )
 
 
 def train_rank(
