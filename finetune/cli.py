@@ -177,6 +177,24 @@ def plan(
         print_plan(result)
 
 
+@app.command()
+def report(
+    run_dirs: Annotated[list[str], typer.Argument(metavar="RUN_DIR...", help="Output directories of runs (overlaid).")],
+    out: Annotated[
+        Optional[str],
+        typer.Option("--out", help="report.png or report.html (default: RUN_DIR/report.png for one run)."),
+    ] = None,
+) -> None:
+    """Draw loss, eval, learning rate, tokens/s and the plan's memory beside the measured peak (PNG or HTML)."""
+    from finetune.report import write_report
+
+    try:
+        path = write_report(run_dirs, out)
+    except UserError as err:
+        _fail(err)
+    typer.echo(f"report written to {path}")
+
+
 @recipes_app.callback(invoke_without_command=True)
 def recipes_default(ctx: typer.Context) -> None:
     """List the shipped recipes (same as `finetune recipes ls`)."""

@@ -160,6 +160,7 @@ class Reporter:
                 f"adapter saved to {out}/  load it with: PeftModel.from_pretrained(base, '{out}'), "
                 f"or fold it in: finetune merge {out} --out {out}-merged"
             )
+        self.plain(f"plots: finetune report {out} (--out report.html for a page with the recipe and plan)")
 
 
 def _eval_text(ev: EvalResult) -> str:

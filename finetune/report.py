@@ -1,0 +1,213 @@
+"""``finetune report RUN_DIR [RUN_DIR...]``: a run's curves and memory, as one PNG or a self-contained HTML page.
+
+Reads only what a run leaves in its output.dir (metrics.jsonl, plan.json, recipe.yaml, memory.json), so it works
+on a finished, stopped or still running run, and on a copy of one. Several run directories overlay their curves.
+matplotlib draws with its Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetune.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+#: The panels of the figure, in order (a test finds the axes by these titles).
+PANELS = ("loss", "eval exact match", "learning rate", "tokens/s", "memory per process (MiB)")
+
+#: The plan's memory categories, bottom to top of the stacked bar.
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "overhead")
+
+
+@dataclass
+class RunData:
+    """What a run directory holds, as read by :func:`load_run`."""
+
+    path: Path
+    rows: list[dict[str, Any]]
+    recipe_text: str = ""
+    plan: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The label of this run in legends: its directory's name."""
+        return self.path.name
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of ``key`` over the rows that have it."""
+        pts = [(int(r["step"]), float(r[key])) for r in self.rows if r.get(key) is not None]
+        return [s for s, _ in pts], [v for _, v in pts]
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read metrics.jsonl (required) and plan.json, recipe.yaml, memory.json (when there) of ``run_dir``."""
+    path = Path(run_dir)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise UserError(f"RUN_DIR: {path} has no metrics.jsonl; give the output.dir of a `finetune run`")
+    rows = []
+    for n, line in enumerate(metrics.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n == len(metrics.read_text().splitlines()):
+                break  # a run killed mid-write leaves a partial last line
+            raise UserError(f"{metrics}:{n}: not a JSON line; the file is damaged") from None
+    run = RunData(path, rows)
+    if (path / "recipe.yaml").is_file():
+        run.recipe_text = (path / "recipe.yaml").read_text()
+    for name, attr in (("plan.json", "plan"), ("memory.json", "memory")):
+        if (path / name).is_file():
+            setattr(run, attr, json.loads((path / name).read_text()))
+    return run
+
+
+def build_figure(runs: list[RunData]) -> Figure:
+    """The report's figure: one panel per entry of :data:`PANELS`, every run overlaid.
+
+    Built with matplotlib's object API (no pyplot state), so tests can read each line's data back.
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(14, 8.5), layout="constrained")
+    axes = fig.subplots(2, 3).ravel()
+    ax_loss, ax_em, ax_lr, ax_tps, ax_mem, ax_spare = axes
+    for ax, title in zip(axes, PANELS, strict=False):
+        ax.set_title(title)
+    ax_spare.set_axis_off()
+    colors = [f"C{i}" for i in range(10)]
+    for i, run in enumerate(runs):
+        c, label = colors[i % 10], run.name if len(runs) > 1 else None
+        x, y = run.series("loss")
+        ax_loss.plot(x, y, color=c, lw=1.2, label=f"{run.name} train" if label else "train")
+        x, y = run.series("eval_loss")
+        if x:
+            ax_loss.plot(
+                x,
+                y,
+                color=c,
+                lw=1.2,
+                ls="--",
+                marker="o",
+                ms=4,
+                label=f"{run.name} eval" if label else "eval",
+            )
+        x, y = run.series("eval_exact_match")
+        if x:
+            ax_em.plot(x, [100 * v for v in y], color=c, marker="o", ms=4, label=label)
+        x, y = run.series("lr")
+        ax_lr.plot(x, y, color=c, label=label)
+        x, y = run.series("tokens_per_s")
+        ax_tps.plot(x, y, color=c, label=label)
+    for ax in (ax_loss, ax_em, ax_lr, ax_tps):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines and (len(runs) > 1 or ax is ax_loss):
+            ax.legend(fontsize=8)
+    ax_em.set_ylabel("%")
+    _memory_panel(ax_mem, runs)
+    return fig
+
+
+def _memory_panel(ax: Any, runs: list[RunData]) -> None:
+    """Per run: the plan's breakdown as a stacked bar, the measured peak beside it (memory.json, when measured)."""
+    mib = 2**20
+    labels, xs = [], []
+    for i, run in enumerate(runs):
+        pred = run.plan.get("chosen", {}).get("memory", {})
+        base = 0.0
+        for j, cat in enumerate(CATEGORIES):
+            v = pred.get(cat, 0) / mib
+            if v:
+                ax.bar(2 * i, v, bottom=base, color=f"C{j}", label=cat if i == 0 else None, width=0.8)
+                base += v
+        labels.append(f"{run.name}\nplan" if len(runs) > 1 else "plan")
+        xs.append(2 * i)
+        measured = run.memory.get("measured_peak")
+        if measured:
+            ax.bar(
+                2 * i + 1, measured / mib, color="0.35", width=0.8, label="measured peak" if i == 0 else None
+            )
+            labels.append(f"{run.name}\nmeasured" if len(runs) > 1 else "measured")
+            xs.append(2 * i + 1)
+    ax.set_xticks(xs, labels, fontsize=8)
+    if ax.patches:
+        ax.legend(fontsize=8)
+
+
+def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
+    """The figure as PNG bytes (Agg canvas)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+def html_page(runs: list[RunData], png: bytes) -> str:
+    """A self-contained page: the figure as a base64 PNG, then each run's final metrics, plan and recipe."""
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>finetune report</title>",
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#eee}"
+        "pre{background:#f6f6f6;padding:1em}</style></head><body>",
+        f"<h1>finetune report: {html.escape(', '.join(r.name for r in runs))}</h1>",
+        f"<img alt='curves' src='data:image/png;base64,{base64.b64encode(png).decode()}'>",
+    ]
+    for run in runs:
+        parts.append(f"<h2>{html.escape(run.name)}</h2><p>{html.escape(str(run.path.resolve()))}</p>")
+        last = {k: v for r in run.rows for k, v in r.items()}
+        parts.append(_table("last logged values", [(k, _fmt(v)) for k, v in last.items()]))
+        chosen = run.plan.get("chosen", {})
+        if chosen:
+            rows = [(k, _fmt(v)) for k, v in chosen.items() if k != "memory"]
+            rows += [(f"memory.{k}", f"{v / 2**20:,.1f} MiB") for k, v in chosen.get("memory", {}).items()]
+            if run.memory.get("measured_peak"):
+                rows.append(("measured peak", f"{run.memory['measured_peak'] / 2**20:,.1f} MiB"))
+            parts.append(_table("plan", rows))
+        if run.recipe_text:
+            parts.append(f"<h3>recipe</h3><pre>{html.escape(run.recipe_text)}</pre>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _table(title: str, rows: list[tuple[str, str]]) -> str:
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f"<h3>{html.escape(title)}</h3><table>{body}</table>"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+    """Draw ``run_dirs`` into ``out`` (``.png`` or ``.html``; default: report.png in the only run's directory,
+    else in the current directory) and return its path."""
+    if not run_dirs:
+        raise UserError("RUN_DIR: give at least one run directory (an output.dir of `finetune run`)")
+    runs = [load_run(d) for d in run_dirs]
+    target = Path(out) if out else (runs[0].path / "report.png" if len(runs) == 1 else Path("report.png"))
+    if target.suffix.lower() not in (".png", ".html"):
+        raise UserError(f"--out: {target} must end in .png or .html")
+    fig = build_figure(runs)
+    png = png_bytes(fig)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.suffix.lower() == ".png":
+        target.write_bytes(png)
+    else:
+        target.write_text(html_page(runs, png))
+    return target
