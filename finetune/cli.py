@@ -90,13 +90,17 @@ def run(
             help="Start over in an output.dir that holds an earlier run, removing its checkpoints, metrics and model.",
         ),
     ] = False,
+    debug_memory: Annotated[
+        bool,
+        typer.Option(help="On CUDA, record allocations and write a memory snapshot if the run runs out of memory."),
+    ] = False,
 ) -> None:
     """Plan, launch and train: one process, or many through torch.distributed."""
     from finetune.launch import LaunchOptions, launch
 
     options = LaunchOptions(
         nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
-        resume=resume, measure_memory=measure_memory, overwrite=overwrite,
+        resume=resume, measure_memory=measure_memory, overwrite=overwrite, debug_memory=debug_memory,
     )
     try:
         code = launch(recipe, set_ or [], options)

@@ -26,6 +26,7 @@ class LaunchOptions:
     resume: str | None = None  # ``latest`` or a checkpoint directory
     measure_memory: bool = False  # measure the peak on CPU too (MemTracker)
     overwrite: bool = False  # replace an earlier run in output.dir (without it or resume, such a run is refused)
+    debug_memory: bool = False  # CUDA: record allocations, write a snapshot when out of memory
 
 
 def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
@@ -85,10 +86,14 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
     if nproc * nnodes == 1:
         from finetune.train.trainer import train_rank
 
-        return train_rank(loaded, plan, measure_memory=options.measure_memory, resume=resume).exit_code
+        return train_rank(
+            loaded, plan, measure_memory=options.measure_memory, resume=resume, debug_memory=options.debug_memory
+        ).exit_code
     from finetune.train.worker import RunRequest
 
-    request = RunRequest.of(loaded, plan, resume=resume, measure_memory=options.measure_memory)
+    request = RunRequest.of(
+        loaded, plan, resume=resume, measure_memory=options.measure_memory, debug_memory=options.debug_memory
+    )
     return launch_workers(request, options)
 
 

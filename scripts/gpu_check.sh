@@ -21,3 +21,4 @@ python3 -c "import torch, transformers, peft, bitsandbytes, datasets, pydantic; 
 'transformers', transformers.__version__, 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__)"
 out="${1:-${OUT:-.}/gpu_check.json}"
 python3 scripts/plan_accuracy.py --gpu --steps 8 --json "$out"
+python3 scripts/gpu_memory_errors.py   # preflight refusal and the OOM message with --debug-memory

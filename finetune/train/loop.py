@@ -140,10 +140,14 @@ def accumulate(
     """Forward and backward every micro-batch; gradients are synchronised on the last one only."""
     loss_sum = torch.zeros((), dtype=torch.float64)
     scale = ctx.world_size / max(global_tokens, 1.0)
+    from finetune.train.preflight import at
+
     for i, mb in enumerate(micro):
         last = i == len(micro) - 1
+        at("forward")
         with no_sync(model, enabled=not last), autocast():
             s, _ = causal_lm_loss(model, mb)
+        at("backward")
         loss = s * scale
         (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += s.detach().double().cpu()

@@ -57,6 +57,7 @@ from finetune.train.memory import PeakMemory
 from finetune.train.model import build_model, check_model_storage, count_parameters, load_tokenizer
 from finetune.train.outputs import MetricsWriter, Reporter, save_final
 from finetune.train.parallel import parallelize, unwrap
+from finetune.train.preflight import at
 from finetune.train.resume import RunCheckpoints, StopRequest, nonfinite_policy
 
 
@@ -139,6 +140,7 @@ class Trainer:
         """Forward and backward every micro-batch of this rank's share of the global batch, then update."""
         ctx, state, chosen = self.ctx, self.state, self.plan.chosen
         step = state.step + 1
+        at("forward", step)
         self.hooks.before_step(step, ctx.rank)
         epoch, in_epoch = position(state.step, self.stream)
         micro = self.stream.micro_batches(
@@ -156,6 +158,7 @@ class Trainer:
         with measuring:
             loss_sum = accumulate(self.model, micro, global_tokens, ctx, self.autocast, self.scaler)
             loss_sum = self.hooks.after_backward(step, self.params, loss_sum)
+            at("optimizer")
             grad_norm = clip_gradients(self.params, self.optimizer, self.scaler, self.loaded.recipe.train.max_grad_norm)
             loss = float(ctx.all_reduce_sum(loss_sum)) / max(global_tokens, 1.0)
             self._update(step, loss, grad_norm)
@@ -194,6 +197,7 @@ class Trainer:
         r = self.loaded.recipe
         if not self.data.eval and not self.data.eval_prompts:
             return None
+        at("evaluation")
         return evaluate(
             self.model, self.data.eval, self.data.eval_prompts, self.tokenizer, self.ctx,
             batch_size=eval_batch_size(r, self.plan.chosen), max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
@@ -230,6 +234,7 @@ class Trainer:
                     self.metrics.write(row)
                 advance(loss=result.loss, lr=row["lr"], tokens_per_s=tokens_per_s)
                 self.hooks.after_step(state.step)
+                at("save")
                 if self.checkpoints.after_step(state, stop):  # saves when due; True after SIGTERM/Ctrl-C
                     self.metrics.close()
                     return self._result(None, exit_code=stop.exit_code)
@@ -244,6 +249,7 @@ class Trainer:
 
     def save(self) -> None:
         """The final model or adapter and the tokenizer (every rank calls; rank 0 writes)."""
+        at("save")
         save_final(self.model, unwrap(self.model), self.tokenizer, self.out_dir, self.ctx)
 
     def cleanup(self) -> None:
@@ -272,15 +278,39 @@ def open_trackers(loaded: LoadedRecipe, plan: Plan, ctx: DistContext, resume_ste
 
 def train_rank(
     loaded: LoadedRecipe, plan: Plan, *, measure_memory: bool = False, ctx: DistContext | None = None,
-    resume: str | None = None,
+    resume: str | None = None, debug_memory: bool = False,
 ) -> RunResult:
-    """Run the whole training of this rank as ``plan`` says (setup, train, cleanup)."""
+    """Run the whole training of this rank as ``plan`` says (setup, train, cleanup).
+
+    Before anything is loaded, the preflight checks that this rank can hold the plan; running out of memory
+    later raises :class:`~finetune.train.preflight.OutOfMemory` naming the phase, the step and what to run
+    instead (``debug_memory``: with a CUDA allocator snapshot), never torch's traceback.
+    """
+    from finetune.train import preflight as pf
+
+    ctx = ctx or DistContext.from_env()
+    pf.at("load", 0)
+    pf.preflight(loaded, plan, ctx)
+    pf.start_debug_memory(debug_memory, ctx.device)
     trainer = Trainer(loaded, plan, ctx, measure_memory=measure_memory, resume=resume)
     try:
         trainer.setup()
         return trainer.train()
+    except BaseException as err:
+        if not pf.is_oom(err):
+            raise
+        snapshot = pf.dump_debug_memory(debug_memory, ctx.device, trainer.out_dir, ctx.rank)
+        where, allocated, text = dict(pf.WHERE), pf.allocated_now(ctx.device), str(err)
+        err.__traceback__ = None  # let go of the frames (and their tensors) before planning an alternative
     finally:
         trainer.cleanup()
+    del trainer  # the model, optimizer and activations: the planner below needs the room
+    import gc
+
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    raise pf.OutOfMemory(pf.oom_message(text, loaded, plan, ctx.device, ctx.rank, snapshot, where, allocated))
 
 
 def eval_batch_size(recipe: Any, chosen: Any) -> int:

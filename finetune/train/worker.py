@@ -36,14 +36,17 @@ class RunRequest:
     overrides: list[str] = field(default_factory=list)
     resume: str | None = None  # a checkpoint directory
     measure_memory: bool = False
+    debug_memory: bool = False
 
     @classmethod
-    def of(cls, loaded: LoadedRecipe, plan: Plan, *, resume: str | None, measure_memory: bool) -> RunRequest:
+    def of(
+        cls, loaded: LoadedRecipe, plan: Plan, *, resume: str | None, measure_memory: bool, debug_memory: bool = False
+    ) -> RunRequest:
         """The request for a loaded recipe and its plan."""
         return cls(
             recipe=loaded.recipe.model_dump(mode="json"), plan=plan.to_dict(), base_dir=str(loaded.base_dir),
             recipe_path=str(loaded.path) if loaded.path else None, overrides=list(loaded.overrides),
-            resume=resume, measure_memory=measure_memory,
+            resume=resume, measure_memory=measure_memory, debug_memory=debug_memory,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,7 +120,7 @@ def run_worker(request_path: str) -> None:
             write_run_files(loaded, plan_dict)
         train_rank(
             loaded, Plan.from_dict(plan_dict), measure_memory=request.measure_memory, ctx=ctx,
-            resume=request.resume,
+            resume=request.resume, debug_memory=request.debug_memory,
         )
     finally:
         ctx.close()

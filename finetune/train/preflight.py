@@ -1,0 +1,251 @@
+"""Memory before and during a run: a preflight that refuses a plan this rank cannot hold, and an
+out-of-memory error that says where it happened, what the plan expected, and what to run instead.
+
+Preflight: before anything is loaded, every rank compares the memory it can still get (CUDA:
+``torch.cuda.mem_get_info``'s free bytes; CPU: psutil's available RAM shared by this node's processes, and the
+address space ``RLIMIT_AS`` leaves) with the plan's total per process. A rank that cannot hold it stops the run
+in seconds: one sentence per failing rank, with the configuration the planner picks for that much memory.
+
+Out of memory: the loop names its phase (load, forward, backward, optimizer, evaluation, save) and step in
+:data:`WHERE`; ``torch.OutOfMemoryError`` (CUDA) or a failed CPU allocation (``MemoryError``, or torch's
+``DefaultCPUAllocator: can't allocate memory``) anywhere in a run becomes :class:`OutOfMemory`: the phase, the
+step, the plan's breakdown beside what was allocated, and the plan's next configuration that needs less, as a
+command line. With ``--debug-memory`` on CUDA, the allocator's history is recorded from the start and dumped
+as a snapshot file (``torch.cuda.memory._dump_snapshot``; open it at pytorch.org/memory_viz) named there.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import UserError
+from finetune.units import fmt_bytes
+
+#: Where the run is: the loop updates it, the OOM message reads it.
+WHERE: dict[str, Any] = {"phase": "load", "step": 0}
+
+#: Exit status of a run stopped by the preflight or by running out of memory.
+OOM_EXIT = 3
+
+
+class OutOfMemory(UserError):
+    """The run does not fit in this rank's memory (before it started, or while it ran)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, exit_code=OOM_EXIT)
+
+
+def at(phase: str, step: int | None = None) -> None:
+    """Record the phase (and the optimizer step, 1-based) the run is entering."""
+    WHERE["phase"] = phase
+    if step is not None:
+        WHERE["step"] = step
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation failure (CUDA or CPU)."""
+    import torch
+
+    if isinstance(err, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(err, RuntimeError) and (
+        "DefaultCPUAllocator: can't allocate memory" in str(err) or "CUDA out of memory" in str(err)
+    )
+
+
+def obtainable_bytes(device: Any, local_world_size: int = 1) -> tuple[int, str]:
+    """(bytes this process can still allocate, where the figure comes from)."""
+    if device.type == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free), f"free on {torch.cuda.get_device_name(device)} (cuda:{device.index or 0})"
+    import resource
+
+    import psutil
+
+    avail = psutil.virtual_memory().available // max(1, local_world_size)
+    source = "available RAM" + (f" / {local_world_size} processes" if local_world_size > 1 else "")
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        left = max(0, soft - psutil.Process().memory_info().vms)
+        if left < avail:
+            avail, source = left, "address space left under this process's RLIMIT_AS (ulimit -v)"
+    return int(avail), source
+
+
+def needed_bytes(plan: Any, device: Any) -> int:
+    """What the plan needs on this rank before the first step: its total, less the CUDA context that
+    ``mem_get_info`` already had to create (the plan's overhead counts it)."""
+    total = int(plan.chosen.memory.total)
+    if device.type == "cuda":
+        from finetune.plan.memory import CUDA_CONTEXT_BYTES
+
+        total -= CUDA_CONTEXT_BYTES
+    return total
+
+
+def preflight(loaded: Any, plan: Any, ctx: Any) -> None:
+    """Stop before loading anything when a rank cannot hold the plan (every rank calls; a collective)."""
+    import os
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    have, source = obtainable_bytes(ctx.device, local if ctx.device.type == "cpu" else 1)
+    need = needed_bytes(plan, ctx.device)
+    short = need > have
+    sentences = [_refusal(ctx.rank, need, have, source)] if short else []
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(gathered, sentences)
+        sentences = [s for part in gathered for s in part]
+    if not sentences:
+        return
+    cmd = next_config_command(loaded, plan, min(have, need - 1), ctx.device.type)
+    raise OutOfMemory(" ".join(sentences) + " " + cmd)
+
+
+def _refusal(rank: int, need: int, have: int, source: str) -> str:
+    return (
+        f"rank {rank}: the plan needs {fmt_bytes(need)} per process but only {fmt_bytes(have)} is {source}, "
+        "so it would run out of memory; stopped before loading anything."
+    )
+
+
+def next_config(loaded: Any, plan: Any, budget: int, device: str) -> tuple[Any | None, list[str]]:
+    """The planner's choice for ``budget`` bytes per process, releasing pins in turn (micro-batch and
+    checkpointing, then strategy, then method and precision), and the ``--set`` overrides that select it."""
+    from finetune.plan.flowchart import make_plan, request_from_recipe
+    from finetune.plan.hardware import detect_hardware
+
+    c = plan.chosen
+    base = replace(request_from_recipe(loaded), for_run=True)
+    freer = replace(base, micro_batch_size=None, checkpointing=None)
+    attempts = [freer, replace(freer, strategy="auto"), replace(freer, strategy="auto", method="auto")]
+    for req in attempts:
+        if c.world_size == 1 and req.strategy == "auto":
+            req = replace(req, strategy="single")
+        hw = detect_hardware(
+            device=device, gpus=c.nproc, nodes=c.nnodes, nproc=c.nproc, gpu_memory=max(budget, 1)
+        )
+        hw.gpus_per_node = c.nproc
+        try:
+            alt = make_plan(req, hw).chosen
+        except UserError:
+            continue
+        if alt.fits and alt.memory.total <= budget:
+            return alt, _overrides(c, alt)
+    return None, []
+
+
+def _overrides(old: Any, new: Any) -> list[str]:
+    out = []
+    if new.method != old.method:
+        out.append(f"method={new.method}")
+    if new.strategy != old.strategy:
+        out.append(f"distributed.strategy={new.strategy}")
+    if new.precision != old.precision:
+        out.append(f"precision={new.precision}")
+    if new.micro_batch_size != old.micro_batch_size:
+        out.append(f"train.micro_batch_size={new.micro_batch_size}")
+    if new.activation_checkpointing != old.activation_checkpointing:
+        out.append(f"train.activation_checkpointing={str(new.activation_checkpointing).lower()}")
+    return out
+
+
+def next_config_command(loaded: Any, plan: Any, budget: int, device: str) -> str:
+    """A sentence with the command line of :func:`next_config`, or what to do when nothing fits."""
+    try:
+        alt, sets = next_config(loaded, plan, budget, device)
+    except Exception:  # the planner itself can fail for lack of memory; the refusal still stands
+        alt, sets = None, []
+    if alt is None or not sets:
+        return (
+            f"No configuration of the plan fits in {fmt_bytes(budget)} per process: free memory, use more "
+            "processes (--nproc), or shorten data.max_seq_len."
+        )
+    recipe = str(loaded.path) if loaded.path else "RECIPE.yaml"
+    args = ["finetune", "run", recipe, *(a for o in loaded.overrides for a in ("--set", o))]
+    args += [a for s in sets for a in ("--set", s)]
+    return (
+        f"The plan's next configuration that fits in {fmt_bytes(budget)} needs {fmt_bytes(alt.memory.total)}: "
+        f"{alt.method}, {alt.strategy}, micro-batch {alt.micro_batch_size} x accumulation {alt.grad_accum_steps}, "
+        f"activation checkpointing {'on' if alt.activation_checkpointing else 'off'}; run: {shlex.join(args)}"
+    )
+
+
+def start_debug_memory(enabled: bool, device: Any) -> None:
+    """``--debug-memory``: record the CUDA allocator's history (stack traces of every allocation) from now on."""
+    if enabled and device.type == "cuda":
+        import torch
+
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+
+def dump_debug_memory(enabled: bool, device: Any, out_dir: Path, rank: int) -> Path | None:
+    """Write the recorded allocator history as a snapshot file; return its path (None off CUDA or disabled)."""
+    if not (enabled and device.type == "cuda"):
+        return None
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"memory-snapshot-rank{rank}.pickle"
+    torch.cuda.memory._dump_snapshot(str(path))
+    return path
+
+
+def allocated_now(device: Any) -> str:
+    """What this process held when the allocation failed."""
+    if device.type == "cuda":
+        import torch
+
+        stats = torch.cuda.memory_stats(device)
+        free, total = torch.cuda.mem_get_info(device)
+        return (
+            f"allocated {fmt_bytes(stats.get('allocated_bytes.all.current', 0))} "
+            f"(peak {fmt_bytes(stats.get('allocated_bytes.all.peak', 0))}), reserved "
+            f"{fmt_bytes(stats.get('reserved_bytes.all.current', 0))}, {fmt_bytes(free)} free of {fmt_bytes(total)}"
+        )
+    import psutil
+
+    mi = psutil.Process().memory_info()
+    return f"process resident {fmt_bytes(mi.rss)}, address space {fmt_bytes(mi.vms)}"
+
+
+def oom_message(
+    err: str,
+    loaded: Any,
+    plan: Any,
+    device: Any,
+    rank: int,
+    snapshot: Path | None,
+    where: dict[str, Any],
+    allocated: str,
+) -> str:
+    """The phase, the step, the plan's breakdown beside what was allocated (``allocated``, taken when the
+    allocation failed), and what to run instead. ``err`` is the allocator's message."""
+    import re
+
+    phase, step = where["phase"], where["step"]
+    when = f"in the {phase} phase of step {step}" if phase != "load" else "while loading the model and data"
+    tried = re.search(r"tried to allocate (\d+) bytes", err) or re.search(
+        r"Tried to allocate ([0-9.]+ [KMG]iB)", err
+    )
+    asked = ""
+    if tried:
+        size = tried.group(1)
+        asked = f" (an allocation of {fmt_bytes(int(size)) if size.isdigit() else size})"
+    m = plan.chosen.memory
+    breakdown = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m.to_dict().items() if v and k != "total")
+    text = (
+        f"rank {rank} ran out of memory {when}{asked}: "
+        f"{allocated}; the plan predicted {fmt_bytes(m.total)} per process ({breakdown})."
+    )
+    if snapshot is not None:
+        text += f" Memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)."
+    budget = max(1, int(m.total * 0.8))  # the plan was too optimistic here: ask for a clearly smaller one
+    return text + " " + next_config_command(loaded, plan, budget, device.type)
