@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.launch import launch
+from finetune.launch import LaunchOptions, launch
 from finetune.report import PANELS, build_figure, load_run
 from tests.conftest import tiny_recipe, write_recipe
 
@@ -31,7 +31,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):  # rich's console writes to the sys.stdout of the moment
-        assert launch(str(write_recipe(tmp / "a.yaml", recipe)), overrides=[], measure_memory=True) == 0
+        assert launch(str(write_recipe(tmp / "a.yaml", recipe)), [], LaunchOptions(measure_memory=True)) == 0
     (tmp / "stdout.txt").write_text(printed.getvalue())
     return out
 

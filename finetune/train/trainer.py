@@ -267,9 +267,12 @@ class Trainer:
 
 def open_trackers(loaded: LoadedRecipe, plan: Plan, ctx: DistContext, resume_step: int | None) -> Any:
     """output.trackers on rank 0 (none elsewhere), started fresh or continued at ``resume_step``."""
+    import json
+
     from finetune.train.trackers import Trackers
 
-    config = {"recipe": loaded.recipe.model_dump(mode="json"), "plan": plan.to_dict()}
+    # Through JSON: the plan's enums become their plain names, as in plan.json (wandb would write their names).
+    config = json.loads(json.dumps({"recipe": loaded.recipe.model_dump(mode="json"), "plan": plan.to_dict()}))
     out_dir = Path(loaded.recipe.output.dir)
     return Trackers.open(
         list(loaded.recipe.output.trackers), out_dir, config, resume_step=resume_step, enabled=ctx.is_main
