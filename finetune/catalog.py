@@ -82,6 +82,12 @@ def model_config(location: ModelLocation, trust_remote_code: bool = False) -> tu
     if location.kind == "catalog":
         facts = dict(CATALOG[location.path])
         return AutoConfig.for_model(facts.pop("model_type"), **facts), f"catalog:{location.path}"
+    if location.kind == "hub":  # planning needs only the config: fetch that one file
+        from finetune.locate import download_config
+
+        path = download_config(location.value)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+        return config, f"hub:{location.value}"
     problem = location.problem()
     if problem is not None:
         if location.kind == "missing":

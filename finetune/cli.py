@@ -94,8 +94,15 @@ def run(
         bool,
         typer.Option(help="On CUDA, record allocations and write a memory snapshot if the run runs out of memory."),
     ] = False,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Never reach the Hugging Face Hub: local files and the cache only.")
+    ] = False,
 ) -> None:
     """Plan, launch and train: one process, or many through torch.distributed."""
+    if offline:
+        import os
+
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub when first imported (below), and by workers
     from finetune.launch import LaunchOptions, launch
 
     options = LaunchOptions(
@@ -127,12 +134,27 @@ def merge(
         bool,
         typer.Option("--into-dequantized", help="QLoRA: fold into the NF4-dequantized weights the run trained against."),
     ] = False,
+    push_to_hub: Annotated[
+        Optional[str],
+        typer.Option("--push-to-hub", metavar="ORG/NAME", help="Upload the merged model with a model card."),
+    ] = None,
 ) -> None:
     """Fold LoRA/QLoRA adapters into the base weights, streamed shard by shard, into a HF model directory."""
     from finetune.merge import merge as merge_adapter
 
     try:
+        if push_to_hub:
+            from finetune.publish import check_push
+
+            check_push("--push-to-hub", push_to_hub)  # before the merge's minutes, not after
         res = merge_adapter(run_dir, out, dtype=dtype, base=base, force=force, into_dequantized=into_dequantized)
+        if push_to_hub:
+            from finetune.publish import push_folder
+
+            url = push_folder(
+                res.out, push_to_hub, key="--push-to-hub", card=merged_card(Path(run_dir), res.out),
+                message=f"finetune merge of {Path(run_dir).name}",
+            )
     except UserError as err:
         _fail(err)
     note = f"; untied {', '.join(res.untied)}" if res.untied else ""
@@ -141,6 +163,20 @@ def merge(
         f"{res.base}{' (NF4-dequantized)' if res.into_dequantized else ''}: {res.out}, {res.shards} shard(s), "
         f"{res.bytes_written / 2**20:.1f} MiB, dtype {res.dtype}{note}, {res.seconds:.1f}s"
     )
+    if push_to_hub:
+        typer.echo(f"uploaded to the Hub: {push_to_hub} ({url})")
+
+
+def merged_card(run_dir: Path, out: Path) -> str:
+    """The merged model's card: the run's recipe, plan and metrics when ``run_dir`` is a run's output.dir."""
+    import shutil
+
+    from finetune.publish import model_card
+
+    for name in ("recipe.yaml", "plan.json", "memory.json", "metrics.jsonl"):
+        if (run_dir / name).is_file() and not (out / name).exists():
+            shutil.copyfile(run_dir / name, out / name)
+    return model_card(out, merged_from=run_dir.name)
 
 
 @app.command()

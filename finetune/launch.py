@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.errors import UserError
-from finetune.recipe import LoadedRecipe, RecipeError, check_files, load_recipe
+from finetune.recipe import LoadedRecipe, RecipeError, check_files, load_recipe, resolve_inputs
 
 if TYPE_CHECKING:
     from finetune.train.worker import RunRequest
@@ -32,11 +32,18 @@ class LaunchOptions:
 def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
     """Load the recipe (its inputs resolved once, made absolute) and refuse missing or planning-only inputs."""
     loaded = load_recipe(recipe, overrides)
+    from finetune.locate import fetch_hub_inputs
+
+    if fetch_hub_inputs(loaded):  # hub ids neither local nor cached: downloaded once, here, before planning
+        resolve_inputs(loaded)
     problems = check_files(loaded)
     if problems:
         raise RecipeError(problems)
     assert loaded.inputs is not None
     loaded.inputs.model.weights_dir()  # a planning-only catalog name fails here, before planning
+    from finetune.publish import check_push
+
+    check_push("output.push_to_hub", loaded.recipe.output.push_to_hub)
     if loaded.recipe.output.trackers:
         from finetune.train.trackers import check_installed
 

@@ -52,21 +52,28 @@ def _hf_home() -> Path:
     return Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
 
 
-def hub_snapshot(repo_id: str) -> Path | None:
-    """The local snapshot directory of a hub model id in the Hugging Face cache (with a config.json), or None.
+def hub_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
+    """The local snapshot directory of a hub id in the Hugging Face cache (a model's with a config.json), or None.
 
-    The cache layout is huggingface_hub's: ``models--ORG--NAME/snapshots/REV``, ``refs/main`` naming the
-    revision; without a ref, the newest snapshot holding a config.json.
+    The cache layout is huggingface_hub's: ``models--ORG--NAME/snapshots/REV`` (``datasets--`` for a dataset),
+    ``refs/main`` naming the revision; without a ref, the newest snapshot (holding a config.json, for a model).
     """
     if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
         return None
-    root = Path(os.environ.get("HF_HUB_CACHE") or _hf_home() / "hub") / f"models--{repo_id.replace('/', '--')}"
+    root = (
+        Path(os.environ.get("HF_HUB_CACHE") or _hf_home() / "hub")
+        / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    )
+
+    def usable(snap: Path) -> bool:
+        return (snap / "config.json").is_file() if repo_type == "model" else snap.is_dir()
+
     ref = root / "refs" / "main"
     if ref.is_file():
         snap = root / "snapshots" / ref.read_text().strip()
-        if (snap / "config.json").is_file():
+        if usable(snap):
             return snap
-    snaps = [s for s in (root / "snapshots").glob("*") if (s / "config.json").is_file()]
+    snaps = [s for s in (root / "snapshots").glob("*") if usable(s)]
     return max(snaps, key=lambda s: s.stat().st_mtime) if snaps else None
 
 
@@ -83,11 +90,12 @@ class ModelLocation:
     """What ``model.path`` names.
 
     ``kind``: ``dir`` (a local model directory, ``path`` absolute), ``hub-cache`` (a hub id whose snapshot is
-    ``path``), ``catalog`` (a planning-only config, ``path`` is the catalog key), ``missing``.
+    ``path``), ``hub`` (a hub id to download: not cached, downloads allowed), ``catalog`` (a planning-only
+    config, ``path`` is the catalog key), ``missing``.
     """
 
     value: str
-    kind: Literal["dir", "hub-cache", "catalog", "missing"]
+    kind: Literal["dir", "hub-cache", "hub", "catalog", "missing"]
     path: str
 
     @property
@@ -98,19 +106,37 @@ class ModelLocation:
     def problem(self) -> str | None:
         """Why this cannot be planned for (one sentence for ``model.path``), or None."""
         if self.kind == "missing":
+            if looks_like_hub_id(self.value) and hub_offline():
+                return (
+                    f"`{self.value}` is neither a local directory nor a model in the Hugging Face cache, and "
+                    "downloads are off (HF_HUB_OFFLINE=1 or --offline); unset it to download, or give a local "
+                    "model directory"
+                )
             return (
-                f"`{self.value}` is neither a local directory nor a model in the Hugging Face cache "
-                "(this machine cannot download); give a local model directory or a built-in model such as tiny-llama"
+                f"`{self.value}` is neither a local directory, a model in the Hugging Face cache nor a Hub id "
+                "(org/name); give a local model directory or a built-in model such as tiny-llama"
             )
         if self.kind == "dir" and not (Path(self.path) / "config.json").is_file():
             return f"{self.path} has no config.json; it is not a Hugging Face model directory"
         return None
 
+    @property
+    def downloadable(self) -> bool:
+        """A hub id a run would download (not cached; a catalog entry's hub id counts too), downloads on."""
+        return self.kind == "hub" or (
+            self.kind == "catalog" and looks_like_hub_id(self.value) and not hub_offline()
+        )
+
     def weights_dir(self) -> str:
-        """The directory to load from; a :class:`UserError` for a planning-only or missing model."""
+        """The directory to load from; a :class:`UserError` for a planning-only or missing model.
+
+        A hub id is not downloaded here: :func:`fetch_hub_inputs` does it once, before planning a run.
+        """
         problem = self.problem()
         if problem:
             raise UserError(f"model.path: {problem}")
+        if self.kind == "hub":
+            raise UserError(f"model.path: `{self.value}` is not downloaded yet; `finetune run` downloads it")
         if self.kind == "catalog":
             raise UserError(
                 f"model.path: `{self.value}` is a planning-only catalog entry (its public config, no weights); "
@@ -130,6 +156,8 @@ def locate_model(value: str, base_dir: Path) -> ModelLocation:
     name = catalog_name(value)
     if name is not None:
         return ModelLocation(value, "catalog", name)
+    if looks_like_hub_id(value) and not hub_offline():
+        return ModelLocation(value, "hub", value)
     return ModelLocation(value, "missing", value)
 
 
@@ -152,7 +180,9 @@ class DataLocation:
         if self.kind != "files":
             if is_glob:
                 raise UserError(f"{key}: the glob `{self.value}` matches no files")
-            raise UserError(f"{key}: no data found at `{self.value}` (looked next to the recipe and in the current directory)")
+            raise UserError(
+                f"{key}: no data found at `{self.value}` (looked next to the recipe and in the current directory)"
+            )
         if is_glob:
             files = [Path(m) for m in sorted(glob.glob(spec, recursive=True)) if Path(m).is_file()]
             if not files:
@@ -186,16 +216,234 @@ def locate_data(spec: str, base_dir: Path, *, split_of: DataLocation | None = No
         return DataLocation(spec, "missing", spec)
     p = resolve_input_path(spec, base_dir)
     if p.exists():
-        return DataLocation(spec, "files", str(p.resolve()))
+        # abspath, not resolve: a Hub snapshot's files are symlinks to blobs that have no file suffix
+        return DataLocation(spec, "files", os.path.abspath(p))
     if split_of is not None and split_of.kind == "dataset" and "/" not in spec:
         return DataLocation(spec, "split", spec)
-    if Path(spec).suffix not in DATA_SUFFIXES and not spec.startswith((".", "/", "~")) and in_datasets_cache(spec):
+    if (
+        Path(spec).suffix not in DATA_SUFFIXES
+        and not spec.startswith((".", "/", "~"))
+        and in_datasets_cache(spec)
+    ):
         return DataLocation(spec, "dataset", spec)
     return DataLocation(spec, "missing", spec)
 
 
-def resolve_model_config(value: str, base_dir: Path | None = None, trust_remote_code: bool = False) -> tuple[Any, str]:
+def resolve_model_config(
+    value: str, base_dir: Path | None = None, trust_remote_code: bool = False
+) -> tuple[Any, str]:
     """The ``transformers`` config of a ``model.path`` value and where it came from (see :func:`locate_model`)."""
     from finetune.catalog import model_config
 
     return model_config(locate_model(value, base_dir or Path.cwd()), trust_remote_code)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Hub: `model.path: org/name` and `data.train: org/dataset` are downloaded into the Hugging Face cache when
+# they are neither local nor cached, unless HF_HUB_OFFLINE=1 (`--offline` sets it). Only what a run reads is
+# fetched: a model's config, tokenizer and safetensors weights (pickled `.bin`/`.pt` weights only with
+# `model.allow_pickle: true`, since unpickling can run code); a dataset's data files. huggingface_hub is
+# imported here only when a download is needed; HF_ENDPOINT points it at another server (the tests' stand-in).
+# --------------------------------------------------------------------------------------------------------------
+
+#: What a model download fetches (safetensors weights; config, tokenizer, generation and chat template files).
+MODEL_FILES = [
+    "*.json",
+    "*.safetensors",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+]
+#: Pickled weight files, fetched only with model.allow_pickle.
+PICKLE_FILES = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl"]
+
+
+def hub_offline() -> bool:
+    """Whether downloads are switched off (HF_HUB_OFFLINE=1, which ``--offline`` sets)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """``org/name`` with nothing that makes it a path (no leading ./~, no file suffix, one slash)."""
+    if value.count("/") != 1 or value.startswith((".", "/", "~")) or Path(value).suffix in DATA_SUFFIXES:
+        return False
+    org, name = value.split("/")
+    return bool(org) and bool(name) and not any(ch in value for ch in "*?[ \\")
+
+
+def _endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+
+
+def _unreachable(key: str, repo_id: str, err: BaseException) -> UserError:
+    reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+    return UserError(
+        f"{key}: could not download `{repo_id}` from the Hugging Face Hub at {_endpoint()} ({reason}); check the "
+        "network or the name, or set HF_HUB_OFFLINE=1 (--offline) to use only local files and the cache"
+    )
+
+
+def _reach(key: str, repo_id: str) -> None:
+    """One request to the Hub through huggingface_hub's own session, without its retries: an unreachable Hub
+    is said at once (its API calls retry a refused connection for ~20 s, logging each attempt)."""
+    from huggingface_hub.utils import get_session, logging
+
+    logging.set_verbosity_error()  # our sentence replaces its per-retry warnings
+    try:
+        get_session().head(_endpoint(), timeout=10)
+    except Exception as err:
+        raise _unreachable(key, repo_id, err) from None
+
+
+def _hub_call(key: str, repo_id: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a huggingface_hub function; any failure to get an answer becomes one sentence naming ``key``."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    _reach(key, repo_id)
+    try:
+        return fn(*args, **kwargs)
+    except RepositoryNotFoundError:
+        raise UserError(
+            f"{key}: `{repo_id}` is not a repository on the Hugging Face Hub at {_endpoint()} "
+            "(or it is private: set HF_TOKEN)"
+        ) from None
+    except GatedRepoError:
+        raise UserError(
+            f"{key}: `{repo_id}` is gated on the Hugging Face Hub; accept its terms on its page and "
+            "set HF_TOKEN"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        raise _unreachable(key, repo_id, err) from None
+    except Exception as err:  # httpx2 connection errors and timeouts: not an OSError
+        if type(err).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2"):
+            raise _unreachable(key, repo_id, err) from None
+        raise
+
+
+def download_model(repo_id: str, *, allow_pickle: bool = False, revision: str | None = None) -> Path:
+    """Download ``repo_id``'s config, tokenizer and safetensors weights into the cache; return the snapshot.
+
+    A repository whose weights are only pickles is refused unless ``allow_pickle``.
+    """
+    from huggingface_hub import HfApi, snapshot_download
+
+    files = _hub_call("model.path", repo_id, HfApi().list_repo_files, repo_id, revision=revision)
+    safetensors = [f for f in files if f.endswith(".safetensors")]
+    pickles = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl"))]
+    if "config.json" not in files:
+        raise UserError(
+            f"model.path: `{repo_id}` on the Hugging Face Hub has no config.json; it is not a "
+            "transformers model repository"
+        )
+    patterns = list(MODEL_FILES)
+    if not safetensors and pickles:
+        if not allow_pickle:
+            raise UserError(
+                f"model.path: `{repo_id}` has only pickled weights ({', '.join(sorted(pickles)[:3])}), which can "
+                "run code when loaded; set model.allow_pickle: true if you trust its author, or use a "
+                "safetensors copy"
+            )
+        patterns += PICKLE_FILES
+    path = _hub_call(
+        "model.path", repo_id, snapshot_download, repo_id, revision=revision, allow_patterns=patterns
+    )
+    return Path(path)
+
+
+def download_config(repo_id: str, revision: str | None = None) -> Path:
+    """Download only ``repo_id``'s config.json (what planning needs); return its directory."""
+    from huggingface_hub import hf_hub_download
+
+    return Path(
+        _hub_call("model.path", repo_id, hf_hub_download, repo_id, "config.json", revision=revision)
+    ).parent
+
+
+def download_dataset(repo_id: str, *, key: str = "data.train", revision: str | None = None) -> Path:
+    """Download ``repo_id``'s data files (.jsonl, .json, .csv, .parquet) into the cache; return the snapshot."""
+    from huggingface_hub import snapshot_download
+
+    patterns = [f"*{s}" for s in DATA_SUFFIXES] + [f"**/*{s}" for s in DATA_SUFFIXES]
+    path = _hub_call(
+        key,
+        repo_id,
+        snapshot_download,
+        repo_id,
+        repo_type="dataset",
+        revision=revision,
+        allow_patterns=patterns,
+    )
+    return Path(path)
+
+
+def _dataset(repo_id: str, key: str) -> Path | None:
+    """A dataset's snapshot: from the cache, else downloaded (None when offline and not cached)."""
+    cached = hub_snapshot(repo_id, "dataset")
+    if cached is not None:
+        return cached
+    return None if hub_offline() else download_dataset(repo_id, key=key)
+
+
+def split_files(snapshot: Path, split: str) -> list[str]:
+    """The data files of ``split`` in a downloaded dataset: those whose path names the split (the Hub's own
+    convention: ``train.jsonl``, ``data/train-00000.parquet``...), else every data file."""
+    files = sorted(
+        p
+        for p in snapshot.rglob("*")
+        if p.is_file() and p.suffix in DATA_SUFFIXES and not p.name.startswith(".")
+    )
+
+    def words(p: Path) -> list[str]:
+        return (
+            p.relative_to(snapshot)
+            .as_posix()
+            .replace(".", "/")
+            .replace("-", "/")
+            .replace("_", "/")
+            .split("/")
+        )
+
+    named = [p for p in files if split in words(p)]
+    return [str(p) for p in (named or files)]
+
+
+def fetch_hub_inputs(loaded: Any) -> bool:
+    """Download the hub ids a recipe names that are neither local nor cached (unless offline), and point the
+    recipe at them; return whether anything was downloaded (the caller then resolves the inputs again).
+
+    The model lands in the Hugging Face cache, where :func:`hub_snapshot` finds it (``model.path`` keeps the id);
+    a dataset's files are written into ``data.train`` (``data.eval``: a split name, or another dataset id).
+    """
+    inputs, r = loaded.inputs, loaded.recipe
+    if inputs is None:
+        return False
+    fetched = False
+    if inputs.model.downloadable:
+        download_model(inputs.model.value, allow_pickle=r.model.allow_pickle)
+        fetched = True
+    specs = r.data.train if isinstance(r.data.train, list) else [r.data.train]
+    new_specs: list[str] = []
+    train_snapshot: Path | None = None
+    for spec, where in zip(specs, inputs.train, strict=True):
+        if where.kind == "missing" and looks_like_hub_id(where.value):
+            train_snapshot = _dataset(where.value, "data.train")
+            if train_snapshot is None:
+                new_specs.append(spec)
+                continue
+            new_specs += split_files(train_snapshot, r.data.split)
+            fetched = True
+        else:
+            new_specs.append(spec)
+    if fetched and new_specs != specs:
+        r.data.train = new_specs if isinstance(r.data.train, list) or len(new_specs) > 1 else new_specs[0]
+    if r.data.eval and inputs.eval is not None and inputs.eval.kind == "missing":
+        held_snapshot = _dataset(r.data.eval, "data.eval") if looks_like_hub_id(r.data.eval) else None
+        if held_snapshot is not None:
+            r.data.eval = split_files(held_snapshot, "validation")[0]
+            fetched = True
+        elif train_snapshot is not None and "/" not in r.data.eval:
+            held = split_files(train_snapshot, r.data.eval)
+            r.data.eval = held[0]
+            fetched = True
+    return fetched

@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from finetune.locate import (
     DataLocation,
     ModelLocation,
+    hub_offline,
     locate_data,
     locate_model,
+    looks_like_hub_id,
     resolve_input_path,
     shipped_recipes_dir,
 )
@@ -41,7 +43,8 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     path: str = Field(
-        description="A local Hugging Face model directory, a hub id already in the local cache, or the name "
+        description="A local Hugging Face model directory, a Hub id (org/name: taken from the local cache, else "
+        "downloaded, config + tokenizer + safetensors only, unless HF_HUB_OFFLINE=1 or --offline), or the name "
         "of a built-in model in recipes/models (e.g. tiny-llama). Relative paths are looked up next to "
         "the recipe first, then in the current directory."
     )
@@ -57,6 +60,10 @@ class ModelConfig(Section):
     )
     trust_remote_code: bool = Field(
         False, description="Run model code shipped with the checkpoint. Off unless you trust its author."
+    )
+    allow_pickle: bool = Field(
+        False,
+        description="Download a Hub model whose weights are only pickles (.bin/.pt); unpickling can run code.",
     )
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="Attention kernel used for training and planned for by `finetune plan`."
@@ -205,6 +212,11 @@ class OutputConfig(Section):
     log_every: int = Field(10, ge=1, description="Write a metrics.jsonl line every N steps.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only the final save).")
     keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
+    push_to_hub: Union[str, None] = Field(
+        None,
+        description="Upload the final model or adapter to this Hub repository (org/name) with a model card holding "
+        "the recipe, the plan and the final metrics (rank 0, after the final save; HF_TOKEN authenticates).",
+    )
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
         description="Also log metrics.jsonl's rows, the recipe and the plan to these (rank 0; wandb offline and "
@@ -563,9 +575,9 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
         problems.append(loaded.problem("model.path", model_problem))
     for i, t in enumerate(inputs.train):
         key = "data.train" if isinstance(r.data.train, str) else f"data.train.{i}"
-        if t.kind == "missing":
+        if t.kind == "missing" and not (looks_like_hub_id(t.value) and not hub_offline()):  # run downloads it
             problems.append(loaded.problem(key, f"no data found at `{t.value}` (looked next to the recipe and in the current directory)"))
-    if inputs.eval is not None and inputs.eval.kind == "missing":
+    if inputs.eval is not None and inputs.eval.kind == "missing" and not _later_from_hub(loaded, inputs.eval.value):
         problems.append(loaded.problem("data.eval", f"no data found at `{inputs.eval.value}`"))
     template = r.data.chat_template
     if template and "{" not in template and not loaded.resolve_input(template).is_file():
@@ -573,6 +585,14 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
             loaded.problem("data.chat_template", f"no template file at `{template}` (a template itself contains {{%)")
         )
     return problems
+
+
+def _later_from_hub(loaded: LoadedRecipe, value: str) -> bool:
+    """Whether ``run`` will download this data.eval: a dataset id, or a split of a data.train dataset id."""
+    if hub_offline():
+        return False
+    train = loaded.recipe.data.train
+    return looks_like_hub_id(value) or (isinstance(train, str) and looks_like_hub_id(train) and "/" not in value)
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

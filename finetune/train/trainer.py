@@ -245,7 +245,19 @@ class Trainer:
         self.save()
         result = self._result(last_eval)
         self.reporter.summary(result, self.plan.chosen, state.skipped_steps)
+        if r.output.push_to_hub and self.ctx.is_main:
+            self.push(r.output.push_to_hub)
         return result
+
+    def push(self, repo_id: str) -> None:
+        """Upload output.dir's model or adapter with its model card (rank 0, after the final save)."""
+        from finetune.publish import model_card, push_folder
+
+        url = push_folder(
+            self.out_dir, repo_id, key="output.push_to_hub", card=model_card(self.out_dir),
+            message=f"finetune: {self.plan.chosen.method} run, {self.state.step} steps",
+        )
+        self.reporter.plain(f"uploaded to the Hub: {repo_id} ({url})")
 
     def save(self) -> None:
         """The final model or adapter and the tokenizer (every rank calls; rank 0 writes)."""
