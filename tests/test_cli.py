@@ -38,10 +38,17 @@ def test_run_with_a_missing_model_is_one_clear_line(tmp_path: Path) -> None:
         "model:\n  path: someone/not-downloaded\nmethod: full\ndata:\n  train: data/reverse/train.jsonl\n"
         f"output:\n  dir: {tmp_path / 'out'}\n"
     )
-    proc = subprocess.run([*CMD, "run", str(recipe)], capture_output=True, text=True, cwd=Path(__file__).parent.parent / "recipes")
+    # --offline: without it the run would try to download the id (tests/test_hub.py covers that path)
+    proc = subprocess.run(
+        [*CMD, "run", str(recipe), "--offline"], capture_output=True, text=True,
+        cwd=Path(__file__).parent.parent / "recipes",
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert f"{recipe}:2: model.path: `someone/not-downloaded` is neither a local directory nor a model in the Hugging Face cache" in proc.stderr
+    assert (
+        f"{recipe}:2: model.path: `someone/not-downloaded` is neither a local directory nor a model in the Hugging "
+        "Face cache, and downloads are off (HF_HUB_OFFLINE=1 or --offline)"
+    ) in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing written
 
 

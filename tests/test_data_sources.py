@@ -113,9 +113,11 @@ def test_hf_dataset_not_in_cache_is_a_clear_error(tmp_path, tok, monkeypatch):
         load(tmp_path, tok, train="someone/not-cached-dataset")
     assert str(err.value).startswith(
         "data.train: `someone/not-cached-dataset` is not a local file or directory, nor a Hugging Face dataset "
-        "in the local cache (this machine cannot download)"
+        "in the local cache (`finetune run` downloads a Hub dataset unless HF_HUB_OFFLINE=1 or --offline)"
     )
     raw = {"model": {"path": str(TINY_MODEL)}, "data": {"train": "someone/not-cached-dataset"}}
+    assert check_files(recipe_from_dict(raw, base_dir=tmp_path)) == []  # a run downloads it (tests/test_hub.py)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     problems = check_files(recipe_from_dict(raw, base_dir=tmp_path))
     assert [p.key for p in problems] == ["data.train"]
 

@@ -86,7 +86,9 @@ def _reverse_rows(n: int, start: int = 0) -> bytes:
     return ("\n".join(rows) + "\n").encode()
 
 
-def test_run_downloads_model_and_dataset_then_pushes_with_a_card(hub: HubServer, tmp_path: Path) -> None:
+def test_run_downloads_then_pushes_and_merge_pushes_with_cards(hub: HubServer, tmp_path: Path) -> None:
+    """A LoRA run on a Hub model and a Hub dataset pushes its adapter; merging it pushes the merged model, from
+    the cache (nothing downloaded again), and its untouched tensors are the Hub's weights bit for bit."""
     files = _weights(tmp_path)
     files["pytorch_model.bin"] = b"a pickle a run must not fetch when safetensors exist"
     hub.state.add("model", "acme/tiny-llama", files)
@@ -99,7 +101,7 @@ def test_run_downloads_model_and_dataset_then_pushes_with_a_card(hub: HubServer,
             "README.md": b"#",
         },
     )
-    recipe = _recipe(tmp_path, output={"push_to_hub": "acme/tiny-reverse"})
+    recipe = _recipe(tmp_path, method="lora", output={"push_to_hub": "acme/tiny-reverse"})
     res = _cli(["run", str(recipe)], hub.env)
     assert res.returncode == 0, res.stderr[-500:] + str(hub.state.unknown)
     got = set(hub.state.downloads)
@@ -109,39 +111,52 @@ def test_run_downloads_model_and_dataset_then_pushes_with_a_card(hub: HubServer,
     out = tmp_path / "run"
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert saved["model"]["path"] == "acme/tiny-llama"
-    assert saved["data"]["train"].endswith("data/train.jsonl") and saved["data"]["eval"].endswith(
-        "validation.jsonl"
-    )
-    # The pretrained weights were the Hub's: the step-0 eval is that of the downloaded model, not a random init.
+    assert saved["data"]["train"].endswith("data/train.jsonl")
+    assert saved["data"]["eval"].endswith("data/validation.jsonl")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
 
-    # The upload: one commit with the model, tokenizer, run files and the card; no checkpoints or trackers.
+    # The upload: one commit with the adapter, tokenizer, run files and the card; no checkpoints.
     assert len(hub.state.commits) == 1
     pushed = hub.state.repos[("model", "acme/tiny-reverse")]
     assert {
-        "model.safetensors",
-        "config.json",
+        "adapter_model.safetensors",
+        "adapter_config.json",
         "tokenizer.json",
         "recipe.yaml",
         "plan.json",
         "README.md",
     } <= set(pushed)
     assert not any(p.startswith("checkpoints/") for p in pushed)
+    assert pushed["adapter_model.safetensors"] == (out / "adapter_model.safetensors").read_bytes()
     card = pushed["README.md"].decode()
-    assert card.startswith("---\nlibrary_name: transformers\n")
+    assert card.startswith("---\nlibrary_name: peft\n")
     assert "base_model: acme/tiny-llama" in card
     assert (out / "recipe.yaml").read_text().strip() in card
     last = {k: v for r in rows for k, v in r.items()}
     assert f"| loss | {last['loss']:.6g} |" in card and f"| eval_loss | {last['eval_loss']:.6g} |" in card
-    assert "| method | full |" in card and "| strategy | single |" in card
+    assert "| method | lora |" in card and "| strategy | single |" in card
     assert "uploaded to the Hub: acme/tiny-reverse" in res.stdout
 
-    # A second run finds both in the cache: offline works, and nothing is downloaded again.
     before = len(hub.state.downloads)
-    res = _cli(["run", str(_recipe(tmp_path, output={"dir": str(tmp_path / "run2")})), "--offline"], hub.env)
+    merged = tmp_path / "merged"
+    res = _cli(["merge", str(out), "--out", str(merged), "--push-to-hub", "acme/merged"], hub.env)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert len(hub.state.downloads) == before
+    assert len(hub.state.downloads) == before  # the base came from the cache
+    pushed = hub.state.repos[("model", "acme/merged")]
+    assert "model.safetensors" in pushed and "adapter_config.json" not in pushed
+    card = pushed["README.md"].decode()
+    assert (
+        card.startswith("---\nlibrary_name: transformers\n") and "merged from the adapter run `run`" in card
+    )
+    assert "| method | lora |" in card and "```yaml" in card
+    from safetensors.torch import load
+
+    served, uploaded = load(files["model.safetensors"]), load(pushed["model.safetensors"])
+    assert all(uploaded[k].equal(served[k]) for k in ("model.embed_tokens.weight", "model.norm.weight"))
+    assert not uploaded["model.layers.0.self_attn.q_proj.weight"].equal(
+        served["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def test_pickle_only_model_is_refused_unless_allowed(hub: HubServer, tmp_path: Path) -> None:
@@ -182,25 +197,3 @@ def test_offline_and_unreachable_are_one_sentence(hub: HubServer, tmp_path: Path
     )
     assert err.endswith("set HF_HUB_OFFLINE=1 (--offline) to use only local files and the cache")
     assert "Traceback" not in res.stderr and len(err.splitlines()) == 1
-
-
-def test_merge_pushes_the_merged_model_with_the_runs_card(hub: HubServer, tmp_path: Path) -> None:
-    hub.state.add("model", "acme/tiny-llama", _weights(tmp_path))
-    (tmp_path / "train.jsonl").write_bytes(_reverse_rows(32))
-    recipe = _recipe(
-        tmp_path,
-        method="lora",
-        data={"train": str(tmp_path / "train.jsonl"), "eval": None},
-        eval={"at_start": False},
-    )
-    assert _cli(["run", str(recipe)], hub.env).returncode == 0
-    res = _cli(
-        ["merge", str(tmp_path / "run"), "--out", str(tmp_path / "merged"), "--push-to-hub", "acme/merged"],
-        hub.env,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    pushed = hub.state.repos[("model", "acme/merged")]
-    assert "model.safetensors" in pushed and "adapter_config.json" not in pushed
-    card = pushed["README.md"].decode()
-    assert "library_name: transformers" in card and "merged from the adapter run `run`" in card
-    assert "| method | lora |" in card and "```yaml" in card

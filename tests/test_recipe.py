@@ -59,7 +59,7 @@ def test_missing_files_are_reported_with_their_keys(tmp_path: Path) -> None:
     loaded = load_recipe(write_recipe(tmp_path / "r.yaml", recipe))
     problems = {p.key: p for p in check_files(loaded)}
     assert set(problems) == {"model.path", "data.train"}
-    assert "cannot download" in problems["model.path"].message
+    assert "nor a Hub id (org/name)" in problems["model.path"].message
     assert problems["data.train"].line == 6  # model: path: init: method: data: train:
 
 

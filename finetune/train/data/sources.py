@@ -181,7 +181,8 @@ def read_hf(name: str, split: str, key: str, required: list[str]) -> Source:
 def _not_cached(key: str, name: str) -> str:
     return (
         f"{key}: `{name}` is not a local file or directory, nor a Hugging Face dataset in the local cache "
-        "(this machine cannot download); give a local .jsonl/.json/.csv/.parquet path"
+        "(`finetune run` downloads a Hub dataset unless HF_HUB_OFFLINE=1 or --offline); give a local "
+        ".jsonl/.json/.csv/.parquet path, or run online"
     )
 
 
