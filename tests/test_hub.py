@@ -172,6 +172,11 @@ def test_pickle_only_model_is_refused_unless_allowed(hub: HubServer, tmp_path: P
         "loaded; set model.allow_pickle: true if you trust its author, or use a safetensors copy"
     )
     assert hub.state.downloads == []
+    # Planning needs only the config: `finetune plan --model` fetches config.json and nothing else.
+    res = _cli(["plan", "--model", "acme/pickled", "--seq-len", "64", "--json"], hub.env)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["model"]["source"] == "hub:acme/pickled"
+    assert hub.state.downloads == ["model:acme/pickled/config.json"]
     code = "import sys; from finetune.locate import download_model; print(download_model(sys.argv[1], allow_pickle=True))"
     res = _cli(["acme/pickled"], hub.env, code=code)
     assert res.returncode == 0, res.stderr

@@ -48,6 +48,7 @@ METRICS = "metrics.jsonl"
 #: What a run writes at the top of output.dir besides checkpoints/ and base/ (``--overwrite`` removes them).
 RUN_FILES = (
     METRICS,
+    "trackers.json",  # tracker run ids (finetune.train.trackers): a fresh run starts new tracker runs
     "recipe.yaml",
     "plan.json",
     "model.safetensors",
