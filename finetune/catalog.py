@@ -1,19 +1,13 @@
 """Public config facts of popular models, for planning without weights or network access.
 
 Each entry holds only what ``AutoConfig.for_model`` needs to build the architecture on the meta device:
-sizes, vocabulary, attention layout, tying. Weights are never involved. :func:`model_config` builds the
-config of a resolved ``model.path`` (see finetune.locate): a catalog name, a local model directory, a built-in
-model (recipes/models) or a hub id in the local cache.
+sizes, vocabulary, attention layout, tying. Weights are never involved. ``finetune.locate.model_config``
+builds the config of a resolved ``model.path`` from these facts when it names a catalog entry.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from finetune.errors import UserError
-
-if TYPE_CHECKING:
-    from finetune.locate import ModelLocation
+from typing import Any
 
 _LLAMA31 = {"model_type": "llama", "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
             "max_position_embeddings": 131072, "tie_word_embeddings": False}
@@ -69,34 +63,3 @@ def catalog_name(name: str) -> str | None:
         if key.endswith(suffix) and key[: -len(suffix)] in CATALOG:
             key = key[: -len(suffix)]
     return key if key in CATALOG else None
-
-
-def model_config(location: ModelLocation, trust_remote_code: bool = False) -> tuple[Any, str]:
-    """A ``transformers`` config for a resolved ``model.path``; return (config, where it came from).
-
-    A local directory or cached hub snapshot is read from disk; a catalog name is built from its facts.
-    Raises :class:`UserError` for a model that is none of these.
-    """
-    from transformers import AutoConfig
-
-    if location.kind == "catalog":
-        facts = dict(CATALOG[location.path])
-        return AutoConfig.for_model(facts.pop("model_type"), **facts), f"catalog:{location.path}"
-    if location.kind == "hub":  # planning needs only the config: fetch that one file
-        from finetune.locate import download_config
-
-        path = download_config(location.value)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
-        return config, f"hub:{location.value}"
-    problem = location.problem()
-    if problem is not None:
-        if location.kind == "missing":
-            problem = (
-                f"model `{location.value}` is not a local model directory, a catalog model ({', '.join(CATALOG)}) "
-                "or a hub id in the local cache"
-            )
-        raise UserError(problem)
-    config = AutoConfig.from_pretrained(location.path, trust_remote_code=trust_remote_code, local_files_only=True)
-    source = location.path if location.kind == "dir" else f"hub-cache:{location.value}"
-    return config, source
-

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from finetune.catalog import catalog_name
+from finetune.catalog import CATALOG, catalog_name
 from finetune.errors import UserError
 
 #: Data files this tool reads.
@@ -229,12 +229,38 @@ def locate_data(spec: str, base_dir: Path, *, split_of: DataLocation | None = No
     return DataLocation(spec, "missing", spec)
 
 
+def model_config(location: ModelLocation, trust_remote_code: bool = False) -> tuple[Any, str]:
+    """A ``transformers`` config for a resolved ``model.path``; return (config, where it came from).
+
+    A local directory or cached hub snapshot is read from disk; a catalog name is built from its facts.
+    Raises :class:`UserError` for a model that is none of these.
+    """
+    from transformers import AutoConfig
+
+    if location.kind == "catalog":
+        facts = dict(CATALOG[location.path])
+        return AutoConfig.for_model(facts.pop("model_type"), **facts), f"catalog:{location.path}"
+    if location.kind == "hub":  # planning needs only the config: fetch that one file
+        path = download_config(location.value)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+        return config, f"hub:{location.value}"
+    problem = location.problem()
+    if problem is not None:
+        if location.kind == "missing":
+            problem = (
+                f"model `{location.value}` is not a local model directory, a catalog model ({', '.join(CATALOG)}) "
+                "or a hub id in the local cache"
+            )
+        raise UserError(problem)
+    config = AutoConfig.from_pretrained(location.path, trust_remote_code=trust_remote_code, local_files_only=True)
+    source = location.path if location.kind == "dir" else f"hub-cache:{location.value}"
+    return config, source
+
+
 def resolve_model_config(
     value: str, base_dir: Path | None = None, trust_remote_code: bool = False
 ) -> tuple[Any, str]:
     """The ``transformers`` config of a ``model.path`` value and where it came from (see :func:`locate_model`)."""
-    from finetune.catalog import model_config
-
     return model_config(locate_model(value, base_dir or Path.cwd()), trust_remote_code)
 
 

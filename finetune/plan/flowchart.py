@@ -59,7 +59,7 @@ class Request:
 
 def request_from_recipe(loaded: LoadedRecipe) -> Request:
     """A :class:`Request` from a validated recipe (model config from its path, the catalog or the cache)."""
-    from finetune.catalog import model_config
+    from finetune.locate import model_config
 
     r = loaded.recipe
     assert loaded.inputs is not None, "load_recipe resolves the inputs"
