@@ -26,20 +26,34 @@ def greedy_tokens(
     """The (B, max_new_tokens) greedy continuation of a left-padded batch, with a KV cache.
 
     The planner traces this function (``finetune.plan.evaluation``) for the memory of generation.
+
+    A prefix-tuned peft model puts its prefix into the cache on every call, so it runs without a KV cache
+    across steps (each step sees the whole sequence) and with positions after the prefix, as in training,
+    where transformers numbers the tokens from the cache's length.
     """
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    from finetune.adapters import prefix_tokens
+
+    virtual = prefix_tokens(model)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0) + virtual
     out_tokens = torch.empty((ids.shape[0], 0), dtype=torch.long, device=ids.device)
     cache = None
     step_ids = ids
     step_pos = positions
     for _ in range(max_new_tokens):
         with autocast():
-            out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache, use_cache=True)
-        cache = out.cache
+            if virtual:
+                out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=False)
+            else:
+                out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache, use_cache=True)
+        cache = None if virtual else out.cache
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         del out  # the prompt's (B, T, V) logits must not outlive the step that needs them
         out_tokens = torch.cat([out_tokens, nxt], dim=1)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-        step_ids = nxt
-        step_pos = step_pos[:, -1:] + 1
+        if virtual:
+            step_ids = torch.cat([step_ids, nxt], dim=1)
+            step_pos = torch.cat([step_pos, step_pos[:, -1:] + 1], dim=1)
+        else:
+            step_ids = nxt
+            step_pos = step_pos[:, -1:] + 1
     return out_tokens

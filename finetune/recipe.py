@@ -79,6 +79,36 @@ class LoraConfig(Section):
         description="Module names that get adapters (e.g. [q_proj, v_proj]) or `all-linear`; unset: peft's choice "
         "for the architecture (q_proj, v_proj for Llama; c_attn for GPT-2), all-linear where it has none.",
     )
+    use_dora: bool = Field(
+        False, description="DoRA: a trained magnitude per output feature times the LoRA-updated direction (peft)."
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale the update by alpha / sqrt(r) instead of alpha / r.")
+    init: Literal["default", "gaussian"] = Field(
+        "default", description="Initialisation of A (B starts at zero): default (Kaiming-uniform) or gaussian (peft's)."
+    )
+
+
+class PrefixConfig(Section):
+    num_virtual_tokens: int = Field(
+        20, ge=1, description="Trained key/value positions put before every sequence, in every layer."
+    )
+    projection: bool = Field(
+        False, description="Reparametrise the prefix through a 2-layer MLP (trained, discarded at save: peft's)."
+    )
+    projection_hidden: Union[PositiveInt, None] = Field(
+        None, description="Width of the projection MLP (default: the model's key/value width)."
+    )
+
+
+class AdapterConfig(Section):
+    size: Union[PositiveInt, None] = Field(
+        None, description="Bottleneck width of each adapter; unset: hidden size / reduction_factor."
+    )
+    reduction_factor: float = Field(16.0, gt=0, description="hidden size / bottleneck width (when size is unset).")
+    non_linearity: Literal["relu", "gelu", "silu", "tanh"] = Field("relu", description="Between down and up projection.")
+    placement: Literal["both", "attention", "mlp"] = Field(
+        "both", description="After the attention and the MLP of every layer (both: Houlsby), or one of them."
+    )
 
 
 class QuantizationConfig(Section):
@@ -240,10 +270,14 @@ class Recipe(Section):
     """A whole fine-tuning recipe."""
 
     model: ModelConfig
-    method: Literal["full", "lora", "qlora", "auto"] = Field(
-        "full", description="full: train every weight; lora: adapters on a frozen base; qlora: adapters on a 4-bit base."
+    method: Literal["full", "lora", "qlora", "prefix", "adapter", "auto"] = Field(
+        "full",
+        description="full: train every weight; lora: adapters on a frozen base; qlora: adapters on a 4-bit base; "
+        "prefix: trained key/value prefixes (prefix tuning); adapter: bottleneck adapters after attention and MLP.",
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter settings (lora and qlora).")
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig, description="Prefix tuning settings (method prefix).")
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="Bottleneck adapter settings (method adapter).")
     quantization: QuantizationConfig = Field(
         default_factory=QuantizationConfig, description="Base-weight quantization (qlora)."
     )
@@ -579,6 +613,7 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
             problems.append(loaded.problem(key, f"no data found at `{t.value}` (looked next to the recipe and in the current directory)"))
     if inputs.eval is not None and inputs.eval.kind == "missing" and not _later_from_hub(loaded, inputs.eval.value):
         problems.append(loaded.problem("data.eval", f"no data found at `{inputs.eval.value}`"))
+    problems += check_method(loaded, inputs)
     template = r.data.chat_template
     if template and "{" not in template and not loaded.resolve_input(template).is_file():
         problems.append(
@@ -593,6 +628,45 @@ def _later_from_hub(loaded: LoadedRecipe, value: str) -> bool:
         return False
     train = loaded.recipe.data.train
     return looks_like_hub_id(value) or (isinstance(train, str) and looks_like_hub_id(train) and "/" not in value)
+
+
+def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
+    """Settings that contradict the method (or the model): one problem each, naming the key."""
+    r = loaded.recipe
+    problems: list[Problem] = []
+    lora_methods = ("lora", "qlora", "auto")
+    for key, on in (("lora.use_dora", r.lora.use_dora), ("lora.use_rslora", r.lora.use_rslora)):
+        if on and r.method not in lora_methods:
+            what = "DoRA" if key.endswith("dora") else "rsLoRA"
+            problems.append(loaded.problem(
+                key, f"{what} is a kind of LoRA but method is {r.method}; set method: lora or qlora, or remove {key}"
+            ))
+    if r.method == "prefix":
+        if r.train.activation_checkpointing is True:
+            problems.append(loaded.problem(
+                "train.activation_checkpointing",
+                "transformers drops the key/value cache, which holds the trained prefix, in checkpointed layers; "
+                "set it to false or auto for method: prefix",
+            ))
+        if r.data.packing:
+            problems.append(loaded.problem(
+                "data.packing", "packed rows would all attend to one prefix across documents; set data.packing: false "
+                "for method: prefix",
+            ))
+    if r.method == "adapter" and r.adapter.size is not None and inputs.model.problem() is None:
+        from finetune.catalog import model_config
+
+        try:
+            hidden = int(model_config(inputs.model, r.model.trust_remote_code)[0].hidden_size)
+        except Exception:  # the model's own problem is reported by model.path
+            hidden = None
+        if hidden is not None and r.adapter.size > hidden:
+            problems.append(loaded.problem(
+                "adapter.size",
+                f"{r.adapter.size} is wider than the model's hidden size {hidden}: a bottleneck must be narrower; "
+                f"use at most {hidden} (e.g. {max(1, hidden // 16)})",
+            ))
+    return problems
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

@@ -39,6 +39,8 @@ class Method(_Name):
     FULL = "full"
     LORA = "lora"
     QLORA = "qlora"
+    PREFIX = "prefix"
+    ADAPTER = "adapter"
 
     @property
     def adapters(self) -> bool:
@@ -51,9 +53,28 @@ class Method(_Name):
         return self is Method.QLORA
 
     @property
+    def lora(self) -> bool:
+        """Trains peft LoRA (or DoRA) adapters, which fold into the base weights (``finetune merge``)."""
+        return self in (Method.LORA, Method.QLORA)
+
+    @property
+    def adapter_kind(self) -> str | None:
+        """What is injected into the frozen base: lora, prefix (peft prefix tuning) or bottleneck (None: full)."""
+        return {"lora": "lora", "qlora": "lora", "prefix": "prefix", "adapter": "bottleneck"}.get(self.value)
+
+    @property
+    def recomputable(self) -> bool:
+        """Activation checkpointing keeps its behaviour. Not for prefix tuning: transformers drops the KV cache,
+        which holds the trained prefix, in checkpointed decoder layers."""
+        return self is not Method.PREFIX
+
+    @property
     def title(self) -> str:
         """The name people use."""
-        return {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}[self.value]
+        return {
+            "full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA", "prefix": "prefix tuning",
+            "adapter": "bottleneck adapters",
+        }[self.value]
 
 
 class Strategy(_Name):
@@ -148,6 +169,63 @@ class QuantSpec:
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    """What is trained on a frozen base, the same for the planner's inventory and traces and the trainer
+    (finetune/adapters.py injects it). Hashable: it keys the planner's caches."""
+
+    kind: str  # lora | prefix | bottleneck
+    # lora (peft LoraConfig): rank, scale, dropout, targets (None: peft's choice), DoRA, rsLoRA, init
+    r: int = 0
+    alpha: float = 0.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str | None = None
+    use_dora: bool = False
+    use_rslora: bool = False
+    init: str = "default"
+    # prefix (peft PrefixTuningConfig): virtual tokens per layer, reparametrisation MLP and its width
+    num_virtual_tokens: int = 0
+    projection: bool = False
+    projection_hidden: int | None = None
+    # bottleneck (finetune/adapters.py): width (None: hidden / reduction_factor), activation, where
+    size: int | None = None
+    reduction_factor: float = 16.0
+    non_linearity: str = "relu"
+    placement: str = "both"  # attention | mlp | both
+
+    def bottleneck_size(self, hidden: int) -> int:
+        """Width of a bottleneck adapter in a model of ``hidden`` features."""
+        return self.size if self.size is not None else max(1, int(hidden // self.reduction_factor))
+
+
+def adapter_spec(method: str, lora: Any = None, prefix: Any = None, adapter: Any = None) -> AdapterSpec | None:
+    """The :class:`AdapterSpec` of ``method`` from the recipe's ``lora`` / ``prefix`` / ``adapter`` sections
+    (None for full fine-tuning; a missing section: its defaults)."""
+    kind = Method(method).adapter_kind
+    if kind == "lora":
+        tm = getattr(lora, "target_modules", None)
+        return AdapterSpec(
+            kind="lora", r=int(getattr(lora, "r", 8)), alpha=float(getattr(lora, "alpha", 16.0)),
+            dropout=float(getattr(lora, "dropout", 0.0)), target_modules=tuple(tm) if isinstance(tm, list) else tm,
+            use_dora=bool(getattr(lora, "use_dora", False)), use_rslora=bool(getattr(lora, "use_rslora", False)),
+            init=str(getattr(lora, "init", "default")),
+        )
+    if kind == "prefix":
+        return AdapterSpec(
+            kind="prefix", num_virtual_tokens=int(getattr(prefix, "num_virtual_tokens", 20)),
+            projection=bool(getattr(prefix, "projection", False)),
+            projection_hidden=getattr(prefix, "projection_hidden", None),
+        )
+    if kind == "bottleneck":
+        return AdapterSpec(
+            kind="bottleneck", size=getattr(adapter, "size", None),
+            reduction_factor=float(getattr(adapter, "reduction_factor", 16.0)),
+            non_linearity=str(getattr(adapter, "non_linearity", "relu")),
+            placement=str(getattr(adapter, "placement", "both")),
+        )
+    return None
+
+
+@dataclass(frozen=True)
 class ExecSpec:
     """How one configuration stores and computes each kind of tensor (see the module docstring)."""
 
@@ -165,6 +243,7 @@ class ExecSpec:
     loss_scaling: bool  # fp16: dynamic loss scaling
     checkpointing: bool  # activation checkpointing of every decoder block, applied once before wrapping
     reshard_after_forward: bool  # FSDP2 units (ZeRO-3); the root never reshards
+    adapter: AdapterSpec | None = None  # what is trained on the frozen base (None: full fine-tuning)
 
     @property
     def trainable_bytes(self) -> int:
@@ -199,7 +278,11 @@ class ExecSpec:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
         quant = d.pop("quant", None)
+        adapter = d.pop("adapter", None)
+        if adapter and isinstance(adapter.get("target_modules"), list):
+            adapter["target_modules"] = tuple(adapter["target_modules"])
         return cls(
+            adapter=AdapterSpec(**adapter) if adapter else None,
             method=Method(d.pop("method")),
             strategy=Strategy(d.pop("strategy")),
             precision=Precision(d.pop("precision")),
@@ -217,23 +300,28 @@ def execution_spec(
     world_size: int = 1,
     model_dtype: str = "auto",
     quantization: Any = None,
+    lora: Any = None,
+    prefix: Any = None,
+    adapter: Any = None,
 ) -> ExecSpec:
     """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
 
     Storage rules (the trainer builds exactly this, and checks it at run start on every rank):
       full   every weight trained, in the master dtype (fp32; bf16 for bf16-pure).
       lora   frozen base in ``model.dtype`` when pinned, else the compute dtype; adapters fp32.
+      prefix, adapter   stored as lora: frozen base, the prefix encoder or the bottleneck modules fp32.
       qlora  linear weights quantized: 4-bit codes in uint8, or in the compute dtype under FSDP2 (ZeRO-2 and
              FSDP alike, which then shard them like any parameter); 8-bit in int8. Every other base weight in
              ``quantization.compute_dtype`` (auto: the run's compute dtype); adapters fp32.
-    ``quantization`` is the recipe's section (bits, quant_type, double_quant, compute_dtype) or None.
+    ``quantization`` is the recipe's section (bits, quant_type, double_quant, compute_dtype) or None;
+    ``lora`` / ``prefix`` / ``adapter`` the recipe's sections that shape what is trained (:func:`adapter_spec`).
     """
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
     compute = p.compute
     trainable = p.master if m is Method.FULL else "fp32"
     frozen: str | None = None
     quant: QuantSpec | None = None
-    if m is Method.LORA:
+    if m in (Method.LORA, Method.PREFIX, Method.ADAPTER):
         frozen = "bf16" if p is Precision.BF16_PURE else (compute if model_dtype in ("auto", None) else model_dtype)
     elif m is Method.QLORA:
         bits = int(getattr(quantization, "bits", 4))
@@ -267,4 +355,5 @@ def execution_spec(
         loss_scaling=p is Precision.FP16,
         checkpointing=bool(checkpointing),
         reshard_after_forward=s.reshards_after_forward,
+        adapter=adapter_spec(m, lora, prefix, adapter),
     )

@@ -22,11 +22,11 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from finetune.plan.shapes import decoder_layer_names, lora_kwargs, reduced_config
-from finetune.spec import ExecSpec
+from finetune.plan.shapes import decoder_layer_names, reduced_config
+from finetune.spec import AdapterSpec, ExecSpec
 from finetune.units import torch_dtype
 
 WINDOWS = ("head", "first", "last")
@@ -39,26 +39,33 @@ TRACE_LAYERS = 2
 class TraceSpec:
     """What to trace: everything that changes activation memory (dtypes from the execution spec)."""
 
-    method: str  # full | lora | qlora
+    method: str  # full | lora | qlora | prefix | adapter
     checkpointing: bool
     seq_len: int
     packed: bool
     attn_implementation: str = "sdpa"
-    lora: tuple | None = None  # (r, alpha, dropout, target_modules)
+    adapter: AdapterSpec | None = None  # what is trained on the frozen base (the execution spec's)
     base_dtype: str = "fp32"  # dtype the model is built in: full's masters, or the frozen base's
     autocast_dtype: str | None = None  # torch.autocast around the forward (single, DDP, ZeRO-1)
     fsdp_compute_dtype: str | None = None  # FSDP2 mixed precision: every parameter computed in it, no autocast
 
     @classmethod
-    def of(cls, spec: ExecSpec, *, seq_len: int, packed: bool, attn_implementation: str, lora: tuple | None) -> TraceSpec:
-        """The trace of one execution spec at ``seq_len`` tokens per row."""
+    def of(
+        cls, spec: ExecSpec, *, seq_len: int, packed: bool, attn_implementation: str, lora: tuple | None = None
+    ) -> TraceSpec:
+        """The trace of one execution spec at ``seq_len`` tokens per row (``lora``: (r, alpha, dropout,
+        targets) replacing the spec's LoRA shape)."""
+        adapter = spec.adapter if spec.method.adapters else None
+        if lora is not None and adapter is not None and adapter.kind == "lora":
+            r, alpha, dropout, targets = lora
+            adapter = replace(adapter, r=r, alpha=alpha, dropout=dropout, target_modules=targets)
         return cls(
             method=str(spec.method),
             checkpointing=spec.checkpointing,
             seq_len=seq_len,
             packed=packed,
             attn_implementation=attn_implementation,
-            lora=lora if spec.method.adapters else None,
+            adapter=adapter,
             base_dtype=spec.base_dtype(False),
             autocast_dtype=spec.compute_dtype if spec.autocast else None,
             fsdp_compute_dtype=spec.fsdp_param_dtype,
@@ -284,7 +291,7 @@ def _window_tracker(root: str, layer_names: list[str], model: Any) -> Any:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 6  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
+TRACE_VERSION = 7  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
@@ -374,12 +381,12 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
     model.train()
     if spec.method == "qlora":
         _emulate_kbit_preparation(model)
-    if spec.method != "full":
-        from peft import LoraConfig, get_peft_model
+    if spec.adapter is not None:
+        from finetune.adapters import inject
 
-        r, alpha, dropout, targets = spec.lora
-        lora = _LoraArgs(r, alpha, dropout, list(targets) if isinstance(targets, tuple) else targets)
-        model = get_peft_model(model, LoraConfig(**lora_kwargs(lora, cfg.model_type)))
+        # prefix tuning: the prefix of every layer of the real model is computed up front (one embedding
+        # lookup), so it is traced at full depth, outside the per-layer increment
+        model = inject(model, spec.adapter, num_layers=config.num_hidden_layers)
     if compute is not None:  # FSDP2's MixedPrecisionPolicy casts adapters and norms too
         for prm in model.parameters():
             if prm.is_floating_point():
@@ -418,14 +425,6 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
         (a_in, c_in), (a_out, c_out) = tracker.layer_in, tracker.layer_out
         return TraceResult(tracker.windows, a_out - a_in, c_out - c_in, grads)
-
-
-@dataclass
-class _LoraArgs:
-    r: int
-    alpha: float
-    dropout: float
-    target_modules: Any
 
 
 def _attention_kernels(attn_implementation: str) -> Any:

@@ -18,14 +18,14 @@ from finetune.errors import UserError
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.hardware import GPU_TYPES, Hardware, detect_hardware
 from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Setup, candidate_memory
-from finetune.plan.shapes import Inventory, build_inventory, lora_key, lora_targets
+from finetune.plan.shapes import Inventory, build_inventory, lora_targets
 from finetune.plan.types import Candidate, Plan
 from finetune.recipe import LoadedRecipe
-from finetune.spec import ExecSpec, Method, Precision, Strategy, execution_spec
+from finetune.spec import ExecSpec, Method, Precision, Strategy, adapter_spec, execution_spec
 from finetune.units import fmt_bytes
 
 STRATEGY_NAMES = {"single": "one process", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
-METHOD_NAMES = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}
+METHOD_NAMES = {m.value: m.title for m in Method}
 PRECISION_NAMES = {
     "bf16": "bf16 mixed precision (fp32 master weights, no loss scaler)",
     "fp16": "fp16 mixed precision (fp32 master weights, dynamic loss scaling)",
@@ -49,6 +49,8 @@ class Request:
     seq_len: int = 512
     packed: bool = False
     lora: Any = None
+    prefix: Any = None  # the recipe's prefix section (method prefix)
+    adapter: Any = None  # the recipe's adapter section (method adapter)
     model_dtype: str = "auto"  # model.dtype: the frozen base's storage (lora)
     quantization: Any = None  # the recipe's quantization section (qlora); None: its defaults
     attn_implementation: str = "sdpa"
@@ -78,6 +80,8 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         seq_len=r.data.max_seq_len,
         packed=r.data.packing,
         lora=r.lora,
+        prefix=r.prefix,
+        adapter=r.adapter,
         model_dtype=r.model.dtype,
         quantization=r.quantization,
         attn_implementation=r.model.attn_implementation,
@@ -129,8 +133,9 @@ class _Planner:
             from finetune.recipe import LoraConfig
 
             self.lora = LoraConfig()
-        adapters = self.lora if req.method != "full" else None  # a pinned full run never reads lora:
-        self.inv: Inventory = build_inventory(req.config, req.source, adapters)
+        # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:
+        self.adapter = adapter_spec("lora" if req.method == "auto" else req.method, self.lora, req.prefix, req.adapter)
+        self.inv: Inventory = build_inventory(req.config, req.source, self.adapter)
         if req.attn_implementation == "sdpa" and not _supports_sdpa(req.config):
             self.req = replace(req, attn_implementation="eager")
             self.say(
@@ -144,13 +149,14 @@ class _Planner:
         """How ``method`` under ``strategy`` stores and computes each tensor (what the trainer will build)."""
         return execution_spec(
             method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
-            model_dtype=self.req.model_dtype, quantization=self.req.quantization,
+            model_dtype=self.req.model_dtype, quantization=self.req.quantization, lora=self.lora,
+            prefix=self.req.prefix, adapter=self.req.adapter,
         )
 
     def profile(self, spec: ExecSpec) -> ActivationProfile:
         trace = TraceSpec.of(
             spec, seq_len=self.req.seq_len, packed=self.req.packed,
-            attn_implementation=self.req.attn_implementation, lora=lora_key(self.lora),
+            attn_implementation=self.req.attn_implementation,
         )
         if trace not in self.profiles:
             self.profiles[trace] = activation_profile(self.req.config, trace)
@@ -252,6 +258,8 @@ class _Planner:
     def choose_method_and_strategy(self) -> tuple[Candidate | None, list[Candidate]]:
         mbs1 = self.req.micro_batch_size or 1
         acs = [False, True] if self.req.checkpointing is None else [self.req.checkpointing]
+        if self.req.method != "auto" and not Method(self.req.method).recomputable:
+            acs = [False]  # prefix tuning: checkpointed layers would drop the prefix (see Method.recomputable)
         cap = fmt_bytes(self.hw.memory_bytes)
         tried: list[Candidate] = []
         methods = self.methods()
@@ -273,10 +281,16 @@ class _Planner:
                 sb = self.inv.storage(self.exec_spec(nxt, "single", False))
                 targets = lora_targets(self.lora, self.req.config.model_type)
                 targets = targets if isinstance(targets, str) else ", ".join(targets)
+                base = ""
+                if Method(nxt).quantized:  # 4-bit NF4 on the ladder; 8-bit only when quantization.bits pins it
+                    q = self.exec_spec(nxt, "single", False).quant
+                    assert q is not None
+                    base = f"{q.quant_type.upper()} 4-bit" if q.bits == 4 else "LLM.int8 8-bit"
+                    base = f" {base}"
                 self.say(
                     f"{METHOD_NAMES[method][0].upper() + METHOD_NAMES[method][1:]} does not fit at micro-batch "
                     f"{mbs1} under any strategy: trying {METHOD_NAMES[nxt]} ({sb.trainable / 1e6:.1f}M trainable "
-                    f"parameters, r={self.lora.r} on {targets}, base weights {fmt_bytes(sb.param_bytes)})."
+                    f"parameters, r={self.lora.r} on {targets},{base} base weights {fmt_bytes(sb.param_bytes)})."
                 )
         return None, tried
 
@@ -395,7 +409,8 @@ class _Planner:
                 saved = self.world, self.hw.gpus_per_node
                 self.world, self.hw.gpus_per_node = k, k // self.hw.nodes or 1
                 try:
-                    c = self.evaluate(method, strat, 1, True if self.req.checkpointing is None else self.req.checkpointing)
+                    ac = Method(method).recomputable if self.req.checkpointing is None else self.req.checkpointing
+                    c = self.evaluate(method, strat, 1, ac)
                 finally:
                     self.world, self.hw.gpus_per_node = saved
                 if c.fits:

@@ -1,7 +1,9 @@
 """Model inventory without weights: exact parameter counts by block, dtype and trainability.
 
 The model is built on the meta device from its config with ONE decoder layer (decoder layers of one model
-are identical in shape), LoRA adapters are injected by peft itself, and the totals are
+are identical in shape), adapters are injected by finetune.adapters.inject (peft for LoRA/DoRA and prefix
+tuning, whose prompt encoder is sized for every layer and counted outside the blocks; our bottleneck
+modules), and the totals are
 ``outside-the-blocks + num_layers x one-block``: exact, and instant even for 405B parameters.
 
 Storage follows the execution spec (finetune/spec.py), which the trainer builds exactly:
@@ -20,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.spec import DTYPE_BYTES, ExecSpec, QuantSpec
+from finetune.spec import DTYPE_BYTES, AdapterSpec, ExecSpec, QuantSpec, adapter_spec
 
 # bitsandbytes 4-bit layout (Params4bit + QuantState with double quantization), per quantized weight of n values
 NF4_BLOCKSIZE = 64
@@ -44,7 +46,7 @@ class Tensor:
     numel: int
     in_block: bool  # inside a decoder layer (repeated num_layers times)
     quantizable: bool  # a Linear weight that bitsandbytes would quantize
-    adapter: bool  # a LoRA adapter weight
+    adapter: bool  # a trained adapter weight (LoRA/DoRA, prefix encoder, bottleneck)
     rows: int = 1  # output features of a quantizable weight (LLM.int8 keeps one scale per row)
 
 
@@ -180,45 +182,31 @@ def decoder_layer_names(model: Any) -> list[str]:
 
 
 def lora_targets(lora: Any, model_type: str) -> list[str] | str:
-    """The modules that get adapters: the recipe's ``lora.target_modules``; when unset, peft's choice for the
-    architecture (q_proj and v_proj for Llama, Qwen2, Mistral, Gemma; c_attn for GPT-2), and every linear
-    layer (``all-linear``) for architectures peft has no choice for (Phi-3's fused qkv_proj)."""
-    if lora.target_modules is not None:
-        return lora.target_modules
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+    """The modules that get LoRA adapters for the recipe's ``lora`` section (see finetune.adapters)."""
+    from finetune.adapters import lora_targets as targets
 
-    return list(PEFT_DEFAULTS.get(model_type) or []) or "all-linear"
+    return targets(lora.target_modules, model_type)
 
 
-def lora_kwargs(lora: Any, model_type: str) -> dict[str, Any]:
-    """peft ``LoraConfig`` arguments from the recipe's ``lora`` section, for a model of ``model_type``."""
-    return {
-        "r": lora.r,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": lora_targets(lora, model_type),
-        "task_type": "CAUSAL_LM",
-    }
+def as_adapter_spec(adapter: Any) -> AdapterSpec | None:
+    """An :class:`AdapterSpec`, from one or from a recipe ``lora`` section (LoRA's shape)."""
+    if adapter is None or isinstance(adapter, AdapterSpec):
+        return adapter
+    return adapter_spec("lora", adapter)
 
 
-def build_inventory(config: Any, source: str, lora: Any | None = None) -> Inventory:
-    """Count every parameter of ``config``'s model (and of its LoRA adapters when ``lora`` is given)."""
-    key = (config.to_json_string(use_diff=False), source, lora_key(lora))
-    return _inventory_cached(key, config, source, lora)
-
-
-def lora_key(lora: Any) -> tuple | None:
-    """The hashable form of a recipe ``lora`` section (a cache key, a :class:`TraceSpec` field)."""
-    if lora is None:
-        return None
-    tm = lora.target_modules
-    return (lora.r, lora.alpha, lora.dropout, tuple(tm) if isinstance(tm, list) else tm)
+def build_inventory(config: Any, source: str, adapter: Any = None) -> Inventory:
+    """Count every parameter of ``config``'s model (and of what ``adapter`` trains on it when given: an
+    :class:`AdapterSpec`, or a recipe ``lora`` section)."""
+    spec = as_adapter_spec(adapter)
+    key = (config.to_json_string(use_diff=False), source, spec)
+    return _inventory_cached(key, config, source, spec)
 
 
 _INV_CACHE: dict[Any, Inventory] = {}
 
 
-def _inventory_cached(key: Any, config: Any, source: str, lora: Any) -> Inventory:
+def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec | None) -> Inventory:
     if key in _INV_CACHE:
         return _INV_CACHE[key]
     import torch
@@ -249,17 +237,13 @@ def _inventory_cached(key: Any, config: Any, source: str, lora: Any) -> Inventor
         if quantizable:  # GPT-2's Conv1D stores [in, out]
             rows = p.shape[1] if isinstance(model.get_submodule(owner), Conv1D) else p.shape[0]
         inv.base.append(Tensor(name, p.numel(), name.startswith(block_prefix), quantizable, False, rows))
-    if lora is not None:
-        from peft import LoraConfig, get_peft_model
+    if adapter is not None:
+        from finetune.adapters import inject
 
-        try:
-            peft_model = get_peft_model(model, LoraConfig(**lora_kwargs(lora, config.model_type)))
-        except ValueError as exc:  # e.g. target modules not found in the model
-            from finetune.errors import UserError
-
-            raise UserError(f"lora.target_modules: {exc}") from None
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
+        # prefix tuning: the prompt encoder sized for every layer of the real model (it lives outside the blocks)
+        adapted = inject(model, adapter, num_layers=config.num_hidden_layers)
+        for name, p in adapted.named_parameters():
+            if p.requires_grad:
                 inv.adapters.append(Tensor(name, p.numel(), block_prefix in name, False, True))
     _INV_CACHE[key] = inv
     return inv

@@ -140,6 +140,12 @@ def run_identity(method: str, model_path: str, world_size: int, strategy: str, r
     }
     if method in ("lora", "qlora"):
         ident["lora"] = {"r": recipe.lora.r, "target_modules": recipe.lora.target_modules}
+        if recipe.lora.use_dora:
+            ident["lora"]["use_dora"] = True
+    elif method == "prefix":
+        ident["prefix"] = recipe.prefix.model_dump()
+    elif method == "adapter":
+        ident["adapter"] = recipe.adapter.model_dump()
     return ident
 
 
@@ -151,6 +157,8 @@ _WHAT = {
     "global_batch_size": ("train.global_batch_size", "the global batch size"),
     "seed": ("train.seed", "the seed"),
     "lora": ("lora", "the adapter shape (lora.r, lora.target_modules)"),
+    "prefix": ("prefix", "the prefix settings"),
+    "adapter": ("adapter", "the bottleneck adapter settings"),
 }
 
 

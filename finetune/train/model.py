@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError
-from finetune.plan.shapes import lora_targets
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.units import DTYPE_NAMES, torch_dtype
@@ -67,30 +66,20 @@ def load_base_model(
 
 
 def add_adapters(model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
-    """Wrap ``model`` with peft LoRA adapters (lora/qlora); full fine-tuning trains every weight."""
+    """What ``spec.adapter`` trains, on the frozen ``model`` (finetune.adapters.inject: peft LoRA/DoRA, peft
+    prefix tuning, or bottleneck adapters); full fine-tuning trains every weight."""
     if not spec.method.adapters:
         for p in model.parameters():
             p.requires_grad_(True)
         return model
-    from peft import LoraConfig, get_peft_model
+    from finetune.adapters import inject
 
-    lc = loaded.recipe.lora
+    assert spec.adapter is not None, "the execution spec of an adapter method says what it trains"
     # QLoRA: no peft prepare_model_for_kbit_training. It would upcast the frozen embeddings, norms and head to
     # fp32, which doubles the residual stream's activations (every 4-bit matmul returns its input's dtype) and
     # the head's storage: Llama-3.1-8B at 4096 tokens needed more memory under QLoRA than under LoRA. They stay
     # in the compute dtype, as LoRA's frozen base does; get_peft_model freezes them and keeps adapters fp32.
-    config = LoraConfig(
-        r=lc.r,
-        lora_alpha=lc.alpha,
-        lora_dropout=lc.dropout,
-        target_modules=lora_targets(lc, model.config.model_type),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    try:
-        return get_peft_model(model, config)
-    except ValueError as exc:
-        raise UserError(f"lora.target_modules: {exc}") from None
+    return inject(model, spec.adapter)
 
 
 def build_model(

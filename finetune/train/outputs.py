@@ -155,6 +155,13 @@ class Reporter:
             self.print(
                 f"model saved to {out}/  load it with: AutoModelForCausalLM.from_pretrained('{out}')"
             )
+        elif chosen.method == "adapter":
+            self.print(
+                f"bottleneck adapters saved to {out}/  load them with: "
+                f"finetune.adapters.load_bottlenecks(base, '{out}')"
+            )
+        elif chosen.method == "prefix":
+            self.print(f"prefix saved to {out}/  load it with: PeftModel.from_pretrained(base, '{out}')")
         else:
             self.print(
                 f"adapter saved to {out}/  load it with: PeftModel.from_pretrained(base, '{out}'), "
@@ -179,13 +186,17 @@ def save_final(model: torch.nn.Module, inner: torch.nn.Module, tokenizer: Any, o
     """
     from transformers.utils import logging as hf_logging
 
+    from finetune.adapters import has_bottlenecks, save_bottlenecks
     from finetune.train.parallel import full_state_dict
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
     state = full_state_dict(model, ctx)
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        if has_bottlenecks(inner):  # our own adapter format; the base stays where it is
+            save_bottlenecks(inner, out_dir, state, base=getattr(inner.config, "_name_or_path", None))
+        else:
+            inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
     ctx.barrier()
 

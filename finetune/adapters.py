@@ -1,0 +1,249 @@
+"""What is trained on a frozen base, injected by one function for the planner and the trainer alike.
+
+:func:`inject` turns an :class:`~finetune.spec.AdapterSpec` into modules on a model: peft LoRA (with DoRA,
+rsLoRA, gaussian init), peft prefix tuning, or bottleneck adapters (Houlsby et al.: down-projection,
+non-linearity, up-projection, added to the output of the attention and/or the MLP of every decoder layer).
+
+The planner's inventory and activation traces (finetune/plan) and the trainer (finetune/train/model.py)
+all call it, so what is counted and traced is what is trained.
+
+Bottleneck adapters are our own small modules: AdapterHub's ``adapters`` package (1.3.0) pins
+transformers 4.57 and does not import with transformers 5 (see docs/architecture.md, Decisions). Each is a
+child of its decoder layer (so FSDP shards it with the layer, DDP and activation checkpointing see it like
+any weight) and is called by a forward hook on the layer's attention or MLP module: the base's modules and
+code are untouched. A run saves them as ``bottleneck_adapter.safetensors`` + ``bottleneck_config.json``
+(:func:`save_bottlenecks`), loaded onto the base with :func:`load_bottlenecks`.
+
+Heavy imports (torch, peft) happen inside the functions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import UserError
+from finetune.spec import AdapterSpec
+
+BOTTLENECK_WEIGHTS = "bottleneck_adapter.safetensors"
+BOTTLENECK_CONFIG = "bottleneck_config.json"
+#: Child names of a decoder layer's attention and MLP, over the architectures transformers ships.
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+MLP_NAMES = ("mlp", "feed_forward", "ffn")
+#: Names of the injected modules inside a decoder layer (the state-dict keys contain them).
+SLOT_NAMES = {"attention": "bottleneck_attn", "mlp": "bottleneck_mlp"}
+ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
+
+
+def lora_targets(target_modules: Any, model_type: str) -> list[str] | str:
+    """The modules that get LoRA adapters: the recipe's ``lora.target_modules``; when unset, peft's choice for
+    the architecture (q_proj and v_proj for Llama, Qwen2, Mistral, Gemma; c_attn for GPT-2), and every linear
+    layer (``all-linear``) for architectures peft has no choice for (Phi-3's fused qkv_proj)."""
+    if target_modules is not None:
+        return list(target_modules) if isinstance(target_modules, tuple) else target_modules
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    return list(PEFT_DEFAULTS.get(model_type) or []) or "all-linear"
+
+
+def peft_config(spec: AdapterSpec, model_config: Any, num_layers: int | None = None) -> Any:
+    """The peft config of a LoRA or prefix-tuning :class:`AdapterSpec` for a model of ``model_config``.
+
+    ``num_layers``: prefix tuning's depth when it differs from the model's (the planner builds one or two
+    decoder layers but counts and traces the prefix of every layer).
+    """
+    if spec.kind == "lora":
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=spec.r,
+            lora_alpha=spec.alpha,
+            lora_dropout=spec.dropout,
+            target_modules=lora_targets(spec.target_modules, model_config.model_type),
+            use_dora=spec.use_dora,
+            use_rslora=spec.use_rslora,
+            init_lora_weights="gaussian" if spec.init == "gaussian" else True,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+    if spec.kind == "prefix":
+        from peft import PrefixTuningConfig
+
+        kw: dict[str, Any] = {}
+        if num_layers is not None:
+            kw["num_layers"] = num_layers
+        if spec.projection_hidden is not None:
+            kw["encoder_hidden_size"] = spec.projection_hidden
+        return PrefixTuningConfig(
+            task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens, prefix_projection=spec.projection, **kw
+        )
+    raise ValueError(f"no peft config for {spec.kind}")
+
+
+def inject(model: Any, spec: AdapterSpec, *, num_layers: int | None = None) -> Any:
+    """``model`` with ``spec``'s trainable modules on its frozen base (a peft model for lora and prefix, the
+    same model with bottleneck modules for adapter); only the injected parameters require gradients."""
+    if spec.kind == "bottleneck":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        inject_bottlenecks(model, spec)
+        return model
+    import warnings
+
+    from peft import get_peft_model
+
+    if spec.kind == "prefix":  # peft 0.21 hands the prefix over as `past_key_values`, which transformers 5 renames
+        warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
+    key = "lora.target_modules" if spec.kind == "lora" else "prefix"
+    try:
+        return get_peft_model(model, peft_config(spec, model.config, num_layers))
+    except ValueError as exc:  # e.g. target modules not found in the model
+        raise UserError(f"{key}: {exc}") from None
+
+
+def prefix_tokens(model: Any) -> int:
+    """Virtual tokens a prefix-tuned peft model puts before every sequence (0 for any other model)."""
+    inner = getattr(model, "module", model)  # DDP
+    config = getattr(inner, "active_peft_config", None)
+    if config is not None and str(getattr(config, "peft_type", "")).endswith("PREFIX_TUNING"):
+        return int(config.num_virtual_tokens)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Bottleneck adapters
+# --------------------------------------------------------------------------------------------------
+
+
+def _bottleneck_class() -> Any:
+    import torch
+    from torch import nn
+
+    class Bottleneck(nn.Module):
+        """``h + up(act(down(h)))``, computed in the adapter's dtype; ``up`` starts at zero (identity)."""
+
+        def __init__(self, hidden: int, size: int, non_linearity: str) -> None:
+            super().__init__()
+            self.down = nn.Linear(hidden, size)
+            self.up = nn.Linear(size, hidden)
+            self.act = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh}[non_linearity]()
+            if self.up.weight.device.type != "meta":
+                nn.init.zeros_(self.up.weight)
+                nn.init.zeros_(self.up.bias)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            x = h.to(self.down.weight.dtype)
+            return h + self.up(self.act(self.down(x))).to(h.dtype)
+
+    return Bottleneck
+
+
+def _decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers (the classes in ``_no_split_modules``; else the longest ModuleList's children)."""
+    from torch import nn
+
+    classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in classes]
+    if layers:
+        return layers
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def _child(layer: Any, names: tuple[str, ...]) -> tuple[str, Any] | None:
+    for name in names:
+        mod = getattr(layer, name, None)
+        if mod is not None:
+            return name, mod
+    return None
+
+
+def _add_to_output(adapter: Any) -> Any:
+    """A forward hook adding ``adapter`` to a module's output (a tensor, or a tuple whose first is)."""
+
+    def hook(module: Any, args: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (adapter(output[0]), *output[1:])
+        return adapter(output)
+
+    return hook
+
+
+def slots(spec: AdapterSpec) -> list[str]:
+    """Where bottlenecks go: attention, mlp, or both (Houlsby's placement)."""
+    return ["attention", "mlp"] if spec.placement == "both" else [spec.placement]
+
+
+def inject_bottlenecks(model: Any, spec: AdapterSpec) -> list[str]:
+    """Add a bottleneck after the attention and/or MLP of every decoder layer of ``model`` (in place; fp32,
+    on the layer's device); return the qualified names of the added modules."""
+    import torch
+
+    hidden = int(model.config.hidden_size)
+    size = spec.bottleneck_size(hidden)
+    cls = _bottleneck_class()
+    layers = _decoder_layers(model)
+    if not layers:
+        raise UserError(f"method: adapter: cannot find the decoder layers of {type(model).__name__}")
+    names = {id(m): n for n, m in model.named_modules()}
+    added = []
+    for layer in layers:
+        device = next(layer.parameters()).device
+        for slot in slots(spec):
+            found = _child(layer, ATTENTION_NAMES if slot == "attention" else MLP_NAMES)
+            if found is None:
+                raise UserError(
+                    f"adapter.placement: {type(layer).__name__} has no {slot} module named "
+                    f"{' or '.join(ATTENTION_NAMES if slot == 'attention' else MLP_NAMES)}; use another placement"
+                )
+            with torch.device(device):
+                adapter = cls(hidden, size, spec.non_linearity).to(torch.float32)
+            layer.add_module(SLOT_NAMES[slot], adapter)
+            found[1].register_forward_hook(_add_to_output(adapter))
+            added.append(f"{names[id(layer)]}.{SLOT_NAMES[slot]}")
+    model._finetune_bottleneck = spec  # save_bottlenecks knows the model carries them
+    return added
+
+
+def has_bottlenecks(model: Any) -> bool:
+    """Whether ``model`` (or the model inside a DDP wrapper) carries bottleneck adapters."""
+    return getattr(getattr(model, "module", model), "_finetune_bottleneck", None) is not None
+
+
+def is_bottleneck_key(name: str) -> bool:
+    """Whether a state-dict key belongs to a bottleneck adapter."""
+    return any(f".{s}." in name for s in SLOT_NAMES.values())
+
+
+def save_bottlenecks(model: Any, out_dir: Path, state: dict[str, Any] | None = None, base: str | None = None) -> None:
+    """Write the bottleneck weights (``state``: a full state dict gathered from FSDP; None: the model's own)
+    and their config to ``out_dir``."""
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    spec: AdapterSpec = model._finetune_bottleneck
+    state = state if state is not None else model.state_dict()
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if is_bottleneck_key(k)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / BOTTLENECK_WEIGHTS), metadata={"format": "pt"})
+    config = {"type": "bottleneck", **asdict(spec), "base_model_name_or_path": base}
+    (out_dir / BOTTLENECK_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_bottlenecks(model: Any, adapter_dir: str | Path) -> Any:
+    """Put the bottleneck adapters saved in ``adapter_dir`` onto ``model`` (a base of the same shape)."""
+    from safetensors.torch import load_file
+
+    d = Path(adapter_dir)
+    config = json.loads((d / BOTTLENECK_CONFIG).read_text())
+    fields = {k: v for k, v in config.items() if k in AdapterSpec.__dataclass_fields__}
+    spec = AdapterSpec(**fields)
+    inject(model, spec)
+    weights = load_file(str(d / BOTTLENECK_WEIGHTS))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    lacking = [k for k in missing if is_bottleneck_key(k)]
+    if unexpected or lacking:
+        raise UserError(f"{d}: the saved adapters do not fit this model ({(unexpected or lacking)[0]})")
+    return model
