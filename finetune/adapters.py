@@ -76,7 +76,10 @@ def peft_config(spec: AdapterSpec, model_config: Any, num_layers: int | None = N
         if spec.projection_hidden is not None:
             kw["encoder_hidden_size"] = spec.projection_hidden
         return PrefixTuningConfig(
-            task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens, prefix_projection=spec.projection, **kw
+            task_type="CAUSAL_LM",
+            num_virtual_tokens=spec.num_virtual_tokens,
+            prefix_projection=spec.projection,
+            **kw,
         )
     raise ValueError(f"no peft config for {spec.kind}")
 
@@ -93,7 +96,9 @@ def inject(model: Any, spec: AdapterSpec, *, num_layers: int | None = None) -> A
 
     from peft import get_peft_model
 
-    if spec.kind == "prefix":  # peft 0.21 hands the prefix over as `past_key_values`, which transformers 5 renames
+    if (
+        spec.kind == "prefix"
+    ):  # peft 0.21 hands the prefix over as `past_key_values`, which transformers 5 renames
         warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
     key = "lora.target_modules" if spec.kind == "lora" else "prefix"
     try:
@@ -216,7 +221,9 @@ def is_bottleneck_key(name: str) -> bool:
     return any(f".{s}." in name for s in SLOT_NAMES.values())
 
 
-def save_bottlenecks(model: Any, out_dir: Path, state: dict[str, Any] | None = None, base: str | None = None) -> None:
+def save_bottlenecks(
+    model: Any, out_dir: Path, state: dict[str, Any] | None = None, base: str | None = None
+) -> None:
     """Write the bottleneck weights (``state``: a full state dict gathered from FSDP; None: the model's own)
     and their config to ``out_dir``."""
     from dataclasses import asdict

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.units import DTYPE_NAMES, torch_dtype
