@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from finetune.adapters import BOTTLENECK_CONFIG
 from finetune.errors import UserError
 from finetune.locate import locate_model
 from finetune.recipe import QuantizationConfig
@@ -59,7 +60,10 @@ MODEL_FILES = (
 MERGE_MARKER = "finetune_merge.json"
 TOKENIZER_FILES = tuple(f for f in MODEL_FILES if f != "generation_config.json")
 DTYPE_FLAGS = {k: v for k, v in DTYPE_NAMES.items() if k != "bf16-pure"}  # what --dtype accepts
-_LORA_PART = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.(?P<leaf>weight|bias))?$")
+_LORA_PART = re.compile(
+    r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+    r"(?:\.(?P<leaf>weight|bias))?$"
+)
 
 
 @dataclass
@@ -72,6 +76,7 @@ class LoraDelta:
     b_bias: torch.Tensor | None = None
     embedding: bool = False
     scaling: float = 1.0
+    magnitude: torch.Tensor | None = None  # DoRA: the trained norm of each output feature's weight row
 
 
 @dataclass
@@ -104,6 +109,12 @@ def _read_adapter(run: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         raise UserError(f"{run} is not a directory; give a LoRA/QLoRA run directory or a PEFT adapter directory")
     cfg_path = run / ADAPTER_CONFIG
     weights = next((run / w for w in ADAPTER_WEIGHTS if (run / w).is_file()), None)
+    if (run / BOTTLENECK_CONFIG).is_file():
+        raise UserError(
+            f"{run} holds bottleneck adapters: they add a non-linear module after attention and MLP, not a "
+            "linear update of a weight, so they cannot be folded into the base; load the base with them instead "
+            "(finetune.adapters.load_bottlenecks(base, dir))"
+        )
     if not cfg_path.is_file() or weights is None:
         if (run / "config.json").is_file() and ((run / SAFE_SINGLE).is_file() or (run / SAFE_INDEX).is_file()):
             raise UserError(f"{run} holds a full model, not an adapter: a full fine-tuning run has nothing to merge")
@@ -112,9 +123,15 @@ def _read_adapter(run: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             "give the output.dir of a lora/qlora run or a PEFT adapter directory"
         )
     config = json.loads(cfg_path.read_text())
+    if config.get("peft_type") == "PREFIX_TUNING":
+        raise UserError(
+            f"{run} holds a prefix-tuning adapter: its trained keys and values are extra attention positions, not "
+            "a change of any weight, so there is nothing to fold; load the base with the adapter instead "
+            "(PeftModel.from_pretrained(base, dir))"
+        )
     if config.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{cfg_path}: peft_type {config.get('peft_type')} cannot be merged; only LoRA adapters can")
-    for key, what in (("use_dora", "DoRA"), ("trainable_token_indices", "trainable tokens"),
+    for key, what in (("trainable_token_indices", "trainable tokens"),
                       ("layer_replication", "layer replication"), ("target_parameters", "target_parameters")):
         if config.get(key):
             raise UserError(f"{cfg_path}: {what} adapters are not supported by finetune merge")
@@ -257,7 +274,9 @@ def _deltas(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[d
         part, leaf = m["part"], m["leaf"]
         if part.startswith("lora_embedding"):
             d.embedding = True
-        if part.endswith("A"):
+        if part == "lora_magnitude_vector":
+            d.magnitude = tensor
+        elif part.endswith("A"):
             d.a = tensor
         elif leaf == "bias":
             d.b_bias = tensor
@@ -266,6 +285,8 @@ def _deltas(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[d
     for d in deltas.values():
         if d.a is None or d.b is None:
             raise UserError(f"the adapter is incomplete: {d.module} lacks its lora_A or lora_B weight")
+        if d.magnitude is not None and d.embedding:
+            raise UserError(f"the adapter has a DoRA embedding ({d.module}), which finetune merge does not fold")
         r = int(_pattern_value(config.get("rank_pattern") or {}, d.module, config.get("r", 8)))
         alpha = float(_pattern_value(config.get("alpha_pattern") or {}, d.module, config.get("lora_alpha", r)))
         d.scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
@@ -353,6 +374,12 @@ class Fold:
         if key in self.weight_delta:
             d, conv1d = self.weight_delta[key]
             w = w + _delta_weight(d, conv1d)
+            if d.magnitude is not None:  # DoRA: each output row rescaled to its trained magnitude
+                import torch
+
+                dim = 0 if conv1d else 1  # Conv1D stores [in, out]
+                norm = torch.linalg.vector_norm(w, dim=dim, keepdim=True)
+                w = w * (d.magnitude.float().reshape(norm.shape) / norm)
         if key in self.bias_delta:
             d = self.bias_delta[key]
             w = w + d.b_bias.float() * d.scaling
@@ -523,6 +550,11 @@ def _merge(
                 f"the adapter's update of `{mod_name}` is {'x'.join(map(str, expected))} but the base weight "
                 f"{key} in {base_dir} is {'x'.join(map(str, shapes[key]))}: the adapter was trained on "
                 "another model; pass the right --base"
+            )
+        if d.magnitude is not None and d.magnitude.numel() != expected[1 if conv1d else 0]:
+            raise UserError(
+                f"the adapter's DoRA magnitude of `{mod_name}` has {d.magnitude.numel()} values but the base weight "
+                f"{key} has {expected[1 if conv1d else 0]} output features: the adapter was trained on another model"
             )
         weight_delta[key] = (d, conv1d)
         if d.b_bias is not None:

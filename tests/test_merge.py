@@ -283,3 +283,41 @@ def test_out_overlapping_an_input_is_refused_even_with_force(tmp_path: Path, whe
         f"error: --out {out_dir} {relation} {what} {inp}, an input of the merge; choose a directory outside it"
     )
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == files
+
+
+@pytest.mark.parametrize(("arch", "targets"), [("llama", LLAMA_ALL), ("gpt2", GPT2_ALL)], ids=["llama", "gpt2-conv1d"])
+def test_dora_and_rslora_fold_exactly(tmp_path: Path, arch: str, targets: list[str]) -> None:
+    """DoRA (trained magnitude x the LoRA-updated direction, per output row) with rsLoRA scaling folds into the
+    base as peft computes it: logits within 1e-4, and through the CLI too."""
+    base, adapter, peft_model = make_run(tmp_path, arch, targets, bias=True, use_dora=True, use_rslora=True)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:  # away from its initial ||W||, so a missing rescale shows
+                p.mul_(1 + 0.3 * torch.rand_like(p))
+        expected = peft_model(INPUT_IDS).logits
+        with peft_model.disable_adapter():
+            base_logits = peft_model.get_base_model()(INPUT_IDS).logits
+    assert (expected - base_logits).abs().max() > 1e-2
+    peft_model.save_pretrained(adapter)
+    assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
+    res = CliRunner().invoke(app, ["merge", str(adapter), "--out", str(tmp_path / "merged"), "--base", str(base)])
+    assert res.exit_code == 0, res.output
+    assert (logits_of(tmp_path / "merged") - expected).abs().max().item() < 1e-4
+
+
+def test_prefix_and_bottleneck_adapters_are_refused_with_the_way_to_load_them(tmp_path: Path) -> None:
+    prefix = tmp_path / "prefix"
+    prefix.mkdir()
+    (prefix / "adapter_config.json").write_text(json.dumps({"peft_type": "PREFIX_TUNING"}))
+    (prefix / "adapter_model.safetensors").write_bytes(b"")
+    res = CliRunner().invoke(app, ["merge", str(prefix), "--out", str(tmp_path / "m1")])
+    assert res.exit_code == 2
+    assert "prefix-tuning adapter" in res.output and "not a change of any weight" in res.output
+    assert "PeftModel.from_pretrained" in res.output
+    bottleneck = tmp_path / "bottleneck"
+    bottleneck.mkdir()
+    (bottleneck / "bottleneck_config.json").write_text("{}")
+    res = CliRunner().invoke(app, ["merge", str(bottleneck), "--out", str(tmp_path / "m2")])
+    assert res.exit_code == 2
+    assert "not a linear update of a weight" in res.output and "load_bottlenecks" in res.output
+    assert "Traceback" not in res.output
