@@ -1,0 +1,208 @@
+"""Prefix tuning, bottleneck adapters, DoRA and 8-bit QLoRA: exact inventories, one storage rule with the
+trainer, save/load with the base untouched, exact resume, bad input in one sentence (validate and run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from finetune.adapters import BOTTLENECK_CONFIG, BOTTLENECK_WEIGHTS, load_bottlenecks
+from finetune.cli import app
+from finetune.launch import LaunchOptions, launch
+from finetune.plan.flowchart import plan_for_run
+from finetune.recipe import recipe_from_dict
+from finetune.train.model import build_model, check_model_storage, stored_bytes_by_dtype
+from tests.conftest import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
+
+TINY = json.loads((TINY_MODEL / "config.json").read_text())
+LAYERS, HIDDEN = TINY["num_hidden_layers"], TINY["hidden_size"]
+KV_WIDTH = TINY["num_key_value_heads"] * TINY["head_dim"]  # what a layer's prefix keys (and values) hold per token
+
+
+def _loaded(tmp_path: Path, **sections: object):
+    raw = {
+        "model": {"path": str(TINY_MODEL), "init": "random"},
+        "data": {"train": str(RECIPES / "data/reverse/train.jsonl"), "max_seq_len": 32},
+        "train": {"global_batch_size": 4, "micro_batch_size": 2},
+        "precision": "fp32",
+        "distributed": {"strategy": "single"},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    for k, v in sections.items():
+        raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) else v
+    return recipe_from_dict(raw)
+
+
+def _trainable(tmp_path: Path, **sections: object) -> tuple[int, int]:
+    """(planned, built) trainable values; the built model is checked against the plan's storage as a run does."""
+    loaded = _loaded(tmp_path, **sections)
+    plan = plan_for_run(loaded, nproc=1, nnodes=1, device="cpu")
+    model = build_model(loaded, plan.execution, torch.device("cpu"))
+    assert stored_bytes_by_dtype(model) == plan.model["param_bytes_by_dtype"]
+    check_model_storage(model, plan.execution, plan.model["param_bytes_by_dtype"])
+    return plan.model["trainable"], sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_prefix_inventory_is_layers_x_2_x_tokens_x_kv_width(tmp_path: Path) -> None:
+    planned, built = _trainable(tmp_path, method="prefix", prefix={"num_virtual_tokens": 8})
+    assert planned == built == 8 * LAYERS * 2 * KV_WIDTH
+    # with the reparametrisation MLP: embedding [tokens, kv] -> Linear(kv, h) -> tanh -> Linear(h, layers*2*kv)
+    h = 32
+    planned, built = _trainable(
+        tmp_path, method="prefix", prefix={"num_virtual_tokens": 8, "projection": True, "projection_hidden": h}
+    )
+    assert planned == built == 8 * KV_WIDTH + (KV_WIDTH * h + h) + (h * LAYERS * 2 * KV_WIDTH + LAYERS * 2 * KV_WIDTH)
+
+
+def test_adapter_inventory_is_the_bottleneck_matrices(tmp_path: Path) -> None:
+    one = lambda size: 2 * HIDDEN * size + size + HIDDEN  # noqa: E731  down (with bias) + up (with bias)
+    planned, built = _trainable(tmp_path, method="adapter")
+    assert planned == built == LAYERS * 2 * one(HIDDEN // 16)  # reduction factor 16, after attention and MLP
+    planned, built = _trainable(
+        tmp_path, method="adapter", precision="bf16", adapter={"size": 8, "placement": "mlp"}
+    )
+    assert planned == built == LAYERS * one(8)
+
+
+def test_dora_inventory_adds_one_magnitude_per_output_feature(tmp_path: Path) -> None:
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    plain, _ = _trainable(tmp_path, method="lora", lora=lora)
+    planned, built = _trainable(tmp_path, method="lora", lora={**lora, "use_dora": True, "use_rslora": True})
+    assert planned == built == plain + LAYERS * (HIDDEN + KV_WIDTH)  # q_proj: hidden outputs, v_proj: kv
+
+
+def test_bottlenecks_save_and_load_onto_an_untouched_base(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    recipe = write_recipe(
+        tmp_path / "a.yaml",
+        tiny_recipe(out, method="adapter", adapter={"size": 16}, train={"max_steps": 3, "lr": 1e-2}, eval={"every": 0}),
+    )
+    assert launch(str(recipe), []) == 0
+    saved = load_file(out / BOTTLENECK_WEIGHTS)
+    assert len(saved) == LAYERS * 2 * 4 and all(".bottleneck_" in k for k in saved)  # (attn, mlp) x (down, up) x (w, b)
+    assert json.loads((out / BOTTLENECK_CONFIG).read_text())["size"] == 16
+    assert not (out / "model.safetensors").exists() and not (out / "adapter_model.safetensors").exists()
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 5, 9, 17, 33, 65, 100, 7]])
+    base = AutoModelForCausalLM.from_pretrained(out / "base").eval()
+    with torch.no_grad():
+        before = base(ids).logits
+        adapted = load_bottlenecks(AutoModelForCausalLM.from_pretrained(out / "base"), out).eval()
+        after = adapted(ids).logits
+    assert (after - before).abs().max() > 1e-3  # the trained adapters change the model (up starts at zero)
+    for k, v in saved.items():
+        assert torch.equal(adapted.state_dict()[k], v)
+
+
+@pytest.mark.parametrize("method", ["prefix", "adapter"])
+def test_exact_resume(tmp_path: Path, method: str) -> None:
+    """Stopped after a checkpoint at step 3 and resumed: the same losses and trained weights, to the bit."""
+
+    def recipe(name: str) -> Path:
+        out = tmp_path / name
+        r = tiny_recipe(
+            out, method=method, prefix={"num_virtual_tokens": 4, "projection": True},
+            data={"eval": None}, train={"max_steps": 6, "lr": 5e-3},
+            output={"dir": str(out), "log_every": 1, "save_every": 3, "keep": 3},
+        )
+        return write_recipe(tmp_path / f"{name}.yaml", r)
+
+    assert launch(str(recipe("ref")), []) == 0
+    ckpt = tmp_path / "ref" / "checkpoints" / "step-3"
+    assert launch(str(recipe("resumed")), [], LaunchOptions(resume=str(ckpt))) == 0
+
+    def losses(name: str) -> list[tuple[int, float]]:
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+    assert losses("resumed") == losses("ref")[3:]
+    ref = load_file(tmp_path / "ref" / "checkpoints" / "step-6" / "model.safetensors")
+    got = load_file(tmp_path / "resumed" / "checkpoints" / "step-6" / "model.safetensors")
+    assert ref.keys() == got.keys() and len(ref) > 0
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_qlora_8_bit_trains_through_the_cli(tmp_path: Path) -> None:
+    out = tmp_path / "int8"
+    recipe = write_recipe(
+        tmp_path / "q8.yaml",
+        tiny_recipe(
+            out, method="qlora", quantization={"bits": 8}, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]},
+            train={"max_steps": 4, "lr": 5e-3}, eval={"every": 0},
+        ),
+    )
+    res = CliRunner().invoke(app, ["run", str(recipe)])
+    assert res.exit_code == 0, res.output
+    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["execution"]["quant"]["bits"] == 8 and plan["execution"]["quant"]["storage_dtype"] == "int8"
+    assert len(load_file(out / "adapter_model.safetensors")) == LAYERS * 2 * 2
+
+
+BAD = {
+    "prefix-tokens": (
+        {"method": "prefix", "prefix": {"num_virtual_tokens": 0}},
+        "prefix.num_virtual_tokens: Input should be greater than or equal to 1 (got 0)",
+    ),
+    "adapter-size": (
+        {"method": "adapter", "adapter": {"size": 512}},
+        f"adapter.size: 512 is wider than the model's hidden size {HIDDEN}",
+    ),
+    "dora-full": (
+        {"method": "full", "lora": {"use_dora": True}},
+        "lora.use_dora: DoRA is a kind of LoRA but method is full; set method: lora or qlora",
+    ),
+    "bits-3": ({"method": "qlora", "quantization": {"bits": 3}}, "quantization.bits: Input should be 4 or 8 (got 3)"),
+    "prefix-checkpointing": (
+        {"method": "prefix", "train": {"activation_checkpointing": True}},
+        "train.activation_checkpointing: transformers drops the key/value cache",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_method_settings_are_one_sentence_from_validate_and_run(tmp_path: Path, case: str) -> None:
+    sections, message = BAD[case]
+    recipe = write_recipe(tmp_path / "bad.yaml", tiny_recipe(tmp_path / "out", **sections))
+    for command in (["validate", str(recipe)], ["run", str(recipe)]):
+        res = CliRunner().invoke(app, command)
+        assert res.exit_code == 2, res.output
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and message in lines[0] and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize("method", ["prefix", "adapter"])
+def test_plan_method_flag(method: str) -> None:
+    res = CliRunner().invoke(
+        app, ["plan", str(RECIPES / "quickstart.yaml"), "--method", method, "--gpus", "1", "--gpu-memory", "16GiB",
+              "--json"],
+    )
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.output)
+    assert plan["chosen"]["method"] == method
+    assert plan["execution"]["adapter"]["kind"] == {"prefix": "prefix", "adapter": "bottleneck"}[method]
+    assert 0 < plan["model"]["trainable"] < plan["model"]["parameters"] / 10
+
+
+def test_method_ladder_is_full_lora_qlora_4_bit_and_8_bit_only_when_pinned(tmp_path: Path) -> None:
+    """A model too big for the GPU: the walk goes full -> LoRA -> QLoRA on a 4-bit NF4 base; with
+    quantization.bits: 8 pinned, QLoRA's base is LLM.int8."""
+    args = ["plan", "--model", "llama-3.1-8b", "--gpus", "1", "--gpu-memory", "16GiB", "--seq-len", "512", "--json"]
+    walk = " ".join(json.loads(CliRunner().invoke(app, args).output)["walk"])
+    assert "trying LoRA" in walk and "trying QLoRA" in walk and "NF4 4-bit base weights" in walk
+    assert "8-bit" not in walk
+    recipe = write_recipe(
+        tmp_path / "r.yaml", tiny_recipe(tmp_path / "o", method="auto", quantization={"bits": 8})
+    )
+    args = ["plan", str(recipe), "--model", "llama-3.1-8b", "--gpus", "1", "--gpu-memory", "16GiB", "--json"]
+    res = CliRunner().invoke(app, args)
+    walk = " ".join(json.loads(res.output)["walk"])
+    assert "trying QLoRA" in walk and "LLM.int8 8-bit base weights" in walk
