@@ -56,6 +56,10 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama-64k vocab lora bf16 mb8", "llama-64k",
      {"method": "lora", "precision": "bf16", "mbs": 8, "seq": 256}, 1),
     ("gemma2 full bf16 mb8 eager", "gemma2", {"method": "full", "precision": "bf16", "mbs": 8, "attn": "eager"}, 1),
+    ("llama prefix fp32 mb16", "llama", {"method": "prefix", "precision": "fp32", "mbs": 16, "packing": False}, 1),
+    ("llama adapter fp32 mb16", "llama", {"method": "adapter", "precision": "fp32", "mbs": 16}, 1),
+    ("llama dora fp32 mb16", "llama", {"method": "lora", "precision": "fp32", "mbs": 16, "dora": True}, 1),
+    ("llama qlora 8-bit bf16 mb16", "llama", {"method": "qlora", "precision": "bf16", "mbs": 16, "bits": 8}, 1),
     ("llama full fp32 ddp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "ddp"}, 2),
     ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
     ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
@@ -107,12 +111,19 @@ def model_dir(arch: str, root: Path) -> Path:
 def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps: int = 1) -> dict:
     """The recipe of one configuration."""
     mbs = change["mbs"]
+    seq = change.get("seq", SEQ_LEN)
+    packing = change.get("packing", True)
+    # without packing (prefix tuning refuses it), rows of exactly seq tokens: the planned worst case
+    rows = packed_samples(root, seq) if packing else packed_samples(root, 2 * seq)
     return {
         "model": {"path": str(model_dir(arch, root)), "init": "random", "attn_implementation": change.get("attn", "sdpa")},
         "method": change["method"],
-        "lora": {"r": 8, "alpha": 16, "target_modules": change.get("targets", ["q_proj", "v_proj"])},
-        "data": {"train": str(packed_samples(root, change.get("seq", SEQ_LEN))), "format": "tokenized",
-                 "max_seq_len": change.get("seq", SEQ_LEN), "packing": True},
+        "lora": {"r": 8, "alpha": 16, "target_modules": change.get("targets", ["q_proj", "v_proj"]),
+                 "use_dora": change.get("dora", False)},
+        "prefix": {"num_virtual_tokens": 16},
+        "adapter": {"reduction_factor": 8},
+        "quantization": {"bits": change.get("bits", 4)},
+        "data": {"train": str(rows), "format": "tokenized", "max_seq_len": seq, "packing": packing},
         "train": {"max_steps": steps, "global_batch_size": 16, "micro_batch_size": mbs,
                   "activation_checkpointing": change.get("ac", False), "lr": 1e-3, "seed": 0},
         "precision": change["precision"],

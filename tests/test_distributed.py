@@ -56,6 +56,8 @@ def parity_recipe(model_dir: Path, out: Path, method: str, strategy: str) -> dic
         "model": {"path": str(model_dir), "init": "random"},
         "method": method,
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "prefix": {"num_virtual_tokens": 4, "projection": True, "projection_hidden": 16},
+        "adapter": {"size": 8},
         "data": {"train": str(RECIPES / "data/reverse/train.jsonl"), "max_seq_len": 48},
         "train": {"max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3,
                   "warmup_steps": 2, "max_grad_norm": 1.0, "seed": 0},
@@ -175,6 +177,22 @@ def test_qlora_parity(runs: Runs, strategy: str) -> None:
     assert len(losses) == STEPS
     assert max_rel(losses, [r["loss"] for r in step_rows(single)]) <= LOSS_RTOL
     assert max_weight_diff(dist / "adapter_model.safetensors", single / "adapter_model.safetensors") <= WEIGHT_ATOL
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("method", ["prefix", "adapter"])
+def test_prefix_and_bottleneck_adapter_parity(runs: Runs, method: str, strategy: str) -> None:
+    """Prefix tuning (its encoder in FSDP's root unit) and bottleneck adapters (inside each decoder layer's
+    unit) give the single process's losses and trained weights under ddp and fsdp on 2 processes."""
+    single, _ = runs.get(method, "single", 1)
+    dist, _ = runs.get(method, strategy, 2)
+    got, want = step_rows(dist), step_rows(single)
+    assert len(got) == STEPS
+    assert max_rel([r["loss"] for r in got], [r["loss"] for r in want]) <= LOSS_RTOL
+    assert max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in want]) <= LOSS_RTOL
+    assert got[-1]["loss"] < got[0]["loss"]
+    weights = "adapter_model.safetensors" if method == "prefix" else "bottleneck_adapter.safetensors"
+    assert max_weight_diff(dist / weights, single / weights) <= WEIGHT_ATOL
 
 
 def test_two_nodes_on_localhost_match_one_node(runs: Runs, tmp_path: Path) -> None:
