@@ -186,11 +186,16 @@ def save_final(model: torch.nn.Module, inner: torch.nn.Module, tokenizer: Any, o
     """
     from transformers.utils import logging as hf_logging
 
-    from finetune.adapters import has_bottlenecks, save_bottlenecks
-    from finetune.train.parallel import full_state_dict
+    from finetune.adapters import has_bottlenecks, prefix_tokens, save_bottlenecks
+    from finetune.train.parallel import full_state_dict, is_sharded
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
     state = full_state_dict(model, ctx)
+    # peft saves a prefix by running its prompt encoder, which FSDP2 keeps sharded in the root unit: gather
+    # the root's parameters on every rank for the save (a collective), and shard them again after.
+    gather_root = ctx.distributed and is_sharded(model) and prefix_tokens(inner) > 0
+    if gather_root:
+        model.unshard()
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         if has_bottlenecks(inner):  # our own adapter format; the base stays where it is
@@ -199,6 +204,8 @@ def save_final(model: torch.nn.Module, inner: torch.nn.Module, tokenizer: Any, o
             inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
     ctx.barrier()
+    if gather_root:
+        model.reshard()
 
 
 def write_run_files(loaded: LoadedRecipe, plan_dict: dict[str, Any]) -> Path:
