@@ -355,6 +355,12 @@ def gather_model_state(model: torch.nn.Module, inner: torch.nn.Module, method: s
     """Full (unsharded) CPU tensors of what a checkpoint keeps, on rank 0 (empty elsewhere). Every rank calls."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from finetune.train.parallel import is_sharded
+
+    if method != "full" and not is_sharded(model):
+        # The adapters alone, read from the module: torch's state-dict helpers walk every key of the model,
+        # and bitsandbytes' 8-bit layers list keys (SCB, weight_format) that are no attributes, which they fail on.
+        return {n: p.detach().to("cpu", copy=True) for n, p in inner.named_parameters() if p.requires_grad}
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=opts)
     if method != "full":
@@ -555,7 +561,10 @@ def load_checkpoint(
             weights[alias] = weights[name]
         optim = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded, strict=method == "full")
-    result = set_model_state_dict(model, weights, options=opts)
+    if method != "full" and not sharded:  # the adapters into the module itself (see gather_model_state)
+        result = inner.load_state_dict(weights, strict=False)
+    else:
+        result = set_model_state_dict(model, weights, options=opts)
     if reads and method != "full":
         missing = trainable_names(inner) - set(weights)
         if missing:
