@@ -471,7 +471,6 @@ class _Planner:
         execution = self.exec_spec(c.method, c.strategy, False, world)
         spec = TraceSpec.of(
             execution, seq_len=self.req.seq_len, packed=False, attn_implementation=self.req.attn_implementation,
-            lora=lora_key(self.lora),
         )
         setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, world, self.hw.device)
         cap = self.hw.memory_bytes
