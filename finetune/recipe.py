@@ -654,11 +654,12 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
                 "for method: prefix",
             ))
     if r.method == "adapter" and r.adapter.size is not None and inputs.model.problem() is None:
-        from finetune.catalog import model_config
+        from finetune.errors import UserError
+        from finetune.locate import model_config
 
         try:
             hidden = int(model_config(inputs.model, r.model.trust_remote_code)[0].hidden_size)
-        except Exception:  # the model's own problem is reported by model.path
+        except (OSError, ValueError, UserError):  # the model's own problem is reported by model.path
             hidden = None
         if hidden is not None and r.adapter.size > hidden:
             problems.append(loaded.problem(
