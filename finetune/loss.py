@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -39,22 +40,144 @@ LOSS_CHUNK_BYTES = 256 * 2**20
 def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the label tokens of ``batch``, and how many tokens were counted.
 
-    The labels are shifted (not the logits) so the (B, T, V) logits are never copied; the loss is
-    computed in fp32 whatever the compute dtype, chunk by chunk (:data:`LOSS_CHUNK_BYTES`). Returning the
+    The output head and the loss are fused (:func:`fused_head`): the head's forward computes the fp32 loss
+    from the last hidden state chunk by chunk, so the (B, T, V) logits never exist whole, nor their
+    gradient. Models whose head is not a plain bias-free linear layer (a LoRA-adapted head, GPT-2's Conv1D,
+    Gemma 2's logit soft-capping) fall back to the chunked loss over materialised logits. Returning the
     *sum* lets the trainer normalise by the number of label tokens in the whole global batch, so that
     gradient accumulation and data parallelism give exactly the single-process result.
     """
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch.get("attention_mask"),
-        position_ids=batch.get("position_ids"),
-        use_cache=False,
-    )
-    logits = out.logits
     shifted = shifted_labels(batch)
+    kwargs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch.get("attention_mask"),
+        "position_ids": batch.get("position_ids"),
+        "use_cache": False,
+    }
+    head = fusable_head(model)
+    if head is not None and FUSED_HEAD:
+        with fused_head(head, shifted):
+            loss_sum = model(**kwargs).logits
+        return loss_sum, (shifted != IGNORE_INDEX).sum()
+    logits = model(**kwargs).logits
     rows = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1]))
     loss_sum = _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), rows)
     return loss_sum, (shifted != IGNORE_INDEX).sum()
+
+
+# The fused head + loss holds no (B, T, V) buffer, only a chunk's logits and their fp32 temporaries (a few
+# times this), so its chunks are smaller: 64 MiB of fp32 logits is 130 rows of Llama 3's 128k vocabulary,
+# still a matmul large enough to run at full speed.
+FUSED_CHUNK_BYTES = 64 * 2**20
+
+# Whether causal_lm_loss fuses the head into the loss; FINETUNE_FUSED_HEAD=0 turns it off (benchmarks, and
+# comparing plans with and without it).
+FUSED_HEAD = os.environ.get("FINETUNE_FUSED_HEAD", "1") != "0"
+
+
+def fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The output head of ``model`` (through DDP and peft wrappers) when the fused loss can stand in for
+    it: a plain ``nn.Linear`` without bias, on a model that does not post-process its logits."""
+    inner = getattr(model, "module", model)  # DDP
+    if hasattr(inner, "get_base_model"):  # peft
+        inner = inner.get_base_model()
+    get = getattr(inner, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    config = getattr(inner, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    return head
+
+
+class fused_head:
+    """Within this context, ``head``'s forward returns the summed fp32 cross-entropy of its logits against
+    ``targets`` (shape (B, T), IGNORE_INDEX = no loss) instead of the logits: the model's output ``.logits``
+    is then that scalar.
+
+    The loss runs inside the head's own forward so every wrapper sees an ordinary forward: FSDP2 has the
+    root unit's parameters (the head, or the tied embedding) gathered, DDP's reducer sees the weight used.
+    """
+
+    def __init__(self, head: torch.nn.Linear, targets: torch.Tensor) -> None:
+        self.head, self.targets = head, targets
+
+    def __enter__(self) -> fused_head:
+        head, targets = self.head, self.targets
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            device = hidden.device.type
+            if torch.is_autocast_enabled(device):
+                dtype = torch.get_autocast_dtype(device)
+            else:
+                dtype = torch.promote_types(hidden.dtype, head.weight.dtype)
+            h = hidden.reshape(-1, hidden.shape[-1])
+            rows = max(1, FUSED_CHUNK_BYTES // (4 * head.weight.shape[0]))
+            with torch.autocast(device, enabled=False):
+                return _FusedLinearCrossEntropy.apply(h, head.weight, targets.reshape(-1), rows, dtype)
+
+        head.forward = forward
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.head.forward  # the class's forward again
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Summed fp32 cross-entropy of the logits ``h @ w.T`` (computed in ``dtype``) against ``targets``,
+    ``rows`` rows at a time. Only ``h``, ``w`` (no copies), the targets and one log-sum-exp per row are
+    kept; backward recomputes each chunk's logits and writes the gradients of ``h`` (and of ``w`` when it is
+    trained) chunk by chunk."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, rows: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        wc = w.to(dtype)
+        for start in range(0, h.shape[0], rows):
+            z = torch.nn.functional.linear(h[start : start + rows].to(dtype), wc).float()
+            y = targets[start : start + rows]
+            keep = y != IGNORE_INDEX
+            picked = z.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
+            lse[start : start + rows] = torch.logsumexp(z, dim=-1)
+            total = total + torch.where(keep, lse[start : start + rows] - picked, 0.0).sum()
+            del z
+        ctx.save_for_backward(h, w, targets, lse)
+        ctx.rows, ctx.dtype = rows, dtype
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        h, w, targets, lse = ctx.saved_tensors
+        dtype, rows = ctx.dtype, ctx.rows
+        wc = w.to(dtype)
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        # The head's gradient is accumulated in fp32 over chunks (a 16-bit sum of many chunks would round).
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, h.shape[0], rows):
+            end = start + rows
+            hc = h[start:end].to(dtype)
+            p = torch.nn.functional.linear(hc, wc)
+            p = p.float() if p.dtype != torch.float32 else p  # a fresh tensor either way: edited in place
+            p = p.sub_(lse[start:end].unsqueeze(1)).exp_()  # softmax, from the forward's log-sum-exp
+            y = targets[start:end]
+            keep = (y != IGNORE_INDEX).unsqueeze(1)
+            p.scatter_add_(1, y.clamp(min=0).unsqueeze(1), keep.to(p.dtype).neg())
+            g = p.mul_(grad).masked_fill_(~keep, 0.0)  # d loss / d logits; ignored rows exactly 0
+            del p
+            if grad_h is not None:
+                grad_h[start:end] = g.to(dtype) @ wc
+            if grad_w is not None:
+                if dtype == torch.float32:
+                    grad_w.addmm_(g.t(), hc)
+                else:
+                    grad_w.add_(g.to(dtype).t() @ hc)
+        if grad_w is not None:
+            grad_w = grad_w.to(w.dtype)
+        return grad_h, grad_w, None, None, None
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

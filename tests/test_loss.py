@@ -63,3 +63,84 @@ def test_less_than_half_the_memory_of_torch_for_a_large_vocabulary(monkeypatch):
     logits = x.numel() * 2
     assert ours < 0.5 * theirs
     assert ours < 2 * logits + 4 * loss_mod.LOSS_CHUNK_BYTES  # logits, their gradient, a few chunk temporaries
+
+
+# -- the fused head + loss ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 10**6])
+@pytest.mark.parametrize("train_head", [False, True])
+def test_fused_equals_logits_then_chunked_loss(dtype, rows, train_head):
+    """Value and gradients (hidden, head weight) equal the head followed by the chunked loss."""
+    torch.manual_seed(0)
+    h = torch.randn(45, 16).to(dtype).requires_grad_()
+    w = (torch.randn(50, 16) / 4).to(dtype).requires_grad_(train_head)
+    y = torch.randint(0, 50, (45,))
+    y[::4] = IGNORE_INDEX
+    mine = loss_mod._FusedLinearCrossEntropy.apply(h, w, y, rows, dtype)
+    (mine * 0.37).backward()
+    gh, gw = h.grad.clone(), (w.grad.clone() if train_head else None)
+    h.grad, w.grad = None, None
+    ref = _ChunkedCrossEntropy.apply(F.linear(h, w), y, rows)
+    (ref * 0.37).backward()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    assert mine.item() == pytest.approx(ref.item(), rel=1e-5 if dtype == torch.float32 else 1e-2)
+    assert gh.dtype == dtype and torch.equal(gh[::4], torch.zeros_like(gh[::4]))
+    torch.testing.assert_close(gh.float(), h.grad.float(), **tol)
+    if train_head:
+        assert gw.dtype == dtype
+        torch.testing.assert_close(gw.float(), w.grad.float(), **tol)
+
+
+def test_fused_never_holds_the_logits(monkeypatch):
+    """512 rows x 32768 classes: the chunked loss holds bf16 logits and their gradient (32 MiB each); the
+    fused one holds chunks of 4 MiB: its peak above the inputs is far below the logits' bytes."""
+    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_BYTES", 4 * 2**20)
+    torch.manual_seed(0)
+    h = torch.randn(512, 64).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(32768, 64).to(torch.bfloat16)
+    y = torch.randint(0, 32768, (512,))
+    rows = max(1, loss_mod.LOSS_CHUNK_BYTES // (4 * 32768))
+    fused = _peak_above_inputs(lambda a, b: loss_mod._FusedLinearCrossEntropy.apply(a, w, b, rows, a.dtype), h, y)
+    chunked = _peak_above_inputs(lambda a, b: _ChunkedCrossEntropy.apply(F.linear(a, w), b, rows), h, y)
+    logits = 512 * 32768 * 2
+    assert chunked > 2 * logits
+    assert fused < logits and fused * 2 <= chunked
+
+
+def _tiny_model(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_model_loss_fused_equals_unfused(monkeypatch, tied, autocast):
+    """Through a real model (tied embeddings or not, bf16 autocast or fp32): same loss and same gradient of
+    every parameter with and without the fusion; the head's forward is restored afterwards."""
+    model = _tiny_model(tied)
+    assert loss_mod.fusable_head(model) is model.lm_head
+    ids = torch.randint(0, 300, (2, 12))
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(loss_mod, "FUSED_HEAD", fused)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            s, n = loss_mod.causal_lm_loss(model, batch)
+        s.backward()
+        results.append((s.item(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+    (l1, g1), (l2, g2) = results
+    assert n.item() == 22
+    assert l1 == pytest.approx(l2, rel=1e-6 if not autocast else 1e-3)
+    for k in g1:
+        tol = {"rtol": 1e-5, "atol": 1e-6} if not autocast else {"rtol": 2e-2, "atol": 2e-3}
+        torch.testing.assert_close(g1[k], g2[k], **tol, msg=k)
+    assert model.lm_head(torch.zeros(1, 32)).shape == (1, 300)  # plain logits again outside the loss

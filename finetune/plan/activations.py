@@ -326,9 +326,12 @@ def _disk_path(key: Any) -> Any:
         import torch
         import transformers
 
-        from finetune.loss import LOSS_CHUNK_BYTES
+        from finetune import loss
 
-        versions = (torch.__version__, transformers.__version__, peft.__version__, TRACE_VERSION, LOSS_CHUNK_BYTES)
+        versions = (
+            torch.__version__, transformers.__version__, peft.__version__, TRACE_VERSION, loss.LOSS_CHUNK_BYTES, loss.FUSED_CHUNK_BYTES,
+            loss.FUSED_HEAD,
+        )
         digest = hashlib.sha256(repr((key, versions)).encode()).hexdigest()[:32]
         root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "traces"
         return root / f"{digest}.json"
