@@ -203,6 +203,12 @@ class TrainConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay (not on norms and biases).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit"] = Field(
+        "adamw",
+        description="adamw: torch's (fused on CUDA, foreach elsewhere); adamw8bit: bitsandbytes' 8-bit state "
+        "(1 byte per value and moment, blockwise scales); paged_adamw8bit: the same in CUDA unified memory, "
+        "paged to the host under pressure (on CPU it is adamw8bit).",
+    )
     max_grad_norm: Union[float, None] = Field(1.0, description="Clip the global gradient norm; null: no clipping.")
     activation_checkpointing: Union[bool, Literal["auto"]] = Field(
         "auto", description="Recompute each decoder block in backward; auto: only when the planner needs it."

@@ -60,6 +60,8 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama adapter fp32 mb16", "llama", {"method": "adapter", "precision": "fp32", "mbs": 16}, 1),
     ("llama dora fp32 mb16", "llama", {"method": "lora", "precision": "fp32", "mbs": 16, "dora": True}, 1),
     ("llama qlora 8-bit bf16 mb16", "llama", {"method": "qlora", "precision": "bf16", "mbs": 16, "bits": 8}, 1),
+    ("llama full fp32 mb1 adamw8bit", "llama", {"method": "full", "precision": "fp32", "mbs": 1, "optimizer": "adamw8bit"}, 1),
+    ("smollm2 lora bf16 mb4 packed", "smollm2", {"method": "lora", "precision": "bf16", "mbs": 4}, 1),
     ("llama full fp32 ddp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "ddp"}, 2),
     ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
     ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
@@ -95,6 +97,11 @@ def model_dir(arch: str, root: Path) -> Path:
     """A model directory (config + the tiny tokenizer) for ``arch``; random weights come from the seed."""
     if arch == "llama":
         return TINY
+    if arch == "smollm2":  # the real pretrained model's directory (python scripts/get_smollm2.py)
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from get_smollm2 import default_dest
+
+        return default_dest()
     from transformers import AutoConfig
 
     d = root / arch
@@ -125,7 +132,8 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
         "quantization": {"bits": change.get("bits", 4)},
         "data": {"train": str(rows), "format": "tokenized", "max_seq_len": seq, "packing": packing},
         "train": {"max_steps": steps, "global_batch_size": 16, "micro_batch_size": mbs,
-                  "activation_checkpointing": change.get("ac", False), "lr": 1e-3, "seed": 0},
+                  "activation_checkpointing": change.get("ac", False), "lr": 1e-3, "seed": 0,
+                  "optimizer": change.get("optimizer", "adamw")},
         "precision": change["precision"],
         "distributed": {"strategy": change.get("strategy", "single"), "nproc": nproc},
         "eval": {"every": 0},

@@ -54,6 +54,7 @@ class Request:
     model_dtype: str = "auto"  # model.dtype: the frozen base's storage (lora)
     quantization: Any = None  # the recipe's quantization section (qlora); None: its defaults
     attn_implementation: str = "sdpa"
+    optimizer: str = "adamw"
     for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
     eval_batch_size: int | None = None  # None: auto (the largest that fits)
     eval_max_new_tokens: int = 32
@@ -87,6 +88,7 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         attn_implementation=r.model.attn_implementation,
         eval_batch_size=None if r.eval.batch_size == "auto" else int(r.eval.batch_size),
         eval_max_new_tokens=r.eval.max_new_tokens,
+        optimizer=r.train.optimizer,
     )
 
 
@@ -168,7 +170,7 @@ class _Planner:
         world = 1 if strategy == "single" else self.world
         accum = max(1, self.global_batch // (mbs * self.world))
         spec = self.exec_spec(method, strategy, ac, world)
-        setup = Setup(spec, mbs, accum, world, self.hw.device)
+        setup = Setup(spec, mbs, accum, world, self.hw.device, self.req.optimizer)
         states, comm = candidate_memory(self.inv, None, setup)
         note = ""
         if states.total > self.hw.memory_bytes:
@@ -472,7 +474,7 @@ class _Planner:
         spec = TraceSpec.of(
             execution, seq_len=self.req.seq_len, packed=False, attn_implementation=self.req.attn_implementation,
         )
-        setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, world, self.hw.device)
+        setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, world, self.hw.device, self.req.optimizer)
         cap = self.hw.memory_bytes
 
         def at(batch: int) -> tuple[int, Any]:

@@ -14,7 +14,8 @@ activations leave out autocast's weight copies; DDP and single processes keep th
 
 The peak of a step is the larger of the forward/backward peak (traced, see activations.py) and the
 optimizer step (parameters + gradients + state + AdamW's temporaries: one state-sized tensor for the
-foreach implementation torch uses on GPUs, a few of the largest tensor for the for-loop one on CPU).
+foreach implementation the trainer asks for on CPU; counted the same for the fused one on CUDA, which needs
+less; bitsandbytes' 8-bit optimizers update in place).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from finetune.spec import DTYPE_BYTES, ExecSpec, Strategy
 GiB = 1024**3
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces outside the allocator
 FRAGMENTATION = 0.05  # caching-allocator slack, as a fraction of tensor memory
-CPU_ADAM_TEMPORARIES = 3  # for-loop AdamW: ~3 temporaries of the largest tensor (measured)
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,29 @@ class Setup:
     grad_accum_steps: int
     world: int
     device: str = "cuda"  # cuda | cpu
+    optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit
+
+
+# bitsandbytes' 8-bit optimizers: tensors of at least this many values keep each moment as uint8 with one
+# fp32 scale per block and a 256-entry fp32 code book; smaller ones keep fp32 moments.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
+
+
+def optimizer_state_bytes(inv: Inventory, adapters: bool, optimizer: str, value_bytes: int) -> int:
+    """Bytes of the optimizer's state for the whole model (before sharding): AdamW's two moments in the
+    trainable values' dtype, or bitsandbytes' 8-bit moments."""
+    tensors = inv.adapters if adapters else inv.base
+    total = 0
+    for t in tensors:
+        if optimizer == "adamw":
+            per = 2 * t.numel * value_bytes
+        elif t.numel >= BNB_MIN_8BIT_SIZE:
+            per = 2 * (t.numel + 4 * -(-t.numel // BNB_BLOCK) + 4 * 256)
+        else:
+            per = 2 * t.numel * 4
+        total += per * (inv.num_layers if t.in_block else 1)
+    return total
 
 
 def unsharded_bytes(inv: Inventory, spec: ExecSpec, block_only: bool = False, root_only: bool = False) -> int:
@@ -81,7 +104,7 @@ def candidate_memory(
     n = max(1, s.world) if spec.strategy.distributed else 1
     gbytes = sb.param_dtype_bytes
     grads_full = sb.trainable * gbytes
-    opt_full = 2 * sb.trainable * gbytes
+    opt_full = optimizer_state_bytes(inv, spec.method.adapters, s.optimizer, gbytes)
     largest = sb.largest_trainable * gbytes
     reduce_bytes = DTYPE_BYTES[spec.reduce_dtype] if spec.reduce_dtype else gbytes
     f = (n - 1) / n
@@ -143,10 +166,10 @@ def candidate_memory(
 
     # optimizer step peak
     trainable_rank = sb.trainable if not spec.strategy.shards_optimizer else -(-sb.trainable // n)
-    if s.device == "cuda":
-        step_temps = trainable_rank * gbytes  # foreach AdamW: sqrt(exp_avg_sq) of every tensor at once
+    if s.optimizer != "adamw":
+        step_temps = 0  # bitsandbytes updates each tensor in place, block by block
     else:
-        step_temps = CPU_ADAM_TEMPORARIES * largest
+        step_temps = trainable_rank * gbytes  # foreach AdamW: sqrt(exp_avg_sq) of every tensor at once
     step_total = params + grads + opt + buffers_step + step_temps
 
     # The breakdown is the one at the peak moment (model states alone when activations were not traced).

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from finetune.loss import causal_lm_loss
+from finetune.errors import UserError
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe, TrainConfig
 from finetune.spec import ExecSpec, Strategy
@@ -70,20 +71,40 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return groups
 
 
+def optimizer_class(name: str, device: torch.device) -> tuple[type, dict[str, Any]]:
+    """The optimizer class of ``train.optimizer`` and its implementation options.
+
+    torch's AdamW: the fused kernel on CUDA (one launch per step), foreach elsewhere (one op over every
+    tensor instead of a Python loop per parameter). bitsandbytes' 8-bit AdamW keeps both moments in 8 bits.
+    """
+    if name == "adamw":
+        return torch.optim.AdamW, ({"fused": True} if device.type == "cuda" else {"foreach": True})
+    import bitsandbytes as bnb
+
+    if name == "adamw8bit":
+        return bnb.optim.AdamW8bit, {}
+    if name == "paged_adamw8bit":
+        return bnb.optim.PagedAdamW8bit, {}
+    raise UserError(f"train.optimizer: unknown optimizer `{name}`; use adamw, adamw8bit or paged_adamw8bit")
+
+
 def build_optimizer(model: torch.nn.Module, t: TrainConfig, strategy: Strategy) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (``train`` section settings); ZeRO-1 shards its state over ranks."""
+    """``train.optimizer`` over the trainable parameters (``train`` section settings); ZeRO-1 shards its
+    state over ranks."""
     groups = param_groups(model, t.weight_decay)
+    device = next((g["params"][0].device for g in groups if g["params"]), torch.device("cpu"))
+    cls, options = optimizer_class(t.optimizer, device)
     if strategy is Strategy.ZERO1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(
-            groups[0]["params"], optimizer_class=torch.optim.AdamW, lr=t.lr, betas=t.betas,
-            weight_decay=groups[0]["weight_decay"],
+            groups[0]["params"], optimizer_class=cls, lr=t.lr, betas=t.betas,
+            weight_decay=groups[0]["weight_decay"], **options,
         )
         for g in groups[1:]:
             opt.add_param_group(g)
         return opt
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas)
+    return cls(groups, lr=t.lr, betas=t.betas, **options)
 
 
 @dataclass
