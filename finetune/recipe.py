@@ -213,6 +213,9 @@ class TrainConfig(Section):
     activation_checkpointing: Union[bool, Literal["auto"]] = Field(
         "auto", description="Recompute each decoder block in backward; auto: only when the planner needs it."
     )
+    compile: bool = Field(
+        False, description="torch.compile each decoder block (before sharding); off until measured on a GPU."
+    )
     seed: int = Field(0, description="Seeds weights (init: random), data order, dropout.")
     on_nonfinite: Literal["auto", "stop", "skip"] = Field(
         "auto",

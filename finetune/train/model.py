@@ -93,7 +93,19 @@ def build_model(
     model = add_adapters(model, loaded, spec)
     if hasattr(model, "config"):
         model.config.use_cache = False
+    if loaded.recipe.train.compile:
+        compile_blocks(model)
     return model
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """``torch.compile`` every decoder block in place, as torchtitan does: one graph per block type (the
+    blocks share their code, so one compilation serves all), applied before FSDP2 wraps each block so that
+    its all-gather hooks stay outside the compiled region. The head, loss and embeddings stay eager."""
+    from finetune.train.parallel import decoder_blocks
+
+    for block in decoder_blocks(model):
+        block.compile()
 
 
 def stored_bytes_by_dtype(model: torch.nn.Module) -> dict[str, int]:
