@@ -66,8 +66,8 @@ def test_planner_counts_eight_bit_state(finetune_cmd):
         "Block",
         base=[Tensor("w", 65536, True, True, False), Tensor("n", 100, True, False, False)],
     )
-    assert optimizer_state_bytes(inv, "full", "adamw", 4) == 2 * (2 * 65536 * 4 + 2 * 100 * 4)
-    assert optimizer_state_bytes(inv, "full", "adamw8bit", 4) == 2 * (
+    assert optimizer_state_bytes(inv, False, "adamw", 4) == 2 * (2 * 65536 * 4 + 2 * 100 * 4)
+    assert optimizer_state_bytes(inv, False, "adamw8bit", 4) == 2 * (
         2 * (65536 + 4 * 256 + 4 * 256) + 2 * 100 * 4
     )
 
