@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from finetune.loss import causal_lm_loss
 from finetune.errors import UserError
+from finetune.loss import causal_lm_loss
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe, TrainConfig
 from finetune.spec import ExecSpec, Strategy
