@@ -186,6 +186,9 @@ def plan(
     model: Annotated[Optional[str], typer.Option(help="Model: catalog name (llama-3.1-8b...), local dir or cached hub id.")] = None,
     method: Annotated[Optional[str], typer.Option(help="auto | full | lora | qlora.")] = None,
     strategy: Annotated[Optional[str], typer.Option(help="auto | single | ddp | zero1 | zero2 | fsdp.")] = None,
+    tp: Annotated[
+        Optional[str], typer.Option(help="Tensor-parallel degree inside a node, or auto (default with --model).")
+    ] = None,
     precision: Annotated[Optional[str], typer.Option(help="auto | fp32 | bf16 | fp16 | bf16-pure.")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sample (data.max_seq_len).")] = None,
     global_batch_size: Annotated[Optional[int], typer.Option(help="Samples per optimizer step.")] = None,
@@ -205,6 +208,7 @@ def plan(
         recipe=recipe, overrides=tuple(set_ or []), model=model, method=method, strategy=strategy,
         precision=precision, seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
         gpus=gpus, gpu_memory=gpu_memory, gpu_type=gpu_type, nodes=nodes, interconnect=interconnect, lora_r=lora_r,
+        tp=tp,
     )
     try:
         with without_bitsandbytes():

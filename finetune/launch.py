@@ -71,6 +71,12 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
             f"--nproc: {nproc} processes but this node has {torch.cuda.device_count()} GPU(s); one process per GPU"
         )
     strategy = plan.chosen.strategy
+    if plan.chosen.tp > 1 and (r.train.compile or r.train.optimizer != "adamw"):
+        key, value = ("train.compile", "true") if r.train.compile else ("train.optimizer", r.train.optimizer)
+        raise UserError(
+            f"distributed.tp: {plan.chosen.tp} with {key}: {value} is not supported yet (tensor parallelism runs "
+            f"eager blocks and torch's AdamW); set {key} back to its default, or distributed.tp: 1"
+        )
     if strategy.shards_optimizer and nproc * nnodes == 1:
         # torch's sharding needs a process group: on one process it would silently run without the plan's
         # mixed-precision policy and checkpointing (zero2/fsdp) or fail (zero1).

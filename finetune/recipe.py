@@ -232,6 +232,20 @@ class DistributedConfig(Section):
     nproc: Union[PositiveInt, Literal["auto"]] = Field(
         "auto", description="Processes per node; auto: one per visible GPU, 1 on CPU."
     )
+    tp: Union[PositiveInt, Literal["auto"]] = Field(
+        1,
+        description="Tensor-parallel degree inside a node (each block's linears split over tp ranks; the "
+        "strategy shards over the rest); auto: the planner uses TP only when FSDP alone does not fit.",
+    )
+
+    @model_validator(mode="after")
+    def _tp_needs_processes(self) -> DistributedConfig:
+        if self.tp != "auto" and self.tp > 1 and self.strategy == "single":
+            raise ValueError(
+                f"`distributed.tp: {self.tp}` splits the model over {self.tp} processes but `distributed.strategy` "
+                "is single (one process); use auto, ddp, zero2 or fsdp, or tp 1"
+            )
+        return self
 
 
 class EvalConfig(Section):
@@ -506,7 +520,7 @@ def _validate(raw: Any, file: str | None, lines: dict[tuple[str, ...], int], ove
             elif etype == "missing":
                 msg = "is required but missing"
             else:
-                msg = err["msg"]
+                msg = err["msg"].removeprefix("Value error, ")  # a validator's own sentence
                 if "input" in err and not isinstance(err["input"], (dict, list)):
                     msg = f"{msg} (got {err['input']!r})"
             line = None

@@ -232,7 +232,7 @@ class ExecSpec:
     method: Method
     strategy: Strategy
     precision: Precision
-    world_size: int  # data-parallel ranks (1 for a single process)
+    world_size: int  # processes of the run (1 for a single process): dp x tp
     compute_dtype: str  # matmul dtype
     trainable_dtype: str  # trained weights: full fine-tuning's masters, or the adapters
     frozen_dtype: str | None  # the frozen base's unquantized weights (None: nothing is frozen)
@@ -244,6 +244,17 @@ class ExecSpec:
     checkpointing: bool  # activation checkpointing of every decoder block, applied once before wrapping
     reshard_after_forward: bool  # FSDP2 units (ZeRO-3); the root never reshards
     adapter: AdapterSpec | None = None  # what is trained on the frozen base (None: full fine-tuning)
+    tp: int = 1  # tensor-parallel degree: each decoder block's linears split over tp ranks of one node
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks (``world_size // tp``): the strategy shards or replicates over these."""
+        return self.world_size // self.tp
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """The decoder blocks' linear layers are split over ``tp`` ranks (a 2-D ("dp", "tp") mesh)."""
+        return self.tp > 1
 
     @property
     def trainable_bytes(self) -> int:
@@ -270,8 +281,8 @@ class ExecSpec:
         return self.frozen_dtype
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form (the plan's ``execution``)."""
-        return asdict(self)
+        """JSON form (the plan's ``execution``), with the derived ``dp``."""
+        return {**asdict(self), "dp": self.dp}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExecSpec:
@@ -281,6 +292,7 @@ class ExecSpec:
         adapter = d.pop("adapter", None)
         if adapter and isinstance(adapter.get("target_modules"), list):
             adapter["target_modules"] = tuple(adapter["target_modules"])
+        d.pop("dp", None)
         return cls(
             adapter=AdapterSpec(**adapter) if adapter else None,
             method=Method(d.pop("method")),
@@ -303,6 +315,7 @@ def execution_spec(
     lora: Any = None,
     prefix: Any = None,
     adapter: Any = None,
+    tp: int = 1,
 ) -> ExecSpec:
     """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
 
@@ -315,6 +328,8 @@ def execution_spec(
              ``quantization.compute_dtype`` (auto: the run's compute dtype); adapters fp32.
     ``quantization`` is the recipe's section (bits, quant_type, double_quant, compute_dtype) or None;
     ``lora`` / ``prefix`` / ``adapter`` the recipe's sections that shape what is trained (:func:`adapter_spec`).
+    ``tp``: tensor-parallel degree; ``world_size`` counts every process, the strategy applies over the
+    ``world_size // tp`` data-parallel ranks.
     """
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
     compute = p.compute
@@ -340,11 +355,14 @@ def execution_spec(
             storage_dtype=storage,
         )
     mixed_fsdp = p.mixed and s.uses_fsdp
+    world = world_size if s.distributed else 1
+    tp = max(1, int(tp)) if s.distributed else 1
+    assert world % tp == 0, f"tp {tp} does not divide {world} processes"
     return ExecSpec(
         method=m,
         strategy=s,
         precision=p,
-        world_size=world_size if s.distributed else 1,
+        world_size=world,
         compute_dtype=compute,
         trainable_dtype=trainable,
         frozen_dtype=frozen,
@@ -356,4 +374,5 @@ def execution_spec(
         checkpointing=bool(checkpointing),
         reshard_after_forward=s.reshards_after_forward,
         adapter=adapter_spec(m, lora, prefix, adapter),
+        tp=tp,
     )

@@ -66,6 +66,11 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
     ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
     ("llama full bf16 fsdp x2", "llama", {"method": "full", "precision": "bf16", "mbs": 8, "strategy": "fsdp"}, 2),
+    # tensor parallelism: one replica split over 2 processes (each holds heads/2, kv_heads/2, intermediate/2)
+    ("llama full fp32 tp2", "llama", {"method": "full", "precision": "fp32", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
+    ("llama full bf16 tp2", "llama", {"method": "full", "precision": "bf16", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
+    ("llama lora fp32 tp2", "llama", {"method": "lora", "precision": "fp32", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
+    ("llama lora bf16 tp2", "llama", {"method": "lora", "precision": "bf16", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
 ]
 FAST = ["llama full fp32 mb16", "llama lora fp32 mb16"]
 # On a CUDA GPU (scripts/gpu_check.sh): torch.cuda.max_memory_allocated against the plan.
@@ -135,7 +140,7 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
                   "activation_checkpointing": change.get("ac", False), "lr": 1e-3, "seed": 0,
                   "optimizer": change.get("optimizer", "adamw")},
         "precision": change["precision"],
-        "distributed": {"strategy": change.get("strategy", "single"), "nproc": nproc},
+        "distributed": {"strategy": change.get("strategy", "single"), "nproc": nproc, "tp": change.get("tp", 1)},
         "eval": {"every": 0},
         "output": {"dir": str(out), "log_every": 1},
     }

@@ -3,7 +3,9 @@
 1. Precision: bf16 mixed precision where the GPU has it, else fp16 with loss scaling; fp32 on CPU.
 2. Full fine-tuning at micro-batch 1 under DDP, else ZeRO-2 (free: same communication), else FSDP
    (shards the parameters too; all-gathers them again in backward).
-3. If full fine-tuning fits under none of them: LoRA, then QLoRA, each under the cheapest strategy that fits.
+3. If FSDP alone does not fit at micro-batch 1 (``distributed.tp: auto``): tensor parallelism inside a node,
+   the smallest degree that fits, with ZeRO-2/FSDP over the data-parallel replicas (a 2-D mesh).
+   If full fine-tuning fits under none of them: LoRA, then QLoRA, each under the cheapest strategy that fits.
    Activation checkpointing is tried only when a method fits under no strategy without it.
 4. The largest micro-batch that fits, and gradient accumulation that keeps the recipe's global batch.
 Everything the recipe pins is respected and checked. Every step is a sentence with the numbers that decided it.
@@ -19,6 +21,7 @@ from finetune.plan.activations import ActivationProfile, TraceSpec, activation_p
 from finetune.plan.hardware import GPU_TYPES, Hardware, detect_hardware
 from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Setup, candidate_memory
 from finetune.plan.shapes import Inventory, build_inventory, lora_targets
+from finetune.plan.tensor_parallel import degrees, tp_comm_bytes, tp_config, tp_problem
 from finetune.plan.types import Candidate, Plan
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec, Method, Precision, Strategy, adapter_spec, execution_spec
@@ -55,6 +58,7 @@ class Request:
     quantization: Any = None  # the recipe's quantization section (qlora); None: its defaults
     attn_implementation: str = "sdpa"
     optimizer: str = "adamw"
+    tp: int | str = 1  # distributed.tp: a degree, or auto (the walk tries TP when FSDP alone does not fit)
     for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
     eval_batch_size: int | None = None  # None: auto (the largest that fits)
     eval_max_new_tokens: int = 32
@@ -89,6 +93,7 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         eval_batch_size=None if r.eval.batch_size == "auto" else int(r.eval.batch_size),
         eval_max_new_tokens=r.eval.max_new_tokens,
         optimizer=r.train.optimizer,
+        tp=r.distributed.tp,
     )
 
 
@@ -118,8 +123,10 @@ def first_step_memory(loaded: LoadedRecipe, plan: Plan, *, device: str) -> Any:
     hw = detect_hardware(device=device, gpus=c.nproc, nodes=c.nnodes, nproc=c.nproc)
     p = _Planner(req, hw)
     p.precision = c.precision
-    p.global_batch = c.micro_batch_size * c.grad_accum_steps * c.world_size
-    return p.evaluate(c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=True).memory
+    p.global_batch = c.micro_batch_size * c.grad_accum_steps * c.dp  # the ranks of a TP group share a slice
+    return p.evaluate(
+        c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=True, tp=c.tp
+    ).memory
 
 
 class _Planner:
@@ -138,56 +145,175 @@ class _Planner:
         # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:
         self.adapter = adapter_spec("lora" if req.method == "auto" else req.method, self.lora, req.prefix, req.adapter)
         self.inv: Inventory = build_inventory(req.config, req.source, self.adapter)
+        self.resolve_tp()
         if req.attn_implementation == "sdpa" and not _supports_sdpa(req.config):
             self.req = replace(req, attn_implementation="eager")
             self.say(
                 f"{type(req.config).__name__.replace('Config', '')} has no sdpa attention in transformers: planned "
                 "with eager attention (set model.attn_implementation: eager in the recipe to train it)."
             )
-        self.profiles: dict[TraceSpec, ActivationProfile] = {}
+        self.profiles: dict[tuple[int, TraceSpec], ActivationProfile] = {}
 
     # -- pieces -------------------------------------------------------------------------------------------
-    def exec_spec(self, method: str, strategy: str, ac: bool, world: int | None = None) -> ExecSpec:
+    def exec_spec(self, method: str, strategy: str, ac: bool, world: int | None = None, tp: int = 1) -> ExecSpec:
         """How ``method`` under ``strategy`` stores and computes each tensor (what the trainer will build)."""
         return execution_spec(
             method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
             model_dtype=self.req.model_dtype, quantization=self.req.quantization, lora=self.lora,
-            prefix=self.req.prefix, adapter=self.req.adapter,
+            prefix=self.req.prefix, adapter=self.req.adapter, tp=tp,
         )
+
+    def inventory(self, tp: int) -> Inventory:
+        """One TP rank's parameters (the whole model's at tp 1)."""
+        if tp == 1:
+            return self.inv
+        return build_inventory(tp_config(self.req.config, tp), self.req.source, self.adapter)
 
     def profile(self, spec: ExecSpec) -> ActivationProfile:
         trace = TraceSpec.of(
             spec, seq_len=self.req.seq_len, packed=self.req.packed,
             attn_implementation=self.req.attn_implementation,
         )
-        if trace not in self.profiles:
-            self.profiles[trace] = activation_profile(self.req.config, trace)
-        return self.profiles[trace]
+        key = (spec.tp, trace)
+        if key not in self.profiles:  # one TP rank's activations: the block traced at its sharded shapes
+            self.profiles[key] = activation_profile(tp_config(self.req.config, spec.tp), trace)
+        return self.profiles[key]
 
     def evaluate(
-        self, method: str, strategy: str, mbs: int, ac: bool, table_only: bool = False, first_step: bool = False
+        self, method: str, strategy: str, mbs: int, ac: bool, table_only: bool = False, first_step: bool = False,
+        tp: int = 1,
     ) -> Candidate:
         world = 1 if strategy == "single" else self.world
-        accum = max(1, self.global_batch // (mbs * self.world))
-        spec = self.exec_spec(method, strategy, ac, world)
-        setup = Setup(spec, mbs, accum, world, self.hw.device, self.req.optimizer)
-        states, comm = candidate_memory(self.inv, None, setup)
+        dp = world // tp
+        accum = max(1, self.global_batch // (mbs * dp))
+        spec = self.exec_spec(method, strategy, ac, world, tp)
+        inv = self.inventory(tp)
+        setup = Setup(spec, mbs, accum, dp, self.hw.device, self.req.optimizer)
+        states, comm = candidate_memory(inv, None, setup)
         note = ""
         if states.total > self.hw.memory_bytes:
             mem = states
             note = "model states alone exceed the memory (activations not traced)"
-        elif table_only and not any(k.method == method and k.checkpointing == ac for k in self.profiles):
+        elif table_only and not any(
+            t == tp and k.method == method and k.checkpointing == ac for t, k in self.profiles
+        ):
             mem = states
             note = "activations not traced (the walk did not need this method)"
         else:
-            mem, comm = candidate_memory(self.inv, self.profile(spec), setup, first_step)
-        secs = comm / self.hw.bandwidth if comm else 0.0
+            mem, comm = candidate_memory(inv, self.profile(spec), setup, first_step)
+        tp_comm = tp_comm_bytes(
+            self.req.config, tp, seq_len=self.req.seq_len, micro_batch_size=mbs, grad_accum_steps=accum,
+            compute_bytes=spec.compute_bytes, checkpointing=ac,
+        )
+        secs = (comm / self.hw.bandwidth if comm else 0.0) + tp_comm / self.intra_node_bandwidth
         return Candidate(
             method=Method(method), strategy=Strategy(strategy), precision=Precision(self.precision),
             micro_batch_size=mbs, grad_accum_steps=accum, activation_checkpointing=ac, nproc=self.hw.gpus_per_node,
             nnodes=self.hw.nodes, memory=mem, comm_bytes_per_step=comm, comm_seconds_per_step=secs,
             fits=mem.total <= self.hw.memory_bytes and not note.startswith("activations not traced"), note=note,
+            tp=tp, tp_comm_bytes_per_step=tp_comm,
         )
+
+    @property
+    def intra_node_bandwidth(self) -> float:
+        """Bytes/s of the link inside a node, which TP's all-reduces use (NVLink when several nodes are given)."""
+        from finetune.plan.hardware import INTERCONNECTS
+
+        if self.hw.nodes == 1 or self.hw.device != "cuda":
+            return self.hw.bandwidth
+        return INTERCONNECTS["nvlink"]
+
+    # -- tensor parallelism -------------------------------------------------------------------------------
+    def resolve_tp(self) -> None:
+        """``self.tp``: the pinned degree (checked, one sentence with the numbers when it cannot run), and
+        ``self.tp_auto``: the degrees the walk may try when FSDP alone does not fit."""
+        req, per_node = self.req, self.hw.gpus_per_node
+        self.tp, self.tp_auto = 1, []
+        if req.tp == "auto":
+            if req.strategy in ("auto", "zero2", "fsdp") and self.world > 1:
+                self.tp_auto = degrees(req.config, per_node)
+            return
+        tp = int(req.tp)
+        if tp == 1:
+            return
+        if req.strategy == "single":
+            raise UserError(
+                f"distributed.tp: {tp} splits the model over {tp} processes, but distributed.strategy is single "
+                "(one process); use auto, ddp, zero2 or fsdp, or distributed.tp: 1"
+            )
+        if req.method in ("prefix", "adapter"):
+            raise UserError(
+                f"distributed.tp: {tp} with method {req.method} is not supported: tensor parallelism splits full "
+                "fine-tuning and LoRA only (a prefix holds every KV head); use method lora, or distributed.tp: 1"
+            )
+        if req.method == "qlora":
+            raise UserError(
+                f"distributed.tp: {tp} with method qlora is not supported: torch's tensor-parallel styles cannot "
+                "split bitsandbytes' 4-bit weights; use method lora, or distributed.tp: 1"
+            )
+        what = "processes" if self.hw.device == "cpu" or req.for_run else "GPUs"
+        if tp > per_node:
+            raise UserError(
+                f"distributed.tp: {tp} is more than the {per_node} {what} of a node (--nproc); tensor parallelism "
+                f"stays inside a node: use a tp of at most {per_node}"
+            )
+        if per_node % tp:
+            raise UserError(
+                f"distributed.tp: {tp} does not divide the {per_node} {what} of a node (--nproc); use a divisor "
+                f"of {per_node}"
+            )
+        problem = tp_problem(req.config, tp)
+        if problem:
+            raise UserError(problem)
+        dp = self.world // tp
+        if req.strategy in ("ddp", "zero1") and dp > 1:
+            raise UserError(
+                f"distributed.strategy: {req.strategy} cannot replicate a tensor-parallel model over the {dp} "
+                f"data-parallel groups of distributed.tp: {tp} (DDP does not take TP's sharded parameters); "
+                "use zero2, fsdp or auto"
+            )
+        self.tp = tp
+        cfg = req.config
+        self.say(
+            f"Tensor parallelism: tp {tp} as the recipe pins: each block's linears split over {tp} {what} of a node "
+            f"({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, {cfg.intermediate_size} MLP "
+            f"features -> {cfg.num_attention_heads // tp}, {cfg.num_key_value_heads // tp}, "
+            f"{cfg.intermediate_size // tp} per rank), {dp} data-parallel replica(s)."
+        )
+
+    def tp_strategies(self, tp: int) -> list[str]:
+        """Strategies over the data-parallel replicas of a TP run (none to choose with one replica)."""
+        if self.req.strategy != "auto":
+            return [self.req.strategy]
+        return ["ddp"] if self.world // tp == 1 else ["zero2", "fsdp"]
+
+    def try_tensor_parallel(self, method: str, mbs1: int, acs: list[bool], tried: list[Candidate]) -> Candidate | None:
+        """The smallest TP degree (inside a node) under which ``method`` fits at micro-batch ``mbs1``."""
+        if not self.tp_auto or method not in ("full", "lora"):
+            return None
+        fsdp = [c for c in tried if c.method == method and c.strategy == "fsdp" and c.tp == 1]
+        need = f" ({fmt_bytes(min(c.memory.total for c in fsdp))} at best)" if fsdp else ""
+        self.say(
+            f"{Method(method).title[0].upper() + Method(method).title[1:]} does not fit under FSDP alone at "
+            f"micro-batch {mbs1}{need}: trying tensor parallelism inside a node, tp {', '.join(map(str, self.tp_auto))} "
+            f"(never across nodes: its 4 all-reduces per block of micro-batch x {self.req.seq_len} x "
+            f"{self.req.config.hidden_size} values need the intra-node link)."
+        )
+        cap = fmt_bytes(self.hw.memory_bytes)
+        for tp in self.tp_auto:
+            for ac in acs:
+                parts = []
+                for strategy in self.tp_strategies(tp):
+                    c = self.evaluate(method, strategy, mbs1, ac, tp=tp)
+                    tried.append(c)
+                    text = self.describe(c, with_method=False)
+                    if c.fits:
+                        parts.append(f"{text}: fits (micro-batch {mbs1}, {self.req.seq_len} tokens)")
+                        self.say(self.sentence(parts, ac and len(acs) > 1))
+                        return c
+                    parts.append(f"{text} > {cap}")
+                self.say(self.sentence(parts, ac and len(acs) > 1))
+        return None
 
     def say(self, text: str) -> None:
         self.walk.append(text)
@@ -213,7 +339,7 @@ class _Planner:
             self.say(f"Precision: {PRECISION_NAMES['fp16']}: {hw.name} has no bf16 (compute capability < 8.0).")
 
     def resolve_batch(self) -> None:
-        g, w = self.req.global_batch_size, self.world
+        g, w = self.req.global_batch_size, self.world // self.tp  # the ranks of a TP group share a batch slice
         if g % w:
             if self.req.for_run:
                 raise UserError(
@@ -227,8 +353,8 @@ class _Planner:
         mbs = self.req.micro_batch_size
         if mbs is not None and g % (mbs * w):
             raise UserError(
-                f"train.global_batch_size ({g}) must be divisible by micro_batch_size x processes "
-                f"({mbs} x {w} = {mbs * w})"
+                f"train.global_batch_size ({g}) must be divisible by micro_batch_size x "
+                f"{'data-parallel replicas' if self.tp > 1 else 'processes'} ({mbs} x {w} = {mbs * w})"
             )
 
     def strategies(self) -> list[str]:
@@ -245,7 +371,7 @@ class _Planner:
         return ["full", "lora", "qlora"] if self.req.method == "auto" else [self.req.method]
 
     def describe(self, c: Candidate, with_method: bool = True) -> str:
-        head = f"{METHOD_NAMES[c.method]} under {STRATEGY_NAMES[c.strategy]}" if with_method else STRATEGY_NAMES[c.strategy]
+        head = f"{METHOD_NAMES[c.method]} under {c.label}" if with_method else c.label
         if c.note.startswith("model states alone"):
             return f"{head} needs {fmt_bytes(c.memory.total)} per GPU for the model states alone"
         return f"{head} needs {fmt_bytes(c.memory.total)} per GPU"
@@ -268,8 +394,8 @@ class _Planner:
         for mi, method in enumerate(methods):
             for ac in acs:
                 parts = []
-                for strategy in self.strategies():
-                    c = self.evaluate(method, strategy, mbs1, ac)
+                for strategy in self.strategies() if self.tp == 1 else self.tp_strategies(self.tp):
+                    c = self.evaluate(method, strategy, mbs1, ac, tp=self.tp)
                     tried.append(c)
                     text = self.describe(c, with_method=not parts)
                     if c.fits:
@@ -278,6 +404,9 @@ class _Planner:
                         return c, tried
                     parts.append(f"{text} > {cap}")
                 self.say(self.sentence(parts, ac and len(acs) > 1))
+            found = self.try_tensor_parallel(method, mbs1, acs, tried)
+            if found is not None:
+                return found, tried
             if mi + 1 < len(methods):
                 nxt = methods[mi + 1]
                 sb = self.inv.storage(self.exec_spec(nxt, "single", False))
@@ -297,12 +426,12 @@ class _Planner:
         return None, tried
 
     def largest_micro_batch(self, c: Candidate) -> Candidate:
-        per_rank = self.global_batch // self.world
+        per_rank = self.global_batch // c.dp
         if self.req.micro_batch_size is not None:
             return c
         best = c
         for b in sorted(b for b in range(2, per_rank + 1) if per_rank % b == 0):
-            cand = self.evaluate(c.method, c.strategy, b, c.activation_checkpointing)
+            cand = self.evaluate(c.method, c.strategy, b, c.activation_checkpointing, tp=c.tp)
             if not cand.fits:
                 break
             best = cand
@@ -317,7 +446,8 @@ class _Planner:
     def explain_comm(self, chosen: Candidate, table: list[Candidate]) -> None:
         if self.world == 1:
             return
-        by = {c.strategy: c for c in table if c.method == chosen.method and c.micro_batch_size == 1}
+        self.explain_tp_comm(chosen)
+        by = {c.strategy: c for c in table if c.method == chosen.method and c.micro_batch_size == 1 and c.tp == 1}
         ddp, z2, fs = by.get("ddp"), by.get("zero2"), by.get("fsdp")
         if not (ddp and z2 and fs):
             return
@@ -338,12 +468,26 @@ class _Planner:
             f"({gb(fs)}, {fs.comm_bytes_per_step / max(1, z2.comm_bytes_per_step):.2f}x ZeRO-2)."
         )
 
+    def explain_tp_comm(self, chosen: Candidate) -> None:
+        if chosen.tp == 1:
+            return
+        link = self.hw.interconnect if self.hw.nodes == 1 else "nvlink (inside a node)"
+        per_block = 6 if chosen.activation_checkpointing else 4
+        self.say(
+            f"Tensor parallelism (tp {chosen.tp}) all-reduces each block's attention and MLP outputs in forward and "
+            f"their input gradients in backward ({per_block} per block per micro-batch"
+            f"{', 2 of them for the recomputed forward' if chosen.activation_checkpointing else ''}, each "
+            f"{chosen.micro_batch_size} x {self.req.seq_len} x {self.req.config.hidden_size} values): "
+            f"{chosen.tp_comm_bytes_per_step / 1e9:.2f} GB per GPU per step, "
+            f"{chosen.tp_comm_bytes_per_step / self.intra_node_bandwidth:.2f} s over {link}."
+        )
+
     def at_seq_len(self, c: Candidate, seq: int) -> Candidate:
         """``c`` evaluated (traced) at ``seq`` tokens per sample instead of the request's."""
         req, profiles = self.req, self.profiles
         self.req, self.profiles = replace(req, seq_len=seq), {}
         try:
-            return self.evaluate(c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing)
+            return self.evaluate(c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, tp=c.tp)
         finally:
             self.req, self.profiles = req, profiles
 
@@ -447,12 +591,15 @@ class _Planner:
             self.plan_evaluation(chosen)
         table = self.table()
         self.explain_comm(chosen, table)
-        key = (chosen.method, chosen.strategy, chosen.micro_batch_size, chosen.activation_checkpointing)
-        rows = [chosen] + [c for c in table if (c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing) != key]
+        def key(c: Candidate) -> tuple:
+            return (c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, c.tp)
+
+        rows = [chosen] + [c for c in table if key(c) != key(chosen)]
         execution = self.exec_spec(
-            chosen.method, chosen.strategy, chosen.activation_checkpointing, 1 if chosen.strategy == "single" else self.world
+            chosen.method, chosen.strategy, chosen.activation_checkpointing,
+            1 if chosen.strategy == "single" else self.world, chosen.tp,
         )
-        sb = self.inv.storage(execution)
+        sb = self.inv.storage(execution)  # the whole model: what is built (before TP splits it) and saved
         model = {
             "source": self.req.source, "model_type": self.inv.model_type, "layers": self.inv.num_layers,
             "parameters": self.inv.n_params, "trainable": sb.trainable, "seq_len": self.req.seq_len,
@@ -470,16 +617,18 @@ class _Planner:
         from finetune.plan.evaluation import MAX_AUTO_EVAL_BATCH, eval_memory
 
         world = 1 if c.strategy == "single" else self.world
-        execution = self.exec_spec(c.method, c.strategy, False, world)
+        execution = self.exec_spec(c.method, c.strategy, False, world, c.tp)
         spec = TraceSpec.of(
             execution, seq_len=self.req.seq_len, packed=False, attn_implementation=self.req.attn_implementation,
         )
-        setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, world, self.hw.device, self.req.optimizer)
+        setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, self.hw.device, self.req.optimizer)
         cap = self.hw.memory_bytes
+        # one TP rank's model; a single TP replica has no data-parallel wrapper (no DDP buckets)
+        inv, config = self.inventory(c.tp), tp_config(self.req.config, c.tp)
+        strategy = "single" if c.tp > 1 and c.dp == 1 else str(c.strategy)
 
         def at(batch: int) -> tuple[int, Any]:
-            return eval_memory(self.inv, self.req.config, spec, str(c.strategy), setup, batch,
-                               self.req.eval_max_new_tokens)
+            return eval_memory(inv, config, spec, strategy, setup, batch, self.req.eval_max_new_tokens)
 
         pinned = self.req.eval_batch_size
         if pinned is not None:
@@ -525,8 +674,13 @@ class _Planner:
         mbs1 = self.req.micro_batch_size or 1
         ac = bool(self.req.checkpointing)
         for method in self.methods():
-            for strategy in self.table_strategies():
-                out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True))
+            if self.tp == 1:
+                for strategy in self.table_strategies():
+                    out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True))
+            tps = [self.tp] if self.tp > 1 else self.tp_auto
+            for tp in tps if method in ("full", "lora") else []:
+                for strategy in self.tp_strategies(tp) if self.tp == 1 else self.tp_strategies(self.tp):
+                    out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True, tp=tp))
         return out
 
 

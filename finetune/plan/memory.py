@@ -28,6 +28,7 @@ from finetune.plan.types import MemoryBreakdown
 from finetune.spec import DTYPE_BYTES, ExecSpec, Strategy
 
 GiB = 1024**3
+FOR_LOOP_ADAM_TEMPORARIES = 3  # AdamW's per-parameter loop: ~3 temporaries of the largest tensor (measured)
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces outside the allocator
 FRAGMENTATION = 0.05  # caching-allocator slack, as a fraction of tensor memory
 
@@ -39,7 +40,7 @@ class Setup:
     spec: ExecSpec
     micro_batch_size: int
     grad_accum_steps: int
-    world: int
+    world: int  # data-parallel ranks the strategy shards or replicates over (processes / tp)
     device: str = "cuda"  # cuda | cpu
     optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit
 
@@ -95,8 +96,10 @@ def candidate_memory(
 
     ``profile`` is the traced micro-step: with autocast for single/DDP/ZeRO-1 under mixed precision, with
     16-bit compute weights and no autocast for ZeRO-2/FSDP (what FSDP2's MixedPrecisionPolicy runs).
-    Without one (activations not traced) only the model states are filled in. The prediction is for a
-    steady-state step; ``first_step=True`` predicts the very first one, whose forward and backward run
+    Without one (activations not traced) only the model states are filled in. Under tensor parallelism
+    ``inv`` and ``profile`` are one TP rank's (finetune/plan/tensor_parallel.py: the block at heads / tp,
+    kv_heads / tp, intermediate / tp), and the strategy shards that over ``s.world`` data-parallel ranks;
+    TP's own all-reduces are counted by the planner, not here. The prediction is for a steady-state step; ``first_step=True`` predicts the very first one, whose forward and backward run
     before AdamW has allocated its state (what a probe around step 0 measures).
     """
     spec = s.spec
@@ -116,8 +119,8 @@ def candidate_memory(
     if not sharded:
         params, grads = sb.param_bytes, grads_full
         opt = opt_full if spec.strategy is not Strategy.ZERO1 else max(opt_full // n, 2 * largest)
-        if spec.strategy.distributed:
-            buffers = dict.fromkeys(buffers, grads_full)  # DDP gradient buckets
+        if spec.strategy.distributed and n > 1:  # DDP gradient buckets (no wrapper over a single TP replica)
+            buffers = dict.fromkeys(buffers, grads_full)
             buffers_step = grads_full
         comm = int(2 * f * sb.trainable * gbytes)
     else:
@@ -168,6 +171,8 @@ def candidate_memory(
     trainable_rank = sb.trainable if not spec.strategy.shards_optimizer else -(-sb.trainable // n)
     if s.optimizer != "adamw":
         step_temps = 0  # bitsandbytes updates each tensor in place, block by block
+    elif spec.tensor_parallel:  # AdamW's per-parameter loop (finetune/train/loop.py: build_optimizer)
+        step_temps = FOR_LOOP_ADAM_TEMPORARIES * largest
     else:
         step_temps = trainable_rank * gbytes  # foreach AdamW: sqrt(exp_avg_sq) of every tensor at once
     step_total = params + grads + opt + buffers_step + step_temps

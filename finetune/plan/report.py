@@ -33,6 +33,7 @@ class PlanOptions:
     nodes: int | None = None
     interconnect: str | None = None
     lora_r: int | None = None
+    tp: str | None = None  # distributed.tp: N or auto (default: the recipe's; auto with --model alone)
 
 
 @contextlib.contextmanager
@@ -56,6 +57,7 @@ def without_bitsandbytes() -> Iterator[None]:
 MODEL_ONLY_RECIPE: dict[str, Any] = {
     "method": "auto",
     "data": {"train": "(none: planning only)", "packing": True},
+    "distributed": {"tp": "auto"},  # the walk may try tensor parallelism when FSDP alone does not fit
 }
 
 
@@ -68,6 +70,7 @@ FLAG_FIELDS = {
     "global_batch_size": ("TrainConfig", "global_batch_size"),
     "micro_batch_size": ("TrainConfig", "micro_batch_size"),
     "lora_r": ("LoraConfig", "r"),
+    "tp": ("DistributedConfig", "tp"),
     "gpus": ("HardwareConfig", "gpus"),
     "nodes": ("HardwareConfig", "nodes"),
 }
@@ -130,6 +133,8 @@ def build_plan(opts: PlanOptions) -> Plan:
     for key in ("method", "strategy", "precision", "seq_len", "micro_batch_size"):
         if getattr(opts, key) is not None:
             changes[key] = getattr(opts, key)
+    if opts.tp is not None:
+        changes["tp"] = opts.tp if opts.tp == "auto" else int(opts.tp)
     if opts.lora_r is not None:
         from finetune.recipe import LoraConfig
 
@@ -186,12 +191,15 @@ def print_plan(plan: Plan, console: Any = None) -> None:
         f"{'processes' if hw.get('device') == 'cpu' else 'GPUs'} of {compact_bytes(cap)} ({hw.get('name')})"
     )
     t = Table(show_lines=False, header_style="bold")
+    with_tp = any(c.tp > 1 for c in plan.candidates)
     for col in ("method", "strategy", "mb", "ckpt", "params", "grads", "optim", "activ", "buffers",
                 "overhead", "total/GPU", "comm/step", "fits"):
         t.add_column(col, justify="left" if col in ("method", "strategy") else "right")
     for i, c in enumerate(plan.candidates):
         m = c.memory
         comm = f"{c.comm_bytes_per_step / 1e9:.1f}GB" if c.comm_bytes_per_step else "-"
+        if with_tp and c.tp > 1:  # data-parallel bytes over the slowest link + TP's all-reduces inside the node
+            comm = f"{comm} + tp {c.tp_comm_bytes_per_step / 1e9:.1f}GB"
         if c.comm_seconds_per_step:
             comm += f" {c.comm_seconds_per_step:.2f}s"
         acts = compact_bytes(m.activations) if not c.note else "-"
@@ -199,17 +207,19 @@ def print_plan(plan: Plan, console: Any = None) -> None:
         fits = "yes" if c.fits else ("?" if c.note.startswith("activations not traced") else "no")
         style = "bold green" if i == 0 else ("dim" if not c.fits else "")
         t.add_row(
-            c.method + (" *" if i == 0 else ""), c.strategy, str(c.micro_batch_size),
+            c.method + (" *" if i == 0 else ""), _strategy_cell(c), str(c.micro_batch_size),
             "on" if c.activation_checkpointing else "off", compact_bytes(m.params), compact_bytes(m.grads), compact_bytes(m.optimizer), acts,
             compact_bytes(m.buffers), compact_bytes(m.overhead), total, comm, fits, style=style,
         )
     console.print(t)
+    tp_note = "; tpN x S: tensor parallelism over N GPUs of a node, S over the replicas (+ tp: TP's all-reduces, " \
+        "inside the node)" if with_tp else ""
     console.print("[dim]- activations not traced: model states alone exceed the memory, or the walk stopped before "
                   "this method; comm: bytes each GPU sends per optimizer step, and the time over "
-                  f"{hw.get('interconnect')}.[/]")
+                  f"{hw.get('interconnect')}{tp_note}.[/]")
     ch = plan.chosen
     console.print(
-        f"[bold]chosen[/]: {ch.method} / {ch.strategy} / {ch.precision}, micro-batch {ch.micro_batch_size}, "
+        f"[bold]chosen[/]: {ch.method} / {_strategy_cell(ch)} / {ch.precision}, micro-batch {ch.micro_batch_size}, "
         f"gradient accumulation {ch.grad_accum_steps}, activation checkpointing "
         f"{'on' if ch.activation_checkpointing else 'off'}, {compact_bytes(ch.memory.total)} per GPU"
         + ("" if ch.fits else " [bold red](does not fit)[/]")
@@ -221,6 +231,13 @@ def print_plan(plan: Plan, console: Any = None) -> None:
             f"checkpoints: {compact_bytes(model['checkpoint_bytes'])} each (weights + AdamW state); a run keeps output.keep "
             "of them and writes one more before pruning, and checks the free disk for that before it starts"
         )
+
+
+def _strategy_cell(c: Any) -> str:
+    """``fsdp``; ``tp2 x fsdp`` (2-D mesh); ``tp8`` (one data-parallel replica)."""
+    if c.tp == 1:
+        return str(c.strategy)
+    return f"tp{c.tp}" if c.dp == 1 else f"tp{c.tp} x {c.strategy}"
 
 
 def plan_json(plan: Plan) -> str:

@@ -55,6 +55,20 @@ class Candidate:
     note: str = ""  # e.g. "model states alone exceed the GPU (activations not traced)"
     eval_batch_size: int = 0  # rows per evaluation batch (eval.batch_size, or the largest that fits); 0: not planned
     eval_memory: int = 0  # predicted per-GPU peak of an evaluation at that batch (states + logits + KV cache)
+    tp: int = 1  # tensor-parallel degree (inside a node); the strategy runs over world_size / tp replicas
+    tp_comm_bytes_per_step: int = 0  # bytes each GPU sends per step for TP's all-reduces (intra-node link)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas (processes / tp; 1 for a single process)."""
+        return self.world_size // self.tp if self.strategy.distributed else 1
+
+    @property
+    def label(self) -> str:
+        """The strategy as people say it: ``FSDP``, ``TP 2 x FSDP`` (2-D), ``TP 8`` (one replica)."""
+        if self.tp == 1:
+            return self.strategy.title
+        return f"TP {self.tp}" if self.dp == 1 else f"TP {self.tp} x {self.strategy.title}"
 
     @property
     def world_size(self) -> int:

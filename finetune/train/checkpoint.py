@@ -128,13 +128,16 @@ def resolve_resume(spec: str, out_dir: str | os.PathLike[str]) -> Path:
     return p
 
 
-def run_identity(method: str, model_path: str, world_size: int, strategy: str, recipe: Any) -> dict[str, Any]:
-    """What a checkpoint records about its run and a resume must match."""
+def run_identity(
+    method: str, model_path: str, world_size: int, strategy: str, recipe: Any, tp: int = 1
+) -> dict[str, Any]:
+    """What a checkpoint records about its run and a resume must match (a TP run resumes on the same mesh)."""
     ident = {
         "method": method,
         "model": str(model_path),
         "world_size": int(world_size),
         "strategy": strategy,
+        "tp": int(tp),
         "global_batch_size": recipe.train.global_batch_size,
         "seed": recipe.train.seed,
     }
@@ -154,6 +157,7 @@ _WHAT = {
     "model": ("model.path", "the model"),
     "world_size": ("--nproc", "the number of processes"),
     "strategy": ("distributed.strategy", "the strategy"),
+    "tp": ("distributed.tp", "the tensor-parallel degree"),
     "global_batch_size": ("train.global_batch_size", "the global batch size"),
     "seed": ("train.seed", "the seed"),
     "lora": ("lora", "the adapter shape (lora.r, lora.target_modules)"),
@@ -166,7 +170,7 @@ def check_resume_matches(ckpt: Path, identity: dict[str, Any]) -> None:
     """Refuse (one line) to resume ``ckpt`` with a run that differs in what the checkpoint depends on."""
     saved = read_meta(ckpt).get("identity", {})
     for key, want in identity.items():
-        have = saved.get(key)
+        have = saved.get(key, 1 if key == "tp" else None)  # checkpoints from before TP: tp 1
         if have != want:
             knob, what = _WHAT.get(key, (key, key))
             raise UserError(

@@ -17,6 +17,17 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
+    tp: int = 1  # tensor-parallel degree (the execution spec's): tp consecutive ranks compute one replica
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of one TP group read the same batch slice."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas (processes / tp)."""
+        return self.world_size // self.tp
 
     @property
     def is_main(self) -> bool:
@@ -55,6 +66,14 @@ class DistContext:
         t = t.to(dev)
         dist.all_reduce(t)
         return t.cpu()
+
+    def data_sum(self, value: float | torch.Tensor) -> torch.Tensor:
+        """Sum a per-replica value (tokens, summed losses) over the data-parallel replicas.
+
+        The ranks of a TP group hold the same value, so the sum over every rank counts it ``tp`` times.
+        """
+        total = self.all_reduce_sum(value)
+        return total / self.tp if self.tp > 1 else total
 
     def barrier(self) -> None:
         """Wait for every rank (no-op for one process)."""

@@ -31,8 +31,8 @@ class EvalResult:
 
 def _shard(items: list[Any], ctx: DistContext, batch_size: int) -> tuple[list[Any], int]:
     """This rank's strided share of ``items`` and the number of batches every rank must run."""
-    mine = items[ctx.rank :: ctx.world_size]
-    per_rank = math.ceil(len(items) / ctx.world_size)
+    mine = items[ctx.dp_rank :: ctx.dp_size]  # the ranks of a TP group run the same rows
+    per_rank = math.ceil(len(items) / ctx.dp_size)
     return mine, math.ceil(per_rank / batch_size)
 
 
@@ -54,8 +54,8 @@ def eval_loss(
         if mine[b * batch_size : (b + 1) * batch_size]:
             total += s.double().cpu()
             count += n.double().cpu()
-    total = ctx.all_reduce_sum(total)
-    count = ctx.all_reduce_sum(count)
+    total = ctx.data_sum(total)
+    count = ctx.data_sum(count)
     return float(total / count) if count > 0 else None
 
 
@@ -97,7 +97,7 @@ def exact_match(
             hits += int(text == p.answer.strip())
             if len(samples) < 3:
                 samples.append((p.answer, text))
-    total_hits = ctx.all_reduce_sum(hits)
+    total_hits = ctx.data_sum(hits)
     return float(total_hits) / len(prompts), samples
 
 

@@ -88,9 +88,16 @@ def optimizer_class(name: str, device: torch.device) -> tuple[type, dict[str, An
     raise UserError(f"train.optimizer: unknown optimizer `{name}`; use adamw, adamw8bit or paged_adamw8bit")
 
 
-def build_optimizer(model: torch.nn.Module, t: TrainConfig, strategy: Strategy) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, t: TrainConfig, strategy: Strategy, *, tensor_parallel: bool = False
+) -> torch.optim.Optimizer:
     """``train.optimizer`` over the trainable parameters (``train`` section settings); ZeRO-1 shards its
-    state over ranks."""
+    state over ranks.
+
+    Under tensor parallelism the parameters are DTensors on different meshes (TP-split linears, FSDP-only
+    norms) or plain tensors (what TP replicates): the foreach and fused kernels need one kind in a list, so
+    AdamW runs its per-parameter loop there.
+    """
     groups = param_groups(model, t.weight_decay)
     device = next((g["params"][0].device for g in groups if g["params"]), torch.device("cpu"))
     cls, options = optimizer_class(t.optimizer, device)
@@ -104,6 +111,8 @@ def build_optimizer(model: torch.nn.Module, t: TrainConfig, strategy: Strategy) 
         for g in groups[1:]:
             opt.add_param_group(g)
         return opt
+    if tensor_parallel and cls is torch.optim.AdamW:
+        options = {"foreach": False}
     return cls(groups, lr=t.lr, betas=t.betas, **options)
 
 
@@ -160,7 +169,7 @@ def accumulate(
 ) -> torch.Tensor:
     """Forward and backward every micro-batch; gradients are synchronised on the last one only."""
     loss_sum = torch.zeros((), dtype=torch.float64)
-    scale = ctx.world_size / max(global_tokens, 1.0)
+    scale = ctx.dp_size / max(global_tokens, 1.0)  # data parallelism averages over replicas, TP does not
     from finetune.train.preflight import at
 
     for i, mb in enumerate(micro):
@@ -181,10 +190,48 @@ def clip_gradients(
     """Unscale (fp16) and clip the global gradient norm; return the norm before clipping."""
     if scaler is not None:
         scaler.unscale_(optimizer)
+    groups = _grads_by_layout(params)
+    if len(groups) > 1:
+        return _clip_mixed_layouts(groups, max_norm)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def _grads_by_layout(params: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """Gradients grouped by how they are laid out over ranks: (mesh, placements) of a DTensor, None if plain."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(g)
+    return groups
+
+
+def _clip_mixed_layouts(groups: dict[Any, list[torch.Tensor]], max_norm: float | None) -> float:
+    """``clip_grad_norm_`` for gradients on several meshes (tensor parallelism: TP-split, FSDP-sharded and
+    replicated ones), which torch's cannot stack together: one norm per layout, each made global by DTensor
+    (a TP or FSDP shard's norm is reduced over its mesh), then combined and applied as one coefficient."""
+    from torch.distributed.tensor import DTensor
+
+    squares = 0.0
+    for grads in groups.values():
+        n = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        squares += float(n) ** 2
+    norm = math.sqrt(squares)
+    if max_norm and math.isfinite(norm):
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for grads in groups.values():
+                for g in grads:
+                    g.mul_(coef)
+    return norm
 
 
 def eval_fields(ev: EvalResult | None) -> dict[str, Any]:

@@ -79,9 +79,10 @@ class Reporter:
         """The run's header: what the Plan chose, the sizes involved, and anything the data loader noticed."""
         c = plan.chosen
         self.print(
-            f"[bold]finetune[/] {c.method} | {c.strategy} x{world} | {c.precision} | micro-batch {c.micro_batch_size}"
-            f" x accumulation {c.grad_accum_steps} x {world} process(es)"
-            f" | activation checkpointing {'on' if c.activation_checkpointing else 'off'}"
+            f"[bold]finetune[/] {c.method} | {c.strategy} x{world}{f' (tp {c.tp})' if c.tp > 1 else ''} | "
+            f"{c.precision} | micro-batch {c.micro_batch_size} x accumulation {c.grad_accum_steps} x "
+            + (f"{c.dp} replica(s) of {c.tp} TP ranks" if c.tp > 1 else f"{world} process(es)")
+            + f" | activation checkpointing {'on' if c.activation_checkpointing else 'off'}"
         )
         shown = {k: v for k, v in stats.items() if v or k in ("train", "eval")}
         self.print(

@@ -10,9 +10,15 @@ Every strategy is torch's own:
 - ``fsdp``: the same with ``reshard_after_forward=True`` on the blocks (ZeRO-3): each block's parameters are
   all-gathered for its forward, freed, and gathered again for its backward.
 
-Order inside :func:`parallelize` (as torchtitan's ``parallelize``): activation checkpointing per block (the
-one place it is applied, for every strategy), then sharding bottom-up (blocks, then the root), then
-prefetch wiring. Everything is read from the execution spec (finetune/spec.py).
+- ``distributed.tp: N`` (tensor parallelism): a 2-D ``("dp", "tp")`` device mesh; the linear layers of every
+  decoder block are split over the ``tp`` ranks of a node by ``torch.distributed.tensor.parallel``
+  (``ColwiseParallel`` / ``RowwiseParallel``, as transformers' ``config.base_model_tp_plan`` names them),
+  then zero2/fsdp shard over the ``dp`` dimension (FSDP2 over TP's DTensors is 2-D). Embeddings, norms and
+  the head are replicated over ``tp``.
+
+Order inside :func:`parallelize` (as torchtitan's ``parallelize``): tensor parallelism, then activation
+checkpointing per block (the one place it is applied, for every strategy), then sharding bottom-up (blocks,
+then the root), then prefetch wiring. Everything is read from the execution spec (finetune/spec.py).
 """
 
 from __future__ import annotations
@@ -29,17 +35,104 @@ from finetune.units import torch_dtype
 
 
 def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torch.nn.Module:
-    """Apply the execution spec: activation checkpointing (every strategy), then the strategy's wrapping."""
+    """Apply the execution spec: tensor parallelism, activation checkpointing (every strategy), then the
+    strategy's wrapping over the data-parallel ranks."""
+    if ctx.distributed and not spec.strategy.distributed:  # each rank would train alone on its slice
+        raise UserError(f"distributed.strategy: `single` cannot run on {ctx.world_size} processes; use ddp")
+    dp_mesh = None
+    if spec.tensor_parallel:
+        import logging
+
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert ctx.world_size == spec.world_size, "the launcher starts the plan's processes"
+        # Gathering a TP x FSDP parameter (saving) is two all-gathers, which DTensor warns about on every
+        # rank for every save; the cost is known and the result exact.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        mesh = init_device_mesh(ctx.device.type, (spec.dp, spec.tp), mesh_dim_names=("dp", "tp"))
+        apply_tensor_parallel(model, mesh["tp"])
+        dp_mesh = mesh["dp"]
     if spec.checkpointing:
         # Before sharding, so that each block's recomputation sits inside the block FSDP gathers for it.
         apply_activation_checkpointing(model)
     if not ctx.distributed:
         return model
-    if not spec.strategy.distributed:  # each rank would train alone on its slice: never silently
-        raise UserError(f"distributed.strategy: `single` cannot run on {ctx.world_size} processes; use ddp")
     if spec.strategy.uses_fsdp:
-        return _fully_shard(model, spec, ctx)
+        return _fully_shard(model, spec, ctx, dp_mesh)
+    if spec.tensor_parallel:  # one data-parallel replica (checked before launch): nothing to replicate over
+        assert spec.dp == 1, "ddp/zero1 with tp and several replicas is refused before launch"
+        return model
     return _data_parallel(model, ctx)
+
+
+# transformers' TP plan styles this trainer applies (torch's ColwiseParallel and RowwiseParallel)
+_TP_STYLES = ("colwise", "rowwise")
+
+
+def tensor_parallel_plan(model: torch.nn.Module) -> dict[str, str]:
+    """Module name (relative to the base model's decoder, e.g. ``layers.0.self_attn.q_proj``) -> colwise |
+    rowwise, from transformers' ``config.base_model_tp_plan`` (one clear sentence when there is none)."""
+    import re
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    arch = type(base).__name__
+    tp_plan = getattr(base.config, "base_model_tp_plan", None)
+    if not tp_plan:
+        raise UserError(
+            f"distributed.tp: {arch} has no tensor-parallel plan in transformers (config.base_model_tp_plan); "
+            "set distributed.tp: 1 and shard it with fsdp instead"
+        )
+    decoder = getattr(base, base.base_model_prefix, base)
+    names = [n for n, _ in decoder.named_modules()]
+    out: dict[str, str] = {}
+    for pattern, kind in tp_plan.items():
+        if kind not in _TP_STYLES:
+            raise UserError(
+                f"distributed.tp: {arch}'s tensor-parallel plan splits {pattern} as `{kind}`, which finetune does "
+                "not apply (only colwise and rowwise); set distributed.tp: 1"
+            )
+        rx = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
+        for n in names:
+            if rx.fullmatch(n):
+                out[n] = kind
+    return out
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
+    """Split every decoder block's linears over ``tp_mesh`` (Megatron's column-then-row pairs).
+
+    A column-parallel linear (q/k/v, gate/up) keeps ``out/tp`` output features on each rank and returns them
+    as a local tensor, so attention runs on ``heads/tp`` heads and the MLP on ``intermediate/tp`` features;
+    the row-parallel one that follows (o_proj, down_proj) takes them and all-reduces its output (one
+    all-reduce per attention and one per MLP in forward; their input gradients are all-reduced in backward).
+
+    LoRA adapters are split the same way (docs/architecture.md, "Tensor parallelism"): on a column-parallel
+    layer lora_A stays replicated and lora_B is column-split, so the adapter's output has the base layer's
+    local columns; on a row-parallel layer lora_A is row-split (its input is the local shard) and lora_B
+    replicated, after lora_A's all-reduce.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, base.base_model_prefix, base)
+    styles: dict[str, Any] = {}
+    for name, kind in tensor_parallel_plan(model).items():
+        module = decoder.get_submodule(name)
+        style = ColwiseParallel if kind == "colwise" else RowwiseParallel
+        if isinstance(module, torch.nn.Linear):
+            styles[name] = style()
+            continue
+        base_layer = getattr(module, "base_layer", None)  # a peft LoRA layer around the linear
+        if not isinstance(base_layer, torch.nn.Linear):
+            raise UserError(
+                f"distributed.tp: {name} is a {type(module).__name__}, not a linear layer tensor parallelism can "
+                "split (quantized weights cannot be split); set distributed.tp: 1"
+            )
+        styles[f"{name}.base_layer"] = style()
+        split = "lora_B" if kind == "colwise" else "lora_A"
+        for adapter in getattr(module, split, {}):
+            styles[f"{name}.{split}.{adapter}"] = style()
+    parallelize_module(decoder, tp_mesh, styles)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -97,12 +190,16 @@ def mixed_precision_policy(spec: ExecSpec) -> Any:
     )
 
 
-def _fully_shard(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torch.nn.Module:
-    """FSDP2 per decoder block and at the root; ZeRO-2 keeps parameters gathered after forward."""
+def _fully_shard(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext, mesh: Any = None) -> torch.nn.Module:
+    """FSDP2 per decoder block and at the root; ZeRO-2 keeps parameters gathered after forward.
+
+    ``mesh``: the data-parallel dimension of a 2-D mesh (tensor parallelism); else every rank.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    if mesh is None:
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     policy = mixed_precision_policy(spec)
     _check_quantized_storage(model, policy.param_dtype)
     reshard = spec.reshard_after_forward
@@ -146,6 +243,13 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def has_dtensors(model: torch.nn.Module) -> bool:
+    """Whether some parameter of ``model`` is a DTensor (tensor parallelism, FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside a DDP wrapper (FSDP2 shards in place, so there is nothing to unwrap)."""
     return getattr(model, "module", model)
@@ -172,7 +276,7 @@ def full_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, Any] 
     Every rank must call this under FSDP: it all-gathers each parameter (to CPU, rank 0 keeps the result;
     other ranks get an empty dict).
     """
-    if not ctx.distributed or not is_sharded(model):
+    if not ctx.distributed or not (is_sharded(model) or has_dtensors(model)):
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

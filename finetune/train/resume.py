@@ -44,7 +44,7 @@ class NonFiniteError(UserError):
 def identity_for(loaded: LoadedRecipe, plan: Plan) -> dict[str, Any]:
     """What this run's checkpoints record and a resume must match."""
     c = plan.chosen
-    return ck.run_identity(c.method, loaded.recipe.model.path, c.world_size, c.strategy, loaded.recipe)
+    return ck.run_identity(c.method, loaded.recipe.model.path, c.world_size, c.strategy, loaded.recipe, c.tp)
 
 
 def preflight_resume(loaded: LoadedRecipe, plan: Plan, resume: str | None, overwrite: bool = False) -> str | None:

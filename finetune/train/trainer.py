@@ -87,6 +87,7 @@ class Trainer:
         assert plan.execution is not None, "a plan for a run carries its execution spec"
         self.loaded, self.plan, self.spec = loaded, plan, plan.execution
         self.ctx = ctx or DistContext.from_env()
+        self.ctx.tp = self.spec.tp  # the ranks of a TP group share one data slice
         self.measure_memory, self.resume = measure_memory, resume
         self.hooks = hooks or load_hooks()
         self.out_dir = Path(loaded.recipe.output.dir)
@@ -103,7 +104,9 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.loaded)
         self.data: TaskData = load_data(self.loaded, self.tokenizer)
         self.model = self._setup_model()
-        self.optimizer = build_optimizer(self.model, r.train, self.spec.strategy)
+        self.optimizer = build_optimizer(
+            self.model, r.train, self.spec.strategy, tensor_parallel=self.spec.tensor_parallel
+        )
         self.stream = BatchStream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
         self.total = total_steps(self.loaded, self.stream)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -144,11 +147,11 @@ class Trainer:
         self.hooks.before_step(step, ctx.rank)
         epoch, in_epoch = position(state.step, self.stream)
         micro = self.stream.micro_batches(
-            epoch, in_epoch, rank=ctx.rank, world_size=ctx.world_size, micro_batch_size=chosen.micro_batch_size
+            epoch, in_epoch, rank=ctx.dp_rank, world_size=ctx.dp_size, micro_batch_size=chosen.micro_batch_size
         )
-        input_tokens = int(ctx.all_reduce_sum(sum(int(mb["num_tokens"]) for mb in micro)))  # no padding
+        input_tokens = int(ctx.data_sum(sum(int(mb["num_tokens"]) for mb in micro)))  # no padding
         micro = [{k: v.to(ctx.device) for k, v in mb.items()} for mb in micro]
-        global_tokens = float(ctx.all_reduce_sum(sum(count_target_tokens(mb) for mb in micro)))
+        global_tokens = float(ctx.data_sum(sum(count_target_tokens(mb) for mb in micro)))
         if state.step == start_step:
             self.probe = memory_probe(self.measure_memory, ctx, self.model, self.optimizer)
         measuring: Any = contextlib.nullcontext()
@@ -160,7 +163,7 @@ class Trainer:
             loss_sum = self.hooks.after_backward(step, self.params, loss_sum)
             at("optimizer")
             grad_norm = clip_gradients(self.params, self.optimizer, self.scaler, self.loaded.recipe.train.max_grad_norm)
-            loss = float(ctx.all_reduce_sum(loss_sum)) / max(global_tokens, 1.0)
+            loss = float(ctx.data_sum(loss_sum)) / max(global_tokens, 1.0)
             self._update(step, loss, grad_norm)
         if isinstance(measuring, PeakMemory) and (state.step - start_step == 1 or step == self.total):
             self.measured_peak = measuring.measured_peak_bytes
