@@ -246,6 +246,11 @@ class _Planner:
                 f"distributed.tp: {tp} with method {req.method} is not supported: tensor parallelism splits full "
                 "fine-tuning and LoRA only (a prefix holds every KV head); use method lora, or distributed.tp: 1"
             )
+        if req.method in ("lora", "auto") and getattr(self.lora, "use_dora", False):
+            raise UserError(
+                f"distributed.tp: {tp} with lora.use_dora is not supported: DoRA's per-row weight norm needs the "
+                "whole weight; set lora.use_dora: false, or distributed.tp: 1"
+            )
         if req.method == "qlora":
             raise UserError(
                 f"distributed.tp: {tp} with method qlora is not supported: torch's tensor-parallel styles cannot "
