@@ -359,9 +359,9 @@ def gather_model_state(model: torch.nn.Module, inner: torch.nn.Module, method: s
     """Full (unsharded) CPU tensors of what a checkpoint keeps, on rank 0 (empty elsewhere). Every rank calls."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from finetune.train.parallel import is_sharded
+    from finetune.train.parallel import has_dtensors, is_sharded
 
-    if method != "full" and not is_sharded(model):
+    if method != "full" and not is_sharded(model) and not has_dtensors(model):  # TP adapters: gathered below
         # The adapters alone, read from the module: torch's state-dict helpers walk every key of the model,
         # and bitsandbytes' 8-bit layers list keys (SCB, weight_format) that are no attributes, which they fail on.
         return {n: p.detach().to("cpu", copy=True) for n, p in inner.named_parameters() if p.requires_grad}
@@ -565,7 +565,9 @@ def load_checkpoint(
             weights[alias] = weights[name]
         optim = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded, strict=method == "full")
-    if method != "full" and not sharded:  # the adapters into the module itself (see gather_model_state)
+    from finetune.train.parallel import has_dtensors
+
+    if method != "full" and not sharded and not has_dtensors(model):  # into the module (see gather_model_state)
         result = inner.load_state_dict(weights, strict=False)
     else:
         result = set_model_state_dict(model, weights, options=opts)
