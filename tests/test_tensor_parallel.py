@@ -153,13 +153,14 @@ def test_lora_tp_parity_and_merge(tp_runs: TPRuns, mesh: str, tmp_path: Path) ->
         )
 
 
-def test_tp_checkpoint_resumes_on_the_same_mesh(tp_runs: TPRuns) -> None:
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_tp_checkpoint_resumes_on_the_same_mesh(tp_runs: TPRuns, method: str) -> None:
     """A copy of the tp 2 run, resumed from its step-5 checkpoint, computes the uninterrupted run's steps
-    6-10 and weights (model and AdamW state gathered from DTensors, put back on the same mesh)."""
-    whole = tp_runs.get("full", "tp2")
-    out = tp_runs.root / "full-tp2-resumed"
+    6-10 and weights (model or adapter and AdamW state gathered from DTensors, put back on the same mesh)."""
+    whole = tp_runs.get(method, "tp2")
+    out = tp_runs.root / f"{method}-tp2-resumed"
     shutil.copytree(whole, out)
-    recipe = tp_runs.recipe("full", "tp2", out)
+    recipe = tp_runs.recipe(method, "tp2", out)
     proc = finetune_run(
         recipe,
         "--nproc",
@@ -174,7 +175,8 @@ def test_tp_checkpoint_resumes_on_the_same_mesh(tp_runs: TPRuns) -> None:
     got, want = step_rows(out), step_rows(whole)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert max_rel([r["loss"] for r in got[5:]], [r["loss"] for r in want[5:]]) <= 1e-6
-    assert max_weight_diff(out / "model.safetensors", whole / "model.safetensors") <= 1e-6
+    weights = "model.safetensors" if method == "full" else "adapter_model.safetensors"
+    assert max_weight_diff(out / weights, whole / weights) <= 1e-6
 
 
 # ------------------------------------------------------------------------- refused before any process
