@@ -60,7 +60,10 @@ def load_base_model(
         if base_dir is not None:
             save_pretrained_base(model, base_dir)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **common)
+        # Straight onto the device in the storage dtype, tensor by tensor: no whole copy in host memory.
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, device_map={"": device}, **common
+        )
     return model.to(device)
 
 
@@ -89,8 +92,11 @@ def build_model(
 
     ``base_dir``: see :func:`load_base_model` (given by rank 0 of an adapter run from a random init).
     """
+    from finetune.train.load import init_adapters
+
     model = load_base_model(loaded, spec, device, base_dir)
     model = add_adapters(model, loaded, spec)
+    init_adapters(model, loaded.recipe.train.seed)
     if hasattr(model, "config"):
         model.config.use_cache = False
     if loaded.recipe.train.compile:

@@ -53,6 +53,7 @@ from finetune.train.loop import (
     seed_everything,
     total_steps,
 )
+from finetune.train.load import build_on_meta, loads_sharded, materialize
 from finetune.train.memory import PeakMemory
 from finetune.train.model import build_model, check_model_storage, count_parameters, load_tokenizer
 from finetune.train.outputs import MetricsWriter, Reporter, save_final
@@ -131,12 +132,21 @@ class Trainer:
 
     def _setup_model(self) -> torch.nn.Module:
         """Build the model the execution spec describes, check it against the plan, then wrap it."""
-        r, spec = self.loaded.recipe, self.spec
-        keep_base = self.ctx.is_main and spec.method.adapters and r.model.init == "random"
-        model = build_model(self.loaded, spec, self.ctx.device, base_dir=self.out_dir / "base" if keep_base else None)
+        r, spec, ctx = self.loaded.recipe, self.spec, self.ctx
+        keep_base = ctx.is_main and spec.method.adapters and r.model.init == "random"
+        base_dir = self.out_dir / "base" if keep_base else None
+        if not loads_sharded(spec, ctx.world_size):
+            model = build_model(self.loaded, spec, ctx.device, base_dir=base_dir)
+            check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
+            self.trainable, self.total_params = count_parameters(model)
+            return parallelize(model, spec, ctx)
+        # Sharded: built on meta, wrapped, then each rank materialises only its shards (finetune/train/load.py).
+        model = build_on_meta(self.loaded, spec)
         check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
         self.trainable, self.total_params = count_parameters(model)
-        return parallelize(model, spec, self.ctx)
+        model = parallelize(model, spec, ctx)
+        materialize(model, self.loaded, spec, ctx.device, base_dir)
+        return model
 
     # -- one optimizer step -----------------------------------------------------------------------------------
     def train_step(self, start_step: int) -> StepResult:
