@@ -25,6 +25,7 @@ import json
 import math
 import zlib
 from pathlib import Path
+
 import torch
 
 from finetune.errors import UserError
@@ -51,10 +52,14 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
 
     r = loaded.recipe
     path = resolve_model_path(loaded)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=r.model.trust_remote_code, local_files_only=True)
+    config = AutoConfig.from_pretrained(
+        path, trust_remote_code=r.model.trust_remote_code, local_files_only=True
+    )
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
-            config, dtype=torch_dtype(spec.base_dtype(False)), trust_remote_code=r.model.trust_remote_code,
+            config,
+            dtype=torch_dtype(spec.base_dtype(False)),
+            trust_remote_code=r.model.trust_remote_code,
             attn_implementation=r.model.attn_implementation,
         )
         model = add_adapters(model, loaded, spec)
@@ -63,7 +68,11 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
 
 
 def materialize(
-    model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpec, device: torch.device, base_dir: Path | None = None
+    model: torch.nn.Module,
+    loaded: LoadedRecipe,
+    spec: ExecSpec,
+    device: torch.device,
+    base_dir: Path | None = None,
 ) -> None:
     """Give every (sharded) parameter storage on ``device`` and fill this rank's part (every rank calls).
 
@@ -100,10 +109,14 @@ def _seeded_model(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
 
     r = loaded.recipe
     path = resolve_model_path(loaded)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=r.model.trust_remote_code, local_files_only=True)
+    config = AutoConfig.from_pretrained(
+        path, trust_remote_code=r.model.trust_remote_code, local_files_only=True
+    )
     torch.manual_seed(r.train.seed)
     return AutoModelForCausalLM.from_config(
-        config, dtype=torch_dtype(spec.base_dtype(False)), trust_remote_code=r.model.trust_remote_code,
+        config,
+        dtype=torch_dtype(spec.base_dtype(False)),
+        trust_remote_code=r.model.trust_remote_code,
         attn_implementation=r.model.attn_implementation,
     )
 
@@ -154,14 +167,16 @@ def load_pretrained_shards(targets: dict[str, torch.Tensor], path: Path) -> None
     for key, t in targets.items():
         found = key if key in have else _unprefixed(key, have)
         if found is None:
-            raise UserError(f"model.path: {path} has no tensor {key}; is it a checkpoint of this architecture?")
+            raise UserError(
+                f"model.path: {path} has no tensor {key}; is it a checkpoint of this architecture?"
+            )
         wanted[found] = t
     dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
 
 
 def _unprefixed(key: str, have: set[str]) -> str | None:
     """Older checkpoints store the base model without its prefix (GPT-2's ``h.0...`` for ``transformer.h.0``)."""
-    head, _, tail = key.partition(".")
+    _, _, tail = key.partition(".")
     return tail if tail in have else None
 
 
@@ -188,7 +203,10 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
     from a generator seeded by (``seed``, its name), so the adapted model starts as the base everywhere."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            kind = next((k for k in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B") if f".{k}." in name), None)
+            kind = next(
+                (k for k in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B") if f".{k}." in name),
+                None,
+            )
             if kind is None:
                 continue
             full = torch.zeros(p.shape, dtype=torch.float32)

@@ -38,6 +38,7 @@ from finetune.train.data import BatchStream, TaskData, load_data
 from finetune.train.distributed import DistContext
 from finetune.train.evaluate import EvalResult, evaluate
 from finetune.train.hooks import TrainerHooks, load_hooks
+from finetune.train.load import build_on_meta, loads_sharded, materialize
 from finetune.train.loop import (
     RunResult,
     TrainState,
@@ -53,7 +54,6 @@ from finetune.train.loop import (
     seed_everything,
     total_steps,
 )
-from finetune.train.load import build_on_meta, loads_sharded, materialize
 from finetune.train.memory import PeakMemory
 from finetune.train.model import build_model, check_model_storage, count_parameters, load_tokenizer
 from finetune.train.outputs import MetricsWriter, Reporter, save_final
