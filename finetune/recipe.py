@@ -275,6 +275,11 @@ class OutputConfig(Section):
         description="Also log metrics.jsonl's rows, the recipe and the plan to these (rank 0; wandb offline and "
         "MLflow in output.dir/mlruns unless WANDB_MODE / MLFLOW_TRACKING_URI say otherwise).",
     )
+    max_shard_size: str = Field(
+        "5GiB",
+        description="Largest safetensors file of a full fine-tune's final model, e.g. 5GiB or 500MiB; a bigger "
+        "model is written in several files with model.safetensors.index.json.",
+    )
 
 
 class HardwareConfig(Section):

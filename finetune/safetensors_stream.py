@@ -92,3 +92,34 @@ class ShardWriter:
         """Finish the file (every tensor must have been written)."""
         self.file.close()
         assert self.next == len(self.order), "shard closed before every tensor was written"
+
+
+def plan_shards(
+    specs: list[tuple[str, list[int], torch.dtype]], max_bytes: int
+) -> list[tuple[str, list[tuple[str, list[int], torch.dtype]]]]:
+    """Split tensor specs, in order, into files of at most ``max_bytes`` (a tensor larger than that gets a file
+    of its own), named as ``save_pretrained`` names them: ``model.safetensors`` alone, else
+    ``model-00001-of-0000N.safetensors``."""
+    groups: list[list[tuple[str, list[int], torch.dtype]]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = math.prod(spec[1]) * spec[2].itemsize
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += nbytes
+    if len(groups) == 1:
+        return [(SAFE_SINGLE, groups[0])]
+    n = len(groups)
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def write_index(out: Path, shards: list[tuple[str, list[tuple[str, list[int], torch.dtype]]]]) -> None:
+    """``model.safetensors.index.json`` for several shards (what ``from_pretrained`` reads); nothing for one."""
+    if len(shards) < 2:
+        return
+    total = sum(math.prod(shape) * dtype.itemsize for _, specs in shards for _, shape, dtype in specs)
+    weight_map = {name: file for file, specs in shards for name, _, _ in specs}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")

@@ -72,18 +72,22 @@ def test_fresh_start_refuses_an_unfinished_run(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "notes.txt"]  # only what a run writes
 
 
-def test_resume_must_match_method_model_and_world_size(tmp_path: Path) -> None:
-    ident = {"method": "full", "model": "/m", "world_size": 2, "strategy": "ddp", "global_batch_size": 8, "seed": 0}
+def test_resume_must_match_method_model_and_precision_not_world_size(tmp_path: Path) -> None:
+    ident = {"method": "full", "model": "/m", "precision": "fp32", "world_size": 2, "strategy": "ddp",
+             "global_batch_size": 8, "seed": 0}
     d = _fake_checkpoint(tmp_path, "step-5", {"identity": ident})
     ck.check_resume_matches(d, dict(ident))
+    ck.check_resume_matches(d, {**ident, "world_size": 3, "strategy": "fsdp"})  # resharded on load
     with pytest.raises(UserError) as err:
-        ck.check_resume_matches(d, {**ident, "world_size": 4})
+        ck.check_resume_matches(d, {**ident, "precision": "bf16"})
     assert str(err.value) == (
-        f"--resume: {d} was saved with the number of processes 2 but this run has 4; set --nproc back to 2 "
+        f"--resume: {d} was saved with the precision fp32 but this run has bf16; set precision back to fp32 "
         "or start a new run in another output.dir"
     )
     with pytest.raises(UserError, match="saved with the method full but this run has lora; set method back"):
         ck.check_resume_matches(d, {**ident, "method": "lora"})
+    with pytest.raises(UserError, match=r"saved with the model /m but this run has /n; set model\.path back to /m"):
+        ck.check_resume_matches(d, {**ident, "model": "/n"})
 
 
 def test_free_disk_preflight(tmp_path: Path) -> None:
@@ -142,4 +146,7 @@ def test_no_code_runs_when_loading_files() -> None:
                 offenders.append(f"{py.name}: {m.group(0)}")
         offenders += [f"{py.name}: yaml.load" for _ in re.finditer(r"yaml\.(?:load|unsafe_load)\(", text)]
     assert offenders == []
-    assert "torch.load(ckpt / \"optimizer.pt\", map_location=\"cpu\", weights_only=True)" in Path(ck.__file__).read_text()
+    source = Path(ck.__file__).read_text()
+    assert 'torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)' in source
+    # DCP's own planner unpickles non-tensor values with weights_only=False: ours overrides it.
+    assert "torch.load(value, weights_only=True)" in source and "planner=_SafeLoadPlanner()" in source

@@ -51,6 +51,9 @@ def _losses(out: Path) -> list[tuple[int, float]]:
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
+    """A run directory's final weights, or a checkpoint's (read from its sharded state)."""
+    if (path / ck.META).is_file():
+        return ck.read_weights(path)
     return load_file(str(path / "model.safetensors"))
 
 
@@ -94,7 +97,7 @@ def test_resume_from_step_4_matches_the_uninterrupted_run(reference: dict, tmp_p
     assert meta["step"] == 4 and meta["position"]["epoch"] == 0 and meta["position"]["step_in_epoch"] == 4
     assert meta["history"] == [loss for _, loss in reference["losses"][:4]]
     assert sorted(p.name for p in ckpt.iterdir()) == [
-        "meta.json", "model.safetensors", "optimizer.pt", "plan.json", "recipe.yaml", "trainer.pt"
+        "meta.json", "plan.json", "recipe.yaml", "state", "trainer.pt"
     ]
     out = tmp_path / "resumed"
     assert launch(str(_recipe(tmp_path, out)), [], LaunchOptions(resume=str(ckpt))) == 0
@@ -146,7 +149,7 @@ def test_sigkill_sigterm_and_a_killed_write_then_resume(reference: dict, tmp_pat
     c.kill()
     c.wait()
     partial = next(root.glob(f".tmp-step-{next_save}-*"))
-    assert (partial / "model.safetensors").exists() and not (partial / "meta.json").exists()
+    assert (partial / "state" / ".metadata").exists() and not (partial / "meta.json").exists()
     assert ck.list_checkpoints(out)[-1][0] == k  # the partial write is not a checkpoint
     assert ck.resolve_resume("latest", out).name == f"step-{k}"
 

@@ -2,28 +2,30 @@
 
 Layout of ``output.dir/checkpoints/step-N/`` (N = optimizer steps done)::
 
-    model.safetensors   full fine-tuning: every weight; lora/qlora: the trainable (adapter) weights only
-    optimizer.pt        optimizer state (keyed by parameter name; ZeRO-1: consolidated on rank 0)
+    state/              torch.distributed.checkpoint (DCP): every rank writes its own shards of the model
+                        (full fine-tuning: every weight; lora/qlora: the adapters) and of AdamW's state, keyed
+                        by parameter name; ``.metadata`` says which slice of which tensor lies where
     trainer.pt          LR scheduler, fp16 loss scaler, and the RNG states of every rank
                         (python, numpy, torch CPU, torch CUDA)
     recipe.yaml         the resolved recipe of the run
     plan.json           its plan
-    meta.json           step, token and skipped-step counters, the data position, per-step losses, and
-                        what a resume must match (method, model, world size, strategy); written last
+    meta.json           step, token and skipped-step counters, the data position, per-step losses (metrics.jsonl
+                        is cut back to this step on resume), and what a resume must match (method, model,
+                        precision, global batch, seed, adapter shape); written last
 
-Weights and optimizer state are *gathered* to full tensors on rank 0 and written by rank 0 alone (under FSDP
-through ``torch.distributed.checkpoint.state_dict`` with ``full_state_dict=True``), so a checkpoint is the same
-files whatever the strategy and needs no shared filesystem to write. To resume, every rank reads
-``meta.json`` and ``trainer.pt`` (its own RNG state); under FSDP/ZeRO-2 rank 0 alone reads the weights and
-optimizer state and broadcasts them, elsewhere every rank reads them. So on several nodes the checkpoint must
-be on a filesystem every node sees. Gathering needs the full state in rank 0's CPU memory.
+No rank ever gathers the model or the optimizer state: each writes what it holds (under DDP, replicated
+tensors are written once, by one rank). Resuming reads, on every rank, the slices it needs for the
+*current* sharding, so a checkpoint saved by fsdp on 2 processes resumes under fsdp on 3, ddp, zero1 or one
+process. Every rank writes into, and reads from, the same directory: on several nodes it must be on a
+filesystem they all see.
 
-Atomicity: rank 0 writes into ``checkpoints/.tmp-step-N-<pid>/``, fsyncs every file and the directory, then
-renames it to ``step-N`` and fsyncs ``checkpoints/``. Only names ``step-N`` holding a ``meta.json`` count as
-checkpoints, so a write cut short (kill, crash, full disk) is never chosen by ``--resume``; leftovers are
-removed by the next save.
+Atomicity: every rank writes into ``checkpoints/.tmp-step-N-<pid of rank 0>/``; rank 0 then writes the small
+files and ``meta.json``, fsyncs everything, renames the directory to ``step-N`` and fsyncs ``checkpoints/``.
+Only names ``step-N`` holding a ``meta.json`` count as checkpoints, so a write cut short (kill, crash, full
+disk) is never chosen by ``--resume``; leftovers are removed by the next save.
 
-Loading uses ``torch.load(weights_only=True)`` and ``safetensors``: a checkpoint cannot run code.
+Loading uses ``torch.load(weights_only=True)`` (also for DCP's non-tensor values, through a load planner
+that overrides DCP's default): a checkpoint cannot run code.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ RUN_FILES = (
     "adapter_config.json",
 )
 META = "meta.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,12 +131,15 @@ def resolve_resume(spec: str, out_dir: str | os.PathLike[str]) -> Path:
 
 
 def run_identity(
-    method: str, model_path: str, world_size: int, strategy: str, recipe: Any, tp: int = 1
+    method: str, model_path: str, world_size: int, strategy: str, precision: str, recipe: Any, tp: int = 1
 ) -> dict[str, Any]:
-    """What a checkpoint records about its run and a resume must match (a TP run resumes on the same mesh)."""
+    """What a checkpoint records about its run; a resume must match all of it but the world size and the
+    strategy (:data:`RESHARDABLE`: the sharded checkpoint is re-sliced for the resuming run). A TP run
+    resumes with the same tensor-parallel degree (not tested across degrees)."""
     ident = {
         "method": method,
         "model": str(model_path),
+        "precision": precision,
         "world_size": int(world_size),
         "strategy": strategy,
         "tp": int(tp),
@@ -152,9 +157,13 @@ def run_identity(
     return ident
 
 
+#: Recorded, but a resume may change them: DCP reshards the checkpoint to the resuming run's layout.
+RESHARDABLE = frozenset({"world_size", "strategy"})
+
 _WHAT = {
     "method": ("method", "the method"),
     "model": ("model.path", "the model"),
+    "precision": ("precision", "the precision"),
     "world_size": ("--nproc", "the number of processes"),
     "strategy": ("distributed.strategy", "the strategy"),
     "tp": ("distributed.tp", "the tensor-parallel degree"),
@@ -170,6 +179,8 @@ def check_resume_matches(ckpt: Path, identity: dict[str, Any]) -> None:
     """Refuse (one line) to resume ``ckpt`` with a run that differs in what the checkpoint depends on."""
     saved = read_meta(ckpt).get("identity", {})
     for key, want in identity.items():
+        if key in RESHARDABLE:
+            continue
         have = saved.get(key, 1 if key == "tp" else None)  # checkpoints from before TP: tp 1
         if have != want:
             knob, what = _WHAT.get(key, (key, key))
@@ -342,167 +353,329 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Model and optimizer state (gathered)
+# What a checkpoint holds: each part exposes state_dict() / load_state_dict() (DCP's Stateful protocol)
 # --------------------------------------------------------------------------------------------------
 
 
-def _sharded(strategy: str) -> bool:
-    return strategy in ("zero2", "fsdp")
+class ModelState:
+    """The weights a checkpoint keeps: every weight (full fine-tuning) or the adapters (lora/qlora), as each
+    rank holds them (DTensor shards under FSDP2, whole tensors otherwise; DCP records which part is whose)."""
+
+    def __init__(self, model: torch.nn.Module, adapters_only: bool) -> None:
+        self.model, self.adapters_only = model, adapters_only
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameter name -> tensor (this rank's shard)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from finetune.train.parallel import is_sharded, unwrap
+
+        if self.adapters_only and not is_sharded(self.model):
+            # The adapters alone, read from the module: torch's state-dict helpers walk every key of the model,
+            # and bitsandbytes' 8-bit layers list keys (SCB, weight_format) that are no attributes, which they
+            # fail on. The live tensors: DCP loads into them in place.
+            return {n: p.detach() for n, p in unwrap(self.model).named_parameters() if p.requires_grad}
+        state = get_model_state_dict(self.model)
+        if self.adapters_only:
+            keep = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            state = {k: v for k, v in state.items() if k in keep}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy ``state`` into the model (a frozen base is not in a checkpoint: not strict then)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from finetune.train.parallel import is_sharded, unwrap
+
+        if self.adapters_only and not is_sharded(self.model):
+            unwrap(self.model).load_state_dict(state, strict=False)  # see state_dict (already loaded in place)
+            return
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.adapters_only))
 
 
-def trainable_names(inner: torch.nn.Module) -> set[str]:
-    """Names of the parameters that train (the adapter under lora/qlora)."""
-    return {n for n, p in inner.named_parameters() if p.requires_grad}
+class OptimizerState:
+    """AdamW's state keyed by parameter name, flattened (``state.<name>.exp_avg``, ``param_groups.<name>.lr``),
+    so it reshards between strategies and world sizes. ZeRO-1 saves and loads the local optimizer of each
+    rank's share of the parameters; the names of all ranks together make the whole state."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def _local(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer's own share
+
+    def state_dict(self) -> dict[str, Any]:
+        """Name-keyed, flattened optimizer state (this rank's shards)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        return get_optimizer_state_dict(self.model, self._local(), options=opts)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the moments, step counts and hyperparameters (lr as the scheduler left it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        local = self._local()
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        set_optimizer_state_dict(self.model, local, state, options=opts)
+        if local is not self.optimizer:
+            # ZeRO-1 copies its own param_groups onto the local optimizer before every step: give it the
+            # restored hyperparameters, or the first resumed step would run at the initial lr.
+            for group, restored in zip(self.optimizer.param_groups, local.param_groups, strict=True):
+                group.update({k: v for k, v in restored.items() if k != "params"})
 
 
-def gather_model_state(model: torch.nn.Module, inner: torch.nn.Module, method: str) -> dict[str, Any]:
-    """Full (unsharded) CPU tensors of what a checkpoint keeps, on rank 0 (empty elsewhere). Every rank calls."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+class RNGState:
+    """Every rank's RNG states (python, numpy, torch CPU and CUDA). Saving gathers them all to rank 0 (a
+    collective); loading keeps this rank's (rank 0's when the checkpoint had fewer processes) until
+    :meth:`restore`, which the trainer calls just before the first resumed step."""
 
-    from finetune.train.parallel import has_dtensors, is_sharded
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.pending: dict[str, Any] | None = None
 
-    if method != "full" and not is_sharded(model) and not has_dtensors(model):  # TP adapters: gathered below
-        # The adapters alone, read from the module: torch's state-dict helpers walk every key of the model,
-        # and bitsandbytes' 8-bit layers list keys (SCB, weight_format) that are no attributes, which they fail on.
-        return {n: p.detach().to("cpu", copy=True) for n, p in inner.named_parameters() if p.requires_grad}
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=opts)
-    if method != "full":
-        keep = trainable_names(inner)
-        state = {k: v for k, v in state.items() if k in keep}
-    return state
+    def state_dict(self) -> dict[str, Any]:
+        """``{"ranks": [state of rank 0, 1, ...]}`` on rank 0; every rank must call."""
+        import torch.distributed as dist
 
+        mine = rng_state()
+        if self.world_size == 1:
+            return {"ranks": [mine]}
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        return {"ranks": gathered or []}
 
-def gather_optimizer_state(model: torch.nn.Module, optimizer: Any, strategy: str, rank: int) -> dict[str, Any] | None:
-    """The whole optimizer state on rank 0 (None elsewhere). Every rank calls (collectives)."""
-    if strategy == "zero1":
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if rank == 0 else None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Keep this rank's state for :meth:`restore`."""
+        ranks = state["ranks"]
+        self.pending = ranks[self.rank] if self.rank < len(ranks) else ranks[0]
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_optimizer_state_dict(model, optimizer, options=opts)
-    return state if rank == 0 else None
-
-
-def _save_tensors(state: dict[str, torch.Tensor], path: Path) -> dict[str, str]:
-    """safetensors cannot hold two names of one storage (tied weights): keep the first, return the aliases."""
-    from safetensors.torch import save_file
-
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if t.numel() and key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        tensors[name] = t.detach().contiguous()
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return aliases
+    def restore(self) -> None:
+        """Apply the loaded state (once)."""
+        if self.pending is not None:
+            set_rng_state(self.pending)
+            self.pending = None
 
 
 # --------------------------------------------------------------------------------------------------
-# Save
+# The checkpointer
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Snapshot:
-    """Everything of a run at a step boundary except the modules: counters, position, losses."""
+@dataclass(frozen=True)
+class RunFiles:
+    """What every checkpoint of a run records beside its state (constant during the run)."""
 
-    step: int
-    tokens: int
-    skipped_steps: int
-    position: dict[str, Any]  # BatchStream.position_state: epoch, step_in_epoch, fingerprint
-    history: list[float]
+    identity: dict[str, Any]
+    recipe_yaml: str
+    plan: dict[str, Any]
+    keep: int
     total_steps: int
 
 
-def save_checkpoint(
-    out_dir: Path,
-    snap: Snapshot,
-    *,
-    model: torch.nn.Module,
-    inner: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    scaler: Any,
-    method: str,
-    strategy: str,
-    rank: int,
-    world_size: int,
-    identity: dict[str, Any],
-    recipe_yaml: str,
-    plan: dict[str, Any],
-    keep: int,
-    half_written: Callable[[int], None] | None = None,
-) -> Path:
-    """Write ``checkpoints/step-N`` atomically (rank 0 writes; every rank must call), prune to ``keep``.
+#: Parts written by DCP (tensors, each rank its own), by rank 0 with torch.save (weights_only-loadable
+#: small state), and into meta.json (counters and the data position, readable without torch).
+SHARDED_PARTS = ("model", "optimizer")
+TORCH_PARTS = ("scheduler", "scaler", "rng")
+STATE_DIR = "state"
 
-    ``half_written(step)`` runs once the tensors are on disk and before meta.json and the rename (a hook).
 
-    Returns the checkpoint's path (on every rank).
+class Checkpointer:
+    """Saves and loads ``output.dir/checkpoints/step-N`` for one rank (every rank calls both).
+
+    ``states`` maps part names to objects with ``state_dict()`` / ``load_state_dict()``: ``model`` and
+    ``optimizer`` (written by every rank through ``torch.distributed.checkpoint``: each its own shards),
+    ``scheduler``, ``scaler`` (may be None) and ``rng`` (rank 0 writes ``trainer.pt``), ``train`` and
+    ``data`` (``meta.json``, written last: its presence is what makes a checkpoint complete).
     """
-    import torch
-    import torch.distributed as dist
 
-    model_state = gather_model_state(model, inner, method)
-    optim_state = gather_optimizer_state(model, optimizer, strategy, rank)
-    rng = [rng_state()]
-    if world_size > 1:
-        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-        dist.gather_object(rng[0], gathered, dst=0)
-        rng = gathered or []
-    root = checkpoints_dir(out_dir)
-    final = root / f"step-{snap.step}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
-        tmp = root / f".tmp-step-{snap.step}-{os.getpid()}"
-        tmp.mkdir()
-        aliases = _save_tensors(model_state, tmp / "model.safetensors")
-        torch.save(optim_state, tmp / "optimizer.pt")
-        trainer = {
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": rng,
-        }
-        torch.save(trainer, tmp / "trainer.pt")
-        (tmp / "recipe.yaml").write_text(recipe_yaml)
-        (tmp / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
-        if half_written is not None:
-            half_written(snap.step)
+    def __init__(
+        self,
+        out_dir: Path,
+        rank: int,
+        world_size: int,
+        states: dict[str, Any],
+        files: RunFiles,
+        half_written: Callable[[int], None] | None = None,
+    ) -> None:
+        self.out_dir, self.rank, self.world_size = Path(out_dir), rank, world_size
+        self.states, self.files, self.half_written = states, files, half_written
+
+    def _agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        if self.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def save(self, step: int) -> Path:
+        """Write ``checkpoints/step-<step>`` atomically and prune to ``output.keep``; returns its path.
+
+        A failed write (a full disk, say) raises a one-line :class:`UserError` on every rank and leaves the
+        previous checkpoints as they were (the half-written directory is removed by the next save).
+        """
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        root = checkpoints_dir(self.out_dir)
+        final = root / f"step-{step}"
+        error: str | None = None
+        if self.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(root)
+        tmp = root / self._agree(f".tmp-step-{step}-{os.getpid()}")
+        small = {k: self.states[k].state_dict() for k in TORCH_PARTS if self.states.get(k) is not None}
+        try:
+            dcp.save(
+                {k: self.states[k] for k in SHARDED_PARTS}, checkpoint_id=str(tmp / STATE_DIR),
+                no_dist=self.world_size == 1,
+            )
+        except Exception as exc:  # DCP reports every rank's failure on every rank
+            error = _first_error(exc)
+        if self.rank == 0 and error is None:
+            try:
+                self._finish(tmp, final, step, small, torch)
+            except OSError as exc:
+                error = f"{exc.strerror or exc} ({exc.filename or tmp})"
+        error = self._agree(error)
+        if error is not None:
+            previous = [p.name for s, p in list_checkpoints(self.out_dir) if s != step]
+            kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+            raise UserError(
+                f"output.dir: writing checkpoint step-{step} in {root} failed: {error}; {kept}; free space in "
+                "output.dir (or lower output.keep) and continue with --resume"
+            )
+        self._barrier()
+        return final
+
+    def _finish(self, tmp: Path, final: Path, step: int, small: dict[str, Any], torch: Any) -> None:
+        """Rank 0: the small files, the hook, meta.json last, fsync, rename into place, prune."""
+        f = self.files
+        torch.save(small, tmp / "trainer.pt")
+        (tmp / "recipe.yaml").write_text(f.recipe_yaml)
+        (tmp / "plan.json").write_text(json.dumps(f.plan, indent=2) + "\n")
+        if self.half_written is not None:
+            self.half_written(step)
         meta = {
             "format": FORMAT_VERSION,
-            "step": snap.step,
-            "total_steps": snap.total_steps,
-            "final": snap.step >= snap.total_steps,
-            "tokens": snap.tokens,
-            "skipped_steps": snap.skipped_steps,
-            "position": snap.position,
-            "identity": identity,
-            "tied": aliases,
-            "history": snap.history,
+            **self.states["train"].state_dict(),
+            "total_steps": f.total_steps,
+            "final": step >= f.total_steps,
+            "position": self.states["data"].state_dict(),
+            "identity": f.identity,
+            "saved_by": {"world_size": self.world_size},
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
-        for f in tmp.iterdir():
-            _fsync_file(f)
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                _fsync_file(p)
+        _fsync_dir(tmp / STATE_DIR)
         _fsync_dir(tmp)
+        root = tmp.parent
         if final.exists():  # re-saving a step after resuming from an older checkpoint
-            old = root / f".old-step-{snap.step}-{os.getpid()}"
+            old = root / f".old-step-{step}-{os.getpid()}"
             os.rename(final, old)
             os.rename(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
         _fsync_dir(root)
-        prune(out_dir, keep)
-    if world_size > 1:
-        dist.barrier()
-    return final
+        prune(self.out_dir, f.keep)
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Load every part from the checkpoint ``path`` (resharding as needed); returns its meta.json.
+
+        The RNG state is only staged: ``states["rng"].restore()`` applies it just before the first step.
+        """
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        meta = read_meta(path)
+        if meta.get("format") != FORMAT_VERSION:
+            raise UserError(
+                f"--resume: {path} has checkpoint format {meta.get('format')}, this finetune reads {FORMAT_VERSION}; "
+                "resume it with the finetune version that wrote it, or start a new run"
+            )
+        if not (path / STATE_DIR / ".metadata").is_file() or not (path / "trainer.pt").is_file():
+            raise UserError(f"--resume: {path} is incomplete (its {STATE_DIR}/ or trainer.pt is missing); choose another")
+        try:
+            dcp.load(
+                {k: self.states[k] for k in SHARDED_PARTS}, checkpoint_id=str(path / STATE_DIR),
+                planner=_SafeLoadPlanner(), no_dist=self.world_size == 1,
+            )
+        except Exception as exc:
+            raise UserError(
+                f"--resume: {path} does not fit this run's model ({_first_error(exc)}); it was saved by another run "
+                "or model: choose a checkpoint of this run"
+            ) from None
+        small = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+        for k in TORCH_PARTS:
+            if self.states.get(k) is not None and small.get(k) is not None:
+                self.states[k].load_state_dict(small[k])
+        self.states["train"].load_state_dict(meta)
+        self.states["data"].load_state_dict(meta["position"])
+        return meta
+
+
+def _first_error(exc: BaseException) -> str:
+    """One line for a failure inside torch.distributed.checkpoint (it wraps every rank's exception)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        exc = next(iter(failures.values()))
+        exc = getattr(exc, "exc", exc) if not isinstance(exc, BaseException) else exc
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _safe_load_planner_class() -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's default load planner, but non-tensor values are unpickled with ``weights_only=True``."""
+
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            import torch
+
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element as set_path
+
+                set_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafeLoadPlanner
+
+
+def _SafeLoadPlanner() -> Any:
+    return _safe_load_planner_class()()
+
+
+def read_weights(ckpt: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The saved weights of a checkpoint as whole tensors, read in this process (no process group needed)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state_dir = str(Path(ckpt) / STATE_DIR)
+    metadata = dcp.FileSystemReader(state_dir).read_metadata()
+    weights: dict[str, torch.Tensor] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(md, "size"):
+            weights[key[len("model.") :]] = torch.empty(md.size, dtype=md.properties.dtype)
+    dcp.load({"model": weights}, checkpoint_id=state_dir, no_dist=True, planner=_SafeLoadPlanner())
+    return weights
 
 
 def prune(out_dir: Path, keep: int) -> list[Path]:
@@ -520,74 +693,3 @@ def drop_newer(out_dir: Path, step: int) -> list[Path]:
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
-
-
-# --------------------------------------------------------------------------------------------------
-# Load
-# --------------------------------------------------------------------------------------------------
-
-
-def load_checkpoint(
-    ckpt: Path,
-    *,
-    model: torch.nn.Module,
-    inner: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    scaler: Any,
-    method: str,
-    strategy: str,
-    rank: int,
-    world_size: int,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load weights, optimizer, scheduler and scaler from ``ckpt`` into the built objects (every rank calls).
-
-    Returns (meta, this rank's RNG state); restore the RNG state last, just before the first step.
-    """
-    import torch
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    meta = read_meta(ckpt)
-    if meta.get("format") != FORMAT_VERSION:
-        raise UserError(f"--resume: {ckpt} has checkpoint format {meta.get('format')}, this finetune reads {FORMAT_VERSION}")
-    sharded = _sharded(strategy) and world_size > 1
-    reads = rank == 0 or not sharded  # under FSDP rank 0 reads and broadcasts
-    weights: dict[str, Any] = {}
-    optim: dict[str, Any] = {}
-    if reads:
-        weights = load_file(str(ckpt / "model.safetensors"))
-        for alias, name in meta.get("tied", {}).items():
-            weights[alias] = weights[name]
-        optim = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
-    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded, strict=method == "full")
-    from finetune.train.parallel import has_dtensors
-
-    if method != "full" and not sharded and not has_dtensors(model):  # into the module (see gather_model_state)
-        result = inner.load_state_dict(weights, strict=False)
-    else:
-        result = set_model_state_dict(model, weights, options=opts)
-    if reads and method != "full":
-        missing = trainable_names(inner) - set(weights)
-        if missing:
-            raise UserError(f"--resume: {ckpt} lacks adapter weights such as {sorted(missing)[0]}; it is from another run")
-    del result
-    if strategy == "zero1":
-        optimizer.load_state_dict(optim)
-    else:
-        set_optimizer_state_dict(
-            model, optimizer, optim,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded),
-        )
-    trainer = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=True)
-    scheduler.load_state_dict(trainer["scheduler"])
-    if scaler is not None and trainer.get("scaler"):
-        scaler.load_state_dict(trainer["scaler"])
-    rngs = trainer["rng"]
-    if len(rngs) != world_size:
-        raise UserError(f"--resume: {ckpt} holds {len(rngs)} processes' state but this run has {world_size}")
-    return meta, rngs[rank]

@@ -125,6 +125,34 @@ class TrainState:
     skipped_steps: int = 0
     history: list[float] = field(default_factory=list)  # per-step loss (the parity tests read metrics.jsonl)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The counters as JSON values (a checkpoint's meta.json)."""
+        return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
+                "history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.history = [float(x) for x in state["history"]]
+
+
+class DataPosition:
+    """Where the batch stream is: a pure function of the step, saved with a fingerprint of the data so that a
+    resume on other data (or another seed or global batch) is refused."""
+
+    def __init__(self, stream: BatchStream, state: TrainState) -> None:
+        self.stream, self.state = stream, state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The next global batch to run: epoch, step in the epoch, data fingerprint."""
+        return self.stream.position_state(*position(self.state.step, self.stream))
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Check the saved position against the data and the (already restored) step."""
+        if self.stream.restore_position(saved) != position(self.state.step, self.stream):
+            raise UserError("--resume: the checkpoint holds an inconsistent data position; choose another checkpoint")
+
 
 @dataclass
 class RunResult:

@@ -31,6 +31,8 @@ from finetune.errors import UserError
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe, recipe_to_yaml
 from finetune.train import checkpoint as ck
+from finetune.train.distributed import DistContext
+from finetune.train.loop import TrainState, position
 from finetune.units import checkpoint_bytes
 
 
@@ -44,7 +46,22 @@ class NonFiniteError(UserError):
 def identity_for(loaded: LoadedRecipe, plan: Plan) -> dict[str, Any]:
     """What this run's checkpoints record and a resume must match."""
     c = plan.chosen
-    return ck.run_identity(c.method, loaded.recipe.model.path, c.world_size, c.strategy, loaded.recipe, c.tp)
+    return ck.run_identity(
+        c.method, loaded.recipe.model.path, c.world_size, c.strategy, c.precision, loaded.recipe, c.tp
+    )
+
+
+def build_checkpointer(
+    loaded: LoadedRecipe, plan: Plan, ctx: DistContext, states: dict[str, Any], total_steps: int,
+    half_written: Callable[[int], None] | None = None,
+) -> ck.Checkpointer:
+    """The run's checkpointer over ``states`` (see :class:`finetune.train.checkpoint.Checkpointer`)."""
+    r = loaded.recipe
+    files = ck.RunFiles(
+        identity=identity_for(loaded, plan), recipe_yaml=recipe_to_yaml(r), plan=plan.to_dict(), keep=r.output.keep,
+        total_steps=total_steps,
+    )
+    return ck.Checkpointer(Path(r.output.dir), ctx.rank, ctx.world_size, states, files, half_written)
 
 
 def preflight_resume(loaded: LoadedRecipe, plan: Plan, resume: str | None, overwrite: bool = False) -> str | None:
@@ -89,40 +106,26 @@ def resume_command(loaded: LoadedRecipe) -> str:
 
 @dataclass
 class RunCheckpoints:
-    """Saving and resuming for one rank of one run."""
+    """Saving and resuming for one rank of one run: when to save, what to resume from, what to say."""
 
     loaded: LoadedRecipe
     plan: Plan
-    ctx: Any  # DistContext
-    stream: Any  # BatchStream
-    model: torch.nn.Module
-    inner: torch.nn.Module
-    optimizer: Any
-    scheduler: Any
-    scaler: Any
+    ctx: DistContext
+    checkpointer: ck.Checkpointer
+    inner: torch.nn.Module  # the unwrapped model (its parameter sizes make the disk check)
     total_steps: int
-    say: Any  # Reporter.print
-    half_written: Callable[[int], None] | None = None  # TrainerHooks.checkpoint_half_written
+    say: Callable[[str], None]  # Reporter.plain
     last_saved: Path | None = None
     last_saved_step: int = -1
     save_seconds: list[float] = field(default_factory=list)
-    _rng: dict[str, Any] | None = None
 
     @property
     def out_dir(self) -> Path:
         """output.dir"""
         return Path(self.loaded.recipe.output.dir)
 
-    def _kwargs(self) -> dict[str, Any]:
-        c = self.plan.chosen
-        return {
-            "model": self.model, "inner": self.inner, "optimizer": self.optimizer, "scheduler": self.scheduler,
-            "scaler": self.scaler, "method": c.method, "strategy": c.strategy, "rank": self.ctx.rank,
-            "world_size": self.ctx.world_size,
-        }
-
-    def start(self, state: Any, resume: str | None) -> None:
-        """Resume into ``state`` (a TrainState) and the built objects, or prepare a fresh start.
+    def start(self, state: TrainState, resume: str | None) -> None:
+        """Resume into ``state`` and the built objects (the checkpointer's parts), or prepare a fresh start.
 
         Also checks, on rank 0, that output.dir has room for the checkpoints the run will keep.
         """
@@ -145,18 +148,19 @@ class RunCheckpoints:
             return
         path = ck.resolve_resume(resume, out)
         ck.check_resume_matches(path, identity_for(self.loaded, self.plan))
-        meta, self._rng = ck.load_checkpoint(path, **self._kwargs())
-        epoch, in_epoch = self.stream.restore_position(meta["position"])
-        if (epoch, in_epoch) != divmod(meta["step"], self.stream.steps_per_epoch):
-            raise UserError(f"--resume: {path} holds an inconsistent data position; choose another checkpoint")
-        state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
-        state.skipped_steps = int(meta["skipped_steps"])
-        state.history = [float(x) for x in meta["history"]]
+        meta = self.checkpointer.load(path)
+        epoch, in_epoch = position(state.step, self.checkpointer.states["data"].stream)
         self.last_saved, self.last_saved_step = path, state.step
         if self.ctx.is_main:
             dropped = ck.drop_newer(out, state.step)
             ck.truncate_metrics(metrics, state.step)
             note = f"; removed newer checkpoints {', '.join(p.name for p in dropped)}" if dropped else ""
+            saved_by = meta.get("saved_by", {}).get("world_size", self.ctx.world_size)
+            if (saved_by, meta["identity"].get("strategy")) != (self.ctx.world_size, self.plan.chosen.strategy):
+                note += (
+                    f"; resharded from {meta['identity'].get('strategy')} x{saved_by} to "
+                    f"{self.plan.chosen.strategy} x{self.ctx.world_size}"
+                )
             self.say(
                 f"resumed from {path} at step {state.step} of {self.total_steps} "
                 f"(epoch {epoch}, batch {in_epoch}){note}"
@@ -164,13 +168,12 @@ class RunCheckpoints:
         self.ctx.barrier()
 
     def _check_disk(self) -> None:
-        names = ck.trainable_names(self.inner)
         full = self.plan.chosen.method == "full"
         weights = trainable = 0
-        for n, p in self.inner.named_parameters():
-            if full or n in names:
+        for p in self.inner.parameters():
+            if full or p.requires_grad:
                 weights += p.numel() * p.element_size()
-            if n in names:
+            if p.requires_grad:
                 trainable += p.numel()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         one = checkpoint_bytes(weights, trainable)
@@ -179,29 +182,17 @@ class RunCheckpoints:
 
     def restore_rng(self) -> None:
         """Restore the checkpoint's RNG state of this rank (call just before the first step)."""
-        if self._rng is not None:
-            ck.set_rng_state(self._rng)
-            self._rng = None
+        self.checkpointer.states["rng"].restore()
 
-    def save(self, state: Any) -> Path:
+    def save(self, state: TrainState) -> Path:
         """Checkpoint ``state`` now (every rank calls)."""
         started = time.perf_counter()
-        epoch, in_epoch = divmod(state.step, self.stream.steps_per_epoch)
-        snap = ck.Snapshot(
-            step=state.step, tokens=state.tokens, skipped_steps=state.skipped_steps,
-            position=self.stream.position_state(epoch, in_epoch), history=list(state.history),
-            total_steps=self.total_steps,
-        )
-        r = self.loaded.recipe
-        path = ck.save_checkpoint(
-            self.out_dir, snap, identity=identity_for(self.loaded, self.plan), recipe_yaml=recipe_to_yaml(r),
-            plan=self.plan.to_dict(), keep=r.output.keep, half_written=self.half_written, **self._kwargs(),
-        )
+        path = self.checkpointer.save(state.step)
         self.last_saved, self.last_saved_step = path, state.step
         self.save_seconds.append(time.perf_counter() - started)
         return path
 
-    def after_step(self, state: Any, stop: Any) -> bool:
+    def after_step(self, state: TrainState, stop: StopRequest) -> bool:
         """Save when due (every output.save_every steps and at the end) or when a signal asks to stop;
         return True when the run must stop now (the checkpoint is saved and the resume command printed)."""
         every = self.loaded.recipe.output.save_every

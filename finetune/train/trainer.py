@@ -32,14 +32,17 @@ from typing import Any
 import torch
 
 from finetune.loss import count_target_tokens
+from finetune.plan.hardware import parse_bytes
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe
+from finetune.train.checkpoint import ModelState, OptimizerState, RNGState
 from finetune.train.data import BatchStream, TaskData, load_data
 from finetune.train.distributed import DistContext
 from finetune.train.evaluate import EvalResult, evaluate
 from finetune.train.hooks import TrainerHooks, load_hooks
 from finetune.train.load import build_on_meta, loads_sharded, materialize
 from finetune.train.loop import (
+    DataPosition,
     RunResult,
     TrainState,
     accumulate,
@@ -59,7 +62,7 @@ from finetune.train.model import build_model, check_model_storage, count_paramet
 from finetune.train.outputs import MetricsWriter, Reporter, save_final
 from finetune.train.parallel import parallelize, unwrap
 from finetune.train.preflight import at
-from finetune.train.resume import RunCheckpoints, StopRequest, nonfinite_policy
+from finetune.train.resume import RunCheckpoints, StopRequest, build_checkpointer, nonfinite_policy
 
 
 @dataclass
@@ -121,9 +124,20 @@ class Trainer:
             self.plan, self.trainable, self.total_params, self.total, self.data.stats, ctx.world_size,
             getattr(self.data, "notes", []),
         )
+        states = {
+            "model": ModelState(self.model, adapters_only=self.spec.method.adapters),
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+            "rng": RNGState(ctx.rank, ctx.world_size),
+            "train": self.state,
+            "data": DataPosition(self.stream, self.state),
+        }
+        self.checkpointer = build_checkpointer(
+            self.loaded, self.plan, ctx, states, self.total, self.hooks.checkpoint_half_written
+        )
         self.checkpoints = RunCheckpoints(
-            self.loaded, self.plan, ctx, self.stream, self.model, unwrap(self.model), self.optimizer,
-            self.scheduler, self.scaler, self.total, self.reporter.plain, self.hooks.checkpoint_half_written,
+            self.loaded, self.plan, ctx, self.checkpointer, unwrap(self.model), self.total, self.reporter.plain
         )
         self.checkpoints.start(self.state, self.resume)
         resumed_at = self.state.step if self.checkpoints.last_saved is not None else None
@@ -275,7 +289,10 @@ class Trainer:
     def save(self) -> None:
         """The final model or adapter and the tokenizer (every rank calls; rank 0 writes)."""
         at("save")
-        save_final(self.model, unwrap(self.model), self.tokenizer, self.out_dir, self.ctx)
+        save_final(
+            self.model, unwrap(self.model), self.tokenizer, self.out_dir, self.ctx,
+            adapters=self.spec.method.adapters, max_shard_bytes=parse_bytes(self.loaded.recipe.output.max_shard_size),
+        )
 
     def cleanup(self) -> None:
         """Release what setup acquired beyond memory (nothing today: the worker owns the process group)."""
