@@ -22,8 +22,6 @@ sharding, the order of construction or what the base's loading drew from the glo
 from __future__ import annotations
 
 import json
-import math
-import zlib
 from pathlib import Path
 
 import torch
@@ -31,6 +29,13 @@ import torch
 from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
+from finetune.train.model import (
+    add_adapters,
+    copy_slice,
+    init_adapters,
+    resolve_model_path,
+    save_pretrained_base,
+)
 from finetune.units import torch_dtype
 
 
@@ -48,8 +53,6 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.train.model import add_adapters, resolve_model_path
-
     r = loaded.recipe
     path = resolve_model_path(loaded)
     config = AutoConfig.from_pretrained(
@@ -62,7 +65,9 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
             trust_remote_code=r.model.trust_remote_code,
             attn_implementation=r.model.attn_implementation,
         )
-        model = add_adapters(model, loaded, spec)
+    # Outside the context, whose register_parameter would give the tied head a fresh meta parameter again.
+    model.tie_weights()
+    model = add_adapters(model, loaded, spec)
     model.config.use_cache = False
     return model
 
@@ -78,7 +83,6 @@ def materialize(
 
     ``base_dir``: rank 0 of an adapter run from a random init saves the seeded base there.
     """
-    from finetune.train.model import resolve_model_path, save_pretrained_base
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
@@ -104,8 +108,6 @@ def materialize(
 def _seeded_model(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
     """Today's seeded random init, bit for bit: ``torch.manual_seed(train.seed)`` then ``from_config``."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from finetune.train.model import resolve_model_path
 
     r = loaded.recipe
     path = resolve_model_path(loaded)
@@ -178,41 +180,3 @@ def _unprefixed(key: str, have: set[str]) -> str | None:
     """Older checkpoints store the base model without its prefix (GPT-2's ``h.0...`` for ``transformer.h.0``)."""
     _, _, tail = key.partition(".")
     return tail if tail in have else None
-
-
-def copy_slice(dest: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of ``full`` into ``dest`` (a DTensor's local shard, or a whole tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(dest, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(full.shape, dest.device_mesh, dest.placements)
-        local = dest.to_local()
-        if local.numel():
-            index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-            local.copy_(full[index])
-        return
-    dest.copy_(full)
-
-
-def init_adapters(model: torch.nn.Module, seed: int) -> None:
-    """LoRA's initial adapters, independent of sharding and of the global RNG, with peft's default
-    distributions: for a linear layer ``lora_A`` Kaiming-uniform (a=sqrt(5)) and ``lora_B`` zero; for an
-    embedding ``lora_embedding_A`` zero and ``lora_embedding_B`` standard normal. Each random tensor is drawn
-    from a generator seeded by (``seed``, its name), so the adapted model starts as the base everywhere."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            kind = next(
-                (k for k in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B") if f".{k}." in name),
-                None,
-            )
-            if kind is None:
-                continue
-            full = torch.zeros(p.shape, dtype=torch.float32)
-            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if kind == "lora_A":
-                torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=g)
-            elif kind == "lora_embedding_B":
-                torch.nn.init.normal_(full, generator=g)
-            copy_slice(p, full.to(p.dtype))

@@ -6,6 +6,8 @@ sharding and data parallelism are applied afterwards by finetune.train.parallel.
 
 from __future__ import annotations
 
+import math
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +94,6 @@ def build_model(
 
     ``base_dir``: see :func:`load_base_model` (given by rank 0 of an adapter run from a random init).
     """
-    from finetune.train.load import init_adapters
-
     model = load_base_model(loaded, spec, device, base_dir)
     model = add_adapters(model, loaded, spec)
     init_adapters(model, loaded.recipe.train.seed)
@@ -167,3 +167,41 @@ def save_pretrained_base(model: torch.nn.Module, out: Path) -> None:
     """Save a (random-init) base model as a HF directory, so an adapter run is reproducible and mergeable."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+
+
+def copy_slice(dest: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of ``full`` into ``dest`` (a DTensor's local shard, or a whole tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(dest, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(full.shape, dest.device_mesh, dest.placements)
+        local = dest.to_local()
+        if local.numel():
+            index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+            local.copy_(full[index])
+        return
+    dest.copy_(full)
+
+
+def init_adapters(model: torch.nn.Module, seed: int) -> None:
+    """LoRA's initial adapters, independent of sharding and of the global RNG, with peft's default
+    distributions: for a linear layer ``lora_A`` Kaiming-uniform (a=sqrt(5)) and ``lora_B`` zero; for an
+    embedding ``lora_embedding_A`` zero and ``lora_embedding_B`` standard normal. Each random tensor is drawn
+    from a generator seeded by (``seed``, its name), so the adapted model starts as the base everywhere."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            kind = next(
+                (k for k in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B") if f".{k}." in name),
+                None,
+            )
+            if kind is None:
+                continue
+            full = torch.zeros(p.shape, dtype=torch.float32)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if kind == "lora_A":
+                torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=g)
+            elif kind == "lora_embedding_B":
+                torch.nn.init.normal_(full, generator=g)
+            copy_slice(p, full.to(p.dtype))

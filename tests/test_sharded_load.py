@@ -1,0 +1,134 @@
+"""Sharded loading on 2 gloo processes: built on meta, wrapped by fully_shard, then each rank fills only its
+shards. The gathered weights equal today's seeded random init bit for bit, and a pretrained checkpoint cast
+per tensor to the storage dtype; tied embeddings stay one parameter; adapters start as peft's defaults
+(lora_B zero) identically on every path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
+
+pytestmark = pytest.mark.dist
+
+
+def _micro(d: Path, tied: bool) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    for f in TINY_MODEL.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, d / f.name)
+    config = json.loads((TINY_MODEL / "config.json").read_text())
+    config.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=tied,
+        vocab_size=263,
+    )  # 263: uneven shards
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _write(model_dir: Path, out: Path, method: str, init: str, precision: str) -> Path:
+    r = tiny_recipe(
+        out,
+        model={"path": str(model_dir), "init": init},
+        method=method,
+        precision=precision,
+        data={"train": str(RECIPES / "data/reverse/train.jsonl"), "eval": None},
+        lora={"r": 4, "target_modules": ["q_proj", "v_proj"]},
+        distributed={"strategy": "fsdp"},
+    )
+    return write_recipe(out.parent / f"{out.name}.yaml", r)
+
+
+def _worker(rank: int, store: str, model_dir: str, out: str, method: str, init: str, precision: str) -> None:
+    import torch.distributed as dist
+
+    from finetune.recipe import load_recipe
+    from finetune.spec import execution_spec
+    from finetune.train.distributed import DistContext
+    from finetune.train.load import build_on_meta, materialize
+    from finetune.train.parallel import parallelize
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    loaded = load_recipe(str(Path(out).parent / f"{Path(out).name}.yaml"))
+    spec = execution_spec(method, "fsdp", precision, checkpointing=False, world_size=2)
+    ctx = DistContext(rank, 2, rank, torch.device("cpu"))
+    model = parallelize(build_on_meta(loaded, spec), spec, ctx)
+    materialize(model, loaded, spec, ctx.device)
+    full = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+    shared = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    if rank == 0:
+        torch.save({"full": full, "tied": shared}, Path(out) / "gathered.pt")
+    dist.destroy_process_group()
+
+
+def _gather(tmp: Path, model_dir: Path, method: str, init: str, precision: str) -> dict:
+    out = tmp / f"{method}-{init}-{precision}"
+    out.mkdir()
+    _write(model_dir, out, method, init, precision)
+    store = tempfile.mktemp(dir=tmp)
+    mp.spawn(_worker, args=(store, str(model_dir), str(out), method, init, precision), nprocs=2)
+    return torch.load(out / "gathered.pt", weights_only=True)
+
+
+def _seeded(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)  # what load_base_model does for model.init: random (train.seed 0)
+    m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    return dict(m.named_parameters())
+
+
+def test_random_init_under_fsdp_is_the_seeded_init(tmp_path: Path) -> None:
+    model_dir = _micro(tmp_path / "micro", tied=False)
+    got = _gather(tmp_path, model_dir, "full", "random", "fp32")["full"]
+    want = _seeded(model_dir, torch.float32)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k].detach()), k
+
+
+def test_pretrained_lora_base_loads_cast_per_tensor_and_tied_weights_stay_tied(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model_dir = _micro(tmp_path / "micro-tied", tied=True)
+    want = _seeded(model_dir, torch.float32)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(model_dir)
+    on_disk = load_file(str(model_dir / "model.safetensors"))
+    assert "lm_head.weight" not in on_disk  # tied: saved once
+    res = _gather(tmp_path, model_dir, "lora", "pretrained", "bf16")
+    got, tied = res["full"], res["tied"]
+    assert tied
+    prefix = "base_model.model."
+    for name, t in got.items():
+        if ".lora_A." in name:
+            assert t.dtype == torch.float32 and t.abs().sum() > 0
+            continue
+        if ".lora_B." in name:
+            assert t.dtype == torch.float32 and torch.count_nonzero(t) == 0
+            continue
+        key = name.removeprefix(prefix).replace(".base_layer.", ".")
+        assert t.dtype == torch.bfloat16, name
+        assert torch.equal(t, on_disk[key].to(torch.bfloat16)), name
+    assert set(on_disk) == {
+        n.removeprefix(prefix).replace(".base_layer.", ".") for n in got if ".lora_" not in n
+    }
+    del want
