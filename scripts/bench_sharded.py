@@ -1,0 +1,92 @@
+"""Per-rank host memory and checkpoint time of a sharded run, old (git main) vs new (this checkout).
+
+The model: a seeded Llama of ~67M parameters (256 MiB in fp32, largest tensor 47 MiB) saved as safetensors.
+Each side runs `finetune run` under fsdp on 2 gloo processes (one step, a checkpoint, the final save), then
+resumes from that checkpoint. tests/hostmem_hooks.py, installed through $FINETUNE_HOOKS, samples each rank's
+RssAnon (/proc/self/status) every millisecond and wraps the Trainer's phases, which have the same names in
+both versions: load (Trainer._setup_model), checkpoint (RunCheckpoints.save), final (Trainer.save), resume
+(RunCheckpoints.start, i.e. loading the checkpoint). "Old" is `git archive <ref>` of main unpacked in a
+temporary directory and run with this interpreter (PYTHONPATH pointing at it).
+
+    python scripts/bench_sharded.py [--old-ref main]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.conftest import tiny_recipe, write_recipe  # noqa: E402
+from tests.test_sharded_memory import BIG, HOOKS, RECIPES, make_model  # noqa: E402
+
+MiB = 2**20
+
+
+def run(code: Path, tmp: Path, name: str, model_dir: Path) -> dict[int, dict]:
+    out = tmp / name
+    r = tiny_recipe(
+        out,
+        model={"path": str(model_dir), "init": "pretrained"},
+        data={"train": str(RECIPES / "data/reverse/train.jsonl"), "eval": None, "max_seq_len": 48},
+        train={"max_steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-4},
+        distributed={"strategy": "fsdp", "nproc": 2},
+        output={"dir": str(out), "save_every": 1, "keep": 1},
+    )
+    recipe = write_recipe(tmp / f"{name}.yaml", r)
+    phases: dict[int, dict] = {0: {}, 1: {}}
+    for attempt, args in (("first", []), ("resumed", ["--resume", "latest"])):
+        probe = tmp / f"{name}-{attempt}"
+        env = {**os.environ, "PYTHONPATH": str(code), "FINETUNE_HOOKS": f"{HOOKS}:HostMemoryHooks",
+               "FINETUNE_HOSTMEM_DIR": str(probe), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "finetune", "run", str(recipe), *args], cwd=code,
+                              capture_output=True, text=True, env=env, timeout=1200)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        for rank in (0, 1):
+            got = json.loads((probe / f"rank{rank}.json").read_text())
+            keep = ("load", "checkpoint", "final") if attempt == "first" else ("resume",)
+            phases[rank].update({k: v for k, v in got.items() if k in keep})
+    return phases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old-ref", default="main", help="git ref of the old behaviour (default: main)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-sharded-") as t:
+        tmp = Path(t)
+        model_bytes, largest = make_model(tmp / "model", BIG)
+        old_code = tmp / "old"
+        old_code.mkdir()
+        tar = tmp / "old.tar"
+        subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(tar), args.old_ref], check=True)
+        with tarfile.open(tar) as f:
+            f.extractall(old_code, filter="data")
+        old = run(old_code, tmp, "old", tmp / "model")
+        new = run(ROOT, tmp, "new", tmp / "model")
+    print(f"model {model_bytes / MiB:.0f} MiB (fp32), largest tensor {largest / MiB:.0f} MiB; fsdp x2 on gloo")
+    print("peak RssAnon above the phase's start, per rank (MiB)")
+    print(f"{'phase':<12}{'rank':>5}{'old':>10}{'new':>10}{'new/old':>9}")
+    for phase in ("load", "checkpoint", "final", "resume"):
+        for rank in (0, 1):
+            o = (old[rank][phase]["peak"] - old[rank][phase]["start"]) / MiB
+            n = (new[rank][phase]["peak"] - new[rank][phase]["start"]) / MiB
+            print(f"{phase:<12}{rank:>5}{o:>10.1f}{n:>10.1f}{n / max(o, 1e-9):>9.2f}")
+    print("time on rank 0 (s)")
+    print(f"{'phase':<12}{'old':>10}{'new':>10}{'new/old':>9}")
+    for phase, label in (("checkpoint", "ckpt save"), ("resume", "ckpt load"), ("final", "final save"),
+                         ("load", "model load")):
+        o, n = old[0][phase]["seconds"], new[0][phase]["seconds"]
+        print(f"{label:<12}{o:>10.2f}{n:>10.2f}{n / max(o, 1e-9):>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
