@@ -199,6 +199,9 @@ def plan(
     gpu_type: Annotated[Optional[str], typer.Option(help="h100, a100, l4, v100, t4... (memory, bf16 support).")] = None,
     nodes: Annotated[Optional[int], typer.Option(help="Number of nodes.")] = None,
     interconnect: Annotated[Optional[str], typer.Option(help="nvlink | pcie | infiniband | ethernet | 200GB/s.")] = None,
+    host_memory: Annotated[
+        Optional[str], typer.Option(help="Host memory per node, e.g. 512GiB (default: this machine's).")
+    ] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Predict per-GPU memory of every strategy and pick one by the flowchart (no GPU, no weights)."""
@@ -209,6 +212,7 @@ def plan(
         precision=precision, seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
         gpus=gpus, gpu_memory=gpu_memory, gpu_type=gpu_type, nodes=nodes, interconnect=interconnect, lora_r=lora_r,
         tp=tp,
+        host_memory=host_memory,
     )
     try:
         with without_bitsandbytes():

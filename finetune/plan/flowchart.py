@@ -615,7 +615,37 @@ class _Planner:
         hw["world"] = self.world
         model["param_bytes"] = sb.param_bytes
         model["param_bytes_by_dtype"] = self.inv.bytes_by_dtype(execution)
-        return Plan(chosen=chosen, candidates=rows, walk=self.walk, hardware=hw, model=model, execution=execution)
+        job = self.check_host_memory(rows)
+        return Plan(
+            chosen=chosen, candidates=rows, walk=self.walk, hardware=hw, model=model, execution=execution, job=job
+        )
+
+    def check_host_memory(self, rows: list[Candidate]) -> dict[str, Any]:
+        """The whole job's figures (finetune/plan/job.py) of the chosen row (first); rows whose host memory per
+        node exceeds ``hw.host_memory`` are marked as not fitting, with the reason in the walk."""
+        from finetune.plan.job import job_figures
+
+        chosen_job: dict[str, Any] = {}
+        for i, c in enumerate(rows):
+            world = 1 if c.strategy == "single" else self.world
+            spec = self.exec_spec(c.method, c.strategy, c.activation_checkpointing, world)
+            per_node = 1 if c.strategy == "single" else self.hw.gpus_per_node
+            job = job_figures(self.inv, spec, world, per_node, self.hw.device)
+            if i == 0:
+                chosen_job = job.to_dict()
+            limit = self.hw.host_memory
+            if limit and job.host_peak_per_node > limit and (c.fits or i == 0):
+                c.fits = False
+                phase = max(
+                    (("loading", job.host_loading_per_node), ("checkpoint save", job.host_checkpoint_per_node),
+                     ("final save", job.host_final_save_per_node)), key=lambda kv: kv[1],
+                )[0]
+                self.say(
+                    f"{METHOD_NAMES[c.method]} under {STRATEGY_NAMES[c.strategy]} needs "
+                    f"{fmt_bytes(job.host_peak_per_node)} of host memory per node ({phase}) but a node has "
+                    f"{fmt_bytes(limit)} (--host-memory): it does not fit."
+                )
+        return chosen_job
 
     def plan_evaluation(self, c: Candidate) -> None:
         """The evaluation's peak at eval.batch_size (or the largest batch that fits, for auto) on ``c``."""

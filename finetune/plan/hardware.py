@@ -44,6 +44,7 @@ class Hardware:
     interconnect: str
     bandwidth: float  # bytes/s, the slowest link a collective crosses
     detected: bool = True
+    host_memory: int = 0  # bytes of host memory per node (0: not checked)
 
     @property
     def world(self) -> int:

@@ -34,6 +34,7 @@ class PlanOptions:
     interconnect: str | None = None
     lora_r: int | None = None
     tp: str | None = None  # distributed.tp: N or auto (default: the recipe's; auto with --model alone)
+    host_memory: str | None = None  # per node; None: this machine's
 
 
 @contextlib.contextmanager
@@ -155,6 +156,12 @@ def build_plan(opts: PlanOptions) -> Plan:
         nodes=pick(opts.nodes, "nodes"),
         interconnect=pick(opts.interconnect, "interconnect"),
     )
+    from finetune.plan.hardware import parse_bytes
+    from finetune.plan.job import this_machine_memory
+
+    hw.host_memory = parse_bytes(opts.host_memory) if opts.host_memory is not None else this_machine_memory()
+    if hw.host_memory <= 0:
+        raise UserError(f"--host-memory: {opts.host_memory} is no memory; write e.g. 512GiB")
     if opts.global_batch_size is not None:
         req = replace(req, global_batch_size=opts.global_batch_size)
     elif not opts.recipe and "train.global_batch_size" not in overridden:
@@ -226,6 +233,16 @@ def print_plan(plan: Plan, console: Any = None) -> None:
     )
     for sentence in plan.walk:
         console.print(f"  - {sentence}")
+    job = plan.job
+    if job:
+        console.print(
+            f"whole job: loading peaks at {compact_bytes(job['load_peak_per_gpu'])} per GPU (its shards + one tensor); "
+            f"host memory per node {compact_bytes(job['host_loading_per_node'])} loading, "
+            f"{compact_bytes(job['host_checkpoint_per_node'])} saving a checkpoint, "
+            f"{compact_bytes(job['host_final_save_per_node'])} saving the final model (of "
+            f"{compact_bytes(hw.get('host_memory') or 0)}); disk {compact_bytes(job['checkpoint_bytes'])} per "
+            f"checkpoint, {compact_bytes(job['final_model_bytes'])} for the final model"
+        )
     if model.get("checkpoint_bytes"):
         console.print(
             f"checkpoints: {compact_bytes(model['checkpoint_bytes'])} each (weights + AdamW state); a run keeps output.keep "

@@ -103,6 +103,7 @@ class Plan:
     hardware: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)  # source, parameter counts, sequence length
     execution: ExecSpec | None = None  # how the chosen configuration stores and computes every tensor
+    job: dict[str, Any] = field(default_factory=dict)  # the chosen row's loading/checkpoint/final-save figures
 
     def to_dict(self) -> dict[str, Any]:
         """The stable JSON form written as ``plan.json`` and printed by ``finetune plan --json``."""
@@ -113,6 +114,7 @@ class Plan:
             "hardware": dict(self.hardware),
             "model": dict(self.model),
             "execution": self.execution.to_dict() if self.execution else None,
+            "job": dict(self.job),
         }
 
     @classmethod
@@ -125,4 +127,5 @@ class Plan:
             hardware=dict(d.get("hardware", {})),
             model=dict(d.get("model", {})),
             execution=ExecSpec.from_dict(d["execution"]) if d.get("execution") else None,
+            job=dict(d.get("job", {})),
         )

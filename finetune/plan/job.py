@@ -1,0 +1,87 @@
+"""The whole job, not only the training step: loading, checkpoints and the final save (issue 17).
+
+For a configuration (an execution spec on ``world`` ranks, ``per_node`` of them on a node) and the model's
+inventory, with P the parameters' stored bytes, L the largest parameter's stored bytes, S the number of
+shards (``world`` under zero2/fsdp, else 1) and g the ranks on a node:
+
+    load peak per GPU       P/S + L      each rank's shards, plus one tensor being read and cast
+    host, loading           g x L        (GPU) each rank stages one tensor on its way to the device;
+                            g x (P/S + L) on CPU, where the model itself lives in host memory
+    host, checkpoint save   g x L/S      (GPU) DCP copies each rank's shards to host one tensor at a time;
+                            on CPU the state is already there and the write adds one tensor's shard per rank
+    host, final save        L            (GPU) rank 0 copies one gathered tensor to host at a time;
+                            g x L on CPU, where every rank's all-gather lands in host memory
+    checkpoint on disk      finetune.units.checkpoint_bytes (weights kept + AdamW's two moments)
+    final model on disk     P (full fine-tuning, as stored) or the fp32 adapters
+
+plus :data:`HOST_PER_PROCESS` per process on a node for the interpreter, torch and the data (a GPU run's CUDA
+context too). Before sharded loading every rank first held the whole model (P per rank) and rank 0 gathered
+the weights and AdamW's state (about P + 2 x trainable x 4 bytes) for every checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from finetune.spec import DTYPE_BYTES, ExecSpec
+
+#: Host memory of one training process beyond the model: interpreter, torch, tokenizer, data, CUDA context.
+HOST_PER_PROCESS = 2 * 1024**3
+
+
+@dataclass
+class JobFigures:
+    """Memory and disk of a configuration's whole job (bytes)."""
+
+    load_peak_per_gpu: int
+    host_loading_per_node: int
+    host_checkpoint_per_node: int
+    host_final_save_per_node: int
+    checkpoint_bytes: int
+    final_model_bytes: int
+
+    @property
+    def host_peak_per_node(self) -> int:
+        """The largest of the three host phases."""
+        return max(self.host_loading_per_node, self.host_checkpoint_per_node, self.host_final_save_per_node)
+
+    def to_dict(self) -> dict[str, int]:
+        """JSON form, with the host peak."""
+        return {**asdict(self), "host_peak_per_node": self.host_peak_per_node}
+
+
+def job_figures(inv: Any, spec: ExecSpec, world: int, per_node: int, device: str) -> JobFigures:
+    """The figures of the module docstring for ``spec`` on ``world`` ranks (``per_node`` on a node)."""
+    from finetune.units import checkpoint_bytes
+
+    sb = inv.storage(spec)
+    largest = max((inv.base_bytes(spec, t) for t in inv.base), default=0)
+    shards = world if spec.strategy.shards_params and world > 1 else 1
+    g = per_node
+    resident = sb.param_bytes // shards + largest
+    base = g * HOST_PER_PROCESS
+    if device == "cpu":
+        loading = base + g * resident
+        ckpt = base + g * (largest // shards)
+        final = base + g * largest
+    else:
+        loading = base + g * largest
+        ckpt = base + g * (largest // shards)
+        final = base + largest
+    saved = sb.param_bytes if not spec.method.adapters else sb.trainable * DTYPE_BYTES["fp32"]
+    return JobFigures(
+        load_peak_per_gpu=resident,
+        host_loading_per_node=loading,
+        host_checkpoint_per_node=ckpt,
+        host_final_save_per_node=final,
+        checkpoint_bytes=checkpoint_bytes(saved, sb.trainable),
+        final_model_bytes=saved,
+    )
+
+
+def this_machine_memory() -> int:
+    """This machine's physical memory (the default of ``finetune plan --host-memory``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
