@@ -7,10 +7,12 @@ processes torch.distributed.run starts):
   FINETUNE_TEST_KILL_AT_STEP="R:S"                rank R SIGKILLs itself in step S (first torchrun attempt only)
   FINETUNE_TEST_STEP_SLEEP=SECONDS                sleep after every step (so a test can signal a run mid-way)
   FINETUNE_TEST_CHECKPOINT_SLEEP="STEP:SECONDS"   stall the checkpoint of STEP half-written (tensors, no meta.json)
+  FINETUNE_TEST_DISK_FULL_AT_STEP=STEP            the checkpoint of STEP fails half-written with ENOSPC
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -55,7 +57,10 @@ class FaultHooks(TrainerHooks):
             time.sleep(float(delay))
 
     def checkpoint_half_written(self, step: int) -> None:
-        """Stall as asked."""
+        """Stall, or fail as a full disk does, as asked."""
+        full = os.environ.get("FINETUNE_TEST_DISK_FULL_AT_STEP")
+        if full and int(full) == step:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "meta.json")
         spec = os.environ.get(CHECKPOINT_SLEEP)
         if spec:
             at, _, seconds = spec.partition(":")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from typer.testing import CliRunner
 from finetune.cli import app
 from finetune.launch import LaunchOptions, launch
 from finetune.train import checkpoint as ck
-from tests.conftest import RECIPES, tiny_recipe, write_recipe
+from tests.conftest import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
 from tests.fault_hooks import CHECKPOINT_SLEEP
 
 STEPS = 8
@@ -223,8 +224,15 @@ def test_nonfinite_skip_leaves_the_weights_unchanged_and_counts(tmp_path: Path, 
 def test_preflight_errors_are_one_line_exit_2(reference: dict, tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
+    other_model = tmp_path / "other-model"
+    shutil.copytree(TINY_MODEL, other_model)
+    step4 = reference["out"] / "checkpoints/step-4"
     runner = CliRunner()
     cases = [
+        (["--resume", str(step4), "--set", "precision=bf16"],
+         "was saved with the precision fp32 but this run has bf16; set precision back to fp32"),
+        (["--resume", str(step4), "--set", f"model.path={other_model}"],
+         f"was saved with the model {TINY_MODEL} but this run has {other_model}; set model.path back"),
         (["--set", f"output.dir={blocker}/run"], f"output.dir: cannot create {blocker}/run"),
         (["--resume", str(reference["out"] / "checkpoints/step-4"), "--set", "train.global_batch_size=4"],
          "was saved with the global batch size 8 but this run has 4; set train.global_batch_size back to 8"),
@@ -286,3 +294,60 @@ def test_fresh_run_over_metrics_without_checkpoints_is_refused(tmp_path: Path) -
         f"error: output.dir: {out} holds the metrics.jsonl of an earlier run (no checkpoint to resume); "
         "replace it with --overwrite, or choose another output.dir"
     )
+
+
+def _copy_checkpoint(src: Path, out: Path) -> Path:
+    dst = ck.checkpoints_dir(out) / src.name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_incomplete_and_foreign_checkpoints_are_one_line_errors(reference: dict, tmp_path: Path) -> None:
+    """A checkpoint missing its shards, or holding another model's tensors, is refused in one sentence."""
+    runner = CliRunner()
+    out = tmp_path / "bad"
+    recipe = _recipe(tmp_path, out)
+    broken = _copy_checkpoint(reference["out"] / "checkpoints/step-4", out)
+    shutil.rmtree(broken / "state")
+    res = runner.invoke(app, ["run", str(recipe), "--resume", str(broken)])
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert res.exit_code == 2 and errors == [
+        f"error: --resume: {broken} is incomplete (its state/ or trainer.pt is missing); choose another"
+    ], res.output
+    # Another model's tensors under this run's identity (files copied between runs): a smaller model whose
+    # checkpoint meta.json names this run's model.
+    shutil.rmtree(broken)
+    foreign = _copy_checkpoint(reference["out"] / "checkpoints/step-4", out)
+    small = tmp_path / "small-model"
+    shutil.copytree(TINY_MODEL, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "hidden_size": 128, "intermediate_size": 256}))
+    meta = ck.read_meta(foreign)
+    meta["identity"]["model"] = str(small)
+    (foreign / ck.META).write_text(json.dumps(meta))
+    res = runner.invoke(app, ["run", str(recipe), "--resume", str(foreign), "--set", f"model.path={small}"])
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert res.exit_code == 2 and len(errors) == 1, res.output
+    assert errors[0].startswith(f"error: --resume: {foreign} cannot be loaded into this run (")
+    assert errors[0].endswith("it is damaged or was saved by another run or model: choose another checkpoint of this run")
+
+
+def test_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resumes(
+    reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "full-disk"
+    recipe = _recipe(tmp_path, out, save_every=2)
+    monkeypatch.setenv("FINETUNE_TEST_DISK_FULL_AT_STEP", "4")
+    res = CliRunner().invoke(app, ["run", str(recipe)])
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    root = ck.checkpoints_dir(out)
+    assert res.exit_code == 2 and errors == [
+        f"error: output.dir: writing checkpoint step-4 in {root} failed: No space left on device (meta.json); the "
+        "previous checkpoint step-2 is intact; free space in output.dir (or lower output.keep) and continue with "
+        "--resume"
+    ], res.output
+    assert [s for s, _ in ck.list_checkpoints(out)] == [2]
+    monkeypatch.delenv("FINETUNE_TEST_DISK_FULL_AT_STEP")
+    assert launch(str(recipe), [], LaunchOptions(resume="latest")) == 0
+    assert _losses(out) == reference["losses"]
+    _assert_same_weights(_weights(out), reference["weights"])

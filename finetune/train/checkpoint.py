@@ -519,6 +519,7 @@ class Checkpointer:
         """
         import torch
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         root = checkpoints_dir(self.out_dir)
         final = root / f"step-{step}"
@@ -533,7 +534,7 @@ class Checkpointer:
                 {k: self.states[k] for k in SHARDED_PARTS}, checkpoint_id=str(tmp / STATE_DIR),
                 no_dist=self.world_size == 1,
             )
-        except Exception as exc:  # DCP reports every rank's failure on every rank
+        except (Exception, CheckpointException) as exc:  # DCP reports every rank's failure on every rank
             error = _first_error(exc)
         if self.rank == 0 and error is None:
             try:
@@ -599,6 +600,7 @@ class Checkpointer:
         """
         import torch
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         meta = read_meta(path)
         if meta.get("format") != FORMAT_VERSION:
@@ -613,10 +615,10 @@ class Checkpointer:
                 {k: self.states[k] for k in SHARDED_PARTS}, checkpoint_id=str(path / STATE_DIR),
                 planner=_SafeLoadPlanner(), no_dist=self.world_size == 1,
             )
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
             raise UserError(
-                f"--resume: {path} does not fit this run's model ({_first_error(exc)}); it was saved by another run "
-                "or model: choose a checkpoint of this run"
+                f"--resume: {path} cannot be loaded into this run ({_first_error(exc)}); it is damaged or was saved "
+                "by another run or model: choose another checkpoint of this run"
             ) from None
         small = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
         for k in TORCH_PARTS:
@@ -631,8 +633,8 @@ def _first_error(exc: BaseException) -> str:
     """One line for a failure inside torch.distributed.checkpoint (it wraps every rank's exception)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        exc = next(iter(failures.values()))
-        exc = getattr(exc, "exc", exc) if not isinstance(exc, BaseException) else exc
+        first = next(iter(failures.values()))  # (exception, traceback summary)
+        exc = first[0] if isinstance(first, tuple) else first
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     text = str(exc).strip().splitlines()
