@@ -1,6 +1,7 @@
 """Per-rank host memory and checkpoint time of a sharded run, old (git main) vs new (this checkout).
 
-The model: a seeded Llama of ~67M parameters (256 MiB in fp32, largest tensor 47 MiB) saved as safetensors.
+The model: a seeded Llama of ~67M parameters (256 MiB in fp32, largest tensor 47 MiB) saved as bf16
+safetensors, as published checkpoints are (full fine-tuning stores fp32 master weights).
 Each side runs `finetune run` under fsdp on 2 gloo processes (one step, a checkpoint, the final save), then
 resumes from that checkpoint. tests/hostmem_hooks.py, installed through $FINETUNE_HOOKS, samples each rank's
 RssAnon (/proc/self/status) every millisecond and wraps the Trainer's phases, which have the same names in
@@ -73,13 +74,14 @@ def main() -> None:
         old = run(old_code, tmp, "old", tmp / "model")
         new = run(ROOT, tmp, "new", tmp / "model")
     print(f"model {model_bytes / MiB:.0f} MiB (fp32), largest tensor {largest / MiB:.0f} MiB; fsdp x2 on gloo")
-    print("peak RssAnon above the phase's start, per rank (MiB)")
-    print(f"{'phase':<12}{'rank':>5}{'old':>10}{'new':>10}{'new/old':>9}")
+    print("peak RssAnon during the phase, per rank (MiB); and above the phase's start (freed memory the")
+    print("allocator kept from an earlier phase is reused without showing there, so read both)")
+    print(f"{'phase':<12}{'rank':>5}{'old':>9}{'new':>9}{'new/old':>9}{'old+':>9}{'new+':>9}")
     for phase in ("load", "checkpoint", "final", "resume"):
         for rank in (0, 1):
-            o = (old[rank][phase]["peak"] - old[rank][phase]["start"]) / MiB
-            n = (new[rank][phase]["peak"] - new[rank][phase]["start"]) / MiB
-            print(f"{phase:<12}{rank:>5}{o:>10.1f}{n:>10.1f}{n / max(o, 1e-9):>9.2f}")
+            o, n = old[rank][phase], new[rank][phase]
+            print(f"{phase:<12}{rank:>5}{o['peak'] / MiB:>9.1f}{n['peak'] / MiB:>9.1f}{n['peak'] / o['peak']:>9.2f}"
+                  f"{(o['peak'] - o['start']) / MiB:>9.1f}{(n['peak'] - n['start']) / MiB:>9.1f}")
     print("time on rank 0 (s)")
     print(f"{'phase':<12}{'old':>10}{'new':>10}{'new/old':>9}")
     for phase, label in (("checkpoint", "ckpt save"), ("resume", "ckpt load"), ("final", "final save"),

@@ -23,14 +23,15 @@ from tests.conftest import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
 pytestmark = [pytest.mark.dist, pytest.mark.memory]
 
 HOOKS = Path(__file__).resolve().parent / "hostmem_hooks.py"
-#: ~67M parameters: 268 MB in fp32; the largest tensors are the 16000 x 768 embedding and head (49 MB each).
+#: ~67M parameters: 268 MB in fp32 (134 MB on disk in bf16); the largest tensors are the 16000 x 768 embedding
+#: and head (49 MB each in fp32).
 BIG = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 12,
        "num_key_value_heads": 12, "head_dim": 64, "vocab_size": 16000}
 
 
 def make_model(d: Path, sizes: dict[str, int]) -> tuple[int, int]:
-    """A pretrained-style model directory (tiny-llama's tokenizer, seeded weights in safetensors);
-    returns (model bytes, largest tensor bytes) in fp32."""
+    """A pretrained-style model directory (tiny-llama's tokenizer, seeded weights saved in bf16 as published
+    checkpoints are); returns (model bytes, largest tensor bytes) in fp32, the dtype full fine-tuning stores."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -43,7 +44,7 @@ def make_model(d: Path, sizes: dict[str, int]) -> tuple[int, int]:
     (d / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=torch.float32)
-    model.save_pretrained(d)
+    model.to(torch.bfloat16).save_pretrained(d)
     sizes_ = [p.numel() * 4 for p in model.parameters()]
     return sum(sizes_), max(sizes_)
 
