@@ -277,6 +277,7 @@ class OutputConfig(Section):
     )
     max_shard_size: str = Field(
         "5GiB",
+        pattern=r"^\s*[0-9]*\.?[0-9]+\s*[KMGTkmgt]?i?[Bb]?\s*$",
         description="Largest safetensors file of a full fine-tune's final model, e.g. 5GiB or 500MiB; a bigger "
         "model is written in several files with model.safetensors.index.json.",
     )
