@@ -91,7 +91,8 @@ def test_fsdp_resume_matches_the_uninterrupted_run(tmp_path: Path) -> None:
 
 
 def _matrix_recipe(tmp: Path, name: str, strategy: str, nproc: int) -> Path:
-    """10 steps, global batch 12 (divisible by 1, 2 and 3 processes x micro-batch 2), checkpoint at step 5."""
+    """10 steps, global batch 12 (divisible by 1, 2 and 3 processes x micro-batch 2), checkpoint at step 5;
+    the final model in safetensors files of at most 2 MiB (the tiny model has 12 MiB of fp32 weights)."""
     data = tmp / "train48.jsonl"
     if not data.exists():
         rows = (RECIPES / "data/reverse/train.jsonl").read_text().splitlines()[:48]
@@ -102,31 +103,69 @@ def _matrix_recipe(tmp: Path, name: str, strategy: str, nproc: int) -> Path:
         data={"train": str(data), "eval": None, "max_seq_len": 48},
         train={"max_steps": 10, "global_batch_size": 12, "micro_batch_size": 2, "lr": 2e-3, "warmup_steps": 2},
         distributed={"strategy": strategy, "nproc": nproc},
-        output={"dir": str(out), "log_every": 1, "save_every": 5, "keep": 3},
+        output={"dir": str(out), "log_every": 1, "save_every": 5, "keep": 3, "max_shard_size": "2MiB"},
     )
     return write_recipe(tmp / f"{name}.yaml", r)
 
 
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("model*.safetensors")):
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def _check_streamed_final_model(out: Path) -> None:
+    """Several shards + an index naming every weight; from_pretrained gives the logits of the trained model
+    (the weights the last checkpoint's DCP shards hold) within 1e-5."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.safetensors_stream import SAFE_INDEX
+    from tests.conftest import TINY_MODEL
+
+    index = json.loads((out / SAFE_INDEX).read_text())
+    files = sorted(p.name for p in out.glob("model*.safetensors"))
+    assert len(files) >= 4 and set(index["weight_map"].values()) == set(files)
+    assert all(p.stat().st_size <= 2 * 2**20 + 64 * 1024 for p in out.glob("model*.safetensors"))
+    trained = ck.read_weights(out / "checkpoints" / "step-10")
+    assert set(index["weight_map"]) == set(trained)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL), dtype=torch.float32)
+    reference.load_state_dict(trained)
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (loaded(ids).logits - reference(ids).logits).abs().max().item() <= 1e-5
+
+
 def test_fsdp_checkpoint_resumes_on_other_world_sizes_and_strategies(tmp_path: Path) -> None:
-    """Saved by fsdp x2 at step 5 of 10; resumed as fsdp x3, ddp x2 and one process: steps 6..10 give the
-    uninterrupted run's losses and final weights within 1e-5 (fp32)."""
+    """Saved by fsdp x2 at step 5 of 10; resumed as fsdp x3, ddp x2, zero1 x2 and one process: steps 6..10 give
+    the uninterrupted run's losses and final weights within 1e-5 (fp32). The reference's final model is
+    streamed into size-capped shards that from_pretrained loads."""
     ref = tmp_path / "ref"
     _run(_matrix_recipe(tmp_path, "ref", "fsdp", 2))
+    _check_streamed_final_model(ref)
     ckpt = ref / "checkpoints" / "step-5"
     assert sorted(p.name for p in (ckpt / "state").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    want = _losses(ref)[5:]
+    want, want_w = _losses(ref)[5:], _final_weights(ref)
     diffs = {}
-    for name, strategy, nproc in (("fsdp3", "fsdp", 3), ("ddp2", "ddp", 2), ("single", "single", 1)):
+    for name, strategy, nproc in (
+        ("fsdp3", "fsdp", 3), ("ddp2", "ddp", 2), ("zero1", "zero1", 2), ("single", "single", 1)
+    ):
         out = _run(_matrix_recipe(tmp_path, name, strategy, nproc), "--resume", str(ckpt))
         assert f"resharded from fsdp x2 to {strategy} x{nproc}" in out
-        got = _losses(tmp_path / name)
-        assert [s for s, _ in got] == list(range(6, 11))
-        wa, wb = load_file(str(tmp_path / name / "model.safetensors")), load_file(str(ref / "model.safetensors"))
-        assert wa.keys() == wb.keys()
+        got, got_w = _losses(tmp_path / name), _final_weights(tmp_path / name)
+        assert [s for s, _ in got] == list(range(6, 11)) and got_w.keys() == want_w.keys()
         diffs[name] = (
             max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)),
-            max((wa[k] - wb[k]).abs().max().item() for k in wa),
+            max((got_w[k] - want_w[k]).abs().max().item() for k in want_w),
         )
     print("resume matrix (max |loss diff|, max |weight diff|):", diffs)
     for name, (loss_diff, weight_diff) in diffs.items():
         assert loss_diff <= 1e-5 and weight_diff <= 1e-5, (name, loss_diff, weight_diff)
+    # ZeRO-1's ranks each wrote the AdamW state of their share: together, every parameter's.
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(tmp_path / "zero1/checkpoints/step-10/state")).read_metadata().state_dict_metadata
+    assert {k.removeprefix("optimizer.state.").removesuffix(".exp_avg") for k in keys if k.endswith(".exp_avg")} == set(
+        want_w
+    )

@@ -52,7 +52,7 @@ def _write(model_dir: Path, out: Path, method: str, init: str, precision: str) -
     return write_recipe(out.parent / f"{out.name}.yaml", r)
 
 
-def _worker(rank: int, store: str, model_dir: str, out: str, method: str, init: str, precision: str) -> None:
+def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) -> None:
     import torch.distributed as dist
 
     from finetune.recipe import load_recipe
@@ -62,28 +62,18 @@ def _worker(rank: int, store: str, model_dir: str, out: str, method: str, init: 
     from finetune.train.parallel import parallelize
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    loaded = load_recipe(str(Path(out).parent / f"{Path(out).name}.yaml"))
-    spec = execution_spec(method, "fsdp", precision, checkpointing=False, world_size=2)
     ctx = DistContext(rank, 2, rank, torch.device("cpu"))
-    model = parallelize(build_on_meta(loaded, spec), spec, ctx)
-    materialize(model, loaded, spec, ctx.device)
-    full = {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
-    shared = model.get_input_embeddings().weight is model.get_output_embeddings().weight
-    if rank == 0:
-        torch.save({"full": full, "tied": shared}, Path(out) / "gathered.pt")
+    for recipe, out, method, precision, _ in cases:
+        loaded = load_recipe(recipe)
+        spec = execution_spec(method, "fsdp", precision, checkpointing=False, world_size=2)
+        model = parallelize(build_on_meta(loaded, spec), spec, ctx)
+        materialize(model, loaded, spec, ctx.device)
+        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in model.named_parameters()}
+        shared = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        if rank == 0:
+            torch.save({"full": full, "tied": shared}, Path(out) / "gathered.pt")
     dist.destroy_process_group()
-
-
-def _gather(tmp: Path, model_dir: Path, method: str, init: str, precision: str) -> dict:
-    out = tmp / f"{method}-{init}-{precision}"
-    out.mkdir()
-    _write(model_dir, out, method, init, precision)
-    store = tempfile.mktemp(dir=tmp)
-    mp.spawn(_worker, args=(store, str(model_dir), str(out), method, init, precision), nprocs=2)
-    return torch.load(out / "gathered.pt", weights_only=True)
 
 
 def _seeded(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -91,44 +81,45 @@ def _seeded(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
     torch.manual_seed(0)  # what load_base_model does for model.init: random (train.seed 0)
     m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
-    return dict(m.named_parameters())
+    return {k: v.detach() for k, v in m.named_parameters()}
 
 
-def test_random_init_under_fsdp_is_the_seeded_init(tmp_path: Path) -> None:
-    model_dir = _micro(tmp_path / "micro", tied=False)
-    got = _gather(tmp_path, model_dir, "full", "random", "fp32")["full"]
-    want = _seeded(model_dir, torch.float32)
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k].detach()), k
-
-
-def test_pretrained_lora_base_loads_cast_per_tensor_and_tied_weights_stay_tied(tmp_path: Path) -> None:
+def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> None:
+    """One pair of processes loads (a) a full fine-tune from a seeded random init, which must equal today's
+    seeded init bit for bit, and (b) a bf16 LoRA base from a pretrained fp32 checkpoint with tied embeddings,
+    which must equal the file cast to bf16, stay tied, and get peft's initial adapters."""
     from safetensors.torch import load_file
-
-    model_dir = _micro(tmp_path / "micro-tied", tied=True)
-    want = _seeded(model_dir, torch.float32)
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    random_dir = _micro(tmp_path / "micro", tied=False)
+    tied_dir = _micro(tmp_path / "micro-tied", tied=True)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(model_dir)
-    on_disk = load_file(str(model_dir / "model.safetensors"))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tied_dir)).save_pretrained(tied_dir)
+    cases = []
+    for model_dir, method, init, precision in ((random_dir, "full", "random", "fp32"),
+                                               (tied_dir, "lora", "pretrained", "bf16")):
+        out = tmp_path / f"{method}-{init}-{precision}"
+        out.mkdir()
+        cases.append((str(_write(model_dir, out, method, init, precision)), str(out), method, precision, init))
+    mp.spawn(_worker, args=(tempfile.mktemp(dir=tmp_path), cases), nprocs=2)
+
+    got = torch.load(Path(cases[0][1]) / "gathered.pt", weights_only=True)["full"]
+    want = _seeded(random_dir, torch.float32)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+    on_disk = load_file(str(tied_dir / "model.safetensors"))
     assert "lm_head.weight" not in on_disk  # tied: saved once
-    res = _gather(tmp_path, model_dir, "lora", "pretrained", "bf16")
-    got, tied = res["full"], res["tied"]
-    assert tied
-    prefix = "base_model.model."
+    res = torch.load(Path(cases[1][1]) / "gathered.pt", weights_only=True)
+    got, prefix = res["full"], "base_model.model."
+    assert res["tied"]
     for name, t in got.items():
         if ".lora_A." in name:
             assert t.dtype == torch.float32 and t.abs().sum() > 0
-            continue
-        if ".lora_B." in name:
+        elif ".lora_B." in name:
             assert t.dtype == torch.float32 and torch.count_nonzero(t) == 0
-            continue
-        key = name.removeprefix(prefix).replace(".base_layer.", ".")
-        assert t.dtype == torch.bfloat16, name
-        assert torch.equal(t, on_disk[key].to(torch.bfloat16)), name
-    assert set(on_disk) == {
-        n.removeprefix(prefix).replace(".base_layer.", ".") for n in got if ".lora_" not in n
-    }
-    del want
+        else:
+            key = name.removeprefix(prefix).replace(".base_layer.", ".")
+            assert t.dtype == torch.bfloat16 and torch.equal(t, on_disk[key].to(torch.bfloat16)), name
+    assert set(on_disk) == {n.removeprefix(prefix).replace(".base_layer.", ".") for n in got if ".lora_" not in n}
