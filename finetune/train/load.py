@@ -44,8 +44,14 @@ def loads_sharded(spec: ExecSpec, world_size: int) -> bool:
 
     QLoRA keeps transformers' quantizing loader: each rank quantizes the base one tensor at a time and holds
     the 4-bit model until ``fully_shard`` shards it (a quarter of the 16-bit model; see docs/architecture.md).
+    Prefix tuning, bottleneck adapters and DoRA keep the whole-model load too: their trainable tensors are
+    initialised from the built model (DoRA's magnitudes are the base weights' norms), which the meta device
+    does not have.
     """
-    return spec.strategy.uses_fsdp and world_size > 1 and spec.quant is None
+    if not (spec.strategy.uses_fsdp and world_size > 1 and spec.quant is None):
+        return False
+    a = spec.adapter
+    return a is None or (a.kind == "lora" and not a.use_dora)
 
 
 def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
@@ -102,7 +108,8 @@ def materialize(
         del seeded, source
     else:
         load_pretrained_shards(targets, Path(resolve_model_path(loaded)))
-    init_adapters(model, r.train.seed)
+    if spec.adapter is not None:
+        init_adapters(model, r.train.seed, gaussian=spec.adapter.init == "gaussian")
 
 
 def _seeded_model(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:

@@ -96,7 +96,8 @@ def build_model(
     """
     model = load_base_model(loaded, spec, device, base_dir)
     model = add_adapters(model, loaded, spec)
-    init_adapters(model, loaded.recipe.train.seed)
+    if spec.adapter is not None and spec.adapter.kind == "lora":
+        init_adapters(model, loaded.recipe.train.seed, gaussian=spec.adapter.init == "gaussian")
     if hasattr(model, "config"):
         model.config.use_cache = False
     if loaded.recipe.train.compile:
@@ -185,11 +186,12 @@ def copy_slice(dest: torch.Tensor, full: torch.Tensor) -> None:
     dest.copy_(full)
 
 
-def init_adapters(model: torch.nn.Module, seed: int) -> None:
+def init_adapters(model: torch.nn.Module, seed: int, *, gaussian: bool = False) -> None:
     """LoRA's initial adapters, independent of sharding and of the global RNG, with peft's default
     distributions: for a linear layer ``lora_A`` Kaiming-uniform (a=sqrt(5)) and ``lora_B`` zero; for an
-    embedding ``lora_embedding_A`` zero and ``lora_embedding_B`` standard normal. Each random tensor is drawn
-    from a generator seeded by (``seed``, its name), so the adapted model starts as the base everywhere."""
+    embedding ``lora_embedding_A`` zero and ``lora_embedding_B`` standard normal; ``gaussian`` (lora.init:
+    gaussian) draws ``lora_A`` from N(0, 1/r) instead. Each random tensor is drawn from a generator seeded by
+    (``seed``, its name), so the adapted model starts as the base everywhere."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             kind = next(
@@ -200,7 +202,9 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
                 continue
             full = torch.zeros(p.shape, dtype=torch.float32)
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if kind == "lora_A":
+            if kind == "lora_A" and gaussian:
+                torch.nn.init.normal_(full, std=1 / p.shape[0], generator=g)
+            elif kind == "lora_A":
                 torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=g)
             elif kind == "lora_embedding_B":
                 torch.nn.init.normal_(full, generator=g)
