@@ -46,10 +46,21 @@ def run(code: Path, tmp: Path, name: str, model_dir: Path) -> dict[int, dict]:
     phases: dict[int, dict] = {0: {}, 1: {}}
     for attempt, args in (("first", []), ("resumed", ["--resume", "latest"])):
         probe = tmp / f"{name}-{attempt}"
-        env = {**os.environ, "PYTHONPATH": str(code), "FINETUNE_HOOKS": f"{HOOKS}:HostMemoryHooks",
-               "FINETUNE_HOSTMEM_DIR": str(probe), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, "-m", "finetune", "run", str(recipe), *args], cwd=code,
-                              capture_output=True, text=True, env=env, timeout=1200)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(code),
+            "FINETUNE_HOOKS": f"{HOOKS}:HostMemoryHooks",
+            "FINETUNE_HOSTMEM_DIR": str(probe),
+            "OMP_NUM_THREADS": "1",
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "finetune", "run", str(recipe), *args],
+            cwd=code,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1200,
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         for rank in (0, 1):
             got = json.loads((probe / f"rank{rank}.json").read_text())
@@ -73,19 +84,27 @@ def main() -> None:
             f.extractall(old_code, filter="data")
         old = run(old_code, tmp, "old", tmp / "model")
         new = run(ROOT, tmp, "new", tmp / "model")
-    print(f"model {model_bytes / MiB:.0f} MiB (fp32), largest tensor {largest / MiB:.0f} MiB; fsdp x2 on gloo")
+    print(
+        f"model {model_bytes / MiB:.0f} MiB (fp32), largest tensor {largest / MiB:.0f} MiB; fsdp x2 on gloo"
+    )
     print("peak RssAnon during the phase, per rank (MiB); and above the phase's start (freed memory the")
     print("allocator kept from an earlier phase is reused without showing there, so read both)")
     print(f"{'phase':<12}{'rank':>5}{'old':>9}{'new':>9}{'new/old':>9}{'old+':>9}{'new+':>9}")
     for phase in ("load", "checkpoint", "final", "resume"):
         for rank in (0, 1):
             o, n = old[rank][phase], new[rank][phase]
-            print(f"{phase:<12}{rank:>5}{o['peak'] / MiB:>9.1f}{n['peak'] / MiB:>9.1f}{n['peak'] / o['peak']:>9.2f}"
-                  f"{(o['peak'] - o['start']) / MiB:>9.1f}{(n['peak'] - n['start']) / MiB:>9.1f}")
+            print(
+                f"{phase:<12}{rank:>5}{o['peak'] / MiB:>9.1f}{n['peak'] / MiB:>9.1f}{n['peak'] / o['peak']:>9.2f}"
+                f"{(o['peak'] - o['start']) / MiB:>9.1f}{(n['peak'] - n['start']) / MiB:>9.1f}"
+            )
     print("time on rank 0 (s)")
     print(f"{'phase':<12}{'old':>10}{'new':>10}{'new/old':>9}")
-    for phase, label in (("checkpoint", "ckpt save"), ("resume", "ckpt load"), ("final", "final save"),
-                         ("load", "model load")):
+    for phase, label in (
+        ("checkpoint", "ckpt save"),
+        ("resume", "ckpt load"),
+        ("final", "final save"),
+        ("load", "model load"),
+    ):
         o, n = old[0][phase]["seconds"], new[0][phase]["seconds"]
         print(f"{label:<12}{o:>10.2f}{n:>10.2f}{n / max(o, 1e-9):>9.2f}")
 

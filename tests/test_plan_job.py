@@ -15,9 +15,29 @@ GiB = 1024**3
 
 def _plan(*extra: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "finetune", "plan", "--model", "llama-3.1-70b", "--method", "full", "--strategy",
-         "fsdp", "--gpus", "8", "--nodes", "2", "--gpu-memory", "80GiB", "--json", *extra],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "finetune",
+            "plan",
+            "--model",
+            "llama-3.1-70b",
+            "--method",
+            "full",
+            "--strategy",
+            "fsdp",
+            "--gpus",
+            "8",
+            "--nodes",
+            "2",
+            "--gpu-memory",
+            "80GiB",
+            "--json",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -42,5 +62,6 @@ def test_llama_70b_fsdp_on_2x8_whole_job_follows_the_sharding() -> None:
     assert small["chosen"]["fits"] is False
     assert any(
         "needs 47.3 GiB of host memory per node (loading) but a node has 40.0 GiB (--host-memory): it does not fit"
-        in w for w in small["walk"]
+        in w
+        for w in small["walk"]
     ), small["walk"]

@@ -68,8 +68,10 @@ def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) 
         spec = execution_spec(method, "fsdp", precision, checkpointing=False, world_size=2)
         model = parallelize(build_on_meta(loaded, spec), spec, ctx)
         materialize(model, loaded, spec, ctx.device)
-        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in model.named_parameters()}
+        full = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()
+        }
         shared = model.get_input_embeddings().weight is model.get_output_embeddings().weight
         if rank == 0:
             torch.save({"full": full, "tied": shared}, Path(out) / "gathered.pt")
@@ -96,11 +98,15 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tied_dir)).save_pretrained(tied_dir)
     cases = []
-    for model_dir, method, init, precision in ((random_dir, "full", "random", "fp32"),
-                                               (tied_dir, "lora", "pretrained", "bf16")):
+    for model_dir, method, init, precision in (
+        (random_dir, "full", "random", "fp32"),
+        (tied_dir, "lora", "pretrained", "bf16"),
+    ):
         out = tmp_path / f"{method}-{init}-{precision}"
         out.mkdir()
-        cases.append((str(_write(model_dir, out, method, init, precision)), str(out), method, precision, init))
+        cases.append(
+            (str(_write(model_dir, out, method, init, precision)), str(out), method, precision, init)
+        )
     mp.spawn(_worker, args=(tempfile.mktemp(dir=tmp_path), cases), nprocs=2)
 
     got = torch.load(Path(cases[0][1]) / "gathered.pt", weights_only=True)["full"]
@@ -122,4 +128,6 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
         else:
             key = name.removeprefix(prefix).replace(".base_layer.", ".")
             assert t.dtype == torch.bfloat16 and torch.equal(t, on_disk[key].to(torch.bfloat16)), name
-    assert set(on_disk) == {n.removeprefix(prefix).replace(".base_layer.", ".") for n in got if ".lora_" not in n}
+    assert set(on_disk) == {
+        n.removeprefix(prefix).replace(".base_layer.", ".") for n in got if ".lora_" not in n
+    }

@@ -25,8 +25,15 @@ pytestmark = [pytest.mark.dist, pytest.mark.memory]
 HOOKS = Path(__file__).resolve().parent / "hostmem_hooks.py"
 #: ~67M parameters: 268 MB in fp32 (134 MB on disk in bf16); the largest tensors are the 16000 x 768 embedding
 #: and head (49 MB each in fp32).
-BIG = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 12,
-       "num_key_value_heads": 12, "head_dim": 64, "vocab_size": 16000}
+BIG = {
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "head_dim": 64,
+    "vocab_size": 16000,
+}
 
 
 def make_model(d: Path, sizes: dict[str, int]) -> tuple[int, int]:
@@ -49,7 +56,9 @@ def make_model(d: Path, sizes: dict[str, int]) -> tuple[int, int]:
     return sum(sizes_), max(sizes_)
 
 
-def measured_run(tmp: Path, name: str, model_dir: Path, extra_env: dict[str, str] | None = None) -> dict[int, dict]:
+def measured_run(
+    tmp: Path, name: str, model_dir: Path, extra_env: dict[str, str] | None = None
+) -> dict[int, dict]:
     """fsdp x2, one step, a checkpoint and the final save; the per-rank phase peaks of hostmem_hooks."""
     out = tmp / name
     r = tiny_recipe(
@@ -61,10 +70,20 @@ def measured_run(tmp: Path, name: str, model_dir: Path, extra_env: dict[str, str
         output={"dir": str(out), "save_every": 1, "keep": 1},
     )
     probe = tmp / f"{name}-mem"
-    env = {**os.environ, "FINETUNE_HOOKS": f"{HOOKS}:HostMemoryHooks", "FINETUNE_HOSTMEM_DIR": str(probe),
-           "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    proc = subprocess.run([sys.executable, "-m", "finetune", "run", str(write_recipe(tmp / f"{name}.yaml", r))],
-                          capture_output=True, text=True, timeout=600, env=env)
+    env = {
+        **os.environ,
+        "FINETUNE_HOOKS": f"{HOOKS}:HostMemoryHooks",
+        "FINETUNE_HOSTMEM_DIR": str(probe),
+        "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "run", str(write_recipe(tmp / f"{name}.yaml", r))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {rank: json.loads((probe / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 
@@ -77,11 +96,16 @@ def test_no_rank_holds_the_whole_model(tmp_path: Path) -> None:
     tiny = measured_run(tmp_path, "tiny", tmp_path / "tiny")
     mib = 2**20
     report = {
-        rank: {phase: round((big[rank][phase]["peak"] - tiny[rank][phase]["peak"]) / mib, 1) for phase in big[rank]}
+        rank: {
+            phase: round((big[rank][phase]["peak"] - tiny[rank][phase]["peak"]) / mib, 1)
+            for phase in big[rank]
+        }
         for rank in (0, 1)
     }
-    print(f"model {model_bytes / mib:.0f} MiB, largest tensor {largest / mib:.0f} MiB; peak over the tiny run (MiB):",
-          report)
+    print(
+        f"model {model_bytes / mib:.0f} MiB, largest tensor {largest / mib:.0f} MiB; peak over the tiny run (MiB):",
+        report,
+    )
     slack = 32 * mib  # allocator and interpreter noise between two runs
     planned = _planned_load_peak(tmp_path / "big")
     assert planned == model_bytes // 2 + largest  # the planner's formula: its shard + one tensor
