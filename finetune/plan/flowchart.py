@@ -628,7 +628,7 @@ class _Planner:
         chosen_job: dict[str, Any] = {}
         for i, c in enumerate(rows):
             world = 1 if c.strategy == "single" else self.world
-            spec = self.exec_spec(c.method, c.strategy, c.activation_checkpointing, world)
+            spec = self.exec_spec(c.method, c.strategy, c.activation_checkpointing, world, getattr(c, "tp", 1))
             per_node = 1 if c.strategy == "single" else self.hw.gpus_per_node
             job = job_figures(self.inv, spec, world, per_node, self.hw.device)
             if i == 0:

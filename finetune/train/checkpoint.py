@@ -368,9 +368,9 @@ class ModelState:
         """Parameter name -> tensor (this rank's shard)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        from finetune.train.parallel import is_sharded, unwrap
+        from finetune.train.parallel import has_dtensors, is_sharded, unwrap
 
-        if self.adapters_only and not is_sharded(self.model):
+        if self.adapters_only and not is_sharded(self.model) and not has_dtensors(self.model):
             # The adapters alone, read from the module: torch's state-dict helpers walk every key of the model,
             # and bitsandbytes' 8-bit layers list keys (SCB, weight_format) that are no attributes, which they
             # fail on. The live tensors: DCP loads into them in place.
@@ -385,9 +385,9 @@ class ModelState:
         """Copy ``state`` into the model (a frozen base is not in a checkpoint: not strict then)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from finetune.train.parallel import is_sharded, unwrap
+        from finetune.train.parallel import has_dtensors, is_sharded, unwrap
 
-        if self.adapters_only and not is_sharded(self.model):
+        if self.adapters_only and not is_sharded(self.model) and not has_dtensors(self.model):
             unwrap(self.model).load_state_dict(state, strict=False)  # see state_dict (already loaded in place)
             return
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.adapters_only))
