@@ -24,8 +24,8 @@ def qlora_recipe(**quantization: object):
     )
 
 
-def candidate(precision: str = "fp32", strategy: str = "single") -> ExecSpec:
-    return execution_spec("qlora", strategy, precision, checkpointing=False)
+def candidate(precision: str = "fp32", strategy: str = "single", lora: object = None) -> ExecSpec:
+    return execution_spec("qlora", strategy, precision, checkpointing=False, lora=lora)
 
 
 def with_lora(model: torch.nn.Module, targets: list[str] | str = "all-linear") -> torch.nn.Module:
@@ -146,7 +146,7 @@ def test_qlora_bf16_keeps_the_frozen_base_in_bf16_and_trains(tmp_path: Path) -> 
          "lora": {"target_modules": "all-linear"}, "data": {"train": "unused.jsonl"}, "train": {"seed": 3}}
     )
     model = load_quantized(loaded, TINY, candidate("bf16"), "cpu", base_dir=tmp_path / "base")
-    model = add_adapters(model, loaded, candidate("bf16"))
+    model = add_adapters(model, loaded, candidate("bf16", lora=loaded.recipe.lora))  # all-linear, as the recipe says
     dtypes = {n: p.dtype for n, p in model.named_parameters() if p.is_floating_point()}
     assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
     frozen = {n: d for n, d in dtypes.items() if "lora_" not in n}

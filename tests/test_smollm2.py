@@ -72,7 +72,7 @@ def test_recipe_runs_end_to_end(tmp_path, finetune_cmd):
     recipe["data"]["eval"] = str(ROOT / "recipes/data/extract-json/eval.jsonl")
     recipe["train"].update(max_steps=2, global_batch_size=4)
     recipe["eval"].update(max_samples=4, batch_size=4)
-    recipe["output"]["dir"] = str(tmp_path / "run")
+    recipe["output"].update(dir=str(tmp_path / "run"), log_every=1)
     path = write_recipe(tmp_path / "r.yaml", recipe)
     proc = subprocess.run([*finetune_cmd, "run", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
