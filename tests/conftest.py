@@ -52,3 +52,18 @@ def write_recipe(path: Path, recipe: dict) -> Path:
 def finetune_cmd() -> list[str]:
     """The real CLI, run as a subprocess with this interpreter."""
     return [sys.executable, "-m", "finetune"]
+
+
+def micro_model_dir(d: Path, **config: object) -> Path:
+    """tiny-llama's tokenizer and config in ``d``, with the config keys in ``config`` changed (small test models)."""
+    import json
+    import shutil
+
+    d.mkdir(parents=True, exist_ok=True)
+    for f in TINY_MODEL.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, d / f.name)
+    cfg = json.loads((TINY_MODEL / "config.json").read_text())
+    cfg.update(config)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d

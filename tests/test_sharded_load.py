@@ -5,8 +5,6 @@ per tensor to the storage dtype; tied embeddings stay one parameter; adapters st
 
 from __future__ import annotations
 
-import json
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -14,29 +12,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
+from tests.conftest import RECIPES, micro_model_dir, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.dist
 
 
 def _micro(d: Path, tied: bool) -> Path:
-    d.mkdir(parents=True, exist_ok=True)
-    for f in TINY_MODEL.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, d / f.name)
-    config = json.loads((TINY_MODEL / "config.json").read_text())
-    config.update(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=tied,
-        vocab_size=263,
-    )  # 263: uneven shards
-    (d / "config.json").write_text(json.dumps(config))
-    return d
+    return micro_model_dir(
+        d, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, tie_word_embeddings=tied, vocab_size=263,  # 263: uneven shards
+    )
 
 
 def _write(model_dir: Path, out: Path, method: str, init: str, precision: str) -> Path:

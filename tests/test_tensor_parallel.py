@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from finetune.errors import UserError
 from finetune.launch import LaunchOptions, launch
-from tests.conftest import TINY_MODEL, write_recipe
+from tests.conftest import micro_model_dir, write_recipe
 from tests.test_distributed import (
     LOSS_RTOL,
     STEPS,
@@ -40,21 +40,10 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def tp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-llama's tokenizer with a 2-block config whose 4 heads and 2 KV heads split over tp 2."""
-    d = tmp_path_factory.mktemp("tp-llama")
-    for f in TINY_MODEL.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, d / f.name)
-    config = json.loads((TINY_MODEL / "config.json").read_text())
-    config.update(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+    return micro_model_dir(
+        tmp_path_factory.mktemp("tp-llama"), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     )
-    (d / "config.json").write_text(json.dumps(config))
-    return d
 
 
 def tp_recipe(model_dir: Path, out: Path, method: str, strategy: str) -> dict:
