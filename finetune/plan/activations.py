@@ -319,18 +319,17 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
 def _disk_path(key: Any) -> Any:
     import hashlib
     import os
+    from importlib.metadata import version
     from pathlib import Path
 
     try:
-        import peft
-        import torch
-        import transformers
-
         from finetune import loss
 
+        # Versions from the installed metadata: importing peft (and through it bitsandbytes) only for its
+        # version cost every full fine-tuning run seconds at start.
         versions = (
-            torch.__version__, transformers.__version__, peft.__version__, TRACE_VERSION, loss.LOSS_CHUNK_BYTES, loss.FUSED_CHUNK_BYTES,
-            loss.FUSED_HEAD,
+            version("torch"), version("transformers"), version("peft"), TRACE_VERSION, loss.LOSS_CHUNK_BYTES,
+            loss.FUSED_CHUNK_BYTES, loss.FUSED_HEAD,
         )
         digest = hashlib.sha256(repr((key, versions)).encode()).hexdigest()[:32]
         root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "traces"
