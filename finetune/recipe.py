@@ -205,7 +205,7 @@ class TrainConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit"] = Field(
         "adamw",
-        description="adamw: torch's (fused on CUDA, foreach elsewhere); adamw8bit: bitsandbytes' 8-bit state "
+        description="adamw: torch's fused kernel; adamw8bit: bitsandbytes' 8-bit state "
         "(1 byte per value and moment, blockwise scales); paged_adamw8bit: the same in CUDA unified memory, "
         "paged to the host under pressure (on CPU it is adamw8bit).",
     )

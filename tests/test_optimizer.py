@@ -1,4 +1,4 @@
-"""train.optimizer: torch's AdamW (foreach on CPU), bitsandbytes' 8-bit AdamW, and the planner's state bytes."""
+"""train.optimizer: torch's AdamW (fused on CPU too), bitsandbytes' 8-bit AdamW, and the planner's state bytes."""
 
 from __future__ import annotations
 
@@ -39,11 +39,34 @@ def test_each_optimizer_trains_on_cpu(tmp_path, name):
     assert losses[-1] < 0.8 * losses[0]
     big, norm = opt.state[model[0].weight], opt.state[model[1].weight]
     if name == "adamw":
-        assert type(opt) is torch.optim.AdamW and opt.defaults["foreach"] is True
+        assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
         assert big["exp_avg"].dtype == torch.float32
     else:
         assert big["state1"].dtype == torch.uint8 and big["state2"].dtype == torch.uint8
         assert norm["state1"].dtype == torch.float32
+
+
+def test_fused_adamw_step_holds_no_temporaries(tmp_path):
+    """What the planner assumes (plan/memory.py: no step temporaries for AdamW): during ``step()`` the
+    optimizer's tensors never exceed its two moments (MemTracker's peak), where foreach would add a
+    state-sized temporary and the per-parameter loop two of the largest tensor."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    loaded = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path)))
+    model = _model()
+    opt = build_optimizer(model, loaded.recipe.train, Strategy.SINGLE)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # the moments now exist
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        opt.step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    moments = 2 * sum(p.numel() * 4 for p in model.parameters())
+    steps = len(opt.state) * 4  # the per-tensor step counters (fp32 scalars)
+    opt_bytes = sum(v for k, v in peak.items() if str(k).endswith("OPT"))
+    assert opt_bytes == moments + steps, (opt_bytes, moments, steps)
 
 
 def test_unknown_optimizer_is_one_sentence(tmp_path, finetune_cmd):

@@ -13,9 +13,9 @@ FSDP2's mixed precision (param_dtype 16-bit, reduce_dtype fp32) replaces autocas
 activations leave out autocast's weight copies; DDP and single processes keep them.
 
 The peak of a step is the larger of the forward/backward peak (traced, see activations.py) and the
-optimizer step (parameters + gradients + state + AdamW's temporaries: one state-sized tensor for the
-foreach implementation the trainer asks for on CPU; counted the same for the fused one on CUDA, which needs
-less; bitsandbytes' 8-bit optimizers update in place).
+optimizer step (parameters + gradients + state + AdamW's temporaries: none for the fused kernel the trainer
+uses on CPU and CUDA, which updates each tensor in place; two of the largest tensor for the per-parameter loop
+of tensor-parallel runs; bitsandbytes' 8-bit optimizers update in place too).
 """
 
 from __future__ import annotations
@@ -168,13 +168,10 @@ def candidate_memory(
     fb_total = params + fb_grads + opt_fb + buffers_fb + fb_acts
 
     # optimizer step peak
-    trainable_rank = sb.trainable if not spec.strategy.shards_optimizer else -(-sb.trainable // n)
-    if s.optimizer != "adamw":
-        step_temps = 0  # bitsandbytes updates each tensor in place, block by block
-    elif spec.tensor_parallel:  # AdamW's per-parameter loop (finetune/train/loop.py: build_optimizer)
+    if s.optimizer == "adamw" and spec.tensor_parallel:  # per-parameter loop (train/loop.py: build_optimizer)
         step_temps = FOR_LOOP_ADAM_TEMPORARIES * largest
     else:
-        step_temps = trainable_rank * gbytes  # foreach AdamW: sqrt(exp_avg_sq) of every tensor at once
+        step_temps = 0  # fused AdamW and bitsandbytes' 8-bit AdamW update each tensor in place
     step_total = params + grads + opt + buffers_step + step_temps
 
     # The breakdown is the one at the peak moment (model states alone when activations were not traced).
