@@ -97,6 +97,17 @@ def run(
     offline: Annotated[
         bool, typer.Option("--offline", help="Never reach the Hugging Face Hub: local files and the cache only.")
     ] = False,
+    host_memory: Annotated[
+        Optional[str],
+        typer.Option(help="Host memory this node gives the run, e.g. 512GiB (default: its MemAvailable)."),
+    ] = None,
+    ignore_host_memory: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-host-memory",
+            help="Run even when the plan needs more host memory per node than the node has.",
+        ),
+    ] = False,
 ) -> None:
     """Plan, launch and train: one process, or many through torch.distributed."""
     if offline:
@@ -108,6 +119,7 @@ def run(
     options = LaunchOptions(
         nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
         resume=resume, measure_memory=measure_memory, overwrite=overwrite, debug_memory=debug_memory,
+        host_memory=host_memory, ignore_host_memory=ignore_host_memory,
     )
     try:
         code = launch(recipe, set_ or [], options)

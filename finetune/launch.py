@@ -11,6 +11,7 @@ from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe, RecipeError, check_files, load_recipe, resolve_inputs
 
 if TYPE_CHECKING:
+    from finetune.plan.types import Plan
     from finetune.train.worker import RunRequest
 
 
@@ -27,6 +28,8 @@ class LaunchOptions:
     measure_memory: bool = False  # measure the peak on CPU too (MemTracker)
     overwrite: bool = False  # replace an earlier run in output.dir (without it or resume, such a run is refused)
     debug_memory: bool = False  # CUDA: record allocations, write a snapshot when out of memory
+    host_memory: str | None = None  # this node's host memory, e.g. 512GiB (None: its MemAvailable)
+    ignore_host_memory: bool = False  # run even when the plan needs more host memory than the node has
 
 
 def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
@@ -89,6 +92,7 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
             f"distributed.strategy: `single` trains one process but {nproc * nnodes} were asked for "
             "(--nproc/--nnodes or distributed.nproc); choose ddp, zero1, zero2, fsdp or auto, or run 1 process"
         )
+    check_host_memory(plan, options)
     resume = options.resume
     if options.node_rank == 0:
         from finetune.train.outputs import write_run_files
@@ -108,6 +112,27 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
         loaded, plan, resume=resume, measure_memory=options.measure_memory, debug_memory=options.debug_memory
     )
     return launch_workers(request, options)
+
+
+def check_host_memory(plan: Plan, options: LaunchOptions) -> None:
+    """Refuse (one sentence) a run whose plan needs more host memory per node, in its largest phase (loading,
+    checkpoint save, final save), than this node has: ``--host-memory`` or MemAvailable. Every node's
+    launcher checks its own, before any weights load or any process group starts."""
+    from finetune.plan.hardware import parse_bytes
+    from finetune.plan.job import available_host_memory, host_memory_problem
+
+    if options.ignore_host_memory or not plan.job or plan.execution is None:
+        return
+    if options.host_memory is not None:
+        limit, source = parse_bytes(options.host_memory), "--host-memory"
+        if limit <= 0:
+            raise UserError(f"--host-memory: {options.host_memory} is no memory; write e.g. 512GiB")
+    else:
+        limit, source = available_host_memory(), "MemAvailable in /proc/meminfo"
+    nproc = options.nproc or 1
+    problem = host_memory_problem(plan.job, limit, source=source, spec=plan.execution, processes=nproc)
+    if problem is not None:
+        raise UserError(problem)
 
 
 class WorkerFailed(UserError):

@@ -168,6 +168,39 @@ def test_tp_checkpoint_resumes_on_the_same_mesh(tp_runs: TPRuns, method: str) ->
     assert max_weight_diff(out / weights, whole / weights) <= 1e-6
 
 
+def _resume_as(tp_runs: TPRuns, saved: str, mesh: str) -> tuple[Path, str]:
+    """The full run's step-5 checkpoint of ``saved`` resumed on ``mesh`` in a new output.dir: (dir, output)."""
+    out = tp_runs.root / f"full-{saved}-as-{mesh}"
+    recipe = tp_runs.recipe("full", mesh, out)
+    ckpt = str(tp_runs.get("full", saved) / "checkpoints" / "step-5")
+    _, nproc, extra = MESHES[mesh]
+    args = ["--nproc", str(nproc), *extra, "--resume", ckpt]
+    proc = finetune_run(recipe, *args, env=_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("saved", "mesh", "note"), [("tp2", "single", "tp 2 to single x1"), ("single", "tp2", "x1 to ")]
+)
+def test_tp_checkpoint_resumes_on_another_tp_degree(
+    tp_runs: TPRuns, saved: str, mesh: str, note: str
+) -> None:
+    """A full run's step-5 checkpoint saved with tp 2 (2 ranks) resumes as one process (tp 1), and one saved
+    by one process resumes with tp 2: DCP re-slices the DTensors. Steps 6-10 give the uninterrupted run's
+    losses and final weights within 1e-5 (fp32): the global batch, hence the data order, is the same at any
+    dp."""
+    out, said = _resume_as(tp_runs, saved, mesh)
+    assert "resharded from" in said and note in said
+    whole = tp_runs.get("full", saved)
+    got, want = step_rows(out), step_rows(whole)[5:]
+    assert [r["step"] for r in got] == list(range(6, STEPS + 1))
+    loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(got, want, strict=True))
+    weight_diff = max_weight_diff(out / "model.safetensors", whole / "model.safetensors")
+    print(f"tp resume {saved} -> {mesh}: max |loss diff| {loss_diff:.2e}, |weight diff| {weight_diff:.2e}")
+    assert loss_diff <= 1e-5 and weight_diff <= 1e-5
+
+
 # ------------------------------------------------------------------------- refused before any process
 
 

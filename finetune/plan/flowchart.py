@@ -623,7 +623,7 @@ class _Planner:
     def check_host_memory(self, rows: list[Candidate]) -> dict[str, Any]:
         """The whole job's figures (finetune/plan/job.py) of the chosen row (first); rows whose host memory per
         node exceeds ``hw.host_memory`` are marked as not fitting, with the reason in the walk."""
-        from finetune.plan.job import job_figures
+        from finetune.plan.job import host_peak_phase, job_figures
 
         chosen_job: dict[str, Any] = {}
         for i, c in enumerate(rows):
@@ -636,10 +636,7 @@ class _Planner:
             limit = self.hw.host_memory
             if limit and job.host_peak_per_node > limit and (c.fits or i == 0):
                 c.fits = False
-                phase = max(
-                    (("loading", job.host_loading_per_node), ("checkpoint save", job.host_checkpoint_per_node),
-                     ("final save", job.host_final_save_per_node)), key=lambda kv: kv[1],
-                )[0]
+                phase = host_peak_phase(job.to_dict())[0]
                 self.say(
                     f"{METHOD_NAMES[c.method]} under {STRATEGY_NAMES[c.strategy]} needs "
                     f"{fmt_bytes(job.host_peak_per_node)} of host memory per node ({phase}) but a node has "

@@ -21,7 +21,9 @@ the weights and AdamW's state (about P + 2 x trainable x 4 bytes) for every chec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from finetune.spec import DTYPE_BYTES, ExecSpec
@@ -51,6 +53,20 @@ class JobFigures:
         return {**asdict(self), "host_peak_per_node": self.host_peak_per_node}
 
 
+#: The host phases of a job's figures (keys of :meth:`JobFigures.to_dict`) and how a sentence names them.
+HOST_PHASES = (
+    ("host_loading_per_node", "loading"),
+    ("host_checkpoint_per_node", "checkpoint save"),
+    ("host_final_save_per_node", "final save"),
+)
+
+
+def host_peak_phase(job: Mapping[str, int]) -> tuple[str, int]:
+    """The host phase needing the most memory per node, and its bytes (``job``: :meth:`JobFigures.to_dict`)."""
+    key, name = max(HOST_PHASES, key=lambda kv: int(job[kv[0]]))
+    return name, int(job[key])
+
+
 def job_figures(inv: Any, spec: ExecSpec, world: int, per_node: int, device: str) -> JobFigures:
     """The figures of the module docstring for ``spec`` on ``world`` ranks (``per_node`` on a node)."""
     from finetune.units import checkpoint_bytes
@@ -78,6 +94,47 @@ def job_figures(inv: Any, spec: ExecSpec, world: int, per_node: int, device: str
         checkpoint_bytes=checkpoint_bytes(saved, sb.trainable),
         final_model_bytes=saved,
     )
+
+
+def host_memory_problem(
+    job: Mapping[str, int], limit: int, *, source: str, spec: ExecSpec, processes: int
+) -> str | None:
+    """The sentence refusing a run whose host memory per node (``job``) exceeds ``limit`` bytes, or None.
+
+    ``source`` names where the limit came from (a flag, or MemAvailable); ``processes`` are this node's.
+    """
+    from finetune.units import fmt_bytes
+
+    phase, need = host_peak_phase(job)
+    if need <= limit:
+        return None
+    fixes = []
+    if processes > 1 or spec.strategy.shards_params:  # fewer processes per node: less of everything per node
+        fixes.append("more nodes (--nnodes) with fewer processes each")
+    if not spec.strategy.shards_params:
+        fixes.append("distributed.strategy: fsdp (each process holds its shard of the model)")
+    if not spec.method.adapters:
+        fixes.append("method: lora (checkpoints and the final save hold the adapters only)")
+    return (
+        f"host memory: {spec.method} under {spec.strategy} with {processes} process(es) per node needs "
+        f"{fmt_bytes(need)} of host memory per node ({phase}) but this node has {fmt_bytes(limit)} ({source}); "
+        "use "
+        f"{', or '.join(fixes)}, or pass --ignore-host-memory to run anyway"
+    )
+
+
+def available_host_memory() -> int:
+    """This node's memory available to a new run: MemAvailable of /proc/meminfo (the kernel's estimate of
+    what can be allocated without swapping), or psutil's equivalent where there is no /proc."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except OSError:
+        pass
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def this_machine_memory() -> int:

@@ -133,9 +133,9 @@ def resolve_resume(spec: str, out_dir: str | os.PathLike[str]) -> Path:
 def run_identity(
     method: str, model_path: str, world_size: int, strategy: str, precision: str, recipe: Any, tp: int = 1
 ) -> dict[str, Any]:
-    """What a checkpoint records about its run; a resume must match all of it but the world size and the
-    strategy (:data:`RESHARDABLE`: the sharded checkpoint is re-sliced for the resuming run). A TP run
-    resumes with the same tensor-parallel degree (not tested across degrees)."""
+    """What a checkpoint records about its run; a resume must match all of it but the world size, the
+    strategy and the tensor-parallel degree (:data:`RESHARDABLE`: the sharded checkpoint is re-sliced for
+    the resuming run's layout)."""
     ident = {
         "method": method,
         "model": str(model_path),
@@ -157,8 +157,10 @@ def run_identity(
     return ident
 
 
-#: Recorded, but a resume may change them: DCP reshards the checkpoint to the resuming run's layout.
-RESHARDABLE = frozenset({"world_size", "strategy"})
+#: Recorded, but a resume may change them: DCP reshards the checkpoint to the resuming run's layout. The
+#: tensor-parallel degree too: TP's DTensors are saved as slices of whole tensors, and the data order and the
+#: loss normalisation depend on the global batch, not on how many replicas (dp = world / tp) share it.
+RESHARDABLE = frozenset({"world_size", "strategy", "tp"})
 
 _WHAT = {
     "method": ("method", "the method"),

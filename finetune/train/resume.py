@@ -83,6 +83,11 @@ def preflight_resume(loaded: LoadedRecipe, plan: Plan, resume: str | None, overw
     return str(path)
 
 
+def _tp(degree: int) -> str:
+    """`` tp N`` for a tensor-parallel layout, nothing otherwise (the resume note)."""
+    return f" tp {degree}" if degree > 1 else ""
+
+
 def nonfinite_policy(loaded: LoadedRecipe, precision: str) -> str:
     """``train.on_nonfinite`` resolved: auto is skip under fp16 loss scaling, stop otherwise."""
     p = loaded.recipe.train.on_nonfinite
@@ -156,10 +161,12 @@ class RunCheckpoints:
             ck.truncate_metrics(metrics, state.step)
             note = f"; removed newer checkpoints {', '.join(p.name for p in dropped)}" if dropped else ""
             saved_by = meta.get("saved_by", {}).get("world_size", self.ctx.world_size)
-            if (saved_by, meta["identity"].get("strategy")) != (self.ctx.world_size, self.plan.chosen.strategy):
+            saved_tp, tp = int(meta["identity"].get("tp", 1)), self.plan.chosen.tp
+            was = (saved_by, meta["identity"].get("strategy"), saved_tp)
+            if was != (self.ctx.world_size, self.plan.chosen.strategy, tp):
                 note += (
-                    f"; resharded from {meta['identity'].get('strategy')} x{saved_by} to "
-                    f"{self.plan.chosen.strategy} x{self.ctx.world_size}"
+                    f"; resharded from {meta['identity'].get('strategy')} x{saved_by}{_tp(saved_tp)} to "
+                    f"{self.plan.chosen.strategy} x{self.ctx.world_size}{_tp(tp)}"
                 )
             self.say(
                 f"resumed from {path} at step {state.step} of {self.total_steps} "
