@@ -73,13 +73,24 @@ def test_fsdp_names_its_own_remedies(tmp_path: Path) -> None:
 
 
 def test_run_under_host_memory_or_told_to_ignore_it_runs(tmp_path: Path) -> None:
-    """The same check passes under a large enough --host-memory and under this machine's MemAvailable
-    (the suite needs a few GiB), and --ignore-host-memory runs a job over a tiny limit."""
+    """The same check passes under a large enough --host-memory, and --ignore-host-memory runs a job over a
+    tiny limit. (Every other run of the suite passes it under this machine's MemAvailable.)"""
     assert launch(str(_recipe(tmp_path, "single", 1, "big")), [], LaunchOptions(host_memory="64GiB")) == 0
-    assert available_host_memory() > HOST_PER_PROCESS
-    assert launch(str(_recipe(tmp_path, "single", 1, "avail")), [], LaunchOptions()) == 0
     opts = LaunchOptions(host_memory="1GiB", ignore_host_memory=True)
     assert launch(str(_recipe(tmp_path, "single", 1, "forced")), [], opts) == 0
-    for name in ("big", "avail", "forced"):
+    for name in ("big", "forced"):
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+
+
+def test_available_host_memory_is_the_kernels_memavailable() -> None:
+    """MemAvailable (kB in /proc/meminfo), within what the machine has."""
+    import psutil
+
+    kib = next(
+        int(ln.split()[1])
+        for ln in Path("/proc/meminfo").read_text().splitlines()
+        if ln.startswith("MemAvailable:")
+    )
+    assert abs(available_host_memory() - kib * 1024) < 256 * 2**20  # read a moment apart
+    assert 0 < available_host_memory() <= psutil.virtual_memory().total
