@@ -332,6 +332,45 @@ def test_incomplete_and_foreign_checkpoints_are_one_line_errors(reference: dict,
     assert errors[0].endswith("it is damaged or was saved by another run or model: choose another checkpoint of this run")
 
 
+def test_checkpoint_of_another_run_is_one_sentence_and_then_resumes(
+    reference: dict, tmp_path: Path
+) -> None:
+    """Resuming a checkpoint with another seed (refused from its identity before launching) or on other
+    training data (refused by the data fingerprint when the position is restored, after the model is built):
+    one sentence each, nothing trained; the same checkpoint then resumes and gives the reference's steps."""
+    step4 = reference["out"] / "checkpoints/step-4"
+    out = tmp_path / "again"
+    recipe = _recipe(tmp_path, out)
+    other = tmp_path / "other48.jsonl"
+    rows = (RECIPES / "data/reverse/train.jsonl").read_text().splitlines()[48:96]
+    other.write_text("".join(f"{ln}\n" for ln in rows))
+    cases = [
+        (
+            ["--set", "train.seed=1"],
+            f"error: --resume: {step4} was saved with the seed 0 but this run has 1; set train.seed back to 0 "
+            "or start a new run in another output.dir",
+        ),
+        (
+            ["--set", f"data.train={other}"],
+            "error: --resume: the training data, data settings, train.seed or train.global_batch_size differ from "
+            "the checkpoint's, so the data order cannot be resumed exactly; resume with the same recipe",
+        ),
+    ]
+    runner = CliRunner()
+    for args, message in cases:
+        res = runner.invoke(app, ["run", str(recipe), "--resume", str(step4), *args])
+        errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+        assert res.exit_code == 2 and errors == [message], res.output
+        assert not ck.list_checkpoints(out) and not _losses_or_none(out)
+    assert launch(str(recipe), [], LaunchOptions(resume=str(step4))) == 0
+    assert _losses(out) == reference["losses"][4:]
+    _assert_same_weights(_weights(out), reference["weights"])
+
+
+def _losses_or_none(out: Path) -> list[tuple[int, float]]:
+    return _losses(out) if (out / "metrics.jsonl").is_file() else []
+
+
 def test_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resumes(
     reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
