@@ -395,6 +395,10 @@ class ModelState:
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.adapters_only))
 
 
+#: Optimizer options that choose a kernel, not the update: a resume keeps the resuming run's.
+IMPLEMENTATION_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+
+
 class OptimizerState:
     """AdamW's state keyed by parameter name, flattened (``state.<name>.exp_avg``, ``param_groups.<name>.lr``),
     so it reshards between strategies and world sizes. ZeRO-1 saves and loads the local optimizer of each
@@ -419,7 +423,12 @@ class OptimizerState:
 
         local = self._local()
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        # How this run's optimizer computes is its own, not the checkpoint's: a tensor-parallel run needs the
+        # per-parameter loop (foreach cannot mix DTensors and plain tensors), a run saved without TP had foreach.
+        kernels = [{k: g[k] for k in IMPLEMENTATION_OPTIONS if k in g} for g in local.param_groups]
         set_optimizer_state_dict(self.model, local, state, options=opts)
+        for group, own in zip(local.param_groups, kernels, strict=True):
+            group.update(own)
         if local is not self.optimizer:
             # ZeRO-1 copies its own param_groups onto the local optimizer before every step: give it the
             # restored hyperparameters, or the first resumed step would run at the initial lr.
