@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,34 @@ def test_ddp_elastic_restart_resumes_from_the_newest_checkpoint(tmp_path: Path) 
     assert "resumed from" in out and "step-4 at step 4 of 8" in out
     _assert_close(_losses(elastic), _losses(ref))  # every step once: the restart truncated metrics to step 4
     _assert_weights_close(elastic, ref)
+
+
+def test_fsdp_full_disk_during_a_save_is_one_sentence_and_the_previous_checkpoint_resumes(tmp_path: Path) -> None:
+    """Rank 0's write of checkpoint step-8 fails with ENOSPC (after every rank wrote its shards): every rank
+    agrees on the one sentence (exit status 2, as one process), the half-written directory is never chosen,
+    and --resume continues from step-4, computing the steps 5-8 the failed run computed."""
+    out = tmp_path / "full"
+    recipe = _recipe(tmp_path, "full", "fsdp")
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "run", str(recipe)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "FINETUNE_TEST_DISK_FULL_AT_STEP": "8"},
+    )
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    root = ck.checkpoints_dir(out)
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert re.fullmatch(
+        rf"error: rank [01] failed: output\.dir: writing checkpoint step-8 in {re.escape(str(root))} failed: No "
+        r"space left on device \(meta\.json\); the previous checkpoint step-4 is intact; free space in "
+        r"output\.dir \(or lower output\.keep\) and continue with --resume",
+        errors[0],
+    ), errors[0]
+    assert [s for s, _ in ck.list_checkpoints(out)] == [4]
+    uninterrupted = _losses(out)  # steps 1-8 ran; only the last save failed
+    assert [s for s, _ in uninterrupted] == list(range(1, STEPS + 1))
+    _run(recipe, "--resume")
+    _assert_close(_losses(out), uninterrupted)  # metrics cut back to step 4, then steps 5-8 again
+    assert [s for s, _ in ck.list_checkpoints(out)] == [4, 8] and (out / "model.safetensors").is_file()
 
 
 def _matrix_recipe(tmp: Path, name: str, strategy: str, nproc: int) -> Path:
