@@ -221,10 +221,8 @@ def launch_workers(request: RunRequest, options: LaunchOptions) -> int:
             ) from None
         except ChildFailedError as err:
             rank, failure = first_cause(err.failures)
-            code = getattr(failure, "exitcode", 1)
-            raise WorkerFailed(
-                f"rank {rank} failed: {failure_message(failure)}", exit_code=code if code and code > 0 else 1
-            ) from None
+            code = failure_exit_code(failure, err.failures)
+            raise WorkerFailed(f"rank {rank} failed: {failure_message(failure)}", exit_code=code) from None
     return 0
 
 
@@ -237,6 +235,18 @@ def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
         return (0 if recorded else 1, int(getattr(f, "timestamp", 0)), rank)
 
     return min(failures.items(), key=key)
+
+
+def failure_exit_code(failure: Any, failures: dict[int, Any]) -> int:
+    """The exit status ``finetune run`` returns for ``failure``: the worker's own, or, when the agent killed it
+    after it recorded its error (it stops every worker once one has failed), that of a rank that recorded the
+    same message and exited by itself (every rank raises an agreed error, such as a failed checkpoint save); 1
+    when none did."""
+    for f in (failure, *failures.values()):
+        code = getattr(f, "exitcode", None)
+        if code is not None and code > 0 and (f is failure or failure_message(f) == failure_message(failure)):
+            return int(code)
+    return 1
 
 
 def failure_message(failure: object) -> str:

@@ -311,6 +311,26 @@ def test_first_cause_prefers_the_rank_that_recorded_an_error(tmp_path: Path) -> 
     assert failure_message(lost_peer) == "exited with code 75 (its output above has the details)"
 
 
+def test_a_rank_killed_after_recording_an_agreed_error_keeps_its_exit_status(tmp_path: Path) -> None:
+    """Every rank records an agreed error (a failed checkpoint save); the agent SIGTERMs rank 0 after it
+    recorded and before it exited, while rank 1 exited with 2: `finetune run` exits 2, as one process would."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from finetune.launch import failure_exit_code
+
+    def recorded(rank: int, exitcode: int, message: str) -> ProcessFailure:
+        err = tmp_path / f"err{rank}.json"
+        err.write_text(json.dumps({"message": {"message": f"UserError: {message}",
+                                               "extraInfo": {"py_callstack": "", "timestamp": "100"}}}))
+        return ProcessFailure(local_rank=rank, pid=10 + rank, exitcode=exitcode, error_file=str(err))
+
+    failures = {0: recorded(0, -15, "output.dir: disk full"), 1: recorded(1, 2, "output.dir: disk full")}
+    rank, failure = first_cause(failures)
+    assert rank == 0 and failure_exit_code(failure, failures) == 2
+    other = {0: failures[0], 1: recorded(1, 3, "another error")}
+    assert failure_exit_code(other[0], other) == 1  # no rank exited with this error by itself
+
+
 def test_decoder_blocks_found_for_any_architecture() -> None:
     """FSDP units come from _no_split_modules: Llama, Qwen2, GPT-2 and Gemma2 blocks, no per-model table."""
     from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, LlamaConfig, Qwen2Config
