@@ -52,8 +52,9 @@ def test_run_over_host_memory_is_refused_in_one_sentence_before_any_process(tmp_
     assert proc.stderr.strip().splitlines() == [
         f"error: host memory: full under ddp with 2 process(es) per node needs {fmt_bytes(need)} of host memory per "
         "node (loading) but this node has 3.0 GiB (--host-memory); use more nodes (--nnodes) with fewer processes "
-        "each, or distributed.strategy: fsdp (each process holds its shard of the model), or method: lora "
-        "(checkpoints and the final save hold the adapters only), or pass --ignore-host-memory to run anyway"
+        "each, or distributed.strategy: fsdp (each process holds its shard of the model), or method: lora or "
+        "qlora (a frozen 16- or 4-bit base; checkpoints hold the adapters only), or pass --ignore-host-memory "
+        "to run anyway"
     ]
     # Refused by the launcher: no worker ran (it would say `rank N failed`), nothing was written.
     assert "rank" not in proc.stderr and not (tmp_path / "r").exists()
@@ -68,7 +69,7 @@ def test_fsdp_names_its_own_remedies(tmp_path: Path) -> None:
     msg = str(err.value)
     assert msg.startswith("host memory: full under fsdp with 2 process(es) per node needs 4.0 GiB")
     assert "(loading) but this node has 1.0 GiB (--host-memory)" in msg
-    assert "strategy: fsdp" not in msg and "method: lora" in msg and "--ignore-host-memory" in msg
+    assert "strategy: fsdp" not in msg and "method: lora or qlora" in msg and "--ignore-host-memory" in msg
     assert not (tmp_path / "r").exists()
 
 

@@ -114,12 +114,12 @@ def host_memory_problem(
     if not spec.strategy.shards_params:
         fixes.append("distributed.strategy: fsdp (each process holds its shard of the model)")
     if not spec.method.adapters:
-        fixes.append("method: lora (checkpoints and the final save hold the adapters only)")
+        fixes.append("method: lora or qlora (a frozen 16- or 4-bit base; checkpoints hold the adapters only)")
+    remedies = ", or ".join(fixes)
     return (
         f"host memory: {spec.method} under {spec.strategy} with {processes} process(es) per node needs "
         f"{fmt_bytes(need)} of host memory per node ({phase}) but this node has {fmt_bytes(limit)} ({source}); "
-        "use "
-        f"{', or '.join(fixes)}, or pass --ignore-host-memory to run anyway"
+        f"use {remedies}, or pass --ignore-host-memory to run anyway"
     )
 
 
