@@ -118,14 +118,25 @@ def _supports_sdpa(config: Any) -> bool:
 def first_step_memory(loaded: LoadedRecipe, plan: Plan, *, device: str) -> Any:
     """Predicted peak of the FIRST optimizer step of ``plan.chosen`` (AdamW's state does not exist yet
     during its forward and backward), to compare with a probe that measures only that step."""
+    return chosen_memory(loaded, plan, device=device, first_step=True)
+
+
+def chosen_memory(
+    loaded: LoadedRecipe, plan: Plan, *, device: str, first_step: bool = False, seq_len: int | None = None
+) -> Any:
+    """Predicted peak of ``plan.chosen`` (the first optimizer step's with ``first_step``), at ``seq_len``
+    tokens per row instead of ``data.max_seq_len`` when given: the trainer pads each micro-batch to its
+    longest row, so a run on short rows is compared with the prediction at the width that ran."""
     c = plan.chosen
     req = replace(request_from_recipe(loaded), for_run=True)
+    if seq_len is not None:
+        req = replace(req, seq_len=seq_len)
     hw = detect_hardware(device=device, gpus=c.nproc, nodes=c.nnodes, nproc=c.nproc)
     p = _Planner(req, hw)
     p.precision = c.precision
     p.global_batch = c.micro_batch_size * c.grad_accum_steps * c.dp  # the ranks of a TP group share a slice
     return p.evaluate(
-        c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=True, tp=c.tp
+        c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=first_step, tp=c.tp
     ).memory
 
 

@@ -287,16 +287,20 @@ def report_memory(
     """
     if not ctx.is_main:
         return None
-    predicted = plan.chosen.memory
-    if probe.steps < 2:
-        from finetune.plan.flowchart import first_step_memory
+    from finetune.plan.flowchart import chosen_memory
 
-        predicted = first_step_memory(loaded, plan, device=ctx.device.type)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = probe.write(out_dir / "memory.json", predicted)
-    line = probe.summary_line(predicted)
+    first_step = probe.steps < 2
+    predicted = plan.chosen.memory
+    if first_step:
+        predicted = chosen_memory(loaded, plan, device=ctx.device.type, first_step=True)
     planned = loaded.recipe.data.max_seq_len
-    if longest < planned:
-        line += f"; planned for {planned}-token rows, these batches were at most {longest} (padding to the longest)"
+    at_rows, rows = None, None
+    if 0 < longest < planned:
+        # the plan is for full rows; these batches were narrower: predict them too, like for like
+        at_rows = chosen_memory(loaded, plan, device=ctx.device.type, first_step=first_step, seq_len=longest)
+        rows = (planned, longest)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = probe.write(out_dir / "memory.json", predicted, at_rows, rows)
+    line = probe.summary_line(predicted, at_rows, rows)
     reporter.print(line)
     return report

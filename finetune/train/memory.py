@@ -116,32 +116,62 @@ class PeakMemory:
                 }
 
     # -- reporting ------------------------------------------------------------------------------------
-    def report(self, predicted: MemoryBreakdown) -> dict[str, Any]:
+    def report(
+        self, predicted: MemoryBreakdown, at_rows: MemoryBreakdown | None = None, rows: tuple[int, int] | None = None
+    ) -> dict[str, Any]:
         """The memory.json content: prediction (tensor memory, i.e. without the runtime overhead, which no
-        allocator counter sees), measured peak, error, breakdowns."""
+        allocator counter sees), measured peak, error, breakdowns.
+
+        ``predicted`` is the plan's (rows of ``data.max_seq_len`` tokens, the worst case); ``at_rows`` the
+        same plan predicted at the width the measured batches had (``rows``: (planned, measured) tokens), since
+        the trainer pads a micro-batch only to its longest row: ``error_at_measured_rows`` is the planner's
+        accuracy, ``error`` how far the plan's bound was from this run.
+        """
         pred = predicted.total - predicted.overhead
         meas = self.measured_peak_bytes
-        return {
+        at = pred if at_rows is None else at_rows.total - at_rows.overhead
+        rep: dict[str, Any] = {
             "device": self.device,
             "predicted": pred,
             "predicted_with_overhead": predicted.total,
             "measured_peak": meas,
             "steps_measured": self.steps,
             "error": (pred - meas) / meas if meas else None,
+            "predicted_at_measured_rows": at,
+            "error_at_measured_rows": (at - meas) / meas if meas else None,
             "predicted_by_category": predicted.to_dict(),
             "by_category": dict(self.by_category),
         }
+        if rows is not None:
+            rep["rows"] = {"planned": rows[0], "measured": rows[1]}
+        if at_rows is not None:
+            rep["predicted_at_measured_rows_by_category"] = at_rows.to_dict()
+        return rep
 
-    def summary_line(self, predicted: MemoryBreakdown) -> str:
-        """``memory: predicted X, measured Y (Z% off)``."""
-        rep = self.report(predicted)
+    def summary_line(
+        self, predicted: MemoryBreakdown, at_rows: MemoryBreakdown | None = None, rows: tuple[int, int] | None = None
+    ) -> str:
+        """``memory: predicted X, measured Y (Z% off)``, and the prediction at the measured rows' width when
+        the batches were narrower than planned."""
+        rep = self.report(predicted, at_rows, rows)
         err = rep["error"]
         off = f"{100 * err:+.1f}% off" if err is not None else "not measured"
-        return f"memory: predicted {fmt_bytes(rep['predicted'])}, measured {fmt_bytes(rep['measured_peak'])} ({off})"
+        line = f"memory: predicted {fmt_bytes(rep['predicted'])}, measured {fmt_bytes(rep['measured_peak'])} ({off})"
+        if rows is not None and at_rows is not None:
+            err = rep["error_at_measured_rows"]
+            off = f"{100 * err:+.1f}% off" if err is not None else "not measured"
+            line += (
+                f"; planned for {rows[0]}-token rows, these batches were at most {rows[1]} (padding to the longest):"
+                f" predicted {fmt_bytes(rep['predicted_at_measured_rows'])} at {rows[1]} tokens ({off})"
+            )
+        return line
 
-    def write(self, path: str | Path, predicted: MemoryBreakdown) -> dict[str, Any]:
+    def write(
+        self, path: str | Path, predicted: MemoryBreakdown, at_rows: MemoryBreakdown | None = None,
+        rows: tuple[int, int] | None = None,
+    ) -> dict[str, Any]:
         """Write :meth:`report` as JSON to ``path`` and return it."""
-        rep = self.report(predicted)
+        rep = self.report(predicted, at_rows, rows)
         Path(path).write_text(json.dumps(rep, indent=2) + "\n")
         return rep
 
