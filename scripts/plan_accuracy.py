@@ -52,6 +52,9 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama lora fp32 mb16", "llama", {"method": "lora", "precision": "fp32", "mbs": 16}, 1),
     ("llama qlora bf16 mb16", "llama", {"method": "qlora", "precision": "bf16", "mbs": 16}, 1),
     ("qwen2 full fp32 mb16", "qwen2", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
+    # GPT-2: Conv1D projections, tied head (issue 15)
+    ("gpt2 full fp32 mb16", "gpt2", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
+    ("gpt2 full bf16 mb16", "gpt2", {"method": "full", "precision": "bf16", "mbs": 16}, 1),
     ("gpt2 lora bf16 mb16", "gpt2", {"method": "lora", "precision": "bf16", "mbs": 16, "targets": ["c_attn"]}, 1),
     ("llama-64k vocab lora bf16 mb8", "llama-64k",
      {"method": "lora", "precision": "bf16", "mbs": 8, "seq": 256}, 1),

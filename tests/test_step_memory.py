@@ -81,3 +81,28 @@ def test_gpt2_bf16_step_uses_no_more_memory_than_plain_transformers(tmp_path: Pa
     assert ours["rows"]["measured"] < ours["rows"]["planned"] == SEQ, ours.get("rows")
     assert ours["predicted"] > ours["predicted_at_measured_rows"], ours
     assert abs(ours["error_at_measured_rows"]) < 0.03, ours
+
+
+def test_gpt2_fp32_plan_follows_the_trainer_on_full_rows(tmp_path: Path) -> None:
+    """Rows exactly max_seq_len wide (two 32-token documents each): the plan's worst case is what runs, and its
+    prediction for GPT-2 (Conv1D, tied head in the fused head+loss) is the measured peak within 3%."""
+    import random
+
+    model_dir = _gpt2_dir(tmp_path / "gpt2")
+    rng = random.Random(0)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": [rng.randrange(3, 256) for _ in range(SEQ // 2)]}) + "\n"
+                            for _ in range(8)))
+    out = tmp_path / "run"
+    recipe = tiny_recipe(
+        out,
+        model={"path": str(model_dir), "init": "random"},
+        data={"train": str(rows), "format": "tokenized", "max_seq_len": SEQ, "packing": True, "eval": None},
+        train={"max_steps": 2, "global_batch_size": BATCH, "micro_batch_size": BATCH, "lr": 1e-4},
+        precision="fp32",
+    )
+    assert launch(str(write_recipe(tmp_path / "r.yaml", recipe)), [], LaunchOptions(nproc=1, measure_memory=True)) == 0
+    ours = json.loads((out / "memory.json").read_text())
+    assert "rows" not in ours, ours["rows"]  # every batch as wide as planned
+    assert ours["predicted_at_measured_rows"] == ours["predicted"]
+    assert abs(ours["error"]) < 0.03, ours

@@ -13,8 +13,10 @@ and in the micro-batch size:
   first    the backward of the last decoder layer (its recomputation with checkpointing)
   last     the backward of layer 0 and of the embeddings (nearly every gradient exists)
 
-Each window's peak is traced at layers x micro-batch in {1, 2} x {1, 2} and extrapolated bilinearly, which
-is exact for a stack of identical layers; four small traces stand for any depth and batch.
+Each window's peak is traced at two layers and extrapolated linearly in depth, which is exact for a stack of
+identical layers. In the micro-batch it is linear from 2 on, but micro-batch 1 is off that line for some
+models (GPT-2's attention dropout under the math SDPA path keeps one more (1, heads, T, T) tensor per layer at
+micro-batch 1), so micro-batch 1 and 2 are traced as such and larger ones are extrapolated from 2 and 4.
 """
 
 from __future__ import annotations
@@ -94,11 +96,12 @@ class TraceResult:
 
 
 class ActivationProfile:
-    """Window peaks of a model at any depth and micro-batch, from two-layer traces at micro-batch 1 and 2.
+    """Window peaks of a model at any depth and micro-batch, from two-layer traces at micro-batch 1, 2 and 4.
 
     Depth: every extra layer adds its retained activations to the ``head`` and ``first`` windows and its
-    gradients to the ``last`` window. Micro-batch: linear between the two traces. The micro-batch-2 trace
-    is taken only when a larger micro-batch is asked for: at micro-batch 1 the first trace is the answer.
+    gradients to the ``last`` window. Micro-batch: micro-batch 1 and 2 are their own traces; larger ones lie
+    on the line through the traces at 2 and 4 (not through 1: see the module docstring). Traces are taken
+    only when asked for: at micro-batch 1 the first trace is the answer.
     """
 
     def __init__(self, points: dict[int, TraceResult], trace: Callable[[int], TraceResult] | None = None) -> None:
@@ -106,7 +109,7 @@ class ActivationProfile:
         self._trace = trace
 
     def point(self, batch: int) -> TraceResult:
-        """The trace at micro-batch ``batch`` (1 or 2), traced now if it was not yet."""
+        """The trace at micro-batch ``batch`` (1, 2 or 4), traced now if it was not yet."""
         if batch not in self.points:
             if self._trace is None:
                 raise KeyError(f"no trace at micro-batch {batch}")
@@ -115,14 +118,16 @@ class ActivationProfile:
 
     def at(self, layers: int, batch: int) -> dict[str, WindowPeaks]:
         """The window peaks extrapolated to ``layers`` decoder layers and micro-batch ``batch``."""
-        one = self._deepen(self.point(1), layers - TRACE_LAYERS)
-        two = self._deepen(self.point(2), layers - TRACE_LAYERS) if batch != 1 else one
+        if batch <= 2:
+            return self._deepen(self.point(batch), layers - TRACE_LAYERS)
+        two = self._deepen(self.point(2), layers - TRACE_LAYERS)
+        four = self._deepen(self.point(4), layers - TRACE_LAYERS)
         out: dict[str, WindowPeaks] = {}
         for w in WINDOWS:
             vals = {}
             for f in ("grads_and_acts", "grads_at_peak", "acts", "acts_no_copies"):
-                v1, v2 = getattr(one[w], f), getattr(two[w], f)
-                vals[f] = max(0, int(v1 + (batch - 1) * (v2 - v1)))
+                v2, v4 = getattr(two[w], f), getattr(four[w], f)
+                vals[f] = max(0, int(v2 + (batch - 2) * (v4 - v2) / 2))
             out[w] = WindowPeaks(**vals)
         return out
 
@@ -295,7 +300,7 @@ TRACE_VERSION = 7  # bump when what a trace records changes (or the traced loss)
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
-    """The activation profile of ``spec``: two decoder layers traced at micro-batch 1 (and 2 when needed).
+    """The activation profile of ``spec``: two decoder layers traced at micro-batch 1 (2 and 4 when needed).
 
     Each trace is cached in memory and on disk (``$FINETUNE_CACHE`` or ~/.cache/finetune/traces, keyed by
     the config, the spec, the micro-batch and the versions of torch, transformers and peft): planning the
