@@ -147,7 +147,8 @@ def candidate_memory(
     else:
         layers = inv.num_layers
         windows = profile.at(layers, s.micro_batch_size)
-        layer_grads = profile.point(1).layer_grads  # one layer's gradients in the traced dtype
+        # one layer's gradients in the traced dtype (any micro-batch's: at() has traced this one)
+        layer_grads = profile.point(min(s.micro_batch_size, 2)).layer_grads
 
         def at_peak(name: str, w: WindowPeaks) -> tuple[int, int, int]:
             acts = w.grads_and_acts - w.grads_at_peak
