@@ -124,57 +124,78 @@ class fused_head:
         del self.head.forward  # the class's forward again
 
 
+def _target_rows(targets: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the rows that have a target, or None to keep every row: when all have one (no copy
+    needed), and in the planner's fake-tensor trace, which has no values and plans the worst case.
+
+    One host sync on an accelerator (the number of rows); the trainer syncs once per micro-batch anyway.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(targets) or targets.device.type == "meta":
+        return None
+    index = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    return None if index.numel() == targets.numel() else index
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Summed fp32 cross-entropy of the logits ``h @ w.T`` (computed in ``dtype``) against ``targets``,
-    ``rows`` rows at a time. Only ``h``, ``w`` (no copies), the targets and one log-sum-exp per row are
-    kept; backward recomputes each chunk's logits and writes the gradients of ``h`` (and of ``w`` when it is
-    trained) chunk by chunk."""
+    ``rows`` rows at a time. Only the rows that have a target (not IGNORE_INDEX) go through the head: with a
+    completion-only loss most rows are prompt tokens, whose logits would cost the head's matmul three times
+    (forward, recomputation, gradient) for nothing. Only those rows of ``h``, ``w`` (no copy), their targets
+    and one log-sum-exp per row are kept; backward recomputes each chunk's logits and writes the gradients
+    of ``h`` (zero on the rows without a target) and of ``w`` when it is trained, chunk by chunk."""
 
     @staticmethod
     def forward(
         ctx: Any, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, rows: int, dtype: torch.dtype
     ) -> torch.Tensor:
+        index = _target_rows(targets)
+        hk, yk = (h, targets) if index is None else (h.index_select(0, index), targets.index_select(0, index))
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        lse = torch.empty(hk.shape[0], dtype=torch.float32, device=h.device)
         wc = w.to(dtype)
-        for start in range(0, h.shape[0], rows):
-            z = torch.nn.functional.linear(h[start : start + rows].to(dtype), wc).float()
-            y = targets[start : start + rows]
-            keep = y != IGNORE_INDEX
+        for start in range(0, hk.shape[0], rows):
+            z = torch.nn.functional.linear(hk[start : start + rows].to(dtype), wc).float()
+            y = yk[start : start + rows]
+            keep = y != IGNORE_INDEX  # all True unless every row was kept (no selection)
             picked = z.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
             lse[start : start + rows] = torch.logsumexp(z, dim=-1)
             total = total + torch.where(keep, lse[start : start + rows] - picked, 0.0).sum()
             del z
-        ctx.save_for_backward(h, w, targets, lse)
-        ctx.rows, ctx.dtype = rows, dtype
+        ctx.save_for_backward(hk, w, yk, lse, index)
+        ctx.rows, ctx.dtype, ctx.h_shape, ctx.all_rows = rows, dtype, h.shape, index is None
         return total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        h, w, targets, lse = ctx.saved_tensors
+        hk, w, yk, lse, index = ctx.saved_tensors
         dtype, rows = ctx.dtype, ctx.rows
         wc = w.to(dtype)
-        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_hk = torch.empty_like(hk) if ctx.needs_input_grad[0] else None
         # The head's gradient is accumulated in fp32 over chunks (a 16-bit sum of many chunks would round).
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-        for start in range(0, h.shape[0], rows):
+        for start in range(0, hk.shape[0], rows):
             end = start + rows
-            hc = h[start:end].to(dtype)
+            hc = hk[start:end].to(dtype)
             p = torch.nn.functional.linear(hc, wc)
             p = p.float() if p.dtype != torch.float32 else p  # a fresh tensor either way: edited in place
             p = p.sub_(lse[start:end].unsqueeze(1)).exp_()  # softmax, from the forward's log-sum-exp
-            y = targets[start:end]
+            y = yk[start:end]
             keep = (y != IGNORE_INDEX).unsqueeze(1)
             p.scatter_add_(1, y.clamp(min=0).unsqueeze(1), keep.to(p.dtype).neg())
             g = p.mul_(grad).masked_fill_(~keep, 0.0)  # d loss / d logits; ignored rows exactly 0
             del p
-            if grad_h is not None:
-                grad_h[start:end] = g.to(dtype) @ wc
+            if grad_hk is not None:
+                grad_hk[start:end] = g.to(dtype) @ wc
             if grad_w is not None:
                 if dtype == torch.float32:
                     grad_w.addmm_(g.t(), hc)
                 else:
                     grad_w.add_(g.to(dtype).t() @ hc)
+        grad_h = grad_hk
+        if grad_hk is not None and not ctx.all_rows:
+            grad_h = grad_hk.new_zeros(ctx.h_shape).index_copy_(0, index, grad_hk)
         if grad_w is not None:
             grad_w = grad_w.to(w.dtype)
         return grad_h, grad_w, None, None, None

@@ -109,6 +109,31 @@ def test_fused_never_holds_the_logits(monkeypatch):
     assert fused < logits and fused * 2 <= chunked
 
 
+def test_fused_head_runs_only_the_rows_with_a_target():
+    """A completion-only batch: 7 of 300 rows have a target. The frozen head's three matmuls (forward,
+    recomputation, gradient of the hidden rows) run on those 7 rows only, counted by torch's FLOP counter;
+    the loss and gradient still equal the logits of every row followed by the chunked loss."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    n, hidden, vocab, kept = 300, 16, 64, 7
+    h = torch.randn(n, hidden).requires_grad_()
+    w = torch.randn(vocab, hidden) / 4
+    y = torch.full((n,), IGNORE_INDEX)
+    y[torch.randperm(n)[:kept]] = torch.randint(0, vocab, (kept,))
+    with FlopCounterMode(display=False) as counter:
+        loss = loss_mod._FusedLinearCrossEntropy.apply(h, w, y, 4, torch.float32)
+        loss.backward()
+    assert counter.get_total_flops() == 3 * 2 * kept * hidden * vocab  # all 300 rows: 43 times more
+    got = h.grad.clone()
+    h.grad = None
+    ref = _ChunkedCrossEntropy.apply(F.linear(h, w), y, 4)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    torch.testing.assert_close(got, h.grad, rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(got.abs().sum(1)) == kept
+
+
 def _tiny_model(tied: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
