@@ -1,9 +1,13 @@
 """finetune against TRL's SFTTrainer + peft: the same LoRA job, tokens per second, peak memory, final loss.
 
 Each tool runs in its own process, one after the other, ``--repeats`` times (alternating), on the same
-model (SmolLM2-135M-Instruct, `python scripts/get_smollm2.py`), data (recipes/data/extract-json, chat,
-loss on the assistant turn only), LoRA config (r 8, alpha 16, q/k/v/o), batch, sequence length, precision,
-optimizer (AdamW, lr, cosine schedule, warmup, clipping) and number of steps. Figures:
+model (SmolLM2-135M-Instruct, `python scripts/get_smollm2.py`), LoRA config (r 8, alpha 16, q/k/v/o) and
+initial adapters (finetune's per-name draw), batch, sequence length, precision, optimizer (AdamW, lr, cosine
+schedule without warmup, clipping) and number of steps, and on the same data in the same order: TRL gets
+finetune's tokenized samples (recipes/data/extract-json, chat, labels on the assistant turn only) in the order
+of finetune's first epoch, read sequentially, so without packing both see the same batches and their losses
+agree step by step. ``--packing``: both pack (finetune's best-fit rows, TRL's BFD padding-free rows); the
+batches then differ, so only tokens/s and memory compare. Figures:
 
 - tokens/s: real input tokens (padding excluded) of steps 2..N over their wall time (step 1 is warm-up);
 - peak memory: the highest anonymous resident memory (RssAnon: the process's own heap, not the memory-
@@ -11,7 +15,7 @@ optimizer (AdamW, lr, cosine schedule, warmup, clipping) and number of steps. Fi
   both tools;
 - final loss: the mean of the last 3 steps' token-mean training losses.
 
-    python scripts/bench_peers.py [--steps 8] [--batch 8] [--repeats 2] [--json]
+    python scripts/bench_peers.py [--steps 16] [--batch 8] [--repeats 2] [--packing] [--json]
 
 Needs `pip install -e '.[bench]'` (trl). CPU, fp32 by default; on a GPU, --precision bf16.
 """
@@ -42,27 +46,28 @@ def job(args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "max_len": args.max_len,
         "lr": 1e-3,
-        "warmup": 2,
+        "warmup": 0,  # transformers' warmup starts at lr 0, finetune's at lr/warmup: none keeps them equal
         "precision": args.precision,
         "r": 8,
         "alpha": 16,
         "targets": TARGETS,
         "seed": 0,
+        "packing": args.packing,
     }
 
 
 # -- the children ----------------------------------------------------------------------------------------
 
 
-def run_finetune(j: dict, out: Path) -> dict:
-    """`finetune run` on a recipe equivalent to the job (through the real CLI, in this process)."""
+def write_recipe(j: dict, out: Path) -> Path:
+    """finetune's recipe for the job; the TRL child reads its samples through it too."""
     import yaml
 
     recipe = {
         "model": {"path": j["model"], "init": "pretrained"},
         "method": "lora",
         "lora": {"r": j["r"], "alpha": j["alpha"], "dropout": 0.0, "target_modules": j["targets"]},
-        "data": {"train": j["data"], "format": "chat", "max_seq_len": j["max_len"]},
+        "data": {"train": j["data"], "format": "chat", "max_seq_len": j["max_len"], "packing": j["packing"]},
         "train": {
             "max_steps": j["steps"],
             "global_batch_size": j["batch"],
@@ -81,6 +86,12 @@ def run_finetune(j: dict, out: Path) -> dict:
     }
     path = out / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run_finetune(j: dict, out: Path) -> dict:
+    """`finetune run` on a recipe equivalent to the job (through the real CLI, in this process)."""
+    path = write_recipe(j, out)
     sys.argv = ["finetune", "run", str(path)]
     from finetune.cli import main
 
@@ -97,16 +108,31 @@ def run_finetune(j: dict, out: Path) -> dict:
     return {"losses": [r["loss"] for r in rows], "tokens": tokens, "seconds": seconds}
 
 
+def finetune_samples(j: dict, out: Path) -> list[dict]:
+    """The job's samples as finetune tokenizes them (ids, and labels -100 off the assistant turn), in the order
+    finetune's first epoch visits them: given to TRL pre-tokenized and read in order, both tools train on the
+    same tokens, the same loss tokens and (unpacked) the same batches."""
+    from finetune.launch import prepare
+    from finetune.train.data import BatchStream, load_data
+    from finetune.train.model import load_tokenizer
+
+    loaded = prepare(str(write_recipe({**j, "packing": False}, out)), [])
+    tok = load_tokenizer(loaded)
+    samples = load_data(loaded, tok).train
+    order = BatchStream(samples, j["batch"], j["seed"], tok.pad_token_id).order(0)
+    return [{"input_ids": samples[i].input_ids, "labels": samples[i].labels} for i in order]
+
+
 def run_trl(j: dict, out: Path) -> dict:
-    """TRL's SFTTrainer with a peft LoraConfig, prompt-completion data (loss on the completion only)."""
+    """TRL's SFTTrainer with a peft LoraConfig on finetune's tokenized samples (loss on the assistant turn
+    only), in finetune's order (sequential sampler)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    rows = [json.loads(x) for x in Path(j["data"]).read_text().splitlines()]
-    data = Dataset.from_list([{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows])
+    data = Dataset.from_list(finetune_samples(j, out))
     dtype = torch.float32 if j["precision"] == "fp32" else torch.bfloat16
     tok = AutoTokenizer.from_pretrained(j["model"])
     model = AutoModelForCausalLM.from_pretrained(
@@ -123,8 +149,8 @@ def run_trl(j: dict, out: Path) -> dict:
         max_grad_norm=1.0,
         weight_decay=0.0,
         max_length=j["max_len"],
-        completion_only_loss=True,
-        packing=False,
+        packing=j["packing"],
+        train_sampling_strategy="sequential",
         gradient_checkpointing=False,  # finetune's plan has it off for this job
         bf16=j["precision"] == "bf16",
         use_cpu=not torch.cuda.is_available(),
@@ -153,6 +179,11 @@ def run_trl(j: dict, out: Path) -> dict:
                 logged.append(dict(logs))
 
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tok, peft_config=lora)
+    # The same initial adapters as finetune's (peft's distributions, drawn per parameter name; see
+    # finetune.train.model.init_adapters): the two runs then start from the same weights.
+    from finetune.train.model import init_adapters
+
+    init_adapters(trainer.model, j["seed"])
     trainer.add_callback(Clock())
     trainer.train()
     seconds = [times[i + 1] - times[i] for i in range(0, len(times) - 1, 2)]
@@ -215,15 +246,17 @@ def measure(tool: str, j: dict, workdir: Path) -> dict:
         "final_loss": sum(losses[-3:]) / len(losses[-3:]),
         "steps": len(losses),
         "tokens": sum(res["tokens"]),
+        "losses": losses,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--packing", action="store_true", help="both tools pack samples into max-len rows")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--model", type=Path, default=None, help="default: the get_smollm2.py directory")
     ap.add_argument("--tools", default="finetune,trl")
