@@ -8,6 +8,10 @@ torch's MemTracker, time is the best of a few repeats. The loss and gradients of
 first row's.
 
     python scripts/bench_loss.py [--tokens 4096] [--vocab 128256] [--hidden 512] [--dtype bf16|fp32] [--train-head]
+                                 [--targets 0.75]
+
+The fused loss sends only the target rows through the head: ``--targets 0.25`` (a chat batch's completion
+tokens) shows what skipping the prompt rows saves in time.
 """
 
 from __future__ import annotations
@@ -76,6 +80,12 @@ def main() -> None:
     )
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--train-head", action="store_true", help="the head is trained too (full fine-tuning)")
+    ap.add_argument(
+        "--targets",
+        type=float,
+        default=0.75,
+        help="fraction of the rows that are targets (the rest: a prompt; the fused loss skips their rows)",
+    )
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -83,10 +93,11 @@ def main() -> None:
     h = torch.randn(args.tokens, args.hidden).to(dtype)
     w = (torch.randn(args.vocab, args.hidden) / args.hidden**0.5).to(dtype).requires_grad_(args.train_head)
     targets = torch.randint(0, args.vocab, (args.tokens,))
-    targets[: args.tokens // 4] = IGNORE_INDEX  # a prompt whose tokens are not targets
+    targets[: round(args.tokens * (1 - args.targets))] = IGNORE_INDEX  # a prompt whose tokens are not targets
     logit_bytes = args.tokens * args.vocab * h.element_size()
     print(
-        f"{args.tokens} tokens x {args.vocab} vocabulary, hidden {args.hidden}, {args.dtype}; logits would be "
+        f"{args.tokens} tokens ({args.targets:.0%} targets) x {args.vocab} vocabulary, hidden {args.hidden}, "
+        f"{args.dtype}; logits would be "
         f"{logit_bytes / 2**20:.0f} MiB; peak tensor memory of head + loss + backward, inputs included"
     )
     rows = {}
