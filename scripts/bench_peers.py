@@ -311,7 +311,8 @@ def main() -> None:
         print(json.dumps(summary, indent=2))
         return
     print(
-        f"\nSmolLM2-135M LoRA r8 q/k/v/o, {args.precision}, batch {args.batch} x <= {args.max_len} tokens, "
+        f"\nSmolLM2-135M LoRA r8 q/k/v/o, {args.precision}, batch {args.batch} x <= {args.max_len} tokens "
+        f"({'packed: each tool its own batches' if args.packing else 'padded: the same batches'}), "
         f"{args.steps} steps; best of {args.repeats} (tokens/s: highest, memory: lowest)"
     )
     print(f"{'':14s}{'tokens/s':>12s}{'peak RssAnon':>16s}{'final loss':>12s}")
