@@ -19,8 +19,15 @@ pytestmark = pytest.mark.dist
 
 def _micro(d: Path, tied: bool) -> Path:
     return micro_model_dir(
-        d, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, tie_word_embeddings=tied, vocab_size=263,  # 263: uneven shards
+        d,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=tied,
+        vocab_size=263,  # 263: uneven shards
     )
 
 
@@ -43,24 +50,70 @@ def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) 
     from finetune.recipe import load_recipe
     from finetune.spec import execution_spec
     from finetune.train.distributed import DistContext
-    from finetune.train.load import build_on_meta, materialize
+    from finetune.train.load import build_on_meta, loads_sharded, materialize
+    from finetune.train.model import build_model
     from finetune.train.parallel import parallelize
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     ctx = DistContext(rank, 2, rank, torch.device("cpu"))
     for recipe, out, method, precision, _ in cases:
         loaded = load_recipe(recipe)
-        spec = execution_spec(method, "fsdp", precision, checkpointing=False, world_size=2)
+        r = loaded.recipe
+        spec = execution_spec(
+            method,
+            "fsdp",
+            precision,
+            checkpointing=False,
+            world_size=2,
+            quantization=r.quantization,
+            lora=r.lora,
+            prefix=r.prefix,
+            adapter=r.adapter,
+        )
+        assert loads_sharded(spec, 2)
         model = parallelize(build_on_meta(loaded, spec), spec, ctx)
         materialize(model, loaded, spec, ctx.device)
-        full = {
-            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()
-        }
-        shared = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        result = {"full": _gathered(model)}
+        result["tied"] = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        if method == "qlora":  # against the whole-model load (transformers' quantizing loader), sharded after
+            old = parallelize(build_model(loaded, spec, ctx.device), spec, ctx)
+            result["old"] = _gathered(old)
+            result["quant_state"] = _quant_states(model)
+            result["old_quant_state"] = _quant_states(old)
+            ids = torch.arange(2 * 24).reshape(2, 24) % 250 + 3
+            result["loss"] = _loss(model, ids)
+            result["old_loss"] = _loss(old, ids)
         if rank == 0:
-            torch.save({"full": full, "tied": shared}, Path(out) / "gathered.pt")
+            torch.save(result, Path(out) / "gathered.pt")
     dist.destroy_process_group()
+
+
+def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _quant_states(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every Linear4bit's quantization constants (absmax, and the double quantization's)."""
+    out = {}
+    for name, m in model.named_modules():
+        qs = getattr(m, "quant_state", None)
+        if qs is not None:
+            for k, v in qs.as_dict(packed=True).items():
+                out[f"{name}.{k}"] = v.clone()
+    return out
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes: 4-bit codes packed into bf16 can read as NaN, which torch.equal never finds equal."""
+    return t.contiguous().view(torch.uint8)
 
 
 def _seeded(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -86,6 +139,8 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
     for model_dir, method, init, precision in (
         (random_dir, "full", "random", "fp32"),
         (tied_dir, "lora", "pretrained", "bf16"),
+        (tied_dir, "qlora", "pretrained", "bf16"),
+        (random_dir, "qlora", "random", "bf16"),
     ):
         out = tmp_path / f"{method}-{init}-{precision}"
         out.mkdir()
@@ -116,3 +171,22 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
     assert set(on_disk) == {
         n.removeprefix(prefix).replace(".base_layer.", ".") for n in got if ".lora_" not in n
     }
+
+    # QLoRA: each rank quantized one weight at a time and kept its slice of the codes; gathered, codes, the
+    # quantization constants and the loss equal the whole-model quantizing load's, sharded afterwards.
+    for case in cases[2:]:
+        res = torch.load(Path(case[1]) / "gathered.pt", weights_only=False)
+        assert res["full"].keys() == res["old"].keys()
+        codes = [
+            n
+            for n, t in res["full"].items()
+            if t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] == 1
+        ]
+        assert len(codes) == 2 * 7, codes  # 2 blocks x (q, k, v, o, gate, up, down)
+        for name, t in res["full"].items():
+            assert torch.equal(_bits(t), _bits(res["old"][name])), name
+        assert res["quant_state"].keys() == res["old_quant_state"].keys() and res["quant_state"]
+        for name, t in res["quant_state"].items():
+            assert torch.equal(t, res["old_quant_state"][name]), name
+        assert abs(res["loss"] - res["old_loss"]) <= 1e-6, (res["loss"], res["old_loss"])
+        assert res["tied"] == (case[4] == "pretrained")

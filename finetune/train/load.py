@@ -48,7 +48,9 @@ def loads_sharded(spec: ExecSpec, world_size: int) -> bool:
     initialised from the built model (DoRA's magnitudes are the base weights' norms), which the meta device
     does not have.
     """
-    if not (spec.strategy.uses_fsdp and world_size > 1 and spec.quant is None):
+    if not (spec.strategy.uses_fsdp and world_size > 1):
+        return False
+    if spec.quant is not None and not (spec.quant.bits == 4 and spec.quant.shardable):
         return False
     a = spec.adapter
     return a is None or (a.kind == "lora" and not a.use_dora)
@@ -73,6 +75,10 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
         )
     # Outside the context, whose register_parameter would give the tied head a fresh meta parameter again.
     model.tie_weights()
+    if spec.quant is not None:
+        from finetune.train.quantize import quantize_on_meta
+
+        quantize_on_meta(model, loaded, spec)
     model = add_adapters(model, loaded, spec)
     model.config.use_cache = False
     return model
@@ -97,6 +103,7 @@ def materialize(
             b.copy_(buffers[name])
     r = loaded.recipe
     targets = base_targets(model)
+    quantized = quantized_targets(model, targets)
     if r.model.init == "random":
         seeded = _seeded_model(loaded, spec)
         if base_dir is not None:
@@ -105,11 +112,92 @@ def materialize(
         with torch.no_grad():
             for key, dest in targets.items():
                 copy_slice(dest, source.pop(key))
+            for key, (module, conv1d) in quantized.items():
+                _quantize_into(module, source.pop(key), spec, conv1d)
         del seeded, source
     else:
-        load_pretrained_shards(targets, Path(resolve_model_path(loaded)))
+        path = Path(resolve_model_path(loaded))
+        load_pretrained_shards(targets, path)
+        if quantized:
+            with torch.no_grad(), _CheckpointTensors(path) as files:
+                for key, (module, conv1d) in quantized.items():
+                    _quantize_into(module, files.get(key), spec, conv1d)
+    if spec.quant is not None:
+        from finetune.train.quantize import disable_cpu_packed_inference
+
+        disable_cpu_packed_inference(model)
     if spec.adapter is not None:
         init_adapters(model, r.train.seed, gaussian=spec.adapter.init == "gaussian")
+
+
+def quantized_targets(
+    model: torch.nn.Module, targets: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.nn.Module, bool]]:
+    """The 4-bit weights among ``targets`` (taken out of it), each with its ``Linear4bit`` module and whether
+    the checkpoint stores it transposed (GPT-2's Conv1D); empty for a model without quantized weights."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return {}
+    import bitsandbytes as bnb
+    from transformers.pytorch_utils import Conv1D
+
+    out: dict[str, tuple[torch.nn.Module, bool]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            key = _checkpoint_key(f"{name}.weight")
+            targets.pop(key)
+            out[key] = (module, issubclass(getattr(module, "source_cls", torch.nn.Linear), Conv1D))
+    return out
+
+
+def _quantize_into(module: torch.nn.Module, full: torch.Tensor, spec: ExecSpec, conv1d: bool) -> None:
+    """Quantize one whole checkpoint weight, keep this rank's slice of its codes and the whole quantization
+    state (which every rank needs when FSDP has gathered the codes for a forward)."""
+    from finetune.train.quantize import quantize_weight
+
+    assert spec.quant is not None
+    device = module.weight.device
+    packed, state = quantize_weight(full, spec.quant, conv1d)
+    copy_slice(module.weight.detach(), packed.to(device))
+    state.to(device)  # in place
+    module.quant_state = state
+
+
+class _CheckpointTensors:
+    """Whole tensors read one at a time from a safetensors directory (memory-mapped, by their file)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.handles: dict[str, object] = {}
+        self.where: dict[str, str] = {}
+
+    def __enter__(self) -> _CheckpointTensors:
+        from safetensors import safe_open
+
+        from finetune.safetensors_stream import SAFE_INDEX
+
+        if (self.path / SAFE_INDEX).is_file():
+            self.where = json.loads((self.path / SAFE_INDEX).read_text())["weight_map"]
+        else:
+            for f in sorted(self.path.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as st:
+                    self.where.update(dict.fromkeys(st.keys(), f.name))
+        for name in sorted(set(self.where.values())):
+            self.handles[name] = safe_open(str(self.path / name), framework="pt")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handles.clear()
+
+    def get(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` (or its unprefixed name in an older checkpoint)."""
+        found = key if key in self.where else _unprefixed(key, set(self.where))
+        if found is None:
+            raise UserError(
+                f"model.path: {self.path} has no tensor {key}; is it a checkpoint of this architecture?"
+            )
+        return self.handles[self.where[found]].get_tensor(found)  # type: ignore[attr-defined]
 
 
 def _seeded_model(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
@@ -122,9 +210,11 @@ def _seeded_model(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
         path, trust_remote_code=r.model.trust_remote_code, local_files_only=True
     )
     torch.manual_seed(r.train.seed)
+    # QLoRA quantizes the seeded fp32 weights (finetune.train.quantize.load_quantized saves them in fp32).
+    dtype = torch.float32 if spec.quant is not None else torch_dtype(spec.base_dtype(False))
     return AutoModelForCausalLM.from_config(
         config,
-        dtype=torch_dtype(spec.base_dtype(False)),
+        dtype=dtype,
         trust_remote_code=r.model.trust_remote_code,
         attn_implementation=r.model.attn_implementation,
     )
@@ -142,13 +232,18 @@ def base_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, t in model.state_dict(keep_vars=True).items():
         if ".lora_" in name:
             continue
-        key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        key = _checkpoint_key(name)
         p = params.get(name, t)
         if id(p) in seen:
             continue
         seen.add(id(p))
         out[key] = t.detach()
     return out
+
+
+def _checkpoint_key(name: str) -> str:
+    """A peft model's ``base_model.model.X.base_layer.weight`` is ``X.weight`` in the checkpoint."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def checkpoint_keys(path: Path) -> set[str]:

@@ -23,12 +23,11 @@ if TYPE_CHECKING:
     from transformers import BitsAndBytesConfig
 
     from finetune.recipe import LoadedRecipe, QuantizationConfig, Recipe
-    from finetune.spec import ExecSpec
+    from finetune.spec import ExecSpec, QuantSpec
 from finetune.units import torch_dtype
 
 #: Values per quantization block (bitsandbytes' and transformers' default for 4-bit weights).
 BLOCKSIZE_4BIT = 64
-
 
 
 def bnb_config(
@@ -62,7 +61,9 @@ def build_random_base(loaded: LoadedRecipe, path: str) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     r = loaded.recipe
-    config = AutoConfig.from_pretrained(path, trust_remote_code=r.model.trust_remote_code, local_files_only=True)
+    config = AutoConfig.from_pretrained(
+        path, trust_remote_code=r.model.trust_remote_code, local_files_only=True
+    )
     torch.manual_seed(r.train.seed)
     return AutoModelForCausalLM.from_config(
         config,
@@ -199,3 +200,65 @@ def dequantized_weight(
         deq = codes.float() * (row_absmax.float().unsqueeze(1) / 127.0)
     deq = deq.float()
     return deq.t().contiguous() if conv1d else deq
+
+
+def quantize_on_meta(model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpec) -> dict[str, bool]:
+    """Swap ``model``'s quantizable linears (on meta) for bitsandbytes ``Linear4bit`` whose weights are packed
+    4-bit codes on meta, shaped and typed as the quantizing loader stores them; returns the swapped modules'
+    names, each mapped to "is a GPT-2 Conv1D" (whose checkpoint weight is the transpose of what is quantized).
+
+    transformers' own ``replace_with_bnb_linear`` picks the modules and builds them, so the set and the
+    modules' settings are those of ``from_pretrained(quantization_config=...)``. The weights are then given
+    the packed shape, ``[ceil(n / per element), 1]`` in the storage dtype, so that ``fully_shard`` shards the
+    codes as it does those of a loaded model; :func:`quantize_weight` fills them.
+    """
+    import bitsandbytes as bnb
+    import torch
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+
+    assert spec.quant is not None and spec.quant.bits == 4, "only 4-bit weights are quantized on meta"
+    storage = torch_dtype(spec.quant.storage_dtype)
+    config = bnb_config(loaded.recipe, torch_dtype(spec.quant.compute_dtype), storage)
+    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
+    replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=config)
+    out: dict[str, bool] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        w = module.weight
+        n = w.numel()
+        packed = torch.empty(((n + 1) // (storage.itemsize * 2), 1), dtype=storage, device="meta")
+        module.weight = bnb.nn.Params4bit(
+            packed,
+            requires_grad=False,
+            blocksize=w.blocksize,
+            compress_statistics=w.compress_statistics,
+            quant_type=w.quant_type,
+            quant_storage=storage,
+            module=module,
+            bnb_quantized=True,
+        )
+        out[name] = issubclass(module.source_cls, Conv1D)
+    # What transformers' quantizer marks after loading; peft's LoRA reads it to wrap Linear4bit layers.
+    model.is_loaded_in_4bit = True
+    return out
+
+
+def quantize_weight(weight: torch.Tensor, q: QuantSpec, conv1d: bool = False) -> tuple[torch.Tensor, Any]:
+    """The packed 4-bit codes and bitsandbytes ``QuantState`` of one checkpoint weight, exactly as the
+    quantizing loader computes them: cast to the compute dtype, transposed for a GPT-2 Conv1D, quantized in
+    blocks of 64 with the spec's quant_type / double quantization, packed into the storage dtype."""
+    import bitsandbytes.functional as bnbf
+
+    w = weight.to(torch_dtype(q.compute_dtype))
+    if conv1d:
+        w = w.t()
+    return bnbf.quantize_4bit(
+        w.contiguous(),
+        blocksize=BLOCKSIZE_4BIT,
+        compress_statistics=q.double_quant,
+        quant_type=q.quant_type,
+        quant_storage=torch_dtype(q.storage_dtype),
+    )
