@@ -75,7 +75,9 @@ class ShardWriter:
         self.total = offset
         self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
         self.file.write(len(raw).to_bytes(8, "little") + raw)
+        self.data_start = 8 + len(raw)
         self.next = 0
+        self.written: set[str] = set()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append ``name``; tensors must come in the order of the specs."""
@@ -87,6 +89,22 @@ class ShardWriter:
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         self.file.write(memoryview(data))
         self.next += 1
+
+    def write_at(self, name: str, tensor: torch.Tensor) -> None:
+        """Write ``name`` at its place in the file, in any order (each once; :meth:`close_any_order` after)."""
+        import torch
+
+        shape, dtype, offset = self.expected[name]
+        assert list(tensor.shape) == shape and tensor.dtype == dtype, f"{name}: {tensor.shape} {tensor.dtype}"
+        assert name not in self.written, f"{name} written twice"
+        self.file.seek(self.data_start + offset)
+        self.file.write(memoryview(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
+        self.written.add(name)
+
+    def close_any_order(self) -> None:
+        """Finish a file written by :meth:`write_at` (every tensor must have been written)."""
+        self.file.close()
+        assert self.written == set(self.order), "shard closed before every tensor was written"
 
     def close(self) -> None:
         """Finish the file (every tensor must have been written)."""

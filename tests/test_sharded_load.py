@@ -72,7 +72,9 @@ def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) 
         )
         assert loads_sharded(spec, 2)
         model = parallelize(build_on_meta(loaded, spec), spec, ctx)
-        materialize(model, loaded, spec, ctx.device)
+        # Rank 0 of an adapter run from a random init writes the seeded base, tensor by tensor, as the trainer does.
+        keep_base = rank == 0 and method != "full" and loaded.recipe.model.init == "random"
+        materialize(model, loaded, spec, ctx.device, Path(out) / "base" if keep_base else None)
         result = {"full": _gathered(model)}
         result["tied"] = model.get_input_embeddings().weight is model.get_output_embeddings().weight
         if method == "qlora":  # against the whole-model load (transformers' quantizing loader), sharded after
@@ -126,8 +128,10 @@ def _seeded(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> None:
     """One pair of processes loads (a) a full fine-tune from a seeded random init, which must equal today's
-    seeded init bit for bit, and (b) a bf16 LoRA base from a pretrained fp32 checkpoint with tied embeddings,
-    which must equal the file cast to bf16, stay tied, and get peft's initial adapters."""
+    seeded init bit for bit (fp32 untied, bf16 tied), (b) a bf16 LoRA base from a pretrained fp32 checkpoint
+    with tied embeddings, which must equal the file cast to bf16, stay tied, and get peft's initial adapters,
+    and (c) QLoRA from that checkpoint and from a random init: the codes, quantization constants and loss of
+    the whole-model quantizing load, and the seeded fp32 base written to ``base/``."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -139,10 +143,11 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
     for model_dir, method, init, precision in (
         (random_dir, "full", "random", "fp32"),
         (tied_dir, "lora", "pretrained", "bf16"),
+        (tied_dir, "full", "random", "bf16-pure"),
         (tied_dir, "qlora", "pretrained", "bf16"),
         (random_dir, "qlora", "random", "bf16"),
     ):
-        out = tmp_path / f"{method}-{init}-{precision}"
+        out = tmp_path / f"{method}-{init}-{precision}-{model_dir.name}"
         out.mkdir()
         cases.append(
             (str(_write(model_dir, out, method, init, precision)), str(out), method, precision, init)
@@ -154,6 +159,19 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    # Tied and bf16: drawn one tensor at a time, the embedding is the seeded one and the head is that parameter.
+    res = torch.load(Path(cases[2][1]) / "gathered.pt", weights_only=True)
+    want = _seeded(tied_dir, torch.bfloat16)
+    assert res["tied"] and res["full"].keys() == want.keys()
+    for k in want:
+        assert torch.equal(res["full"][k], want[k]), k
+    # The QLoRA run from a random init left the fp32 seeded base on rank 0, as the whole-model path saves it.
+    base = load_file(str(Path(cases[4][1]) / "base" / "model.safetensors"))
+    want = _seeded(random_dir, torch.float32)
+    assert base.keys() == want.keys()
+    for k in want:
+        assert torch.equal(base[k], want[k]), k
+    assert AutoConfig.from_pretrained(Path(cases[4][1]) / "base").hidden_size == 64
 
     on_disk = load_file(str(tied_dir / "model.safetensors"))
     assert "lm_head.weight" not in on_disk  # tied: saved once
@@ -174,7 +192,7 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
 
     # QLoRA: each rank quantized one weight at a time and kept its slice of the codes; gathered, codes, the
     # quantization constants and the loss equal the whole-model quantizing load's, sharded afterwards.
-    for case in cases[2:]:
+    for case in cases[3:]:
         res = torch.load(Path(case[1]) / "gathered.pt", weights_only=False)
         assert res["full"].keys() == res["old"].keys()
         codes = [

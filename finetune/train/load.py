@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,16 +106,7 @@ def materialize(
     targets = base_targets(model)
     quantized = quantized_targets(model, targets)
     if r.model.init == "random":
-        seeded = _seeded_model(loaded, spec)
-        if base_dir is not None:
-            save_pretrained_base(seeded, base_dir)
-        source = seeded.state_dict()
-        with torch.no_grad():
-            for key, dest in targets.items():
-                copy_slice(dest, source.pop(key))
-            for key, (module, conv1d) in quantized.items():
-                _quantize_into(module, source.pop(key), spec, conv1d)
-        del seeded, source
+        fill_seeded(targets, quantized, loaded, spec, base_dir)
     else:
         path = Path(resolve_model_path(loaded))
         load_pretrained_shards(targets, path)
@@ -128,6 +120,64 @@ def materialize(
         disable_cpu_packed_inference(model)
     if spec.adapter is not None:
         init_adapters(model, r.train.seed, gaussian=spec.adapter.init == "gaussian")
+
+
+def fill_seeded(
+    targets: dict[str, torch.Tensor],
+    quantized: dict[str, tuple[torch.nn.Module, bool]],
+    loaded: LoadedRecipe,
+    spec: ExecSpec,
+    base_dir: Path | None,
+) -> None:
+    """Fill ``targets`` (and quantize ``quantized``) with today's seeded random init, drawn one tensor at a time
+    (finetune.train.seeded); ``base_dir``: rank 0 of an adapter run also writes the seeded base there, tensor
+    by tensor. A model whose init cannot be replayed that way is built whole, as before."""
+    from finetune.train.seeded import NotReplayable, replay_seeded_init
+
+    r = loaded.recipe
+    config, dtype, kwargs = _seeded_args(loaded, spec)
+    writer: list = []
+
+    def start_base(meta: torch.nn.Module) -> None:
+        if base_dir is None:
+            return
+        from finetune.safetensors_stream import SAFE_SINGLE, ShardWriter
+
+        base_dir.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(base_dir)
+        specs = [
+            (n, list(p.shape), p.dtype) for n, p in meta.named_parameters() if n in targets or n in quantized
+        ]
+        writer.append(ShardWriter(base_dir / SAFE_SINGLE, specs))
+
+    def keep(name: str, full: torch.Tensor) -> None:
+        if name in quantized:
+            module, conv1d = quantized[name]
+            _quantize_into(module, full, spec, conv1d)
+        elif name in targets:
+            copy_slice(targets[name], full)
+        else:
+            return  # a tied head: tying discards its own draw
+        if writer:
+            writer[0].write_at(name, full)
+
+    try:
+        with torch.no_grad():
+            replay_seeded_init(config, dtype, r.train.seed, keep, on_built=start_base, **kwargs)
+        if writer:
+            writer[0].close_any_order()
+        return
+    except NotReplayable:
+        pass
+    seeded = _seeded_model(loaded, spec)
+    if base_dir is not None:
+        save_pretrained_base(seeded, base_dir)
+    source = seeded.state_dict()
+    with torch.no_grad():
+        for key, dest in targets.items():
+            copy_slice(dest, source.pop(key))
+        for key, (module, conv1d) in quantized.items():
+            _quantize_into(module, source.pop(key), spec, conv1d)
 
 
 def quantized_targets(
@@ -200,24 +250,31 @@ class _CheckpointTensors:
         return self.handles[self.where[found]].get_tensor(found)  # type: ignore[attr-defined]
 
 
-def _seeded_model(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
-    """Today's seeded random init, bit for bit: ``torch.manual_seed(train.seed)`` then ``from_config``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _seeded_args(loaded: LoadedRecipe, spec: ExecSpec) -> tuple[Any, torch.dtype, dict[str, Any]]:
+    """The config, dtype and keywords of today's seeded ``from_config`` (fp32 for QLoRA, which quantizes the
+    seeded fp32 weights as finetune.train.quantize.load_quantized does)."""
+    from transformers import AutoConfig
 
     r = loaded.recipe
-    path = resolve_model_path(loaded)
     config = AutoConfig.from_pretrained(
-        path, trust_remote_code=r.model.trust_remote_code, local_files_only=True
+        resolve_model_path(loaded), trust_remote_code=r.model.trust_remote_code, local_files_only=True
     )
-    torch.manual_seed(r.train.seed)
-    # QLoRA quantizes the seeded fp32 weights (finetune.train.quantize.load_quantized saves them in fp32).
     dtype = torch.float32 if spec.quant is not None else torch_dtype(spec.base_dtype(False))
-    return AutoModelForCausalLM.from_config(
-        config,
-        dtype=dtype,
-        trust_remote_code=r.model.trust_remote_code,
-        attn_implementation=r.model.attn_implementation,
-    )
+    kwargs = {
+        "trust_remote_code": r.model.trust_remote_code,
+        "attn_implementation": r.model.attn_implementation,
+    }
+    return config, dtype, kwargs
+
+
+def _seeded_model(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
+    """Today's seeded random init, bit for bit, built whole: ``torch.manual_seed(train.seed)`` then
+    ``from_config`` (the fallback of :func:`fill_seeded`)."""
+    from transformers import AutoModelForCausalLM
+
+    config, dtype, kwargs = _seeded_args(loaded, spec)
+    torch.manual_seed(loaded.recipe.train.seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
 
 
 def base_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
