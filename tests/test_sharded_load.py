@@ -32,13 +32,16 @@ def _micro(d: Path, tied: bool) -> Path:
 
 
 def _write(model_dir: Path, out: Path, method: str, init: str, precision: str) -> Path:
+    dora = method == "dora"
     r = tiny_recipe(
         out,
         model={"path": str(model_dir), "init": init},
-        method=method,
+        method="lora" if dora else method,
         precision=precision,
         data={"train": str(RECIPES / "data/reverse/train.jsonl"), "eval": None},
-        lora={"r": 4, "target_modules": ["q_proj", "v_proj"]},
+        lora={"r": 4, "target_modules": ["q_proj", "v_proj"], "use_dora": dora},
+        prefix={"num_virtual_tokens": 4, "projection": True, "projection_hidden": 16},
+        adapter={"size": 8},
         distributed={"strategy": "fsdp"},
     )
     return write_recipe(out.parent / f"{out.name}.yaml", r)
@@ -59,6 +62,7 @@ def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) 
     for recipe, out, method, precision, _ in cases:
         loaded = load_recipe(recipe)
         r = loaded.recipe
+        method = r.method
         spec = execution_spec(
             method,
             "fsdp",
@@ -71,13 +75,17 @@ def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) 
             adapter=r.adapter,
         )
         assert loads_sharded(spec, 2)
+        torch.manual_seed(1234)  # the global generator as the whole-model load below finds it
         model = parallelize(build_on_meta(loaded, spec), spec, ctx)
         # Rank 0 of an adapter run from a random init writes the seeded base, tensor by tensor, as the trainer does.
         keep_base = rank == 0 and method != "full" and loaded.recipe.model.init == "random"
         materialize(model, loaded, spec, ctx.device, Path(out) / "base" if keep_base else None)
         result = {"full": _gathered(model)}
         result["tied"] = model.get_input_embeddings().weight is model.get_output_embeddings().weight
-        if method == "qlora":  # against the whole-model load (transformers' quantizing loader), sharded after
+        if method != "full" and Path(out).name.split("-")[0] != "lora":
+            # against the whole-model load (transformers' quantizing loader, peft's DoRA magnitudes, the prefix
+            # encoder and bottlenecks drawn after loading), sharded afterwards
+            torch.manual_seed(1234)
             old = parallelize(build_model(loaded, spec, ctx.device), spec, ctx)
             result["old"] = _gathered(old)
             result["quant_state"] = _quant_states(model)
@@ -146,6 +154,10 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
         (tied_dir, "full", "random", "bf16-pure"),
         (tied_dir, "qlora", "pretrained", "bf16"),
         (random_dir, "qlora", "random", "bf16"),
+        (tied_dir, "dora", "pretrained", "bf16"),
+        (tied_dir, "prefix", "pretrained", "bf16"),
+        (tied_dir, "adapter", "pretrained", "bf16"),
+        (random_dir, "adapter", "random", "fp32"),
     ):
         out = tmp_path / f"{method}-{init}-{precision}-{model_dir.name}"
         out.mkdir()
@@ -192,19 +204,28 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
 
     # QLoRA: each rank quantized one weight at a time and kept its slice of the codes; gathered, codes, the
     # quantization constants and the loss equal the whole-model quantizing load's, sharded afterwards.
+    # DoRA, prefix tuning and bottleneck adapters: every tensor (magnitudes, prefix encoder, bottlenecks,
+    # which are initialised from the loaded base or drawn after it) and the loss equal the whole-model load's.
     for case in cases[3:]:
         res = torch.load(Path(case[1]) / "gathered.pt", weights_only=False)
         assert res["full"].keys() == res["old"].keys()
-        codes = [
-            n
-            for n, t in res["full"].items()
-            if t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] == 1
-        ]
-        assert len(codes) == 2 * 7, codes  # 2 blocks x (q, k, v, o, gate, up, down)
         for name, t in res["full"].items():
             assert torch.equal(_bits(t), _bits(res["old"][name])), name
-        assert res["quant_state"].keys() == res["old_quant_state"].keys() and res["quant_state"]
+        assert res["quant_state"].keys() == res["old_quant_state"].keys()
         for name, t in res["quant_state"].items():
             assert torch.equal(t, res["old_quant_state"][name]), name
-        assert abs(res["loss"] - res["old_loss"]) <= 1e-6, (res["loss"], res["old_loss"])
+        assert abs(res["loss"] - res["old_loss"]) <= 1e-6, (case[2], res["loss"], res["old_loss"])
         assert res["tied"] == (case[4] == "pretrained")
+        trained = {
+            n for n in res["full"] if any(k in n for k in ("magnitude", "prompt_encoder", "bottleneck"))
+        }
+        if case[2] == "qlora":
+            codes = [n for n, t in res["full"].items() if t.dtype == torch.bfloat16 and t.shape[1:] == (1,)]
+            assert len(codes) == 2 * 7 and res["quant_state"], (
+                codes
+            )  # 2 blocks x (q, k, v, o, gate, up, down)
+        else:  # what each method adds, non-trivially initialised
+            assert len(trained) == {"dora": 4, "prefix": 5, "adapter": 16}[case[2]], trained
+            assert all(
+                res["full"][n].abs().sum() > 0 for n in trained if not n.endswith(("up.weight", "up.bias"))
+            )

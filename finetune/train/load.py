@@ -53,8 +53,8 @@ def loads_sharded(spec: ExecSpec, world_size: int) -> bool:
         return False
     if spec.quant is not None and not (spec.quant.bits == 4 and spec.quant.shardable):
         return False
-    a = spec.adapter
-    return a is None or (a.kind == "lora" and not a.use_dora)
+    # DoRA's magnitudes of a 4-bit base would need the codes dequantized on meta when peft injects them.
+    return not (spec.quant is not None and spec.adapter is not None and spec.adapter.use_dora)
 
 
 def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
@@ -80,7 +80,11 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
         from finetune.train.quantize import quantize_on_meta
 
         quantize_on_meta(model, loaded, spec)
-    model = add_adapters(model, loaded, spec)
+    # peft builds the prefix encoder (and LoRA's first A) on CPU, drawing from the global generator; those
+    # values are replaced in materialize, and must not move the generator that the base's init and the redrawn
+    # adapters continue from.
+    with torch.random.fork_rng(devices=[]):
+        model = add_adapters(model, loaded, spec)
     model.config.use_cache = False
     return model
 
@@ -119,7 +123,63 @@ def materialize(
 
         disable_cpu_packed_inference(model)
     if spec.adapter is not None:
+        redraw_injected(model, device)
+        init_dora_magnitudes(model)
         init_adapters(model, r.train.seed, gaussian=spec.adapter.init == "gaussian")
+
+
+def redraw_injected(model: torch.nn.Module, device: torch.device) -> None:
+    """Draw peft's prefix encoder and the bottleneck adapters now that the base is loaded, exactly as the
+    whole-model load draws them when it injects them after loading: a twin of each module is built where
+    that load builds it (the prefix encoder on CPU, as peft does, a bottleneck on the run's device) from the
+    global generator in the same order, and this rank keeps its slices. Their initial values therefore
+    follow the same seed whichever way the base was loaded."""
+    from finetune.adapters import is_bottleneck_key
+
+    for name, module in model.named_modules():
+        if is_bottleneck_key(f"{name}.") and hasattr(module, "down") and hasattr(module, "up"):
+            with torch.device(device):
+                twin = type(module)(module.down.in_features, module.down.out_features, _activation(module))
+            _copy_module(module, twin.to(torch.float32))
+        encoders = getattr(module, "prompt_encoder", None)
+        if isinstance(encoders, torch.nn.ModuleDict) and module is model:
+            for name, encoder in encoders.items():
+                twin = type(encoder)(module.peft_config[name])
+                _copy_module(encoder, twin.to(device))
+
+
+def _activation(module: torch.nn.Module) -> str:
+    names = {"ReLU": "relu", "GELU": "gelu", "SiLU": "silu", "Tanh": "tanh"}
+    return names[type(module.act).__name__]
+
+
+def _copy_module(dest: torch.nn.Module, source: torch.nn.Module) -> None:
+    """This rank's slices of ``source``'s parameters into ``dest``'s (same names and shapes)."""
+    with torch.no_grad():
+        got = dict(source.named_parameters())
+        for name, p in dest.named_parameters():
+            copy_slice(p.detach(), got[name].detach().to(p.dtype))
+
+
+def init_dora_magnitudes(model: torch.nn.Module) -> None:
+    """DoRA's magnitudes, as peft computes them when it injects: the norm of each row of the base weight plus
+    the (zero) LoRA update. One base weight at a time is gathered whole (every rank calls), its norms taken
+    with peft's own function, and each rank keeps its slice of the magnitude vector."""
+    for module in model.modules():
+        magnitudes = getattr(module, "lora_magnitude_vector", None)
+        if not magnitudes:
+            continue
+        weight = module.get_base_layer().weight
+        full = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+        with torch.no_grad():
+            for name, dora in magnitudes.items():
+                a, b = module.lora_A[name].weight, module.lora_B[name].weight
+                # lora_B starts at 0; peft injects the adapters in the base weight's dtype and upcasts them to
+                # fp32 after, so the norm is taken (and rounded) in that dtype.
+                zero = torch.zeros(b.shape[0], a.shape[1], dtype=full.dtype, device=full.device)
+                norm = dora.get_weight_norm(full.detach(), zero, module.scaling[name], adapter_name=name)
+                copy_slice(dora.weight.detach(), norm.to(dora.weight.dtype))
+        del full
 
 
 def fill_seeded(
@@ -193,9 +253,10 @@ def quantized_targets(
     from transformers.pytorch_utils import Conv1D
 
     out: dict[str, tuple[torch.nn.Module, bool]] = {}
+    prefix = _peft_prefix(model)
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
-            key = _checkpoint_key(f"{name}.weight")
+            key = _checkpoint_key(f"{name}.weight", prefix)
             targets.pop(key)
             out[key] = (module, issubclass(getattr(module, "source_cls", torch.nn.Linear), Conv1D))
     return out
@@ -285,11 +346,12 @@ def base_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
+    prefix = _peft_prefix(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, t in model.state_dict(keep_vars=True).items():
-        if ".lora_" in name:
+        if _is_injected(name):
             continue
-        key = _checkpoint_key(name)
+        key = _checkpoint_key(name, prefix)
         p = params.get(name, t)
         if id(p) in seen:
             continue
@@ -298,9 +360,24 @@ def base_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _checkpoint_key(name: str) -> str:
+def _peft_prefix(model: torch.nn.Module) -> str:
+    """What a peft model puts before the base model's names: ``base_model.model.`` around a LoRA tuner,
+    ``base_model.`` for prompt learning (prefix tuning), nothing for a plain model."""
+    if not hasattr(model, "peft_config"):
+        return ""
+    return "base_model." if model.active_peft_config.is_prompt_learning else "base_model.model."
+
+
+def _checkpoint_key(name: str, prefix: str) -> str:
     """A peft model's ``base_model.model.X.base_layer.weight`` is ``X.weight`` in the checkpoint."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    return name.removeprefix(prefix).replace(".base_layer.", ".")
+
+
+def _is_injected(name: str) -> bool:
+    """LoRA/DoRA tensors, the prefix encoder, bottleneck adapters: not in the base checkpoint."""
+    from finetune.adapters import is_bottleneck_key
+
+    return ".lora_" in name or name.startswith("prompt_encoder.") or is_bottleneck_key(name)
 
 
 def checkpoint_keys(path: Path) -> set[str]:
