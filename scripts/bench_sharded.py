@@ -9,7 +9,11 @@ both versions: load (Trainer._setup_model), checkpoint (RunCheckpoints.save), fi
 (RunCheckpoints.start, i.e. loading the checkpoint). "Old" is `git archive <ref>` of main unpacked in a
 temporary directory and run with this interpreter (PYTHONPATH pointing at it).
 
-    python scripts/bench_sharded.py [--old-ref main]
+Then the load alone (one step, no checkpoint) of the methods that used to build the whole model on every
+rank: QLoRA (4-bit, bf16), a full fine-tune from ``model.init: random``, DoRA, prefix tuning and bottleneck
+adapters (bf16 base), old vs new, per rank.
+
+    python scripts/bench_sharded.py [--old-ref main] [--skip-full-run]
 """
 
 from __future__ import annotations
@@ -69,10 +73,58 @@ def run(code: Path, tmp: Path, name: str, model_dir: Path) -> dict[int, dict]:
     return phases
 
 
+#: (label, recipe overrides) of the load-only rows.
+LOAD_ROWS = [
+    ("qlora", {"method": "qlora", "precision": "bf16"}),
+    ("full random", {"method": "full", "init": "random"}),
+    ("dora", {"method": "lora", "precision": "bf16", "lora": {"use_dora": True}}),
+    ("prefix", {"method": "prefix", "precision": "bf16"}),
+    ("adapter", {"method": "adapter", "precision": "bf16"}),
+]
+
+
+def load_only(code: Path, tmp: Path, name: str, model_dir: Path, overrides: dict) -> dict[int, dict]:
+    """One step of ``overrides``' method under fsdp x2, no checkpoint; each rank's ``load`` phase."""
+    out = tmp / name
+    r = tiny_recipe(
+        out,
+        model={"path": str(model_dir), "init": overrides.get("init", "pretrained")},
+        method=overrides["method"],
+        precision=overrides.get("precision", "fp32"),
+        lora={"r": 8, **overrides.get("lora", {})},
+        data={"train": str(RECIPES / "data/reverse/train.jsonl"), "eval": None, "max_seq_len": 48},
+        train={"max_steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-4},
+        distributed={"strategy": "fsdp", "nproc": 2},
+        output={"dir": str(out)},
+    )
+    recipe = write_recipe(tmp / f"{name}.yaml", r)
+    probe = tmp / f"{name}-probe"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(code),
+        "FINETUNE_HOOKS": f"{HOOKS}:HostMemoryHooks",
+        "FINETUNE_HOSTMEM_DIR": str(probe),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "run", str(recipe)],
+        cwd=code,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return {rank: json.loads((probe / f"rank{rank}.json").read_text())["load"] for rank in (0, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old-ref", default="main", help="git ref of the old behaviour (default: main)")
+    ap.add_argument("--skip-full-run", action="store_true", help="only the load-only rows")
+    ap.add_argument("--rows", default=",".join(label for label, _ in LOAD_ROWS), help="load-only rows to run")
     args = ap.parse_args()
+    rows = [(label, o) for label, o in LOAD_ROWS if label in args.rows.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-sharded-") as t:
         tmp = Path(t)
         model_bytes, largest = make_model(tmp / "model", BIG)
@@ -82,8 +134,19 @@ def main() -> None:
         subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(tar), args.old_ref], check=True)
         with tarfile.open(tar) as f:
             f.extractall(old_code, filter="data")
+        loads = {
+            label: (
+                load_only(old_code, tmp, f"old-{i}", tmp / "model", o),
+                load_only(ROOT, tmp, f"new-{i}", tmp / "model", o),
+            )
+            for i, (label, o) in enumerate(rows)
+        }
+        if args.skip_full_run:
+            _print_loads(model_bytes, largest, loads)
+            return
         old = run(old_code, tmp, "old", tmp / "model")
         new = run(ROOT, tmp, "new", tmp / "model")
+    _print_loads(model_bytes, largest, loads)
     print(
         f"model {model_bytes / MiB:.0f} MiB (fp32), largest tensor {largest / MiB:.0f} MiB; fsdp x2 on gloo"
     )
@@ -107,6 +170,24 @@ def main() -> None:
     ):
         o, n = old[0][phase]["seconds"], new[0][phase]["seconds"]
         print(f"{label:<12}{o:>10.2f}{n:>10.2f}{n / max(o, 1e-9):>9.2f}")
+
+
+def _print_loads(model_bytes: int, largest: int, loads: dict[str, tuple[dict, dict]]) -> None:
+    print(
+        f"model {model_bytes / MiB:.0f} MiB in fp32, largest tensor {largest / MiB:.0f} MiB; fsdp x2 on gloo"
+    )
+    print("load only: peak RssAnon while loading, per rank (MiB), and above the phase's start")
+    print(
+        f"{'method':<13}{'rank':>5}{'old':>9}{'new':>9}{'new/old':>9}{'old+':>9}{'new+':>9}{'old s':>8}{'new s':>8}"
+    )
+    for label, (old, new) in loads.items():
+        for rank in (0, 1):
+            o, n = old[rank], new[rank]
+            print(
+                f"{label:<13}{rank:>5}{o['peak'] / MiB:>9.1f}{n['peak'] / MiB:>9.1f}{n['peak'] / o['peak']:>9.2f}"
+                f"{(o['peak'] - o['start']) / MiB:>9.1f}{(n['peak'] - n['start']) / MiB:>9.1f}"
+                f"{o['seconds']:>8.1f}{n['seconds']:>8.1f}"
+            )
 
 
 if __name__ == "__main__":
