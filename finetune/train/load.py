@@ -1,22 +1,24 @@
-"""Sharded loading: no rank ever holds the whole model (zero2/fsdp; full fine-tuning and the LoRA base).
+"""Sharded loading: no rank ever holds the whole model (zero2/fsdp; every method, both inits).
 
 The model is built on the meta device (parameters without storage; the small non-persistent buffers such
-as rotary tables are real), adapters are injected, then ``finetune.train.parallel.parallelize`` applies
-activation checkpointing and ``fully_shard`` as for any run. Only then does :func:`materialize` give each
-rank storage for *its* shards and fill them:
+as rotary tables are real), QLoRA's linears become ``Linear4bit`` with packed 4-bit codes on meta, adapters
+are injected, then ``finetune.train.parallel.parallelize`` applies activation checkpointing and
+``fully_shard`` as for any run. Only then does :func:`materialize` give each rank storage for *its* shards
+and fill them:
 
 - pretrained weights through ``torch.distributed.checkpoint`` with its Hugging Face safetensors reader:
   each rank reads only the slices of its shards (``safe_open(...).get_slice(name)[rows]``, memory-mapped),
   one tensor at a time, and ``copy_`` casts each slice into the storage dtype. No broadcast is needed: the
   file is read where it lies, so a rank's anonymous memory is its shards plus one slice.
-- ``model.init: random``: the seeded model is built whole on CPU exactly as before (the draws of
-  transformers' init are one sequence over the whole model, so a slice cannot be drawn alone), and each
-  rank keeps its slices. This costs the whole model per rank while loading, as it did; random init is for
-  tests and tiny models.
-
-Adapters start the same way on every path (:func:`init_adapters`): lora_A drawn per tensor from a generator
-seeded by ``train.seed`` and the tensor's name, lora_B zero. The values therefore do not depend on the
-sharding, the order of construction or what the base's loading drew from the global RNG.
+- QLoRA's 4-bit weights: each rank reads one whole weight at a time, quantizes it exactly as transformers'
+  quantizing loader does (finetune.train.quantize.quantize_weight), keeps its slice of the codes and the
+  whole quantization state (bitsandbytes needs it whole after FSDP gathers the codes).
+- ``model.init: random``: the seeded init is replayed one module at a time (finetune.train.seeded), giving
+  the weights of ``torch.manual_seed(seed); from_config(...)`` bit for bit; each rank keeps its slices.
+- Adapters initialised from the loaded model come after the base: DoRA's magnitudes from one gathered base
+  weight at a time, peft's prefix encoder and the bottleneck adapters redrawn from the global generator where
+  the whole-model load draws them. LoRA's A/B start the same way on every path (``init_adapters``): lora_A
+  drawn per tensor from a generator seeded by ``train.seed`` and the tensor's name, lora_B zero.
 """
 
 from __future__ import annotations
@@ -43,11 +45,9 @@ from finetune.units import torch_dtype
 def loads_sharded(spec: ExecSpec, world_size: int) -> bool:
     """Whether this run builds on meta and materialises per-rank shards (zero2/fsdp on several processes).
 
-    QLoRA keeps transformers' quantizing loader: each rank quantizes the base one tensor at a time and holds
-    the 4-bit model until ``fully_shard`` shards it (a quarter of the 16-bit model; see docs/architecture.md).
-    Prefix tuning, bottleneck adapters and DoRA keep the whole-model load too: their trainable tensors are
-    initialised from the built model (DoRA's magnitudes are the base weights' norms), which the meta device
-    does not have.
+    Every method does, except LLM.int8 (8-bit) QLoRA and QLoRA with DoRA, which keep transformers' quantizing
+    loader (each rank quantizes the whole base, then ``fully_shard`` shards it): peft computes DoRA's
+    magnitudes from the dequantized weight when it injects, which a meta 4-bit weight cannot give.
     """
     if not (spec.strategy.uses_fsdp and world_size > 1):
         return False
