@@ -269,9 +269,9 @@ def _quantize_into(module: torch.nn.Module, full: torch.Tensor, spec: ExecSpec, 
 
     assert spec.quant is not None
     device = module.weight.device
-    packed, state = quantize_weight(full, spec.quant, conv1d)
-    copy_slice(module.weight.detach(), packed.to(device))
-    state.to(device)  # in place
+    # On the run's device, as the quantizing loader does (bitsandbytes' CUDA and CPU kernels may round apart).
+    packed, state = quantize_weight(full.to(device), spec.quant, conv1d)
+    copy_slice(module.weight.detach(), packed)
     module.quant_state = state
 
 
