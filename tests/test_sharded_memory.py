@@ -3,7 +3,7 @@ run of a tiny model: no rank ever holds the whole model.
 
 Loading: each rank's peak RssAnon exceeds the tiny run's by at most half the model (its shard) plus the
 largest tensor (the one slice being read), where the loader before this change held the whole model on
-every rank. Checkpoint save and final save: rank 0 peaks no higher than rank 1 plus one tensor (before, rank 0
+every rank; the same for ``model.init: random`` (drawn one module at a time). Checkpoint save and final save: rank 0 peaks no higher than rank 1 plus one tensor (before, rank 0
 gathered the whole model and the optimizer state).
 """
 
@@ -57,13 +57,13 @@ def make_model(d: Path, sizes: dict[str, int]) -> tuple[int, int]:
 
 
 def measured_run(
-    tmp: Path, name: str, model_dir: Path, extra_env: dict[str, str] | None = None
+    tmp: Path, name: str, model_dir: Path, extra_env: dict[str, str] | None = None, init: str = "pretrained"
 ) -> dict[int, dict]:
     """fsdp x2, one step, a checkpoint and the final save; the per-rank phase peaks of hostmem_hooks."""
     out = tmp / name
     r = tiny_recipe(
         out,
-        model={"path": str(model_dir), "init": "pretrained"},
+        model={"path": str(model_dir), "init": init},
         data={"train": str(RECIPES / "data/reverse/train.jsonl"), "eval": None, "max_seq_len": 48},
         train={"max_steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-4},
         distributed={"strategy": "fsdp", "nproc": 2},
@@ -94,6 +94,8 @@ def test_no_rank_holds_the_whole_model(tmp_path: Path) -> None:
     make_model(tmp_path / "tiny", {})
     big = measured_run(tmp_path, "big", tmp_path / "big")
     tiny = measured_run(tmp_path, "tiny", tmp_path / "tiny")
+    # model.init: random, drawn one module at a time (finetune/train/seeded.py): the same bound while loading.
+    seeded = measured_run(tmp_path, "big-random", tmp_path / "big", init="random")
     mib = 2**20
     report = {
         rank: {
@@ -112,6 +114,9 @@ def test_no_rank_holds_the_whole_model(tmp_path: Path) -> None:
     for rank in (0, 1):
         load = big[rank]["load"]["peak"] - tiny[rank]["load"]["peak"]
         assert load <= planned + slack, (rank, load / mib)
+        load = seeded[rank]["load"]["peak"] - tiny[rank]["load"]["peak"]
+        print(f"rank {rank}: random init's load peak over the tiny run {load / mib:.1f} MiB")
+        assert load <= planned + slack, ("random init", rank, load / mib)
     for phase in ("checkpoint", "final"):
         extra0 = big[0][phase]["peak"] - big[0][phase]["start"]
         extra1 = big[1][phase]["peak"] - big[1][phase]["start"]

@@ -109,6 +109,8 @@ def materialize(
     r = loaded.recipe
     targets = base_targets(model)
     quantized = quantized_targets(model, targets)
+    from finetune.train.seeded import release_free_heap
+
     if r.model.init == "random":
         fill_seeded(targets, quantized, loaded, spec, base_dir)
     else:
@@ -118,6 +120,7 @@ def materialize(
             with torch.no_grad(), _CheckpointTensors(path) as files:
                 for key, (module, conv1d) in quantized.items():
                     _quantize_into(module, files.get(key), spec, conv1d)
+                    release_free_heap()
     if spec.quant is not None:
         from finetune.train.quantize import disable_cpu_packed_inference
 

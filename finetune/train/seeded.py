@@ -48,6 +48,31 @@ RANDOM_INPLACE = {
 WHOLE_WRITES = RANDOM_INPLACE | {"fill_", "zero_", "copy_"}
 
 
+def release_free_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
+
+    glibc raises its mmap threshold to the size of the largest block freed so far (up to 32 MiB), so after
+    the first few tensors every tensor of a few MiB comes from the heap, and the small objects allocated
+    between them keep the heap from shrinking: replaying the init of the 67M-parameter test model one tensor
+    at a time peaked 172 MiB above its start, 3.6 times its largest tensor; trimming after each tensor, 48 MiB.
+    """
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - raises AttributeError where libc has none (musl, macOS)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
+
+
 def _name(func: Any) -> str:
     return getattr(func, "__name__", "")
 
@@ -91,6 +116,7 @@ class _Construction(TorchFunctionMode):
 def _redraw(func: Any, shape: tuple[int, ...], dtype: torch.dtype, args: tuple, kwargs: dict) -> None:
     """A construction draw again, on a CPU scratch tensor: the generator advances as it did; values dropped."""
     func(torch.empty(shape, dtype=dtype, device="cpu"), *args, **kwargs)
+    release_free_heap()
 
 
 class _Writes(TorchFunctionMode):
@@ -227,3 +253,5 @@ def _hand_over(
     owner._parameters[attr] = torch.nn.Parameter(
         torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
     )
+    del p
+    release_free_heap()
