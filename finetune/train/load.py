@@ -108,7 +108,7 @@ def materialize(
             b.copy_(buffers[name])
     r = loaded.recipe
     targets = base_targets(model)
-    quantized = quantized_targets(model, targets)
+    quantized = quantized_targets(model, targets) if spec.quant is not None else {}
     from finetune.train.seeded import release_free_heap
 
     if r.model.init == "random":
@@ -247,11 +247,7 @@ def quantized_targets(
     model: torch.nn.Module, targets: dict[str, torch.Tensor]
 ) -> dict[str, tuple[torch.nn.Module, bool]]:
     """The 4-bit weights among ``targets`` (taken out of it), each with its ``Linear4bit`` module and whether
-    the checkpoint stores it transposed (GPT-2's Conv1D); empty for a model without quantized weights."""
-    import importlib.util
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return {}
+    the checkpoint stores it transposed (GPT-2's Conv1D)."""
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
 
