@@ -184,6 +184,7 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
     for k in want:
         assert torch.equal(base[k], want[k]), k
     assert AutoConfig.from_pretrained(Path(cases[4][1]) / "base").hidden_size == 64
+    assert (Path(cases[4][1]) / "base" / "generation_config.json").is_file()
 
     on_disk = load_file(str(tied_dir / "model.safetensors"))
     assert "lm_head.weight" not in on_disk  # tied: saved once

@@ -208,6 +208,8 @@ def fill_seeded(
 
         base_dir.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(base_dir)
+        if getattr(meta, "generation_config", None) is not None:  # as save_pretrained writes it
+            meta.generation_config.save_pretrained(base_dir)
         specs = [
             (n, list(p.shape), p.dtype) for n, p in meta.named_parameters() if n in targets or n in quantized
         ]
