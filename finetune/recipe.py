@@ -65,8 +65,11 @@ class ModelConfig(Section):
         False,
         description="Download a Hub model whose weights are only pickles (.bin/.pt); unpickling can run code.",
     )
-    attn_implementation: Literal["sdpa", "eager"] = Field(
-        "sdpa", description="Attention kernel used for training and planned for by `finetune plan`."
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = Field(
+        "sdpa",
+        description="Attention kernel used for training and planned for by `finetune plan`. flex_attention: "
+        "torch's FlexAttention with a block-sparse document mask for packed rows (no T x T mask; compiled on first "
+        "use, which takes a minute on CPU).",
     )
 
 

@@ -35,6 +35,7 @@ WINDOWS = ("head", "first", "last")
 # Traced depth: layer 0 is special (under LoRA nothing flows back into its input), so the per-layer
 # increment is measured on layer 1 of a two-layer model.
 TRACE_LAYERS = 2
+FLEX = "flex_attention"
 
 
 @dataclass(frozen=True)
@@ -384,7 +385,7 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
     # Built on the meta device (peft's dtype moves do not work on fake parameters), then every parameter
     # and buffer is replaced by a fake CPU tensor of the same shape, dtype and sharing.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=spec.attn_implementation)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=_traced_kernel(spec))
     model.train()
     if spec.method == "qlora":
         _emulate_kbit_preparation(model)
@@ -415,13 +416,15 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         _fakeify(model)
         ids = torch.zeros(batch, spec.seq_len, dtype=torch.long)
         batch_dict: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
-        if spec.packed:
+        if spec.packed and spec.attn_implementation == FLEX:
+            pass  # flex: a block-sparse document mask, no (B, 1, T, T) tensor (see _traced_kernel)
+        elif spec.packed:
             batch_dict["position_ids"] = torch.arange(spec.seq_len).repeat(batch, 1)
         else:
             batch_dict["attention_mask"] = torch.ones_like(ids)
         layers = decoder_layer_names(model)
         tracker = _window_tracker(type(model).__name__, layers, model)
-        with tracker, _attention_kernels(spec.attn_implementation):
+        with tracker, _attention_kernels(_traced_kernel(spec)):
             if autocast:
                 with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype)):
                     loss, _ = causal_lm_loss(model, batch_dict)
@@ -432,6 +435,15 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
         (a_in, c_in), (a_out, c_out) = tracker.layer_in, tracker.layer_out
         return TraceResult(tracker.windows, a_out - a_in, c_out - c_in, grads)
+
+
+def _traced_kernel(spec: TraceSpec) -> str:
+    """The attention implementation the trace runs. Flex attention is traced as sdpa's fused kernel on an
+    unmasked causal row: both keep q, k, v, the output and a per-row log-sum-exp for backward, and flex's
+    document mask is a ``BlockMask`` of per-block indices (int32, (B, 1, T/128, T/128) a few times: 64 KiB per
+    row at 8192 tokens), not the (B, 1, T, T) tensor sdpa gets for a packed row. (Fake tensors cannot run flex
+    itself: it is compiled, and torch 2.13 has no CPU backward for it.)"""
+    return "sdpa" if spec.attn_implementation == FLEX else spec.attn_implementation
 
 
 def _attention_kernels(attn_implementation: str) -> Any:

@@ -32,6 +32,7 @@ import torch
 from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
+from finetune.train import flex
 from finetune.train.model import (
     add_adapters,
     copy_slice,
@@ -64,6 +65,7 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
 
     r = loaded.recipe
     path = resolve_model_path(loaded)
+    flex.install_if(r.model.attn_implementation)
     config = AutoConfig.from_pretrained(
         path, trust_remote_code=r.model.trust_remote_code, local_files_only=True
     )
@@ -318,6 +320,7 @@ def _seeded_args(loaded: LoadedRecipe, spec: ExecSpec) -> tuple[Any, torch.dtype
     from transformers import AutoConfig
 
     r = loaded.recipe
+    flex.install_if(r.model.attn_implementation)
     config = AutoConfig.from_pretrained(
         resolve_model_path(loaded), trust_remote_code=r.model.trust_remote_code, local_files_only=True
     )

@@ -15,6 +15,7 @@ import torch
 
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
+from finetune.train import flex
 from finetune.units import DTYPE_NAMES, torch_dtype
 
 
@@ -51,6 +52,7 @@ def load_base_model(
     path = resolve_model_path(loaded)
     dtype = torch_dtype(spec.base_dtype(False))
     common = {"trust_remote_code": r.model.trust_remote_code, "attn_implementation": r.model.attn_implementation}
+    flex.install_if(r.model.attn_implementation)
     if spec.quant is not None:
         from finetune.train.quantize import load_quantized
 
