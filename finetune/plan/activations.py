@@ -424,7 +424,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
             batch_dict["attention_mask"] = torch.ones_like(ids)
         layers = decoder_layer_names(model)
         tracker = _window_tracker(type(model).__name__, layers, model)
-        with tracker, _attention_kernels(_traced_kernel(spec)):
+        with tracker, _attention_kernels(_traced_kernel(spec)), _no_packing_detection(spec):
             if autocast:
                 with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype)):
                     loss, _ = causal_lm_loss(model, batch_dict)
@@ -444,6 +444,19 @@ def _traced_kernel(spec: TraceSpec) -> str:
     row at 8192 tokens), not the (B, 1, T, T) tensor sdpa gets for a packed row. (Fake tensors cannot run flex
     itself: it is compiled, and torch 2.13 has no CPU backward for it.)"""
     return "sdpa" if spec.attn_implementation == FLEX else spec.attn_implementation
+
+
+def _no_packing_detection(spec: TraceSpec) -> Any:
+    """For flex: transformers cannot tell on fake tensors whether a row is packed, so it would build the packed
+    (B, 1, T, T) mask for any row without a padding mask; the flex trace runs sdpa's plain causal path instead."""
+    import contextlib
+    from unittest import mock
+
+    if spec.attn_implementation != FLEX:
+        return contextlib.nullcontext()
+    from transformers import masking_utils
+
+    return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
 
 
 def _attention_kernels(attn_implementation: str) -> Any:

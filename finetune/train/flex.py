@@ -59,7 +59,9 @@ def install() -> None:
     _INSTALLED = True
 
 
-def dense_flex_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+def dense_flex_attention(
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
+) -> Any:
     """Flex attention's result computed by sdpa, its ``BlockMask`` evaluated element by element (the CPU
     training path: torch has no flex backward on CPU). Returns what transformers' attention functions do:
     (output as (B, T, H, D), None)."""
@@ -76,7 +78,9 @@ def dense_flex_attention(module: Any, query: Any, key: Any, value: Any, attentio
     elif attention_mask is None:
         # no mask at all (transformers skips it only for plain causal rows): causal, as flex's default
         n = query.shape[-2]
-        attention_mask = torch.ones(n, key.shape[-2], dtype=torch.bool, device=query.device).tril(key.shape[-2] - n)
+        attention_mask = torch.ones(n, key.shape[-2], dtype=torch.bool, device=query.device).tril(
+            key.shape[-2] - n
+        )
     return sdpa_attention_forward(module, query, key, value, attention_mask, is_causal=False, **kwargs)
 
 
