@@ -99,6 +99,41 @@ def test_packed_logits_equal_each_document_alone(attn, arch):
         assert (mixed[0, starts[1] : starts[2]] - packed[0, starts[1] : starts[2]]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "cpu-training",  # gradients on CPU: the BlockMask evaluated densely through sdpa (finetune.train.flex)
+        pytest.param("compiled-kernel", marks=pytest.mark.slow),  # no gradients: torch's compiled CPU kernel (~1 min)
+    ],
+)
+def test_flex_packed_logits_equal_each_document_alone(path):
+    """flex_attention: transformers' document BlockMask from the packed position ids keeps documents apart."""
+    from finetune.train import flex
+
+    flex.install()
+    model = tiny_model("flex_attention")
+    samples = docs([7, 12, 5, 9], seed=1)
+    row = pack(samples, 40)[0]
+    batch = collate([row, pack(docs([20]), 40)[0]], pad_id=0)
+    grad = path == "cpu-training"
+    for p in model.parameters():
+        p.requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        starts = [i for i, p in enumerate(row.position_ids) if p == 0] + [len(row.input_ids)]
+        for a, b in itertools.pairwise(starts):
+            alone = model(input_ids=torch.tensor([row.input_ids[a:b]]), use_cache=False).logits
+            torch.testing.assert_close(packed[0, a:b], alone[0], atol=1e-5, rtol=1e-5)
+        # the second row (one document, padded): causal inside it, like the same document alone
+        alone = model(input_ids=batch["input_ids"][1:, :20], use_cache=False).logits
+        torch.testing.assert_close(packed[1, :20], alone[0], atol=1e-5, rtol=1e-5)
+        mixed = model(input_ids=batch["input_ids"][:1], use_cache=False).logits
+        assert (mixed[0, starts[1] : starts[2]] - packed[0, starts[1] : starts[2]]).abs().max() > 1e-2
+    if grad:  # and the gradient flows through the CPU path
+        packed.float().pow(2).mean().backward()
+        assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
 def test_packed_loss_equals_the_sum_of_losses_alone():
     model = tiny_model("sdpa")
     samples = docs([7, 12, 5, 9], seed=2)
