@@ -31,8 +31,11 @@ def fresh_trace_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(acts, "_CACHE", {})
 
 
-def measured_peak_above_params(cfg, method: str, precision: str, ac: bool, batch: int, seq: int) -> int:
-    """Real forward + backward on CPU under MemTracker: peak minus parameters and buffers."""
+def measured_peak_above_params(
+    cfg, method: str, precision: str, ac: bool, batch: int, seq: int, packed: bool = True
+) -> int:
+    """Real forward + backward on CPU under MemTracker: peak minus parameters and buffers (``packed``: two
+    documents per row; else one causal row without any mask)."""
     torch.manual_seed(0)
     base_dtype = torch.float32 if method == "full" or precision == "fp32" else torch.bfloat16
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=base_dtype)
@@ -47,14 +50,15 @@ def measured_peak_above_params(cfg, method: str, precision: str, ac: bool, batch
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     half = seq // 2  # two packed documents per row, as the trainer's packing makes them
     pos = torch.cat([torch.arange(half), torch.arange(seq - half)]).repeat(batch, 1)
+    batch_dict = {"input_ids": ids, "labels": ids, "position_ids": pos} if packed else {"input_ids": ids, "labels": ids}
     tracker = mem_tracker_class()()
     tracker.track_external(model)
     with tracker:
         if precision == "bf16":
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss, _ = causal_lm_loss(model, {"input_ids": ids, "labels": ids, "position_ids": pos})
+                loss, _ = causal_lm_loss(model, batch_dict)
         else:
-            loss, _ = causal_lm_loss(model, {"input_ids": ids, "labels": ids, "position_ids": pos})
+            loss, _ = causal_lm_loss(model, batch_dict)
         loss.backward()
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
     return snap["Total"] - snap["Parameter"] - snap["Buffer"]
@@ -140,3 +144,26 @@ def test_larger_micro_batches_are_traced_only_when_asked_and_all_traces_are_cach
 
     monkeypatch.setattr(acts, "trace_windows", no_tracing)
     assert activation_profile(cfg, spec).at(cfg.num_hidden_layers, 4) == four
+
+
+def test_flex_plan_drops_exactly_the_packed_mask_bytes():
+    """At 1024 tokens a packed row under sdpa carries a (1, 1, T, T) boolean mask and, in every layer, sdpa's
+    additive copy of it saved for backward (fp32 here: 4 bytes per entry); flex attention's BlockMask has none of
+    that. The planned difference between the two equals the difference measured for real (MemTracker, CPU)
+    between a packed sdpa row and an unmasked causal row (flex's memory: q, k, v, output and log-sum-exp saved),
+    and the flex plan equals that unmasked row's measurement."""
+    cfg = AutoConfig.from_pretrained(TINY_MODEL)
+    seq = 1024
+    planned = {}
+    for attn in ("sdpa", "flex_attention"):
+        spec = TraceSpec.of(
+            execution_spec("full", "single", "fp32", checkpointing=False), seq_len=seq, packed=True, attn_implementation=attn
+        )
+        windows = activation_profile(cfg, spec).at(cfg.num_hidden_layers, 1)
+        planned[attn] = max(w.grads_and_acts for w in windows.values())
+    packed = measured_peak_above_params(cfg, "full", "fp32", False, batch=1, seq=seq)
+    causal = measured_peak_above_params(cfg, "full", "fp32", False, batch=1, seq=seq, packed=False)
+    mask_bytes = packed - causal
+    assert mask_bytes > cfg.num_hidden_layers * 4 * seq * seq  # quadratic: every layer's saved copy at least
+    assert planned["sdpa"] - planned["flex_attention"] == pytest.approx(mask_bytes, rel=0.01)
+    assert planned["flex_attention"] == pytest.approx(causal, rel=0.01)
