@@ -50,7 +50,9 @@ def measured_peak_above_params(
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     half = seq // 2  # two packed documents per row, as the trainer's packing makes them
     pos = torch.cat([torch.arange(half), torch.arange(seq - half)]).repeat(batch, 1)
-    batch_dict = {"input_ids": ids, "labels": ids, "position_ids": pos} if packed else {"input_ids": ids, "labels": ids}
+    batch_dict = {"input_ids": ids, "labels": ids}
+    if packed:
+        batch_dict["position_ids"] = pos
     tracker = mem_tracker_class()()
     tracker.track_external(model)
     with tracker:
@@ -157,7 +159,10 @@ def test_flex_plan_drops_exactly_the_packed_mask_bytes():
     planned = {}
     for attn in ("sdpa", "flex_attention"):
         spec = TraceSpec.of(
-            execution_spec("full", "single", "fp32", checkpointing=False), seq_len=seq, packed=True, attn_implementation=attn
+            execution_spec("full", "single", "fp32", checkpointing=False),
+            seq_len=seq,
+            packed=True,
+            attn_implementation=attn,
         )
         windows = activation_profile(cfg, spec).at(cfg.num_hidden_layers, 1)
         planned[attn] = max(w.grads_and_acts for w in windows.values())
