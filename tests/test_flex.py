@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,26 @@ def test_flex_is_a_recipe_choice_and_other_kernels_are_refused():
         recipe_from_dict(
             {"model": {"path": "tiny-llama", "attn_implementation": "flash"}, "data": {"train": "x"}}
         )
+
+
+def test_an_architecture_without_flex_attention_gets_one_sentence(tmp_path, monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from plan_accuracy import model_dir
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))
+    recipe = tiny_recipe(
+        tmp_path / "out",
+        model={"path": str(model_dir("gpt2", tmp_path)), "attn_implementation": "flex_attention"},
+    )
+    out = CliRunner().invoke(app, ["plan", str(write_recipe(tmp_path / "gpt2.yaml", recipe))])
+    assert out.exit_code == 2, out.output
+    assert "model.attn_implementation: GPT2 has no flex attention in transformers; use sdpa" in " ".join(
+        out.output.split()
+    )
+    assert "Traceback" not in out.output

@@ -105,12 +105,12 @@ def plan_for_run(loaded: LoadedRecipe, *, nproc: int, nnodes: int, device: str) 
     return make_plan(req, hw)
 
 
-def _supports_sdpa(config: Any) -> bool:
-    """Whether transformers can build this architecture with SDPA attention."""
+def _supports_sdpa(config: Any, flag: str = "_supports_sdpa") -> bool:
+    """Whether transformers can build this architecture with SDPA attention (``flag``: another kernel's)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        return bool(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True))
+        return bool(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], flag, True))
     except KeyError:
         return True
 
@@ -162,6 +162,11 @@ class _Planner:
             self.say(
                 f"{type(req.config).__name__.replace('Config', '')} has no sdpa attention in transformers: planned "
                 "with eager attention (set model.attn_implementation: eager in the recipe to train it)."
+            )
+        if req.attn_implementation == "flex_attention" and not _supports_sdpa(req.config, "_supports_flex_attn"):
+            raise UserError(
+                f"model.attn_implementation: {type(req.config).__name__.replace('Config', '')} has no flex attention "
+                "in transformers; use sdpa (packed rows then carry a T x T mask)"
             )
         self.profiles: dict[tuple[int, TraceSpec], ActivationProfile] = {}
 
