@@ -22,3 +22,5 @@ python3 -c "import torch, transformers, peft, bitsandbytes, datasets, pydantic; 
 out="${1:-${OUT:-.}/gpu_check.json}"
 python3 scripts/plan_accuracy.py --gpu --steps 8 --json "$out"
 python3 scripts/gpu_memory_errors.py   # preflight refusal and the OOM message with --debug-memory
+# eager vs train.compile vs flex attention tokens/s, packed rows of 2048 tokens (tiny Llama: kernels, not FLOPs)
+python3 scripts/bench_variants.py --max-seq-len 2048 --batch 8 --steps 12 --json "${out%.json}_variants.json"

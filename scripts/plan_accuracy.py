@@ -84,6 +84,9 @@ GPU_CONFIGS: list[tuple[str, str, dict, int]] = [
     ("0.7b full bf16 mb4 ckpt", "llama-0.7b",
      {"method": "full", "precision": "bf16", "mbs": 4, "seq": 1024, "ac": True}, 1),
     ("0.7b lora fp16 mb4", "llama-0.7b", {"method": "lora", "precision": "fp16", "mbs": 4, "seq": 1024}, 1),
+    # packed rows with flex attention's BlockMask instead of sdpa's (B, 1, T, T) mask (CPU has no flex backward)
+    ("0.7b lora bf16 mb4 flex", "llama-0.7b",
+     {"method": "lora", "precision": "bf16", "mbs": 4, "seq": 1024, "attn": "flex_attention"}, 1),
 ]
 
 
