@@ -102,15 +102,21 @@ def test_packed_logits_equal_each_document_alone(attn, arch):
 @pytest.mark.parametrize(
     "path",
     [
-        "cpu-training",  # gradients on CPU: the BlockMask evaluated densely through sdpa (finetune.train.flex)
-        pytest.param("compiled-kernel", marks=pytest.mark.slow),  # no gradients: torch's compiled CPU kernel (~1 min)
+        "cpu-training",  # finetune's CPU path: the BlockMask evaluated densely by sdpa (finetune.train.flex)
+        # torch's compiled CPU kernel, forward only (compiling takes about a minute)
+        pytest.param("compiled-kernel", marks=pytest.mark.slow),
     ],
 )
-def test_flex_packed_logits_equal_each_document_alone(path):
+def test_flex_packed_logits_equal_each_document_alone(path, monkeypatch):
     """flex_attention: transformers' document BlockMask from the packed position ids keeps documents apart."""
+    from transformers import AttentionInterface
+    from transformers.integrations.flex_attention import flex_attention_forward
+
     from finetune.train import flex
 
     flex.install()
+    if path == "compiled-kernel":  # transformers' own flex attention (no gradients: none on CPU)
+        monkeypatch.setitem(AttentionInterface._global_mapping, "flex_attention", flex_attention_forward)
     model = tiny_model("flex_attention")
     samples = docs([7, 12, 5, 9], seed=1)
     row = pack(samples, 40)[0]
@@ -119,7 +125,9 @@ def test_flex_packed_logits_equal_each_document_alone(path):
     for p in model.parameters():
         p.requires_grad_(grad)
     with torch.set_grad_enabled(grad):
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        packed = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).logits
         starts = [i for i, p in enumerate(row.position_ids) if p == 0] + [len(row.input_ids)]
         for a, b in itertools.pairwise(starts):
             alone = model(input_ids=torch.tensor([row.input_ids[a:b]]), use_cache=False).logits

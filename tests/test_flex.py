@@ -73,3 +73,32 @@ def test_an_architecture_without_flex_attention_gets_one_sentence(tmp_path, monk
         out.output.split()
     )
     assert "Traceback" not in out.output
+
+
+def test_flex_generates_like_sdpa_on_cpu():
+    """Evaluation's greedy generation (left padding, KV cache) runs with flex on CPU and gives sdpa's tokens."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from finetune.train import flex
+    from tests.conftest import TINY_MODEL
+
+    flex.install()
+    config = LlamaConfig(**json.loads((TINY_MODEL / "config.json").read_text()))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 11, 12, 13, 14]])
+    out = {}
+    for attn in ("sdpa", "flex_attention"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
+        with torch.no_grad():
+            out[attn] = model.generate(
+                input_ids=ids,
+                attention_mask=(ids != 0).long(),
+                max_new_tokens=6,
+                do_sample=False,
+                pad_token_id=0,
+            )
+    assert out["flex_attention"].shape == (2, 12)
+    assert torch.equal(out["flex_attention"], out["sdpa"])

@@ -12,10 +12,12 @@ On CPU, torch 2.13 compiles flex attention's forward to a C++ kernel but has no 
 
 * the mask: on CPU the ``BlockMask`` is built without ``torch.compile`` (compiling it costs a minute on a
   loaded 2-core machine; the eager build is exact);
-* the attention: on CPU with gradients needed, the same ``BlockMask``'s mask function is evaluated densely
+* the attention: on CPU the same ``BlockMask``'s mask function is evaluated densely
   (``torch.nn.attention.flex_attention.create_mask``) and passed to sdpa. That is the same attention pattern
-  with sdpa's memory (a (B, 1, T, T) boolean mask): a CPU fallback for correctness, not for memory. Everywhere
-  else (GPUs, and CPU forwards without gradients) transformers' own flex attention runs unchanged.
+  with sdpa's memory (a (B, 1, T, T) boolean mask): a CPU path for correctness, not for memory. Forwards
+  without gradients take it too: the compiled CPU kernel does not compile for generation with a KV cache in
+  torch 2.13 (an inductor C++ error), and compiling it costs a minute. On a GPU transformers' own flex
+  attention runs unchanged.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def install() -> None:
         return gpu_mask(*args, device=device, **kwargs)
 
     def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
-        if query.device.type == "cpu" and _needs_grad(query, key, value):
+        if query.device.type == "cpu":
             return dense_flex_attention(module, query, key, value, attention_mask, **kwargs)
         return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -63,7 +65,7 @@ def dense_flex_attention(
     module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
 ) -> Any:
     """Flex attention's result computed by sdpa, its ``BlockMask`` evaluated element by element (the CPU
-    training path: torch has no flex backward on CPU). Returns what transformers' attention functions do:
+    path: torch has no flex backward on CPU). Returns what transformers' attention functions do:
     (output as (B, T, H, D), None)."""
     import torch
     from torch.nn.attention.flex_attention import BlockMask, create_mask
@@ -82,12 +84,6 @@ def dense_flex_attention(
             key.shape[-2] - n
         )
     return sdpa_attention_forward(module, query, key, value, attention_mask, is_causal=False, **kwargs)
-
-
-def _needs_grad(*tensors: Any) -> bool:
-    import torch
-
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _device_type(device: Any) -> str:
