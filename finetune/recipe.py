@@ -68,8 +68,8 @@ class ModelConfig(Section):
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = Field(
         "sdpa",
         description="Attention kernel used for training and planned for by `finetune plan`. flex_attention: "
-        "torch's FlexAttention with a block-sparse document mask for packed rows (no T x T mask; compiled on first "
-        "use, which takes a minute on CPU).",
+        "torch's FlexAttention with a block-sparse document mask for packed rows (no T x T mask) on a GPU; on CPU, "
+        "where torch has no flex backward, the same mask is evaluated densely by sdpa.",
     )
 
 
