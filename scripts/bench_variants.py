@@ -2,6 +2,7 @@
 
     python scripts/bench_variants.py [--steps 12] [--max-seq-len 256] [--batch 8] [--rounds 1] [--json out.json]
     python scripts/bench_variants.py --recipe recipes/smollm2-135m-lora.yaml   # another job (same variants)
+    python scripts/bench_variants.py --cpu-time   # + tokens per CPU second (a loaded CPU machine's figure)
 
 Each variant is the same recipe (packed rows, fixed steps, no eval) changed in one key, run by
 ``finetune run`` in its own process, one after the other (``--rounds`` repeats the sequence, interleaved, so a
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -94,12 +96,15 @@ def merge(job: dict, change: dict) -> dict:
 
 
 def run_variant(name: str, job: dict, tmp: Path) -> dict:
-    """One ``finetune run``; tokens/s (median after two steps), the first step's seconds, the last loss."""
+    """One ``finetune run``; tokens/s (median after two steps), the first step's seconds, the last loss, and
+    the run's CPU seconds (user + system of the children waited for) and tokens."""
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(
         [sys.executable, "-m", "finetune", "run", str(path)], capture_output=True, text=True
     )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     metrics = Path(job["output"]["dir"]) / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.exists():
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])
@@ -113,7 +118,17 @@ def run_variant(name: str, job: dict, tmp: Path) -> dict:
         "tokens_per_s": statistics.median(later) if later else None,
         "first_step_s": first,
         "final_loss": [r["loss"] for r in rows if "loss" in r][-1],
+        "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "tokens": steps[-1]["tokens"] if steps else 0,
     }
+
+
+def cpu_rate(long: dict, short: dict) -> float | None:
+    """Tokens per CPU second of the steps the long run has beyond the short one: start-up and compilation,
+    common to both, cancel, and other processes on a loaded machine do not count (a CPU-only figure)."""
+    if "error" in long or "error" in short or long["cpu_s"] <= short["cpu_s"]:
+        return None
+    return (long["tokens"] - short["tokens"]) / (long["cpu_s"] - short["cpu_s"])
 
 
 def main() -> int:
@@ -125,27 +140,38 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="also run each variant for 4 steps and report tokens per CPU second of the extra steps "
+        "(robust to a loaded machine; meaningful on CPU only)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if "eager" not in args.variants:
         args.variants.insert(0, "eager")
+
+    def job_for(out: Path, steps: int) -> dict:
+        if args.recipe:
+            return job_from(args.recipe, out, steps)
+        return tiny_job(out, steps, args.max_seq_len, args.batch)
+
     results: dict[str, list[dict]] = {v: [] for v in args.variants}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         for rnd in range(args.rounds):
             for name in args.variants:
-                out = tmp / f"{name}-{rnd}"
-                job = (
-                    job_from(args.recipe, out, args.steps)
-                    if args.recipe
-                    else tiny_job(out, args.steps, args.max_seq_len, args.batch)
-                )
-                r = run_variant(name, merge(job, VARIANTS[name]), tmp)
+                r = run_variant(name, merge(job_for(tmp / f"{name}-{rnd}", args.steps), VARIANTS[name]), tmp)
+                if args.cpu_time:
+                    short_job = merge(job_for(tmp / f"{name}-{rnd}-short", 4), VARIANTS[name])
+                    r["cpu_tokens_per_s"] = cpu_rate(r, run_variant(f"{name}-short", short_job, tmp))
                 results[name].append(r)
                 print(f"  round {rnd + 1} {name}: {r.get('tokens_per_s') or r.get('error')}", flush=True)
     table = []
     base = _median(results["eager"], "tokens_per_s")
-    print(f"\n{'variant':24s} {'tokens/s':>10s} {'vs eager':>9s} {'first step s':>13s} {'final loss':>11s}")
+    cpu_base = _median(results["eager"], "cpu_tokens_per_s")
+    header = f"\n{'variant':24s} {'tokens/s':>10s} {'vs eager':>9s} {'first step s':>13s} {'final loss':>11s}"
+    print(header + (f" {'tokens/CPU-s':>13s} {'vs eager':>9s}" if args.cpu_time else ""))
     for name in args.variants:
         errors = [r["error"] for r in results[name] if "error" in r]
         if errors:
@@ -156,7 +182,12 @@ def main() -> int:
         first = _median(results[name], "first_step_s")
         loss = _median(results[name], "final_loss")
         ratio = tps / base if tps and base else None
-        print(f"{name:24s} {tps:10,.0f} {ratio:8.2f}x {first:13.1f} {loss:11.4f}")
+        cpu_tps = _median(results[name], "cpu_tokens_per_s")
+        cpu_ratio = cpu_tps / cpu_base if cpu_tps and cpu_base else None
+        extra = ""
+        if args.cpu_time:
+            extra = f" {cpu_tps:13,.0f} {cpu_ratio:8.2f}x" if cpu_ratio else f" {'-':>13s} {'-':>9s}"
+        print(f"{name:24s} {tps:10,.0f} {ratio:8.2f}x {first:13.1f} {loss:11.4f}" + extra)
         table.append(
             {
                 "variant": name,
@@ -164,6 +195,8 @@ def main() -> int:
                 "vs_eager": ratio,
                 "first_step_s": first,
                 "final_loss": loss,
+                "cpu_tokens_per_s": cpu_tps,
+                "cpu_vs_eager": cpu_ratio,
                 "runs": results[name],
             }
         )
