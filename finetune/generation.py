@@ -28,13 +28,15 @@ def greedy_tokens(
     The planner traces this function (``finetune.plan.evaluation``) for the memory of generation.
 
     A prefix-tuned peft model puts its prefix into the cache on every call, so it runs without a KV cache
-    across steps (each step sees the whole sequence) and with positions after the prefix, as in training,
-    where transformers numbers the tokens from the cache's length.
+    across steps (each step sees the whole sequence). Its positions are the tokens' own: peft (0.21) adds the
+    virtual tokens to ``position_ids`` itself, which puts them after the prefix as in training, where
+    transformers numbers the tokens from the cache's length. Adding them here too shifted every position
+    by the prefix length a second time, so evaluation saw positions training never did.
     """
     from finetune.adapters import prefix_tokens
 
     virtual = prefix_tokens(model)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0) + virtual
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out_tokens = torch.empty((ids.shape[0], 0), dtype=torch.long, device=ids.device)
     cache = None
     step_ids = ids

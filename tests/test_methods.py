@@ -207,3 +207,37 @@ def test_method_ladder_is_full_lora_qlora_4_bit_and_8_bit_only_when_pinned(tmp_p
     res = CliRunner().invoke(app, args)
     walk = " ".join(json.loads(res.output)["walk"])
     assert "trying QLoRA" in walk and "LLM.int8 8-bit base weights" in walk
+
+
+def test_prefix_generation_sees_the_positions_training_sees() -> None:
+    """Every greedy step of a prefix-tuned model gives the logits of the training forward (no position_ids) over
+    the prompt and the tokens before it, for a left-padded batch: evaluation and training put the prompt at the
+    same positions after the prefix (peft offsets position_ids by the virtual tokens itself; adding them again
+    moved every logit by ~0.2 here)."""
+    import contextlib
+
+    from peft import PrefixTuningConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.generation import greedy_tokens, left_padded
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).eval()
+    model = get_peft_model(base, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)).eval()
+    with torch.no_grad():
+        model.prompt_encoder["default"].embedding.weight.normal_(0, 1.0)  # a prefix that moves the logits
+    steps: list[torch.Tensor] = []
+    model.register_forward_hook(lambda _m, _a, out: steps.append(out.logits[:, -1].clone()))
+    prompts = [torch.randint(3, 200, (10,)).tolist(), torch.randint(3, 200, (7,)).tolist()]
+    ids, mask = left_padded(prompts, 0)
+    out = greedy_tokens(model, ids, mask, 4, contextlib.nullcontext).tolist()
+    generated = torch.stack(steps, dim=1)  # (B, steps, V)
+    for i, (prompt, row) in enumerate(zip(prompts, out, strict=True)):
+        seq = torch.tensor([prompt + row])
+        with torch.no_grad():
+            logits = model(input_ids=seq, attention_mask=torch.ones_like(seq), use_cache=False).logits
+            with model.disable_adapter():
+                plain = model(input_ids=seq, attention_mask=torch.ones_like(seq), use_cache=False).logits
+        trained = logits[0, len(prompt) - 1 : -1]
+        torch.testing.assert_close(generated[i], trained, atol=1e-4, rtol=0)
+        assert (plain[0, len(prompt) - 1 : -1] - trained).abs().max() > 0.1  # the prefix does reach attention
