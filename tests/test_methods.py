@@ -241,3 +241,36 @@ def test_prefix_generation_sees_the_positions_training_sees() -> None:
         trained = logits[0, len(prompt) - 1 : -1]
         torch.testing.assert_close(generated[i], trained, atol=1e-4, rtol=0)
         assert (plain[0, len(prompt) - 1 : -1] - trained).abs().max() > 0.1  # the prefix does reach attention
+
+
+def test_int8_training_matmul_keeps_no_input_and_matches_bitsandbytes() -> None:
+    """bitsandbytes' CPU LLM.int8 training path keeps every quantized layer's input until backward although
+    QLoRA's weight is frozen; ours computes the same output and input gradient bit for bit and frees it."""
+    import weakref
+
+    import bitsandbytes as bnb
+
+    from finetune.train.quantize import int8_frozen_matmuls
+
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 48)
+
+    def int8_layer() -> torch.nn.Module:
+        q = bnb.nn.Linear8bitLt(64, 48, bias=True, has_fp16_weights=False)
+        q.load_state_dict(dense.state_dict())
+        return q.to("cpu").train()
+
+    x = torch.randn(4, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    results = []
+    for layer in (int8_layer(), int8_frozen_matmuls(int8_layer())):
+        h = x * 1  # an activation, as a layer's input is
+        kept = weakref.ref(h)
+        out = layer(h)
+        del h
+        results.append((out.detach(), kept() is not None))
+        out.float().square().sum().backward()
+        results[-1] += (x.grad.clone(),)
+        x.grad = None
+    (theirs, theirs_kept, theirs_grad), (ours, ours_kept, ours_grad) = results
+    assert torch.equal(ours, theirs) and torch.equal(ours_grad, theirs_grad)
+    assert theirs_kept and not ours_kept

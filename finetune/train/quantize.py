@@ -110,17 +110,17 @@ def load_quantized(
         "attn_implementation": r.model.attn_implementation,
     }
     if r.model.init != "random":
-        return disable_cpu_packed_inference(AutoModelForCausalLM.from_pretrained(path, **kwargs))
+        return _cpu_training_paths(AutoModelForCausalLM.from_pretrained(path, **kwargs))
     model = build_random_base(loaded, path)
     if base_dir is not None:
         base_dir.mkdir(parents=True, exist_ok=True)
         _save_unquantized(model, base_dir)
         del model
-        return disable_cpu_packed_inference(AutoModelForCausalLM.from_pretrained(str(base_dir), **kwargs))
+        return _cpu_training_paths(AutoModelForCausalLM.from_pretrained(str(base_dir), **kwargs))
     with tempfile.TemporaryDirectory(prefix="finetune-random-base-") as tmp:
         _save_unquantized(model, Path(tmp))
         del model
-        return disable_cpu_packed_inference(AutoModelForCausalLM.from_pretrained(tmp, **kwargs))
+        return _cpu_training_paths(AutoModelForCausalLM.from_pretrained(tmp, **kwargs))
 
 
 def _save_unquantized(model: torch.nn.Module, directory: Path) -> None:
@@ -146,6 +146,90 @@ def disable_cpu_packed_inference(model: torch.nn.Module) -> torch.nn.Module:
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     return model
+
+
+def _cpu_training_paths(model: torch.nn.Module) -> torch.nn.Module:
+    return int8_frozen_matmuls(disable_cpu_packed_inference(model))
+
+
+def int8_frozen_matmuls(model: torch.nn.Module) -> torch.nn.Module:
+    """Run bitsandbytes' CPU ``Linear8bitLt`` in training without keeping its input for backward.
+
+    In training on CPU, bitsandbytes 0.50 computes LLM.int8 as dequantize + matmul (``MatMul8bitFp``) and
+    stores the layer's input on the autograd context (``ctx.A``) for the weight's gradient, even when the
+    weight is frozen, as QLoRA's always is: the input of every quantized linear layer (the attention output
+    before o_proj, the MLP's normed input, the (tokens x intermediate) input of down_proj...) stayed alive until
+    backward, memory the planner does not count and no gradient needs. Here the same arithmetic (codes x
+    per-row scale / 127 in the input's dtype, then a matmul; backward: the gradient times that same weight)
+    runs in an autograd function that keeps nothing but the module, whose int8 codes and scales are resident
+    anyway. Eval, CUDA, and layers whose weight trains keep bitsandbytes' own path.
+    """
+    from bitsandbytes.nn import Linear8bitLt
+
+    for module in model.modules():
+        if isinstance(module, Linear8bitLt) and not module.state.has_fp16_weights:
+            module.forward = _int8_forward.__get__(module)
+    return model
+
+
+def _int8_forward(module: Any, x: torch.Tensor) -> torch.Tensor:
+    from bitsandbytes.nn import Linear8bitLt
+
+    if module.weight.CB is not None:  # the first call moves the codes onto the state, as bitsandbytes does
+        module.init_8bit_state()
+    state = module.state
+    if not (module.training and x.device.type == "cpu" and state.CB is not None and state.SCB is not None):
+        return Linear8bitLt.forward(module, x)
+    state.is_training = True
+    bias = module.bias
+    if bias is not None and bias.dtype != x.dtype:
+        bias.data = bias.data.to(x.dtype)  # as bitsandbytes does
+    out = _FrozenInt8Matmul.apply(x, state.CB, state.SCB, bias)
+    module.weight.data = state.CB
+    return out
+
+
+def _frozen_int8_class() -> Any:
+    import torch
+
+    class FrozenInt8Matmul(torch.autograd.Function):
+        """``x @ (CB * SCB / 127).T + bias`` with a frozen int8 weight: only the codes are kept for backward."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor, bias: Any) -> torch.Tensor:
+            w = cb.to(x.dtype).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))
+            ctx.save_for_backward(cb, scb)  # resident module tensors: no new memory
+            ctx.bias_dtype = None if bias is None else bias.dtype
+            return torch.nn.functional.linear(x, w, bias)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+            cb, scb = ctx.saved_tensors
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                w = cb.to(grad.dtype, copy=True).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))
+                grad_x = torch.matmul(grad, w)
+            grad_bias = None
+            if ctx.needs_input_grad[3]:
+                grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=ctx.bias_dtype)
+            return grad_x, None, None, grad_bias
+
+    return FrozenInt8Matmul
+
+
+class _FrozenInt8MatmulMeta(type):
+    """Builds the autograd function when first used (this module is imported without torch)."""
+
+    _fn: Any = None
+
+    def apply(cls, *args: Any) -> Any:
+        if cls._fn is None:
+            cls._fn = _frozen_int8_class()
+        return cls._fn.apply(*args)
+
+
+class _FrozenInt8Matmul(metaclass=_FrozenInt8MatmulMeta):
+    pass
 
 
 def quantized_modules(config: Any) -> dict[str, bool]:
