@@ -196,7 +196,7 @@ def _frozen_int8_class() -> Any:
         """``x @ (CB * SCB / 127).T + bias`` with a frozen int8 weight: only the codes are kept for backward."""
 
         @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor, bias: Any) -> torch.Tensor:
+        def forward(ctx: Any, x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor, bias: Any) -> Any:
             w = cb.to(x.dtype).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))
             ctx.save_for_backward(cb, scb)  # resident module tensors: no new memory
             ctx.bias_dtype = None if bias is None else bias.dtype
