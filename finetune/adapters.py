@@ -33,6 +33,10 @@ ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 #: Names of the injected modules inside a decoder layer (the state-dict keys contain them).
 SLOT_NAMES = {"attention": "bottleneck_attn", "mlp": "bottleneck_mlp"}
+#: LoRA initialisations that decompose the base weights (and subtract the initial adapter from them).
+DECOMPOSING_INITS = ("pissa", "olora")
+#: Attribute of a pissa/olora peft model holding its initial adapter ({parameter name: tensor}).
+LORA_INIT_ATTR = "_finetune_initial_lora"
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
 
 
@@ -63,7 +67,7 @@ def peft_config(spec: AdapterSpec, model_config: Any, num_layers: int | None = N
             target_modules=lora_targets(spec.target_modules, model_config.model_type),
             use_dora=spec.use_dora,
             use_rslora=spec.use_rslora,
-            init_lora_weights="gaussian" if spec.init == "gaussian" else True,
+            init_lora_weights=True if spec.init == "default" else spec.init,
             bias="none",
             task_type="CAUSAL_LM",
         )
@@ -84,9 +88,18 @@ def peft_config(spec: AdapterSpec, model_config: Any, num_layers: int | None = N
     raise ValueError(f"no peft config for {spec.kind}")
 
 
-def inject(model: Any, spec: AdapterSpec, *, num_layers: int | None = None) -> Any:
+def inject(model: Any, spec: AdapterSpec, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
     """``model`` with ``spec``'s trainable modules on its frozen base (a peft model for lora and prefix, the
-    same model with bottleneck modules for adapter); only the injected parameters require gradients."""
+    same model with bottleneck modules for adapter); only the injected parameters require gradients.
+
+    ``stand_in``: the planner's model (meta or zero weights): LoRA's pissa/olora initialisation, which
+    decomposes the real weights, is replaced by the default one (the same shapes).
+    A pissa/olora peft model keeps its initial adapter as ``LORA_INIT_ATTR`` (see :func:`plain_lora`).
+    """
+    if stand_in and spec.kind == "lora" and spec.init in DECOMPOSING_INITS:
+        import dataclasses
+
+        spec = dataclasses.replace(spec, init="default")
     if spec.kind == "bottleneck":
         for p in model.parameters():
             p.requires_grad_(False)
@@ -102,9 +115,35 @@ def inject(model: Any, spec: AdapterSpec, *, num_layers: int | None = None) -> A
         warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
     key = "lora.target_modules" if spec.kind == "lora" else "prefix"
     try:
-        return get_peft_model(model, peft_config(spec, model.config, num_layers))
+        adapted = get_peft_model(model, peft_config(spec, model.config, num_layers))
     except ValueError as exc:  # e.g. target modules not found in the model
         raise UserError(f"{key}: {exc}") from None
+    if spec.kind == "lora" and spec.init in DECOMPOSING_INITS:
+        initial = {n: p.detach().clone() for n, p in adapted.named_parameters() if p.requires_grad}
+        setattr(adapted, LORA_INIT_ATTR, initial)
+    return adapted
+
+
+def plain_lora(state: dict[str, Any], initial: dict[str, Any]) -> dict[str, Any]:
+    """A pissa/olora adapter's trained ``state`` as a plain LoRA of rank 2r on the original base weights.
+
+    Those inits move ``scale * B0 @ A0`` (the initial adapter, ``initial``) out of each base weight, so the
+    trained model is ``W - s B0 A0 + s B A``, i.e. the original ``W`` plus ``s [B, -B0] @ [A; A0]``: A and A0
+    stacked, B and -B0 side by side. The config is saved with r and alpha doubled (alpha x sqrt(2) under
+    rsLoRA), which keeps the scale ``s`` (peft's ``path_initial_model_for_weight_conversion`` does the same,
+    but by loading the initial adapter into the model, which a sharded model cannot).
+    """
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, t in state.items():
+        if ".lora_A." in name:
+            out[name] = torch.cat([t, initial[name].to(t.dtype)], dim=0)
+        elif ".lora_B." in name:
+            out[name] = torch.cat([t, -initial[name].to(t.dtype)], dim=1)
+        else:
+            out[name] = t
+    return out
 
 
 def prefix_tokens(model: Any) -> int:

@@ -86,8 +86,12 @@ class LoraConfig(Section):
         False, description="DoRA: a trained magnitude per output feature times the LoRA-updated direction (peft)."
     )
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale the update by alpha / sqrt(r) instead of alpha / r.")
-    init: Literal["default", "gaussian"] = Field(
-        "default", description="Initialisation of A (B starts at zero): default (Kaiming-uniform) or gaussian (peft's)."
+    init: Literal["default", "gaussian", "pissa", "olora"] = Field(
+        "default",
+        description="Initialisation (peft's init_lora_weights): default (Kaiming-uniform A, zero B), gaussian, "
+        "pissa (A, B from the weight's top singular vectors) or olora (from its QR decomposition). pissa and "
+        "olora move that part out of the base weight while training; the saved adapter is converted to a plain "
+        "LoRA of rank 2r on the original base (merge and PeftModel.from_pretrained use the untouched base).",
     )
 
 
@@ -672,6 +676,22 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
             what = "DoRA" if key.endswith("dora") else "rsLoRA"
             problems.append(loaded.problem(
                 key, f"{what} is a kind of LoRA but method is {r.method}; set method: lora or qlora, or remove {key}"
+            ))
+    if r.lora.init in ("pissa", "olora") and r.method in lora_methods:
+        if r.method == "qlora":
+            problems.append(loaded.problem(
+                "lora.init", f"{r.lora.init} rewrites the base weights, which QLoRA keeps quantized (the saved adapter "
+                "could not be converted exactly against the original base); use method: lora, or init: default",
+            ))
+        elif r.lora.use_dora:
+            problems.append(loaded.problem(
+                "lora.init", f"{r.lora.init} with DoRA cannot be saved as an adapter of the original base (the "
+                "magnitudes are those of the rewritten weights); use init: default with use_dora, or use_dora: false",
+            ))
+        elif isinstance(r.distributed.tp, int) and r.distributed.tp > 1:
+            problems.append(loaded.problem(
+                "lora.init", f"{r.lora.init} decomposes whole weights, which tensor parallelism splits; "
+                "use distributed.tp: 1, or init: default",
             ))
     if r.method == "prefix":
         if r.train.activation_checkpointing is True:

@@ -321,3 +321,43 @@ def test_prefix_and_bottleneck_adapters_are_refused_with_the_way_to_load_them(tm
     assert res.exit_code == 2
     assert "not a linear update of a weight" in res.output and "load_bottlenecks" in res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize(("init", "rslora"), [("pissa", False), ("olora", True)])
+def test_pissa_and_olora_adapters_are_saved_for_the_original_base(tmp_path: Path, init: str, rslora: bool) -> None:
+    """pissa/olora train on base weights with the initial adapter subtracted; the run saves a plain LoRA of
+    rank 2r on the original base, so PeftModel on the untouched base and `finetune merge` both give the trained
+    model's logits within 1e-4."""
+    from peft import PeftModel
+
+    from finetune.adapters import LORA_INIT_ATTR, inject
+    from finetune.spec import AdapterSpec
+    from finetune.train.outputs import _save_plain_lora
+
+    base = tmp_path / "base"
+    tiny_model("llama", bias=True).save_pretrained(base)
+    spec = AdapterSpec(kind="lora", r=4, alpha=8.0, target_modules=tuple(LLAMA_ALL), init=init, use_rslora=rslora)
+    model = inject(tiny_model("llama", bias=True), spec)
+    assert getattr(model, LORA_INIT_ATTR)  # the initial adapter, kept for the conversion
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:  # "training": A and B move away from their decomposed start
+                p.add_(torch.randn_like(p) * 0.1)
+        expected = model.eval()(INPUT_IDS).logits
+        with model.disable_adapter():  # the rewritten base alone is not the original model
+            residual = model(INPUT_IDS).logits
+    assert (residual - logits_of(base)).abs().max() > 1e-3
+    adapter = tmp_path / "adapter"
+    _save_plain_lora(model, adapter, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["init_lora_weights"]) == (8, True)
+    assert model.peft_config["default"].r == 4  # the live model's config is left as it was
+    from transformers import AutoModelForCausalLM
+
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+    with torch.no_grad():
+        assert (reloaded(INPUT_IDS).logits - expected).abs().max().item() < 1e-4
+    res = CliRunner().invoke(app, ["merge", str(adapter), "--out", str(tmp_path / "merged"), "--base", str(base)])
+    assert res.exit_code == 0, res.output
+    assert (logits_of(tmp_path / "merged") - expected).abs().max().item() < 1e-4

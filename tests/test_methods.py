@@ -165,6 +165,14 @@ BAD = {
         {"method": "prefix", "train": {"activation_checkpointing": True}},
         "train.activation_checkpointing: transformers drops the key/value cache",
     ),
+    "pissa-qlora": (
+        {"method": "qlora", "lora": {"init": "pissa"}},
+        "lora.init: pissa rewrites the base weights, which QLoRA keeps quantized",
+    ),
+    "olora-dora": (
+        {"method": "lora", "lora": {"init": "olora", "use_dora": True}},
+        "lora.init: olora with DoRA cannot be saved as an adapter of the original base",
+    ),
 }
 
 

@@ -394,7 +394,7 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
 
         # prefix tuning: the prefix of every layer of the real model is computed up front (one embedding
         # lookup), so it is traced at full depth, outside the per-layer increment
-        model = inject(model, spec.adapter, num_layers=config.num_hidden_layers)
+        model = inject(model, spec.adapter, num_layers=config.num_hidden_layers, stand_in=True)
     if compute is not None:  # FSDP2's MixedPrecisionPolicy casts adapters and norms too
         for prm in model.parameters():
             if prm.is_floating_point():

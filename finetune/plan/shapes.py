@@ -241,7 +241,7 @@ def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec |
         from finetune.adapters import inject
 
         # prefix tuning: the prompt encoder sized for every layer of the real model (it lives outside the blocks)
-        adapted = inject(model, adapter, num_layers=config.num_hidden_layers)
+        adapted = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)
         for name, p in adapted.named_parameters():
             if p.requires_grad:
                 inv.adapters.append(Tensor(name, p.numel(), block_prefix in name, False, True))

@@ -180,6 +180,24 @@ def _eval_text(ev: EvalResult) -> str:
     return ", ".join(parts)
 
 
+def _save_plain_lora(inner: Any, out_dir: Path, state: dict[str, Any]) -> None:
+    """A pissa/olora run's adapter saved as a plain LoRA (rank 2r) of the original base: the base weights the
+    run trained on had the initial adapter subtracted, and no one else has them (merge and
+    PeftModel.from_pretrained load the original base)."""
+    import math
+
+    from finetune.adapters import LORA_INIT_ATTR, plain_lora
+
+    config = inner.peft_config["default"]
+    kept = (config.r, config.lora_alpha, config.init_lora_weights)
+    config.r, config.init_lora_weights = 2 * kept[0], True
+    config.lora_alpha = kept[1] * (math.sqrt(2) if config.use_rslora else 2)
+    try:
+        inner.save_pretrained(out_dir, state_dict=plain_lora(state, getattr(inner, LORA_INIT_ATTR)), safe_serialization=True)
+    finally:
+        config.r, config.lora_alpha, config.init_lora_weights = kept
+
+
 def save_final(
     model: torch.nn.Module, inner: torch.nn.Module, tokenizer: Any, out_dir: Path, ctx: DistContext, *,
     adapters: bool, max_shard_bytes: int,
@@ -191,7 +209,7 @@ def save_final(
     """
     from transformers.utils import logging as hf_logging
 
-    from finetune.adapters import has_bottlenecks, prefix_tokens, save_bottlenecks
+    from finetune.adapters import LORA_INIT_ATTR, has_bottlenecks, prefix_tokens, save_bottlenecks
     from finetune.train.parallel import is_sharded
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
@@ -207,6 +225,8 @@ def save_final(
         if ctx.is_main:
             if has_bottlenecks(inner):  # our own adapter format; the base stays where it is
                 save_bottlenecks(inner, out_dir, state, base=getattr(inner.config, "_name_or_path", None))
+            elif getattr(inner, LORA_INIT_ATTR, None) is not None:
+                _save_plain_lora(inner, out_dir, state)
             else:
                 inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
     else:
