@@ -1,0 +1,140 @@
+"""Why does prefix tuning not learn the quickstart's second task? A small in-process sweep.
+
+Trains peft prefix tuning on recipes/quickstart-prefix.yaml's base and data (run recipes/quickstart.yaml
+first) with the trainer's own pieces (finetune.loss.causal_lm_loss, finetune.adapters.inject,
+finetune.generation.greedy_tokens), AdamW with warmup + cosine like the trainer, and prints the loss curve,
+exact match on the held-out words, how many answers are right ignoring case, how many are all capitals,
+and a few generations. One line per setting, so settings can be compared side by side:
+
+    python scripts/prefix_probe.py --tokens 16 --projection --lr 1e-2 --steps 150
+    python scripts/prefix_probe.py --tokens 32 --lr 5e-2 --steps 100
+    python scripts/prefix_probe.py --tokens 16 --lr 1e-2 --init-from-text   # Li & Liang: real tokens' K/V
+
+Measured (docs/architecture.md, Decisions): every setting stays at 0% exact match; the answers become capitals
+but the wrong letters (the prefix's attention mass takes over the base's copying heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import random
+import time
+import warnings
+from typing import Any
+
+
+def _init_from_text(model: Any, examples: list[Any], tokens: int) -> None:
+    """Set the prefix (no projection) to the base's keys and values of the first ``tokens`` training tokens."""
+    import torch
+
+    ids: list[int] = []
+    for e in examples:
+        ids += list(e.input_ids)
+        if len(ids) >= tokens:
+            break
+    base = model.get_base_model()
+    with torch.no_grad(), model.disable_adapter():
+        cache = base(input_ids=torch.tensor([ids[:tokens]]), use_cache=True).cache
+    rows = []
+    for layer in range(base.config.num_hidden_layers):  # get_prompt's layout: (layer, key|value, head, dim)
+        for t in (cache.layers[layer].keys, cache.layers[layer].values):
+            rows.append(t[0].transpose(0, 1).reshape(tokens, -1))
+    with torch.no_grad():
+        model.prompt_encoder["default"].embedding.weight.copy_(torch.cat(rows, dim=1))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="recipes/quickstart-prefix.yaml")
+    ap.add_argument("--tokens", type=int, default=16, help="prefix.num_virtual_tokens")
+    ap.add_argument("--projection", action="store_true", help="prefix.projection (2-layer MLP)")
+    ap.add_argument("--hidden", type=int, default=256, help="prefix.projection_hidden")
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--init-from-text", action="store_true", help="start from real tokens' keys/values")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.adapters import inject
+    from finetune.generation import greedy_tokens, left_padded
+    from finetune.loss import causal_lm_loss
+    from finetune.recipe import load_recipe
+    from finetune.spec import AdapterSpec
+    from finetune.train.data import load_data
+    from finetune.train.data.batches import collate
+    from finetune.train.model import load_tokenizer, resolve_model_path
+
+    loaded = load_recipe(args.recipe)
+    tok = load_tokenizer(loaded)
+    data = load_data(loaded, tok)
+    train = list(data.train)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(loaded), dtype=torch.float32)
+    spec = AdapterSpec(
+        kind="prefix", num_virtual_tokens=args.tokens, projection=args.projection,
+        projection_hidden=args.hidden if args.projection else None,
+    )
+    model = inject(base, spec)
+    if args.init_from_text:
+        if args.projection:
+            raise SystemExit("--init-from-text sets the prefix itself: use it without --projection")
+        _init_from_text(model, train, args.tokens)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    warm = 20
+
+    def schedule(s: int) -> float:
+        if s < warm:
+            return (s + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, args.steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    rng = random.Random(0)
+    cpu0, wall0 = time.process_time(), time.time()
+    curve = []
+    model.train()
+    for step in range(args.steps):
+        s, n = causal_lm_loss(model, collate(rng.sample(train, args.batch), tok.pad_token_id))
+        (s / n).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % 25 == 0:
+            curve.append(f"{step + 1}:{float(s / n):.3f}")
+    model.eval()
+    exact = ignoring_case = capitals = 0
+    samples: list[tuple[str, str]] = []
+    prompts = data.eval_prompts
+    for i in range(0, len(prompts), 50):
+        chunk = prompts[i : i + 50]
+        ids, mask = left_padded([p.prompt_ids for p in chunk], tok.pad_token_id)
+        out = greedy_tokens(model, ids, mask, loaded.recipe.eval.max_new_tokens, contextlib.nullcontext)
+        for p, row in zip(chunk, out.tolist(), strict=True):
+            row = row[: row.index(tok.eos_token_id)] if tok.eos_token_id in row else row
+            text, want = tok.decode(row, skip_special_tokens=True).strip(), p.answer.strip()
+            exact += text == want
+            ignoring_case += text.lower() == want.lower()
+            capitals += text.isupper()
+            if len(samples) < 4:
+                samples.append((want, text))
+    n = len(prompts)
+    print(
+        f"tokens {args.tokens} projection {args.projection} lr {args.lr:g} steps {args.steps} "
+        f"init {'text' if args.init_from_text else 'random'} | loss {' '.join(curve)} | exact match "
+        f"{100 * exact / n:.1f}% | ignoring case {100 * ignoring_case / n:.1f}% | all capitals "
+        f"{100 * capitals / n:.1f}% | cpu {time.process_time() - cpu0:.0f} s wall {time.time() - wall0:.0f} s | "
+        f"e.g. {samples}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
