@@ -77,7 +77,9 @@ def main() -> int:
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(loaded), dtype=torch.float32)
     spec = AdapterSpec(
-        kind="prefix", num_virtual_tokens=args.tokens, projection=args.projection,
+        kind="prefix",
+        num_virtual_tokens=args.tokens,
+        projection=args.projection,
         projection_hidden=args.hidden if args.projection else None,
     )
     model = inject(base, spec)

@@ -193,7 +193,8 @@ def _save_plain_lora(inner: Any, out_dir: Path, state: dict[str, Any]) -> None:
     config.r, config.init_lora_weights = 2 * kept[0], True
     config.lora_alpha = kept[1] * (math.sqrt(2) if config.use_rslora else 2)
     try:
-        inner.save_pretrained(out_dir, state_dict=plain_lora(state, getattr(inner, LORA_INIT_ATTR)), safe_serialization=True)
+        plain = plain_lora(state, getattr(inner, LORA_INIT_ATTR))
+        inner.save_pretrained(out_dir, state_dict=plain, safe_serialization=True)
     finally:
         config.r, config.lora_alpha, config.init_lora_weights = kept
 
