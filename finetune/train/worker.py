@@ -138,6 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     handler.initialize()
     try:
         run_worker(args[0])
+        # Done, every output written and closed, the process group left. Leave without the interpreter's
+        # teardown: a native thread still joinable when C++ static objects are destroyed aborted a finished
+        # rank now and then ("terminate called without an active exception", SIGABRT after "model saved"),
+        # which turned a complete run into a failed one.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except UserError as err:
         handler.record_exception(err)  # the launcher prints it, once, naming the rank
         sys.exit(getattr(err, "exit_code", 2))
