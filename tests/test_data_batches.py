@@ -87,16 +87,20 @@ def test_packed_logits_equal_each_document_alone(attn, arch):
     batch = collate([row, pack(docs([20]), 40)[0]], pad_id=0)  # second row: padded to 33
     assert find_packed_sequence_indices(batch["position_ids"]) is not None  # transformers sees the packing
     with torch.no_grad():
-        packed = model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-        ).logits
-        starts = [i for i, p in enumerate(row.position_ids) if p == 0] + [len(row.input_ids)]
-        for a, b in itertools.pairwise(starts):
-            alone = model(input_ids=torch.tensor([row.input_ids[a:b]]), use_cache=False).logits
-            torch.testing.assert_close(packed[0, a:b], alone[0], atol=1e-5, rtol=1e-5)
-        # the check can fail: the same row without restarting positions mixes the documents
-        mixed = model(input_ids=batch["input_ids"][:1], use_cache=False).logits
-        assert (mixed[0, starts[1] : starts[2]] - packed[0, starts[1] : starts[2]]).abs().max() > 1e-2
+        assert_documents_apart(model, batch, row)
+
+
+def assert_documents_apart(model: torch.nn.Module, batch: dict, row) -> torch.Tensor:
+    """The packed logits of ``batch``'s first row (``row``) equal each of its documents run alone within 1e-5,
+    and differ from the same row without restarting positions (so the check can fail); returns the logits."""
+    packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    starts = [i for i, p in enumerate(row.position_ids) if p == 0] + [len(row.input_ids)]
+    for a, b in itertools.pairwise(starts):
+        alone = model(input_ids=torch.tensor([row.input_ids[a:b]]), use_cache=False).logits
+        torch.testing.assert_close(packed[0, a:b], alone[0], atol=1e-5, rtol=1e-5)
+    mixed = model(input_ids=batch["input_ids"][:1], use_cache=False).logits
+    assert (mixed[0, starts[1] : starts[2]] - packed[0, starts[1] : starts[2]]).abs().max() > 1e-2
+    return packed
 
 
 @pytest.mark.parametrize(
@@ -125,18 +129,10 @@ def test_flex_packed_logits_equal_each_document_alone(path, monkeypatch):
     for p in model.parameters():
         p.requires_grad_(grad)
     with torch.set_grad_enabled(grad):
-        packed = model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-        ).logits
-        starts = [i for i, p in enumerate(row.position_ids) if p == 0] + [len(row.input_ids)]
-        for a, b in itertools.pairwise(starts):
-            alone = model(input_ids=torch.tensor([row.input_ids[a:b]]), use_cache=False).logits
-            torch.testing.assert_close(packed[0, a:b], alone[0], atol=1e-5, rtol=1e-5)
+        packed = assert_documents_apart(model, batch, row)
         # the second row (one document, padded): causal inside it, like the same document alone
         alone = model(input_ids=batch["input_ids"][1:, :20], use_cache=False).logits
         torch.testing.assert_close(packed[1, :20], alone[0], atol=1e-5, rtol=1e-5)
-        mixed = model(input_ids=batch["input_ids"][:1], use_cache=False).logits
-        assert (mixed[0, starts[1] : starts[2]] - packed[0, starts[1] : starts[2]]).abs().max() > 1e-2
     if grad:  # and the gradient flows through the CPU path
         packed.float().pow(2).mean().backward()
         assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -136,27 +137,37 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     handler = get_error_handler()
     handler.initialize()
+    code = 0
     try:
         run_worker(args[0])
-        # Done, every output written and closed, the process group left. Leave without the interpreter's
-        # teardown: a native thread still joinable when C++ static objects are destroyed aborted a finished
-        # rank now and then ("terminate called without an active exception", SIGABRT after "model saved"),
-        # which turned a complete run into a failed one.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
     except UserError as err:
         handler.record_exception(err)  # the launcher prints it, once, naming the rank
-        sys.exit(getattr(err, "exit_code", 2))
+        code = getattr(err, "exit_code", 2)
     except Exception as err:
         if _peer_failed(err):
             # A consequence, not a cause: another rank died and took the connection with it. Record nothing
             # (the launcher reports the rank that did record its error) and skip the traceback.
             sys.stderr.write(f"rank {os.environ.get('RANK', '?')}: stopped, another rank failed\n")
-            sys.exit(PEER_FAILED_EXIT)
-        handler.record_exception(err)
-        raise
+            code = PEER_FAILED_EXIT
+        else:
+            handler.record_exception(err)
+            traceback.print_exc()
+            code = 1
+    _leave(code)
+
+
+def _leave(code: int) -> None:
+    """Exit with ``code`` once the logs are flushed, without the interpreter's teardown.
+
+    The outputs are written and closed and the process group left by then. A native thread still joinable
+    when C++ static objects are destroyed aborted ranks at teardown now and then ("terminate called without an
+    active exception", SIGABRT), after a finished run or after a rank had recorded its error, which turned a
+    complete run into a failed one and an exit status 2 into a signal.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 #: Exit status of a rank that stopped because another rank's process died (not a cause: never reported).
