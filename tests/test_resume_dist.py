@@ -23,7 +23,11 @@ pytestmark = pytest.mark.dist
 STEPS = 8
 
 
-def _recipe(tmp: Path, name: str, strategy: str) -> Path:
+def _recipe(
+    tmp: Path, name: str, strategy: str, *, nproc: int = 2, steps: int = STEPS, global_batch: int = 8,
+    save_every: int = 4, **output: object,
+) -> Path:
+    """The tiny model on 48 reversal samples, checkpoints every ``save_every`` steps (``output`` adds keys)."""
     data = tmp / "train48.jsonl"
     if not data.exists():
         rows = (RECIPES / "data/reverse/train.jsonl").read_text().splitlines()[:48]
@@ -32,9 +36,10 @@ def _recipe(tmp: Path, name: str, strategy: str) -> Path:
     r = tiny_recipe(
         out,
         data={"train": str(data), "eval": None, "max_seq_len": 48},
-        train={"max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, "lr": 2e-3, "warmup_steps": 2},
-        distributed={"strategy": strategy, "nproc": 2},
-        output={"dir": str(out), "log_every": 1, "save_every": 4, "keep": 3},
+        train={"max_steps": steps, "global_batch_size": global_batch, "micro_batch_size": 2, "lr": 2e-3,
+               "warmup_steps": 2},
+        distributed={"strategy": strategy, "nproc": nproc},
+        output={"dir": str(out), "log_every": 1, "save_every": save_every, "keep": 3, **output},
     )
     return write_recipe(tmp / f"{name}.yaml", r)
 
@@ -111,19 +116,9 @@ def test_fsdp_full_disk_during_a_save_is_one_sentence_and_the_previous_checkpoin
 def _matrix_recipe(tmp: Path, name: str, strategy: str, nproc: int) -> Path:
     """10 steps, global batch 12 (divisible by 1, 2 and 3 processes x micro-batch 2), checkpoint at step 5;
     the final model in safetensors files of at most 2 MiB (the tiny model has 12 MiB of fp32 weights)."""
-    data = tmp / "train48.jsonl"
-    if not data.exists():
-        rows = (RECIPES / "data/reverse/train.jsonl").read_text().splitlines()[:48]
-        data.write_text("\n".join(rows) + "\n")
-    out = tmp / name
-    r = tiny_recipe(
-        out,
-        data={"train": str(data), "eval": None, "max_seq_len": 48},
-        train={"max_steps": 10, "global_batch_size": 12, "micro_batch_size": 2, "lr": 2e-3, "warmup_steps": 2},
-        distributed={"strategy": strategy, "nproc": nproc},
-        output={"dir": str(out), "log_every": 1, "save_every": 5, "keep": 3, "max_shard_size": "2MiB"},
+    return _recipe(
+        tmp, name, strategy, nproc=nproc, steps=10, global_batch=12, save_every=5, max_shard_size="2MiB"
     )
-    return write_recipe(tmp / f"{name}.yaml", r)
 
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:
