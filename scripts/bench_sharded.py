@@ -36,6 +36,23 @@ from tests.test_sharded_memory import BIG, HOOKS, RECIPES, make_model  # noqa: E
 MiB = 2**20
 
 
+def probed_run(code: Path, recipe: Path, probe: Path, *args: str) -> dict[int, dict]:
+    """`finetune run` of the code at ``code`` with the host-memory probe; each rank's phase peaks."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(code),
+        "FINETUNE_HOOKS": f"{HOOKS}:HostMemoryHooks",
+        "FINETUNE_HOSTMEM_DIR": str(probe),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "run", str(recipe), *args],
+        cwd=code, capture_output=True, text=True, env=env, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return {rank: json.loads((probe / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+
 def run(code: Path, tmp: Path, name: str, model_dir: Path) -> dict[int, dict]:
     out = tmp / name
     r = tiny_recipe(
@@ -49,25 +66,9 @@ def run(code: Path, tmp: Path, name: str, model_dir: Path) -> dict[int, dict]:
     recipe = write_recipe(tmp / f"{name}.yaml", r)
     phases: dict[int, dict] = {0: {}, 1: {}}
     for attempt, args in (("first", []), ("resumed", ["--resume", "latest"])):
-        probe = tmp / f"{name}-{attempt}"
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(code),
-            "FINETUNE_HOOKS": f"{HOOKS}:HostMemoryHooks",
-            "FINETUNE_HOSTMEM_DIR": str(probe),
-            "OMP_NUM_THREADS": "1",
-        }
-        proc = subprocess.run(
-            [sys.executable, "-m", "finetune", "run", str(recipe), *args],
-            cwd=code,
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=1200,
-        )
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        probed = probed_run(code, recipe, tmp / f"{name}-{attempt}", *args)
         for rank in (0, 1):
-            got = json.loads((probe / f"rank{rank}.json").read_text())
+            got = probed[rank]
             keep = ("load", "checkpoint", "final") if attempt == "first" else ("resume",)
             phases[rank].update({k: v for k, v in got.items() if k in keep})
     return phases
@@ -110,24 +111,8 @@ def load_only(code: Path, tmp: Path, name: str, model_dir: Path, overrides: dict
         output={"dir": str(out)},
     )
     recipe = write_recipe(tmp / f"{name}.yaml", r)
-    probe = tmp / f"{name}-probe"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(code),
-        "FINETUNE_HOOKS": f"{HOOKS}:HostMemoryHooks",
-        "FINETUNE_HOSTMEM_DIR": str(probe),
-        "OMP_NUM_THREADS": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "finetune", "run", str(recipe)],
-        cwd=code,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return {rank: json.loads((probe / f"rank{rank}.json").read_text())["load"] for rank in (0, 1)}
+    probed = probed_run(code, recipe, tmp / f"{name}-probe")
+    return {rank: probed[rank]["load"] for rank in (0, 1)}
 
 
 def main() -> None:
