@@ -106,7 +106,7 @@ def assert_documents_apart(model: torch.nn.Module, batch: dict, row) -> torch.Te
 @pytest.mark.parametrize(
     "path",
     [
-        "cpu-training",  # finetune's CPU path: the BlockMask evaluated densely by sdpa (finetune.train.flex)
+        "cpu-training",  # finetune's CPU path: the BlockMask evaluated densely by sdpa (finetune.flex)
         # torch's compiled CPU kernel, forward only (compiling takes about a minute)
         pytest.param("compiled-kernel", marks=pytest.mark.slow),
     ],
@@ -116,7 +116,7 @@ def test_flex_packed_logits_equal_each_document_alone(path, monkeypatch):
     from transformers import AttentionInterface
     from transformers.integrations.flex_attention import flex_attention_forward
 
-    from finetune.train import flex
+    from finetune import flex
 
     flex.install()
     if path == "compiled-kernel":  # transformers' own flex attention (no gradients: none on CPU)

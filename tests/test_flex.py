@@ -16,7 +16,7 @@ def test_flex_packed_run_trains_like_sdpa(tmp_path, finetune_cmd):
     """Four packed steps of the tiny model (fp32, CPU) with flex_attention and with sdpa.
 
     On CPU both runs evaluate the same document mask with the same sdpa kernel (torch 2.13 has no flex backward
-    on CPU: finetune.train.flex evaluates flex's BlockMask densely); only how the mask is built differs
+    on CPU: finetune.flex evaluates flex's BlockMask densely); only how the mask is built differs
     (create_block_mask's mask function vs transformers' sdpa_mask), so the losses agree to float rounding:
     1e-5 relative leaves room for that and none for a mask that lets one document see another (which moves the
     first loss by about 1e-2 on this data).
@@ -82,7 +82,7 @@ def test_flex_generates_like_sdpa_on_cpu():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from finetune.train import flex
+    from finetune import flex
     from tests.conftest import TINY_MODEL
 
     flex.install()

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
+from finetune import flex
 from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
-from finetune.train import flex
 from finetune.train.model import (
     add_adapters,
     copy_slice,

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from finetune import flex
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
-from finetune.train import flex
 from finetune.units import DTYPE_NAMES, torch_dtype
 
 
