@@ -51,12 +51,15 @@ class TraceSpec:
     base_dtype: str = "fp32"  # dtype the model is built in: full's masters, or the frozen base's
     autocast_dtype: str | None = None  # torch.autocast around the forward (single, DDP, ZeRO-1)
     fsdp_compute_dtype: str | None = None  # FSDP2 mixed precision: every parameter computed in it, no autocast
+    dense_flex: bool = False  # flex attention on CPU: finetune.flex's fallback (a dense mask per layer, sdpa)
 
     @classmethod
     def of(
-        cls, spec: ExecSpec, *, seq_len: int, packed: bool, attn_implementation: str, lora: tuple | None = None
+        cls, spec: ExecSpec, *, seq_len: int, packed: bool, attn_implementation: str, lora: tuple | None = None,
+        device: str = "cuda",
     ) -> TraceSpec:
-        """The trace of one execution spec at ``seq_len`` tokens per row (``lora``: (r, alpha, dropout,
+        """The trace of one execution spec at ``seq_len`` tokens per row on ``device`` (the plan's hardware;
+        it matters only for flex attention, whose CPU path materialises a mask) (``lora``: (r, alpha, dropout,
         targets) replacing the spec's LoRA shape)."""
         adapter = spec.adapter if spec.method.adapters else None
         if lora is not None and adapter is not None and adapter.kind == "lora":
@@ -72,6 +75,7 @@ class TraceSpec:
             base_dtype=spec.base_dtype(False),
             autocast_dtype=spec.compute_dtype if spec.autocast else None,
             fsdp_compute_dtype=spec.fsdp_param_dtype,
+            dense_flex=attn_implementation == FLEX and device == "cpu",
         )
 
 
@@ -297,7 +301,7 @@ def _window_tracker(root: str, layer_names: list[str], model: Any) -> Any:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 7  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
+TRACE_VERSION = 8  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
@@ -416,7 +420,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         _fakeify(model)
         ids = torch.zeros(batch, spec.seq_len, dtype=torch.long)
         batch_dict: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
-        if spec.packed and spec.attn_implementation == FLEX:
+        if spec.packed and spec.attn_implementation == FLEX and not spec.dense_flex:
             pass  # flex: a block-sparse document mask, no (B, 1, T, T) tensor (see _traced_kernel)
         elif spec.packed:
             batch_dict["position_ids"] = torch.arange(spec.seq_len).repeat(batch, 1)
@@ -424,7 +428,8 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
             batch_dict["attention_mask"] = torch.ones_like(ids)
         layers = decoder_layer_names(model)
         tracker = _window_tracker(type(model).__name__, layers, model)
-        with tracker, _attention_kernels(_traced_kernel(spec)), _no_packing_detection(spec):
+        kernels = _attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
+        with tracker, kernels, _mask_checks(spec):
             if autocast:
                 with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype)):
                     loss, _ = causal_lm_loss(model, batch_dict)
@@ -438,17 +443,28 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
 
 
 def _traced_kernel(spec: TraceSpec) -> str:
-    """The attention implementation the trace runs. Flex attention is traced as sdpa's fused kernel on an
-    unmasked causal row: both keep q, k, v, the output and a per-row log-sum-exp for backward, and flex's
+    """The attention implementation the trace runs. On a GPU, flex attention is traced as sdpa's fused kernel on
+    an unmasked causal row: both keep q, k, v, the output and a per-row log-sum-exp for backward, and flex's
     document mask is a ``BlockMask`` of per-block indices (int32, (B, 1, T/128, T/128) a few times: 64 KiB per
     row at 8192 tokens), not the (B, 1, T, T) tensor sdpa gets for a packed row. (Fake tensors cannot run flex
-    itself: it is compiled, and torch 2.13 has no CPU backward for it.)"""
+    itself: it is compiled, and torch 2.13 has no CPU backward for it.) On CPU the trainer runs
+    :mod:`finetune.flex`'s fallback, which is plain eager code, so the trace runs that very code: the BlockMask
+    built eagerly, then in every layer the mask evaluated densely ((B, 1, T, T) bool) and handed to sdpa."""
+    if spec.attn_implementation == FLEX and spec.dense_flex:
+        from finetune import flex
+
+        flex.install()  # what the trainer registers; it dispatches on the tensors' device (fake tensors: cpu)
+        return FLEX
     return "sdpa" if spec.attn_implementation == FLEX else spec.attn_implementation
 
 
-def _no_packing_detection(spec: TraceSpec) -> Any:
-    """For flex: transformers cannot tell on fake tensors whether a row is packed, so it would build the packed
-    (B, 1, T, T) mask for any row without a padding mask; the flex trace runs sdpa's plain causal path instead."""
+def _mask_checks(spec: TraceSpec) -> Any:
+    """For flex: transformers' mask code reads tensor values (is this row packed? is this padding mask all
+    ones?), which fake tensors do not have. On a GPU it would then build the packed (B, 1, T, T) mask for any
+    row without a padding mask, so the flex trace runs sdpa's plain causal path instead. On CPU the answers
+    are given from what the trace feeds: a packed row is packed (its document ids computed as transformers
+    does, without the value check) and the padding mask of an unpacked row is all ones (a full row, the
+    planned worst case), so the fallback builds the mask it builds for such a real row."""
     import contextlib
     from unittest import mock
 
@@ -456,7 +472,19 @@ def _no_packing_detection(spec: TraceSpec) -> Any:
         return contextlib.nullcontext()
     from transformers import masking_utils
 
-    return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    if not spec.dense_flex:
+        return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+    def document_ids(position_ids: Any) -> Any:
+        import torch
+
+        restarts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+        return restarts.cumsum(-1)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", document_ids))
+    stack.enter_context(mock.patch.object(masking_utils, "fast_all", lambda tensor: True))
+    return stack
 
 
 def _attention_kernels(attn_implementation: str) -> Any:

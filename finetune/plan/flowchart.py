@@ -188,7 +188,7 @@ class _Planner:
     def profile(self, spec: ExecSpec) -> ActivationProfile:
         trace = TraceSpec.of(
             spec, seq_len=self.req.seq_len, packed=self.req.packed,
-            attn_implementation=self.req.attn_implementation,
+            attn_implementation=self.req.attn_implementation, device=self.hw.device,
         )
         key = (spec.tp, trace)
         if key not in self.profiles:  # one TP rank's activations: the block traced at its sharded shapes
