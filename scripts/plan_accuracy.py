@@ -65,6 +65,9 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama qlora 8-bit bf16 mb16", "llama", {"method": "qlora", "precision": "bf16", "mbs": 16, "bits": 8}, 1),
     ("llama full fp32 mb1 adamw8bit", "llama", {"method": "full", "precision": "fp32", "mbs": 1, "optimizer": "adamw8bit"}, 1),
     ("smollm2 lora bf16 mb4 packed", "smollm2", {"method": "lora", "precision": "bf16", "mbs": 4}, 1),
+    # flex attention on CPU: finetune.flex's fallback keeps a (B, 1, T, T) mask per layer, which the plan traces
+    ("llama full fp32 mb4 flex 512", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 4, "seq": 512, "attn": "flex_attention"}, 1),
     ("llama full fp32 ddp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "ddp"}, 2),
     ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
     ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),

@@ -102,3 +102,58 @@ def test_flex_generates_like_sdpa_on_cpu():
             )
     assert out["flex_attention"].shape == (2, 9)
     assert torch.equal(out["flex_attention"], out["sdpa"])
+
+
+def test_cpu_flex_plan_counts_the_fallbacks_masks(tmp_path, finetune_cmd):
+    """On CPU, flex attention runs finetune.flex's fallback: every layer evaluates the document mask densely,
+    (B, 1, T, T), and sdpa keeps an fp32 additive copy of it for backward. The run's plan (device cpu) traces
+    that fallback, so memory.json's prediction is the measured peak within 5% (it was 9% short when the CPU
+    plan counted flex's GPU memory: no mask). A GPU plan of the same recipe still counts no mask, and what it
+    misses of the CPU run's measured peak is exactly what the two plans differ by: the masks."""
+    import random
+
+    seq, batch, layers = 512, 2, 4  # the tiny model's depth; two 256-token documents in every row
+    rng = random.Random(0)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"input_ids": [rng.randrange(3, 256) for _ in range(seq // 2)]}) + "\n"
+            for _ in range(8)
+        )
+    )
+    out = tmp_path / "run"
+    recipe = tiny_recipe(
+        out,
+        model={"attn_implementation": "flex_attention"},
+        data={"train": str(rows), "format": "tokenized", "max_seq_len": seq, "packing": True, "eval": None},
+        train={
+            "max_steps": 2,
+            "global_batch_size": batch,
+            "micro_batch_size": batch,
+            "activation_checkpointing": False,
+        },
+        eval={"at_start": False},
+    )
+    path = write_recipe(tmp_path / "flex.yaml", recipe)
+    proc = subprocess.run(
+        [*finetune_cmd, "run", str(path), "--measure-memory"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    memory = json.loads((out / "memory.json").read_text())
+    assert "rows" not in memory, memory["rows"]  # every row as wide as planned
+    assert abs(memory["error_at_measured_rows"]) < 0.05, memory
+
+    proc = subprocess.run(
+        [*finetune_cmd, "plan", str(path), "--gpus", "1", "--gpu-memory", "80GiB", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gpu = json.loads(proc.stdout)["chosen"]["memory"]
+    cpu = json.loads((out / "plan.json").read_text())["chosen"]["memory"]
+    masks = cpu["activations"] - gpu["activations"]
+    saved_copies = layers * batch * seq * seq * 4  # one fp32 (B, 1, T, T) per layer, kept for backward
+    assert saved_copies <= masks < 2 * saved_copies, (masks, saved_copies)
+    missed = memory["measured_peak"] - (gpu["total"] - gpu["overhead"])
+    assert missed == pytest.approx(masks, rel=0.02), (missed, masks)
