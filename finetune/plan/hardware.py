@@ -20,6 +20,35 @@ GPU_TYPES: dict[str, tuple[float, bool]] = {
     "h200": (141, True), "h100": (80, True), "a100": (80, True), "a100-40gb": (40, True),
     "l40s": (48, True), "a6000": (48, True), "a10g": (24, True), "l4": (24, True), "rtx4090": (24, True),
     "rtx3090": (24, True), "v100": (32, False), "v100-16gb": (16, False), "t4": (16, False),
+    "h100-pcie": (80, True),
+}
+
+# name -> dense peak TFLOPS (no structured sparsity) per matmul dtype, from the vendor's datasheet or
+# architecture whitepaper (sparse figures halved where only those are printed). bf16/fp16: tensor cores with
+# fp32 accumulation (what training uses; GeForce cards run fp16 accumulation twice as fast). tf32: tensor
+# cores on fp32 tensors, which torch uses only when torch.backends.cuda.matmul.allow_tf32 is set; finetune
+# leaves it off, so an fp32 run is measured against the plain fp32 (CUDA core) peak.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    # H200 SXM datasheet (same GH100 compute as the H100 SXM); H100 whitepaper, SXM5 / PCIe
+    "h200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "h100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "h100-pcie": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    # A100 datasheet (SXM and PCIe, 40 and 80 GB alike)
+    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "a100-40gb": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    # L40S, RTX A6000, L4 datasheets
+    "l40s": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
+    "a6000": {"bf16": 154.8, "fp16": 154.8, "tf32": 77.4, "fp32": 38.7},
+    "l4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    # AWS publishes no A10G datasheet: the A10's (the same GA102 board class) is an approximation
+    "a10g": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    # Ada (RTX 4090) and GA102 (RTX 3090) whitepapers, fp32 accumulation
+    "rtx4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+    "rtx3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
+    # V100 SXM2 and T4 datasheets: fp16 tensor cores, no bf16, no tf32
+    "v100": {"fp16": 125.0, "fp32": 15.7},
+    "v100-16gb": {"fp16": 125.0, "fp32": 15.7},
+    "t4": {"fp16": 65.0, "fp32": 8.1},
 }
 
 # Effective per-GPU bandwidth of a ring collective, bytes/s (approximate, stated in the walk)
@@ -45,6 +74,7 @@ class Hardware:
     bandwidth: float  # bytes/s, the slowest link a collective crosses
     detected: bool = True
     host_memory: int = 0  # bytes of host memory per node (0: not checked)
+    gpu_type: str | None = None  # a GPU_TYPES key (given, or recognised from the device name); None: unknown
 
     @property
     def world(self) -> int:
@@ -121,7 +151,37 @@ def detect_hardware(
     count = gpus or nproc or visible or 1
     if interconnect is None:
         interconnect = "nvlink" if nodes == 1 else "infiniband"
-    return Hardware("cuda", count, nodes, mem_b, bf16, name, interconnect, bandwidth_of(interconnect), detected)
+    kind = gpu_type.strip().lower() if gpu_type else (gpu_type_of(name, mem_b) if detected else None)
+    return Hardware(
+        "cuda", count, nodes, mem_b, bf16, name, interconnect, bandwidth_of(interconnect), detected, gpu_type=kind
+    )
+
+
+def gpu_type_of(device_name: str, memory_bytes: int | None = None) -> str | None:
+    """The GPU_TYPES key of a device name as ``torch.cuda.get_device_name()`` reports it ("NVIDIA H100 80GB
+    HBM3" -> "h100"), the memory telling 40 from 80 GB A100s and 16 from 32 GB V100s; None when unknown."""
+    name = device_name.lower()
+    mem_gib = (memory_bytes or 0) / GiB
+    if "h200" in name:
+        return "h200"
+    if "h100" in name:
+        return "h100-pcie" if "pcie" in name else "h100"
+    if "a100" in name:
+        return "a100-40gb" if 0 < mem_gib <= 48 else "a100"
+    if "v100" in name:
+        return "v100-16gb" if 0 < mem_gib <= 20 else "v100"
+    for key, pattern in (("l40s", r"\bl40s\b"), ("a6000", r"a6000"), ("a10g", r"\ba10g\b"), ("l4", r"\bl4\b"),
+                         ("rtx4090", r"\b4090\b"), ("rtx3090", r"\b3090\b"), ("t4", r"\bt4\b")):
+        if re.search(pattern, name):
+            return key
+    return None
+
+
+def peak_flops(gpu_type: str | None, dtype: str) -> float | None:
+    """Dense peak FLOP/s of one ``gpu_type`` GPU for matmuls in ``dtype`` (bf16, fp16, tf32, fp32); None when
+    the GPU or the dtype on it is unknown."""
+    tflops = PEAK_TFLOPS.get((gpu_type or "").lower(), {}).get(dtype)
+    return tflops * 1e12 if tflops else None
 
 
 def _visible_gpus() -> tuple[int, tuple[str, int, bool, bool] | None]:

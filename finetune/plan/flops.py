@@ -1,0 +1,124 @@
+"""Model FLOPs of one training token, and the model FLOPs utilisation (MFU) of a run.
+
+Definition (the one MFU is quoted with, PaLM's appendix B; nanoGPT, torchtitan): MFU = the model's training
+FLOPs per token x tokens per second / the peak FLOPs of the GPUs that ran them. *Model* FLOPs: what the
+model's mathematics needs, not what the hardware executed, so activation checkpointing's recomputed forward
+and the fused head + loss's recomputed logits are not counted (they are a memory-for-time trade the MFU
+figure should show as a cost). Only matrix multiplications count (norms, activations, softmax and the loss
+are a few per cent on any model that is not tiny, and FLOP counters leave them out too).
+
+Per token, for a stack of ``L`` decoder layers with ``d = heads x head_dim`` attention channels and rows of
+``T`` tokens:
+
+    forward           2 x N                          N: weights of every matmul (linear layers, LoRA's A
+                    + 4 x L x T x d                     and B, bottleneck adapters, the LM head)
+    input gradients   2 x N_in + 8 x L x T x d       N_in: the matmuls whose input carries a gradient
+    weight gradients  2 x N_trainable                N_trainable: the matmuls whose weight is trained
+
+A full fine-tune is therefore 6N plus attention. With frozen embeddings (LoRA, QLoRA, prefix, adapters) no
+gradient reaches the first layer's input, so its query/key/value projections compute none (N_in = N minus
+them), and only the small adapters' weights get gradients: about 4N. The attention term counts the score
+(Q K^T) and value (A V) matmuls over the whole T x T square, as PaLM does and as FLOP counters see an eager
+or math attention (a causal kernel skips about half of it; the convention keeps figures comparable).
+Prefix tuning's virtual tokens lengthen every row's keys and values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# What the first decoder layer's attention calls the projections that read the layer's input.
+INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value", "Wqkv", "W_pack")
+
+
+@dataclass(frozen=True)
+class TrainingFlops:
+    """Model FLOPs of one training token (forward + backward), by part."""
+
+    forward: float
+    input_gradients: float
+    weight_gradients: float
+
+    @property
+    def per_token(self) -> float:
+        """Forward + backward FLOPs per token."""
+        return self.forward + self.input_gradients + self.weight_gradients
+
+
+def training_flops_per_token(model: Any, *, seq_len: float) -> TrainingFlops:
+    """The model FLOPs of training on one token in rows of ``seq_len`` tokens (see the module docstring).
+
+    ``model`` is the model as the trainer builds it (adapters injected; on any device, including meta, sharded
+    or not: sizes come from the modules' declared shapes, not their storage, so 4-bit weights and FSDP shards
+    count whole). Trainable means ``weight.requires_grad``.
+    """
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    from finetune.adapters import prefix_tokens
+    from finetune.plan.shapes import decoder_layer_names
+
+    layers = decoder_layer_names(model)
+    first = layers[0] + "." if layers else None
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    frozen_input = embeddings is None or not any(p.requires_grad for p in embeddings.parameters())
+    total = no_input_grad = trainable = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            size = module.in_features * module.out_features
+        elif isinstance(module, Conv1D):  # GPT-2's projections: weight stored (in, out)
+            size = module.weight.shape[0] * module.weight.shape[1]
+        else:
+            continue
+        total += size
+        trainable += size if module.weight.requires_grad else 0
+        if frozen_input and first is not None and _reads_layer_input(name, first):
+            no_input_grad += size
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    keys = seq_len + prefix_tokens(model)
+    attention = config.num_hidden_layers * keys * heads * head_dim
+    return TrainingFlops(
+        forward=2.0 * total + 4.0 * attention,
+        input_gradients=2.0 * (total - no_input_grad) + 8.0 * attention,
+        weight_gradients=2.0 * trainable,
+    )
+
+
+def _reads_layer_input(name: str, first_layer: str) -> bool:
+    """Whether module ``name`` is one of the first layer's input projections (or its LoRA A, which reads the
+    same input; LoRA's B reads A's output, which carries a gradient)."""
+    if not name.startswith(first_layer) or "lora_B" in name:
+        return False
+    parts = name[len(first_layer) :].split(".")
+    return any(p in INPUT_PROJECTIONS for p in parts)
+
+
+@dataclass(frozen=True)
+class Utilisation:
+    """A run's model FLOPs utilisation against the peak of the GPUs it ran on."""
+
+    mfu: float  # 0..1
+    gpu_type: str
+    dtype: str  # the peak's dtype: bf16, fp16, tf32 or fp32
+    peak_flops: float  # of one GPU, FLOP/s
+
+    def text(self) -> str:
+        """'MFU: 41.2% of h100 bf16 peak (989 TFLOPS)'."""
+        return f"MFU: {100 * self.mfu:.1f}% of {self.gpu_type} {self.dtype} peak ({self.peak_flops / 1e12:,.0f} TFLOPS)"
+
+
+def mfu(
+    tokens_per_s: float, flops_per_token: float, gpu_type: str | None, dtype: str, gpus: int = 1
+) -> Utilisation | None:
+    """Model FLOPs utilisation of ``gpus`` GPUs of ``gpu_type`` (a ``plan.hardware.GPU_TYPES`` key) training
+    ``tokens_per_s`` tokens per second (all GPUs together) at ``flops_per_token`` model FLOPs each, against the
+    dense peak for matmuls in ``dtype``; None when that peak is unknown."""
+    from finetune.plan.hardware import peak_flops
+
+    peak = peak_flops(gpu_type, dtype)
+    if peak is None or gpu_type is None:
+        return None
+    return Utilisation(tokens_per_s * flops_per_token / (peak * gpus), gpu_type.lower(), dtype, peak)
