@@ -50,3 +50,93 @@ def test_flops_per_token_match_the_counted_step(method):
         f"ratio {formula.per_token / counted:.4f}"
     )
     assert formula.per_token == pytest.approx(counted, rel=0.01)
+
+
+def test_mfu_of_a_given_rate_on_named_gpus():
+    """The formula and the datasheet lookup: an 8B model's 6N FLOPs per token at 8,000 tokens/s on an H100 in
+    bf16 is 38.8% of its 989.4 TFLOPS dense peak; the same rate on 8 GPUs is an eighth of that."""
+    from finetune.plan.flops import mfu
+
+    flops = 6 * 8.0e9
+    one = mfu(8000, flops, "h100", "bf16")
+    assert one.mfu == pytest.approx(8000 * flops / 989.4e12)
+    assert one.text() == "MFU: 38.8% of h100 bf16 peak (989.4 TFLOPS)"
+    assert mfu(8000, flops, "H100", "bf16", gpus=8).mfu == pytest.approx(one.mfu / 8)
+    assert mfu(200, flops, "a100", "fp32").text() == "MFU: 49.2% of a100 fp32 peak (19.5 TFLOPS)"
+    assert mfu(8000, flops, "v100", "bf16") is None  # no bf16 on a V100
+    assert mfu(8000, flops, "quadro-rtx8000", "bf16") is None
+    assert mfu(8000, flops, None, "bf16") is None
+
+
+@pytest.mark.parametrize(
+    ("device_name", "gib", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", 80, "h100"),
+        ("NVIDIA H100 PCIe", 80, "h100-pcie"),
+        ("NVIDIA H200", 141, "h200"),
+        ("NVIDIA A100-SXM4-40GB", 40, "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", 80, "a100"),
+        ("NVIDIA L4", 24, "l4"),
+        ("NVIDIA L40S", 48, "l40s"),
+        ("NVIDIA A10G", 24, "a10g"),
+        ("NVIDIA RTX A6000", 48, "a6000"),
+        ("NVIDIA GeForce RTX 4090", 24, "rtx4090"),
+        ("Tesla V100-SXM2-16GB", 16, "v100-16gb"),
+        ("Tesla T4", 16, "t4"),
+        ("Quadro RTX 8000", 48, None),
+    ],
+)
+def test_the_running_gpu_is_recognised_from_its_device_name(device_name, gib, expected):
+    from finetune.plan.hardware import GiB, gpu_type_of
+
+    assert gpu_type_of(device_name, gib * GiB) == expected
+
+
+def test_gpu_type_given_for_a_plan_is_the_hardware_gpu_type():
+    from finetune.plan.hardware import detect_hardware
+
+    assert detect_hardware(gpu_type="H100", gpus=1).gpu_type == "h100"
+    assert detect_hardware(device="cpu").gpu_type is None
+
+
+def test_the_summary_gains_one_mfu_line_on_a_gpu_and_none_on_cpu(tmp_path):
+    """The same finished run summarised as on CPU and as on a GPU: the only difference is the throughput line."""
+    from rich.console import Console
+
+    from finetune.plan.flops import mfu
+    from finetune.plan.types import Candidate
+    from finetune.spec import Method, Precision, Strategy
+    from finetune.train.loop import RunResult
+    from finetune.train.outputs import Reporter
+
+    chosen = Candidate(
+        method=Method("full"),
+        strategy=Strategy("single"),
+        precision=Precision("bf16"),
+        micro_batch_size=1,
+        grad_accum_steps=1,
+        activation_checkpointing=False,
+        nproc=1,
+    )
+    result = RunResult(
+        steps=4,
+        final_loss=1.5,
+        eval=None,
+        output_dir=tmp_path,
+        seconds=2.0,
+        tokens_per_s=8000.0,
+        utilisation=mfu(8000, 6 * 8.0e9, "h100", "bf16"),
+    )
+
+    def printed(**kwargs) -> list[str]:
+        reporter = Reporter(True)
+        reporter.console = Console(record=True, width=300)
+        reporter.summary(result, chosen, 0, **kwargs)
+        return reporter.console.export_text().splitlines()
+
+    cpu, gpu = printed(), printed(gpu=True)
+    assert [line for line in gpu if line not in cpu] == [
+        "throughput: 8,000 tokens/s (training steps after the first) | MFU: 38.8% of h100 bf16 peak (989.4 TFLOPS)"
+    ]
+    assert [line for line in gpu if line in cpu] == cpu
+    assert not any("MFU" in line or "tokens/s" in line for line in cpu)

@@ -106,8 +106,8 @@ class Utilisation:
     peak_flops: float  # of one GPU, FLOP/s
 
     def text(self) -> str:
-        """'MFU: 41.2% of h100 bf16 peak (989 TFLOPS)'."""
-        return f"MFU: {100 * self.mfu:.1f}% of {self.gpu_type} {self.dtype} peak ({self.peak_flops / 1e12:,.0f} TFLOPS)"
+        """'MFU: 41.2% of h100 bf16 peak (989.4 TFLOPS)'."""
+        return f"MFU: {100 * self.mfu:.1f}% of {self.gpu_type} {self.dtype} peak ({self.peak_flops / 1e12:g} TFLOPS)"
 
 
 def mfu(

@@ -169,6 +169,8 @@ class RunResult:
     exit_code: int = 0  # 130/143: stopped by Ctrl-C/SIGTERM after saving a checkpoint
     checkpoint_seconds: list[float] = field(default_factory=list)  # time of each checkpoint save
     losses: list[float] = field(default_factory=list)
+    tokens_per_s: float | None = None  # real tokens/s over the training steps after the first (all ranks)
+    utilisation: Any = None  # finetune.plan.flops.Utilisation: MFU on a GPU whose peak is known; None on CPU
 
 
 def autocast_factory(spec: ExecSpec, device: torch.device) -> Callable[[], Any]:

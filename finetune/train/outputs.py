@@ -141,13 +141,18 @@ class Reporter:
             when = "before training" if step == 0 else f"@ step {step}"
             self.print(f"eval {when}: {_eval_text(ev)}")
 
-    def summary(self, result: RunResult, chosen: Candidate, skipped: int) -> None:
-        """What was trained, the final eval, where the outputs are and how to load them."""
+    def summary(self, result: RunResult, chosen: Candidate, skipped: int, gpu: bool = False) -> None:
+        """What was trained, the final eval, where the outputs are and how to load them; on a GPU (``gpu``) also
+        tokens/s and the model FLOPs utilisation (a CPU has no peak to compare with: nothing is printed)."""
         out = result.output_dir
         self.print(
             f"[bold green]done[/]: {result.steps} steps in {result.seconds:.1f}s, final loss "
             f"{result.final_loss:.4f}" + (f", {skipped} steps skipped (non-finite loss or gradients)" if skipped else "")
         )
+        if gpu and result.tokens_per_s:
+            u = result.utilisation
+            mfu = u.text() if u is not None else "MFU: n/a (no peak FLOPS known for this GPU; set hardware.gpu_type)"
+            self.plain(f"throughput: {result.tokens_per_s:,.0f} tokens/s (training steps after the first) | {mfu}")
         if result.eval is not None:
             self.print(f"final eval: {_eval_text(result.eval)}")
             for want, got in result.eval.samples:

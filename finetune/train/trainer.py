@@ -73,6 +73,7 @@ class StepResult:
     grad_norm: float
     input_tokens: int  # real tokens (no padding) over all ranks
     epoch: int
+    row_widths: tuple[int, int] = (0, 0)  # this rank's sum of (padded row width x real tokens), and its tokens
 
 
 class Trainer:
@@ -174,6 +175,9 @@ class Trainer:
             epoch, in_epoch, rank=ctx.dp_rank, world_size=ctx.dp_size, micro_batch_size=chosen.micro_batch_size
         )
         input_tokens = int(ctx.data_sum(sum(int(mb["num_tokens"]) for mb in micro)))  # no padding
+        # attention FLOPs per token grow with the row it sits in (for MFU): token-weighted row width
+        widths = (sum(mb["input_ids"].shape[1] * int(mb["num_tokens"]) for mb in micro),
+                  sum(int(mb["num_tokens"]) for mb in micro))
         micro = [{k: v.to(ctx.device) for k, v in mb.items()} for mb in micro]
         global_tokens = float(ctx.data_sum(sum(count_target_tokens(mb) for mb in micro)))
         if state.step == start_step:
@@ -201,7 +205,7 @@ class Trainer:
         state.step = step
         state.tokens += input_tokens
         state.history.append(loss)
-        return StepResult(loss, grad_norm, input_tokens, epoch)
+        return StepResult(loss, grad_norm, input_tokens, epoch, widths)
 
     def _update(self, step: int, loss: float, grad_norm: float) -> None:
         """The optimizer step, or none when the loss or gradients are not finite (``train.on_nonfinite``)."""
@@ -243,11 +247,16 @@ class Trainer:
                 self.reporter.eval_line(0, first)
         start_step, self.longest, self.probe = state.step, 0, None
         window_tokens, window_start = 0, time.perf_counter()
+        window_widths, steady = Throughput(), Throughput()  # this log window's; steps 2.. of the run
         self.checkpoints.restore_rng()  # last thing before the first step: the resumed run draws what the first would
         with stop, self.reporter.progress(self.total, start=state.step) as advance:
             while state.step < self.total:
+                step_start = time.perf_counter()
                 result = self.train_step(start_step)
+                if state.step - start_step > 1 or self.total - start_step == 1:  # the first step warms up
+                    steady.add(result, time.perf_counter() - step_start)
                 window_tokens += result.input_tokens
+                window_widths.add(result, 0.0)
                 row: dict[str, Any] = {"step": state.step, "loss": result.loss, "lr": self.scheduler.get_last_lr()[0]}
                 if r.eval.every and state.step % r.eval.every == 0 and state.step < self.total:
                     ev = self.evaluate()
@@ -257,7 +266,10 @@ class Trainer:
                 tokens_per_s = window_tokens / max(now - window_start, 1e-9)
                 if state.step % r.output.log_every == 0 or state.step == self.total or "eval_loss" in row:
                     row.update(tokens=state.tokens, tokens_per_s=tokens_per_s, grad_norm=result.grad_norm, epoch=result.epoch)
-                    window_tokens, window_start = 0, now
+                    utilisation = self.utilisation(tokens_per_s, window_widths.mean_width)
+                    if utilisation is not None:
+                        row["mfu"] = utilisation.mfu
+                    window_tokens, window_start, window_widths = 0, now, Throughput()
                     self.metrics.write(row)
                 advance(loss=result.loss, lr=row["lr"], tokens_per_s=tokens_per_s)
                 self.hooks.after_step(state.step)
@@ -271,10 +283,35 @@ class Trainer:
         self.metrics.close()
         self.save()
         result = self._result(last_eval)
-        self.reporter.summary(result, self.plan.chosen, state.skipped_steps)
+        if steady.seconds > 0:
+            result.tokens_per_s = steady.tokens / steady.seconds
+            result.utilisation = self.utilisation(result.tokens_per_s, steady.mean_width)
+        self.reporter.summary(result, self.plan.chosen, state.skipped_steps, gpu=self.ctx.device.type == "cuda")
         if r.output.push_to_hub and self.ctx.is_main:
             self.push(r.output.push_to_hub)
         return result
+
+    def utilisation(self, tokens_per_s: float, row_width: float) -> Any:
+        """The model FLOPs utilisation of ``tokens_per_s`` (all ranks) in rows ``row_width`` tokens wide, against
+        the peak of this run's GPUs (``hardware.gpu_type``, else the detected one) in its matmul dtype; None on
+        CPU, and on a GPU whose peak is not known."""
+        if self.ctx.device.type != "cuda":
+            return None
+        return self._utilisation(tokens_per_s, row_width)
+
+    def _utilisation(self, tokens_per_s: float, row_width: float) -> Any:
+        from finetune.plan.flops import mfu, training_flops_per_token
+
+        if tokens_per_s <= 0 or row_width <= 0:
+            return None
+        if not hasattr(self, "_flops"):  # sizes of the model as built; per token, linear in the row width
+            model = unwrap(self.model)
+            zero = training_flops_per_token(model, seq_len=0).per_token
+            self._flops = (zero, training_flops_per_token(model, seq_len=1).per_token - zero)
+        zero, per_width = self._flops
+        gpu_type = self.loaded.recipe.hardware.gpu_type or self.plan.hardware.get("gpu_type")
+        # finetune leaves TF32 off (torch's default), so fp32 matmuls run at the fp32 peak
+        return mfu(tokens_per_s, zero + per_width * row_width, gpu_type, self.spec.compute_dtype, self.ctx.world_size)
 
     def push(self, repo_id: str) -> None:
         """Upload output.dir's model or adapter with its model card (rank 0, after the final save)."""
@@ -305,6 +342,28 @@ class Trainer:
             model=unwrap(self.model), losses=list(history), exit_code=exit_code,
             checkpoint_seconds=self.checkpoints.save_seconds,
         )
+
+
+@dataclass
+class Throughput:
+    """Tokens, seconds and row widths summed over steps (what tokens/s and MFU are computed from)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    width_tokens: int = 0  # this rank's sum of (padded row width x real tokens)
+    local_tokens: int = 0
+
+    def add(self, step: StepResult, seconds: float) -> None:
+        """Count one step."""
+        self.tokens += step.input_tokens
+        self.seconds += seconds
+        self.width_tokens += step.row_widths[0]
+        self.local_tokens += step.row_widths[1]
+
+    @property
+    def mean_width(self) -> float:
+        """The token-weighted mean row width (0 before any token)."""
+        return self.width_tokens / self.local_tokens if self.local_tokens else 0.0
 
 
 def open_trackers(loaded: LoadedRecipe, plan: Plan, ctx: DistContext, resume_step: int | None) -> Any:
