@@ -2,7 +2,7 @@
 # On a machine with a CUDA GPU: the plan against torch.cuda.max_memory_allocated for a ~0.7B Llama-shaped
 # model with random weights (nothing downloaded), bf16: full fine-tuning, LoRA, QLoRA and full with
 # activation checkpointing, and LoRA in fp16 (loss scaling), 8 optimizer steps each through the real trainer
-# (`finetune run`), with tokens/s after two warm-up steps.
+# (`finetune run`), with tokens/s and the MFU the run logged (metrics.jsonl `mfu`) after two warm-up steps.
 # Prints predicted / measured per configuration (prediction without the runtime overhead, which
 # max_memory_allocated does not see). Takes a few minutes; writes gpu_check.json (or $1; under $OUT when set).
 # On this workplace's lent H200: first `bash scripts/gpu_wheels.sh` here, then run it there with carry [".whl"].

@@ -183,8 +183,10 @@ def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: 
     pred = first.total - first.overhead if steps == 1 else steady - plan.chosen.memory.overhead
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     speeds = [r["tokens_per_s"] for r in rows if r.get("step", 0) > 2 and "tokens_per_s" in r]
+    mfus = [r["mfu"] for r in rows if r.get("step", 0) > 2 and "mfu" in r]  # GPU runs only
     return {
         "tokens_per_s": statistics.median(speeds) if speeds else None,
+        "mfu": statistics.median(mfus) if mfus else None,
         "config": name, "predicted": pred, "measured": meas, "error": (pred - meas) / meas, "ratio": pred / meas,
         "steady_state_prediction": steady, "by_category": measured.get("by_category", {}),
         "chosen": {k: getattr(plan.chosen, k) for k in ("method", "strategy", "micro_batch_size", "grad_accum_steps")},
@@ -210,7 +212,8 @@ def main() -> int:
             if "predicted" in r:
                 print(f"{name:32s} predicted {r['predicted'] / 2**20:8.2f} MiB  measured {r['measured'] / 2**20:8.2f} MiB"
                       f"  predicted/measured {r['ratio']:.3f}  error {100 * r['error']:+6.2f}%"
-                      + (f"  {r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else ""), flush=True)
+                      + (f"  {r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else "")
+                      + (f"  MFU {100 * r['mfu']:.1f}%" if r["mfu"] else ""), flush=True)
             else:
                 print(f"{name:32s} {r['error']}", flush=True)
     errs = [abs(r["error"]) for r in rows if "predicted" in r]
