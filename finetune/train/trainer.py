@@ -100,6 +100,7 @@ class Trainer:
         self.state = TrainState()
         self.started = time.perf_counter()
         self.measured_peak: int | None = None
+        self._flops: tuple[float, float] | None = None  # model FLOPs per token: at width 0, per token of width
 
     # -- setup ------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -304,7 +305,7 @@ class Trainer:
 
         if tokens_per_s <= 0 or row_width <= 0:
             return None
-        if not hasattr(self, "_flops"):  # sizes of the model as built; per token, linear in the row width
+        if self._flops is None:  # from the model as built; linear in the row width
             model = unwrap(self.model)
             zero = training_flops_per_token(model, seq_len=0).per_token
             self._flops = (zero, training_flops_per_token(model, seq_len=1).per_token - zero)
