@@ -295,7 +295,11 @@ class HardwareConfig(Section):
         "auto", description="GPUs per node `finetune plan` plans for; auto: the visible ones (runs use the real ones)."
     )
     gpu_memory: Union[str, None] = Field(None, description="Memory per GPU, e.g. 80GiB; default: the visible GPU's.")
-    gpu_type: Union[str, None] = Field(None, description="e.g. h100, a100, l4, v100 (sets memory and bf16 support).")
+    gpu_type: Union[str, None] = Field(
+        None,
+        description="e.g. h100, a100, l4, v100 (sets memory and bf16 support; in a GPU run, the peak FLOPS its MFU "
+        "is measured against, default: the GPU recognised from its device name).",
+    )
     nodes: PositiveInt = Field(1, description="Number of nodes.")
     interconnect: Union[str, None] = Field(
         None, description="nvlink, pcie, infiniband, ethernet or a bandwidth like 200GB/s (communication time)."
