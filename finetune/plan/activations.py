@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from finetune.plan.shapes import decoder_layer_names, reduced_config
@@ -51,7 +51,9 @@ class TraceSpec:
     base_dtype: str = "fp32"  # dtype the model is built in: full's masters, or the frozen base's
     autocast_dtype: str | None = None  # torch.autocast around the forward (single, DDP, ZeRO-1)
     fsdp_compute_dtype: str | None = None  # FSDP2 mixed precision: every parameter computed in it, no autocast
-    dense_flex: bool = False  # flex attention on CPU: finetune.flex's fallback (a dense mask per layer, sdpa)
+    # flex attention on CPU: finetune.flex's fallback (a dense mask per layer, sdpa). Out of the repr, which keys
+    # the disk cache: every other trace keeps its cached file (activation_profile adds it to a CPU flex key).
+    dense_flex: bool = field(default=False, repr=False)
 
     @classmethod
     def of(
@@ -301,7 +303,7 @@ def _window_tracker(root: str, layer_names: list[str], model: Any) -> Any:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 8  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
+TRACE_VERSION = 7  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
@@ -315,7 +317,7 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
     if key not in _CACHE:
 
         def trace(batch: int) -> TraceResult:
-            path = _disk_path((*key, batch))
+            path = _disk_path((*key, batch, "dense_flex") if spec.dense_flex else (*key, batch))
             result = _load(path) if path else None
             if result is None:
                 result = trace_windows(config, spec, TRACE_LAYERS, batch)
