@@ -140,3 +140,19 @@ def test_the_summary_gains_one_mfu_line_on_a_gpu_and_none_on_cpu(tmp_path):
     ]
     assert [line for line in gpu if line in cpu] == cpu
     assert not any("MFU" in line or "tokens/s" in line for line in cpu)
+
+
+def test_the_config_alone_gives_the_built_models_flops():
+    """What the planner can ask without a model (meta device) is what the trainer's built model gives."""
+    from transformers import AutoConfig
+
+    from finetune.plan.flops import config_flops_per_token
+    from finetune.recipe import LoraConfig
+    from finetune.spec import adapter_spec
+
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    lora = adapter_spec("lora", LoraConfig(r=8, alpha=16, target_modules=["q_proj", "v_proj"]), None, None)
+    assert config_flops_per_token(config, seq_len=SEQ) == training_flops_per_token(tiny("full"), seq_len=SEQ)
+    assert config_flops_per_token(config, seq_len=SEQ, adapter=lora) == training_flops_per_token(
+        tiny("lora"), seq_len=SEQ
+    )

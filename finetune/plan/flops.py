@@ -87,6 +87,22 @@ def training_flops_per_token(model: Any, *, seq_len: float) -> TrainingFlops:
     )
 
 
+def config_flops_per_token(config: Any, *, seq_len: float, adapter: Any = None) -> TrainingFlops:
+    """:func:`training_flops_per_token` of ``config``'s model as the trainer would build it, from the config
+    alone: built on the meta device (no memory, no weights), with ``adapter`` (an
+    :class:`~finetune.spec.AdapterSpec`; None: full fine-tuning) injected on the frozen base."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.adapters import inject
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if adapter is not None:
+        model = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)
+    return training_flops_per_token(model, seq_len=seq_len)
+
+
 def _reads_layer_input(name: str, first_layer: str) -> bool:
     """Whether module ``name`` is one of the first layer's input projections (or its LoRA A, which reads the
     same input; LoRA's B reads A's output, which carries a gradient)."""
