@@ -104,6 +104,7 @@ def test_flex_generates_like_sdpa_on_cpu():
     assert torch.equal(out["flex_attention"], out["sdpa"])
 
 
+@pytest.mark.slow  # a CLI run
 def test_cpu_flex_plan_counts_the_fallbacks_masks(tmp_path, finetune_cmd):
     """On CPU, flex attention runs finetune.flex's fallback: every layer evaluates the document mask densely,
     (B, 1, T, T), and sdpa keeps an fp32 additive copy of it for backward. The run's plan (device cpu) traces

@@ -156,3 +156,40 @@ def test_the_config_alone_gives_the_built_models_flops():
     assert config_flops_per_token(config, seq_len=SEQ, adapter=lora) == training_flops_per_token(
         tiny("lora"), seq_len=SEQ
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: MFU is measured against a GPU's peak"
+)
+def test_a_gpu_run_prints_and_logs_its_mfu(tmp_path, finetune_cmd):
+    """Four bf16 steps of the tiny model on the GPU: the summary names the GPU and its bf16 peak, and every
+    logged row carries an MFU between 0 and 1 (the tiny model is far from the peak, but not at zero)."""
+    import json
+    import re
+    import subprocess
+
+    from finetune.plan.hardware import PEAK_TFLOPS, gpu_type_of
+    from tests.conftest import tiny_recipe, write_recipe
+
+    out = tmp_path / "run"
+    recipe = tiny_recipe(out, precision="bf16", eval={"at_start": False})
+    recipe["data"].pop("eval")
+    proc = subprocess.run(
+        [*finetune_cmd, "run", str(write_recipe(tmp_path / "r.yaml", recipe))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    props = torch.cuda.get_device_properties(0)
+    kind = gpu_type_of(props.name, props.total_memory)
+    if kind is None:
+        assert "MFU: n/a" in proc.stdout
+        return
+    line = re.search(r"MFU: (\d+\.\d)% of (\S+) bf16 peak \(([\d.]+) TFLOPS\)", proc.stdout)
+    assert line is not None, proc.stdout
+    assert line.group(2) == kind and float(line.group(3)) == PEAK_TFLOPS[kind]["bf16"]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["mfu"] < 1 for r in rows if "loss" in r)
