@@ -33,6 +33,8 @@ ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 #: Names of the injected modules inside a decoder layer (the state-dict keys contain them).
 SLOT_NAMES = {"attention": "bottleneck_attn", "mlp": "bottleneck_mlp"}
+#: Name of the LM head's input gain (``adapter.train_norms``), a child of the model that owns the head.
+HEAD_GAIN_NAME = "bottleneck_head"
 #: LoRA initialisations that decompose the base weights (and subtract the initial adapter from them).
 DECOMPOSING_INITS = ("pissa", "olora")
 #: Attribute of a pissa/olora peft model holding its initial adapter ({parameter name: tensor}).
@@ -165,13 +167,18 @@ def _bottleneck_class() -> Any:
     from torch import nn
 
     class Bottleneck(nn.Module):
-        """``h + up(act(down(h)))``, computed in the adapter's dtype; ``up`` starts at zero (identity)."""
+        """``h + up(act(down(h)))``, computed in the adapter's dtype; ``up`` starts at zero (identity).
 
-        def __init__(self, hidden: int, size: int, non_linearity: str) -> None:
+        With ``gain``, also a trained per-feature gain ``1 + g`` (``g`` starts at zero) on the input of the
+        sublayer it follows, i.e. on the output of the layer norm before it: the layer-norm training of
+        Houlsby et al. as a factor of the norm's weight, so the base stays untouched."""
+
+        def __init__(self, hidden: int, size: int, non_linearity: str, gain: bool = False) -> None:
             super().__init__()
             self.down = nn.Linear(hidden, size)
             self.up = nn.Linear(size, hidden)
             self.act = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh}[non_linearity]()
+            self.gain = nn.Parameter(torch.zeros(hidden)) if gain else None
             if self.up.weight.device.type != "meta":
                 nn.init.zeros_(self.up.weight)
                 nn.init.zeros_(self.up.bias)
@@ -180,7 +187,21 @@ def _bottleneck_class() -> Any:
             x = h.to(self.down.weight.dtype)
             return h + self.up(self.act(self.down(x))).to(h.dtype)
 
-    return Bottleneck
+        def scale_input(self, h: torch.Tensor) -> torch.Tensor:
+            """The sublayer's input times the trained gain (in the gain's dtype, returned in ``h``'s)."""
+            return (h.to(self.gain.dtype) * (1 + self.gain)).to(h.dtype)
+
+    class Gain(nn.Module):
+        """A trained per-feature gain ``1 + g`` (``g`` starts at zero) on a module's input: the final layer
+        norm's training, on the input of the LM head."""
+
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.zeros(hidden))
+
+        scale_input = Bottleneck.scale_input
+
+    return Bottleneck, Gain
 
 
 def _decoder_layers(model: Any) -> list[Any]:
@@ -214,6 +235,18 @@ def _add_to_output(adapter: Any) -> Any:
     return hook
 
 
+def _scale_input(adapter: Any) -> Any:
+    """A forward pre-hook multiplying a sublayer's hidden states (positional, or the ``hidden_states``
+    keyword transformers passes to attention) by ``adapter``'s gain."""
+
+    def hook(module: Any, args: Any, kwargs: Any) -> Any:
+        if args:
+            return (adapter.scale_input(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": adapter.scale_input(kwargs["hidden_states"])}
+
+    return hook
+
+
 def slots(spec: AdapterSpec) -> list[str]:
     """Where bottlenecks go: attention, mlp, or both (Houlsby's placement)."""
     return ["attention", "mlp"] if spec.placement == "both" else [spec.placement]
@@ -226,7 +259,7 @@ def inject_bottlenecks(model: Any, spec: AdapterSpec) -> list[str]:
 
     hidden = int(model.config.hidden_size)
     size = spec.bottleneck_size(hidden)
-    cls = _bottleneck_class()
+    cls, gain_cls = _bottleneck_class()
     layers = _decoder_layers(model)
     if not layers:
         raise UserError(f"method: adapter: cannot find the decoder layers of {type(model).__name__}")
@@ -242,10 +275,20 @@ def inject_bottlenecks(model: Any, spec: AdapterSpec) -> list[str]:
                     f"{' or '.join(ATTENTION_NAMES if slot == 'attention' else MLP_NAMES)}; use another placement"
                 )
             with torch.device(device):
-                adapter = cls(hidden, size, spec.non_linearity).to(torch.float32)
+                adapter = cls(hidden, size, spec.non_linearity, spec.train_norms).to(torch.float32)
             layer.add_module(SLOT_NAMES[slot], adapter)
             found[1].register_forward_hook(_add_to_output(adapter))
+            if spec.train_norms:
+                found[1].register_forward_pre_hook(_scale_input(adapter), with_kwargs=True)
             added.append(f"{names[id(layer)]}.{SLOT_NAMES[slot]}")
+    head = model.get_output_embeddings() if spec.train_norms else None
+    if head is not None:
+        owner = next(m for m in model.modules() if any(c is head for c in m.children()))
+        with torch.device(head.weight.device):
+            gain = gain_cls(hidden).to(torch.float32)
+        owner.add_module(HEAD_GAIN_NAME, gain)
+        head.register_forward_pre_hook(_scale_input(gain), with_kwargs=True)
+        added.append(".".join(filter(None, (names[id(owner)], HEAD_GAIN_NAME))))
     model._finetune_bottleneck = spec  # save_bottlenecks knows the model carries them
     return added
 
@@ -257,7 +300,7 @@ def has_bottlenecks(model: Any) -> bool:
 
 def is_bottleneck_key(name: str) -> bool:
     """Whether a state-dict key belongs to a bottleneck adapter."""
-    return any(f".{s}." in name for s in SLOT_NAMES.values())
+    return any(f".{s}." in f".{name}" for s in (*SLOT_NAMES.values(), HEAD_GAIN_NAME))
 
 
 def save_bottlenecks(

@@ -116,6 +116,11 @@ class AdapterConfig(Section):
     placement: Literal["both", "attention", "mlp"] = Field(
         "both", description="After the attention and the MLP of every layer (both: Houlsby), or one of them."
     )
+    train_norms: bool = Field(
+        True,
+        description="Also train the layer norms before the adapted sublayers, as Houlsby et al. do (a gain "
+        "saved with the adapters; the base is untouched).",
+    )
 
 
 class QuantizationConfig(Section):

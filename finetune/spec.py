@@ -191,6 +191,7 @@ class AdapterSpec:
     reduction_factor: float = 16.0
     non_linearity: str = "relu"
     placement: str = "both"  # attention | mlp | both
+    train_norms: bool = False  # a trained gain on each adapted sublayer's normalised input (Houlsby's LN)
 
     def bottleneck_size(self, hidden: int) -> int:
         """Width of a bottleneck adapter in a model of ``hidden`` features."""
@@ -221,6 +222,7 @@ def adapter_spec(method: str, lora: Any = None, prefix: Any = None, adapter: Any
             reduction_factor=float(getattr(adapter, "reduction_factor", 16.0)),
             non_linearity=str(getattr(adapter, "non_linearity", "relu")),
             placement=str(getattr(adapter, "placement", "both")),
+            train_norms=bool(getattr(adapter, "train_norms", True)),
         )
     return None
 

@@ -63,9 +63,10 @@ def test_prefix_inventory_is_layers_x_2_x_tokens_x_kv_width(tmp_path: Path) -> N
 def test_adapter_inventory_is_the_bottleneck_matrices(tmp_path: Path) -> None:
     one = lambda size: 2 * HIDDEN * size + size + HIDDEN  # noqa: E731  down (with bias) + up (with bias)
     planned, built = _trainable(tmp_path, method="adapter")
-    assert planned == built == LAYERS * 2 * one(HIDDEN // 16)  # reduction factor 16, after attention and MLP
+    # reduction factor 16, after attention and MLP; a gain on each adapted sublayer's input and the head's
+    assert planned == built == LAYERS * 2 * (one(HIDDEN // 16) + HIDDEN) + HIDDEN
     planned, built = _trainable(
-        tmp_path, method="adapter", precision="bf16", adapter={"size": 8, "placement": "mlp"}
+        tmp_path, method="adapter", precision="bf16", adapter={"size": 8, "placement": "mlp", "train_norms": False}
     )
     assert planned == built == LAYERS * one(8)
 
@@ -85,7 +86,9 @@ def test_bottlenecks_save_and_load_onto_an_untouched_base(tmp_path: Path) -> Non
     )
     assert launch(str(recipe), []) == 0
     saved = load_file(out / BOTTLENECK_WEIGHTS)
-    assert len(saved) == LAYERS * 2 * 4 and all(".bottleneck_" in k for k in saved)  # (attn, mlp) x (down, up) x (w, b)
+    # (attn, mlp) x (down, up) x (weight, bias) + (attn, mlp) x gain, and the LM head's gain
+    assert len(saved) == LAYERS * 2 * 5 + 1 and all("bottleneck_" in k for k in saved)
+    assert saved["bottleneck_head.gain"].abs().max() > 0  # the norms were trained too
     assert json.loads((out / BOTTLENECK_CONFIG).read_text())["size"] == 16
     assert not (out / "model.safetensors").exists() and not (out / "adapter_model.safetensors").exists()
     from transformers import AutoModelForCausalLM

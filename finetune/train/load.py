@@ -144,8 +144,13 @@ def redraw_injected(model: torch.nn.Module, device: torch.device) -> None:
     for name, module in model.named_modules():
         if is_bottleneck_key(f"{name}.") and hasattr(module, "down") and hasattr(module, "up"):
             with torch.device(device):
-                twin = type(module)(module.down.in_features, module.down.out_features, _activation(module))
+                twin = type(module)(
+                    module.down.in_features, module.down.out_features, _activation(module), module.gain is not None
+                )
             _copy_module(module, twin.to(torch.float32))
+        elif is_bottleneck_key(f"{name}.") and hasattr(module, "gain"):  # the LM head's gain starts at zero
+            with torch.no_grad():
+                module.gain.detach().zero_()
         encoders = getattr(module, "prompt_encoder", None)
         if isinstance(encoders, torch.nn.ModuleDict) and module is model:
             for name, encoder in encoders.items():
