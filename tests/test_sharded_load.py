@@ -226,7 +226,8 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
                 codes
             )  # 2 blocks x (q, k, v, o, gate, up, down)
         else:  # what each method adds, non-trivially initialised
-            assert len(trained) == {"dora": 4, "prefix": 5, "adapter": 16}[case[2]], trained
-            assert all(
-                res["full"][n].abs().sum() > 0 for n in trained if not n.endswith(("up.weight", "up.bias"))
-            )
+            # adapter: 2 blocks x (attention, MLP) x (down, up) x (weight, bias) + their input gains + the head's
+            assert len(trained) == {"dora": 4, "prefix": 5, "adapter": 21}[case[2]], trained
+            starts_at_zero = ("up.weight", "up.bias", ".gain")
+            assert all(res["full"][n].abs().sum() > 0 for n in trained if not n.endswith(starts_at_zero))
+            assert all(torch.count_nonzero(res["full"][n]) == 0 for n in trained if n.endswith(".gain"))
