@@ -140,12 +140,46 @@ def plain_lora(state: dict[str, Any], initial: dict[str, Any]) -> dict[str, Any]
     out: dict[str, Any] = {}
     for name, t in state.items():
         if ".lora_A." in name:
-            out[name] = torch.cat([t, initial[name].to(t.dtype)], dim=0)
+            out[name] = torch.cat([t, initial[name].to(t.device, t.dtype)], dim=0)
         elif ".lora_B." in name:
-            out[name] = torch.cat([t, -initial[name].to(t.dtype)], dim=1)
+            out[name] = torch.cat([t, -initial[name].to(t.device, t.dtype)], dim=1)
         else:
             out[name] = t
     return out
+
+
+def decompose(
+    weight: Any, init: str, r: int, scaling: float, *, fan_in_fan_out: bool = False
+) -> tuple[Any, Any]:
+    """``(A0, B0)`` of one whole base ``weight`` for ``lora.init: pissa | olora``, with peft's own arithmetic
+    (``LoraLayer.pissa_init`` / ``olora_init``, peft 0.21): pissa takes the top ``r`` singular triplets with
+    ``sqrt(S / scaling)`` on each side, olora the first ``r`` columns of Q and rows of R (fp32).
+
+    The sharded load calls it one gathered weight at a time (peft would decompose meta tensors when it
+    injects); :func:`subtract_initial` then gives the residual base weight.
+    """
+    import torch
+
+    w = weight.to(torch.float32)
+    if init == "pissa":
+        v, s, uh = torch.linalg.svd(w.T if fan_in_fan_out else w, full_matrices=False)
+        sr = s[:r] / scaling
+        return torch.diag(torch.sqrt(sr)) @ uh[:r], v[:, :r] @ torch.diag(torch.sqrt(sr))
+    if init == "olora":
+        q, rr = torch.linalg.qr(w)
+        return rr[:r].contiguous(), q[:, :r].contiguous()
+    raise ValueError(f"{init} is not a decomposing LoRA init")
+
+
+def subtract_initial(weight: Any, a0: Any, b0: Any, scaling: float, *, transposed: bool = False) -> Any:
+    """The residual base weight ``weight - scaling * B0 @ A0``, computed in fp32 and stored in ``weight``'s
+    dtype as peft does; ``transposed``: the weight is stored (in, out) (GPT-2's Conv1D under pissa)."""
+    import torch
+
+    w = weight.to(torch.float32)
+    w = w.T if transposed else w
+    residual = (w - scaling * b0 @ a0).to(weight.dtype)
+    return residual.T if transposed else residual
 
 
 def prefix_tokens(model: Any) -> int:

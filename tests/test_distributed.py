@@ -51,11 +51,13 @@ def micro_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def parity_recipe(model_dir: Path, out: Path, method: str, strategy: str) -> dict:
-    """fp32, global batch 8 in micro-batches of 2 (accumulation 4 on 1 process, 2 on 2), eval off."""
+    """fp32, global batch 8 in micro-batches of 2 (accumulation 4 on 1 process, 2 on 2), eval off.
+    ``method`` pissa or olora: LoRA with that ``lora.init``."""
+    init = method if method in ("pissa", "olora") else "default"
     return {
         "model": {"path": str(model_dir), "init": "random"},
-        "method": method,
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "method": "lora" if init != "default" else method,
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "init": init},
         "prefix": {"num_virtual_tokens": 4, "projection": True, "projection_hidden": 16},
         "adapter": {"size": 8},
         "data": {"train": str(RECIPES / "data/reverse/train.jsonl"), "max_seq_len": 48},

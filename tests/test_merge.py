@@ -361,3 +361,32 @@ def test_pissa_and_olora_adapters_are_saved_for_the_original_base(tmp_path: Path
     res = CliRunner().invoke(app, ["merge", str(adapter), "--out", str(tmp_path / "merged"), "--base", str(base)])
     assert res.exit_code == 0, res.output
     assert (logits_of(tmp_path / "merged") - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(("arch", "init"), [("llama", "pissa"), ("llama", "olora"), ("gpt2", "pissa")])
+def test_decompose_is_peft_s_pissa_and_olora_bit_for_bit(arch: str, init: str) -> None:
+    """The sharded load decomposes one gathered weight at a time with our function: it gives exactly the A, B
+    and residual base weight that peft's own init gives when it injects into the whole model (GPT-2's
+    transposed Conv1D weights included)."""
+    from finetune.adapters import LORA_INIT_ATTR, decompose, inject, subtract_initial
+    from finetune.spec import AdapterSpec
+
+    targets = GPT2_ALL if arch == "gpt2" else LLAMA_ALL
+    original = dict(tiny_model(arch, bias=True).named_parameters())
+    spec = AdapterSpec(kind="lora", r=4, alpha=8.0, target_modules=tuple(targets), init=init)
+    model = inject(tiny_model(arch, bias=True), spec)
+    checked = 0
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A") or not hasattr(module, "get_base_layer"):
+            continue
+        key = name.removeprefix("base_model.model.") + ".weight"
+        transposed = init == "pissa" and module.fan_in_fan_out
+        weight, scaling = original[key].detach(), module.scaling["default"]
+        a0, b0 = decompose(weight, init, 4, scaling, fan_in_fan_out=transposed)
+        residual = subtract_initial(weight, a0, b0, scaling, transposed=transposed)
+        assert torch.equal(a0, module.lora_A["default"].weight)
+        assert torch.equal(b0, module.lora_B["default"].weight)
+        assert torch.equal(residual, module.get_base_layer().weight)
+        assert torch.equal(a0, getattr(model, LORA_INIT_ATTR)[f"{name}.lora_A.default.weight"])
+        checked += 1
+    assert checked == (4 if arch == "gpt2" else 7) * 2  # every adapted linear of both layers (c_proj twice)

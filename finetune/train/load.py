@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from finetune import flex
+from finetune.adapters import DECOMPOSING_INITS
 from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
@@ -86,7 +87,7 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
     # values are replaced in materialize, and must not move the generator that the base's init and the redrawn
     # adapters continue from.
     with torch.random.fork_rng(devices=[]):
-        model = add_adapters(model, loaded, spec)
+        model = add_adapters(model, loaded, spec, on_meta=True)
     model.config.use_cache = False
     return model
 
@@ -130,7 +131,10 @@ def materialize(
     if spec.adapter is not None:
         redraw_injected(model, device)
         init_dora_magnitudes(model)
-        init_adapters(model, r.train.seed, gaussian=spec.adapter.init == "gaussian")
+        if spec.adapter.init in DECOMPOSING_INITS:
+            init_decomposed(model, spec.adapter.init)
+        else:
+            init_adapters(model, r.train.seed, gaussian=spec.adapter.init == "gaussian")
 
 
 def redraw_injected(model: torch.nn.Module, device: torch.device) -> None:
@@ -190,6 +194,50 @@ def init_dora_magnitudes(model: torch.nn.Module) -> None:
                 norm = dora.get_weight_norm(full.detach(), zero, module.scaling[name], adapter_name=name)
                 copy_slice(dora.weight.detach(), norm.to(dora.weight.dtype))
         del full
+
+
+def init_decomposed(model: torch.nn.Module, init: str) -> None:
+    """lora.init pissa/olora on a sharded model, one base weight at a time (every rank calls, in the same
+    order): the weight is gathered whole, rank 0 decomposes it (:func:`finetune.adapters.decompose`, peft's
+    arithmetic) and broadcasts ``A0`` and ``B0``, every rank subtracts ``scaling * B0 @ A0`` from the same
+    gathered weight and keeps its slices of the residual, of ``A0`` and of ``B0``. The whole ``A0``/``B0`` are
+    kept (``LORA_INIT_ATTR``, on every rank) for the final save's conversion to a plain LoRA of the original
+    base. Broadcasting rather than decomposing on every rank: an SVD's signs are only as reproducible as the
+    LAPACK build and its threads, and the slices of one weight must come from one decomposition."""
+    import torch.distributed as dist
+
+    from finetune.adapters import LORA_INIT_ATTR, decompose, subtract_initial
+
+    shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    initial: dict[str, torch.Tensor] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
+        adapters = getattr(module, "lora_A", None)
+        if not isinstance(adapters, torch.nn.ModuleDict) or not hasattr(module, "get_base_layer"):
+            continue
+        weight = module.get_base_layer().weight
+        full = weight.full_tensor() if hasattr(weight, "full_tensor") else weight.detach()
+        with torch.no_grad():
+            for adapter in adapters:
+                a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+                scaling = module.scaling[adapter]
+                # peft's olora ignores fan_in_fan_out; so do we, to give the same model
+                transposed = init == "pissa" and getattr(module, "fan_in_fan_out", False)
+                a0, b0 = decompose(full, init, module.r[adapter], scaling, fan_in_fan_out=transposed)
+                if shared:
+                    dist.broadcast(a0, src=0)
+                    dist.broadcast(b0, src=0)
+                residual = subtract_initial(full, a0, b0, scaling, transposed=transposed)
+                copy_slice(weight.detach(), residual)
+                copy_slice(a.detach(), a0.to(a.dtype))
+                copy_slice(b.detach(), b0.to(b.dtype))
+                initial[names[id(a)]] = a0.to(a.dtype).cpu()
+                initial[names[id(b)]] = b0.to(b.dtype).cpu()
+                full = residual  # a second adapter on the same layer decomposes what the first left
+        del full
+    from finetune.train.parallel import unwrap
+
+    setattr(unwrap(model), LORA_INIT_ATTR, initial)
 
 
 def fill_seeded(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from finetune import flex
+from finetune.adapters import DECOMPOSING_INITS
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.units import DTYPE_NAMES, torch_dtype
@@ -71,9 +72,15 @@ def load_base_model(
     return model.to(device)
 
 
-def add_adapters(model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
+def add_adapters(
+    model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpec, *, on_meta: bool = False
+) -> torch.nn.Module:
     """What ``spec.adapter`` trains, on the frozen ``model`` (finetune.adapters.inject: peft LoRA/DoRA, peft
-    prefix tuning, or bottleneck adapters); full fine-tuning trains every weight."""
+    prefix tuning, or bottleneck adapters); full fine-tuning trains every weight.
+
+    ``on_meta``: the base has no values yet, so pissa/olora are not decomposed here (the sharded load does it
+    after loading, finetune.train.load.init_decomposed); the peft config still names the init.
+    """
     if not spec.method.adapters:
         for p in model.parameters():
             p.requires_grad_(True)
@@ -85,7 +92,10 @@ def add_adapters(model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpec) -
     # fp32, which doubles the residual stream's activations (every 4-bit matmul returns its input's dtype) and
     # the head's storage: Llama-3.1-8B at 4096 tokens needed more memory under QLoRA than under LoRA. They stay
     # in the compute dtype, as LoRA's frozen base does; get_peft_model freezes them and keeps adapters fp32.
-    return inject(model, spec.adapter)
+    adapted = inject(model, spec.adapter, stand_in=on_meta)
+    if on_meta and spec.adapter.kind == "lora" and spec.adapter.init in DECOMPOSING_INITS:
+        adapted.peft_config["default"].init_lora_weights = spec.adapter.init
+    return adapted
 
 
 def build_model(
@@ -98,13 +108,40 @@ def build_model(
     """
     model = load_base_model(loaded, spec, device, base_dir)
     model = add_adapters(model, loaded, spec)
-    if spec.adapter is not None and spec.adapter.kind == "lora":
-        init_adapters(model, loaded.recipe.train.seed, gaussian=spec.adapter.init == "gaussian")
+    # pissa/olora's A and B are the decomposition peft made when it injected them (no random draw to redo)
+    adapter = spec.adapter
+    if adapter is not None and adapter.kind == "lora" and adapter.init not in DECOMPOSING_INITS:
+        init_adapters(model, loaded.recipe.train.seed, gaussian=adapter.init == "gaussian")
     if hasattr(model, "config"):
         model.config.use_cache = False
     if loaded.recipe.train.compile:
         compile_blocks(model)
     return model
+
+
+def broadcast_decomposed(model: torch.nn.Module) -> None:
+    """Rank 0's pissa/olora decomposition on every rank of a whole-model run (ddp, zero1): the residual base
+    weights, A and B, and the kept initial adapter (every rank calls; nothing to do for other inits).
+
+    Each rank decomposed its own copy when peft injected the adapters; an SVD's signs and order are only as
+    reproducible as the LAPACK build and its threads, and DDP broadcasts no frozen weight, so without this a
+    rank could train on another residual than rank 0's, and rank 0 alone saves the initial adapter.
+    """
+    import torch.distributed as dist
+
+    from finetune.adapters import LORA_INIT_ATTR
+
+    initial = getattr(model, LORA_INIT_ATTR, None)
+    if initial is None or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict):
+                dist.broadcast(module.get_base_layer().weight.data, src=0)
+        for name, p in model.named_parameters():
+            if name in initial:
+                dist.broadcast(p.data, src=0)
+                dist.broadcast(initial[name], src=0)
 
 
 def compile_blocks(model: torch.nn.Module) -> None:

@@ -58,7 +58,13 @@ from finetune.train.loop import (
     total_steps,
 )
 from finetune.train.memory import PeakMemory
-from finetune.train.model import build_model, check_model_storage, count_parameters, load_tokenizer
+from finetune.train.model import (
+    broadcast_decomposed,
+    build_model,
+    check_model_storage,
+    count_parameters,
+    load_tokenizer,
+)
 from finetune.train.outputs import MetricsWriter, Reporter, save_final
 from finetune.train.parallel import parallelize, unwrap
 from finetune.train.preflight import at
@@ -153,6 +159,7 @@ class Trainer:
         base_dir = self.out_dir / "base" if keep_base else None
         if not loads_sharded(spec, ctx.world_size):
             model = build_model(self.loaded, spec, ctx.device, base_dir=base_dir)
+            broadcast_decomposed(model)
             check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
             self.trainable, self.total_params = count_parameters(model)
             return parallelize(model, spec, ctx)
