@@ -65,7 +65,8 @@ def parity_recipe(model_dir: Path, out: Path, method: str, strategy: str) -> dic
                   "warmup_steps": 2, "max_grad_norm": 1.0, "seed": 0},
         "precision": "fp32",
         "distributed": {"strategy": strategy},
-        "output": {"dir": str(out), "log_every": 1},
+        # pissa/olora runs also checkpoint at step 5 (the fsdp pissa run's resume starts there)
+        "output": {"dir": str(out), "log_every": 1, **({"save_every": 5} if init != "default" else {})},
     }
 
 
@@ -195,6 +196,59 @@ def test_prefix_and_bottleneck_adapter_parity(runs: Runs, method: str, strategy:
     assert got[-1]["loss"] < got[0]["loss"]
     weights = "adapter_model.safetensors" if method == "prefix" else "bottleneck_adapter.safetensors"
     assert max_weight_diff(dist / weights, single / weights) <= WEIGHT_ATOL
+
+
+@pytest.mark.parametrize(("init", "strategy"), [("pissa", "ddp"), ("pissa", "fsdp"), ("olora", "zero2")])
+def test_pissa_and_olora_parity(runs: Runs, init: str, strategy: str) -> None:
+    """lora.init pissa/olora on 2 processes: ddp (each rank decomposes the whole model, rank 0's result is
+    broadcast), zero2 and fsdp (built on meta, each weight gathered and decomposed once after the sharded
+    load) give the single process's losses and the same saved plain LoRA (rank 2r) of the original base."""
+    single, _ = runs.get(init, "single", 1)
+    dist, _ = runs.get(init, strategy, 2)
+    got, want = step_rows(dist), step_rows(single)
+    assert len(got) == STEPS
+    assert max_rel([r["loss"] for r in got], [r["loss"] for r in want]) <= LOSS_RTOL
+    assert max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in want]) <= LOSS_RTOL
+    assert got[-1]["loss"] < got[0]["loss"]
+    assert json.loads((dist / "adapter_config.json").read_text())["r"] == 8  # [A; A0], [B, -B0]
+    assert max_weight_diff(dist / "adapter_model.safetensors", single / "adapter_model.safetensors") <= WEIGHT_ATOL
+
+
+def test_pissa_under_fsdp_merges_onto_the_original_base_and_resumes_exactly(runs: Runs, tmp_path: Path) -> None:
+    """The fsdp run's saved adapter (gathered from the shards, with the kept initial adapter) merged onto the
+    original base gives the single-process run's merged logits; and a resume from its step-5 checkpoint,
+    which redoes the decomposition (the initial adapter is not in the checkpoint), saves the same adapter."""
+    from finetune.merge import merge
+
+    single, _ = runs.get("pissa", "single", 1)
+    dist, _ = runs.get("pissa", "fsdp", 2)
+    ids = torch.tensor([[1, 5, 9, 17, 33, 65, 100, 7, 3, 42], [2, 8, 16, 32, 64, 120, 4, 11, 19, 27]])
+
+    def logits(model_dir: Path) -> torch.Tensor:
+        from transformers import AutoModelForCausalLM
+
+        with torch.no_grad():
+            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(ids).logits
+
+    merge(dist, tmp_path / "merged-fsdp")
+    merge(single, tmp_path / "merged-single")
+    merged = logits(tmp_path / "merged-fsdp")
+    assert (merged - logits(tmp_path / "merged-single")).abs().max().item() <= 1e-4
+    assert (merged - logits(dist / "base")).abs().max().item() > 1e-3  # the training changed the model
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(dist, resumed)
+    from finetune.train import checkpoint as ck
+
+    assert [s for s, _ in ck.list_checkpoints(resumed)] == [5, 10]
+    shutil.rmtree(dict(ck.list_checkpoints(resumed))[10])
+    (resumed / "adapter_model.safetensors").unlink()
+    recipe = parity_recipe(runs.model_dir, resumed, "pissa", "fsdp")
+    proc = finetune_run(write_recipe(tmp_path / "resume.yaml", recipe), "--nproc", "2", "--resume")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    assert max_rel([r["loss"] for r in step_rows(resumed)], [r["loss"] for r in step_rows(dist)]) <= 1e-6
+    assert max_weight_diff(resumed / "adapter_model.safetensors", dist / "adapter_model.safetensors") <= 1e-6
 
 
 def test_two_nodes_on_localhost_match_one_node(runs: Runs, tmp_path: Path) -> None:
