@@ -251,6 +251,50 @@ def test_pissa_under_fsdp_merges_onto_the_original_base_and_resumes_exactly(runs
     assert max_weight_diff(resumed / "adapter_model.safetensors", dist / "adapter_model.safetensors") <= 1e-6
 
 
+def _decompose_and_broadcast(rank: int, port: int, out: Path) -> None:
+    """One rank of test_ddp_ranks_share_rank_0s_decomposition: rank 1 holds another valid decomposition."""
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.adapters import LORA_INIT_ATTR, inject
+    from finetune.spec import AdapterSpec
+    from finetune.train.model import broadcast_decomposed
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)
+    spec = AdapterSpec(kind="lora", r=2, alpha=4.0, target_modules=("q_proj", "v_proj"), init="pissa")
+    model = inject(LlamaForCausalLM(config), spec)
+    initial = getattr(model, LORA_INIT_ATTR)
+    if rank == 1:  # the SVD's sign ambiguity: -u, -v is as valid; and a residual off in its last bit
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in initial:
+                    p.neg_()
+                    initial[name].neg_()
+                elif "base_layer" in name:
+                    p.mul_(1 + 1e-7)
+    broadcast_decomposed(model)
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n or "base_layer" in n}
+    state.update({f"initial.{n}": t for n, t in initial.items()})
+    torch.save(state, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ddp_ranks_share_rank_0s_decomposition(tmp_path: Path) -> None:
+    """Under ddp every rank decomposes its own copy; after broadcast_decomposed (real gloo, 2 processes) the
+    residual base weights, A, B and the kept initial adapter are bit-identical to rank 0's, even where rank 1
+    had another valid decomposition (opposite singular-vector signs) and a residual differing in its last bit."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_decompose_and_broadcast, args=(free_port(), tmp_path), nprocs=2)
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert r0.keys() == r1.keys() and len(r0) == 2 * 2 * 5  # 2 layers x (q, v) x (base, A, B, initial A, B)
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)
+    assert any(r0[k].abs().max() > 0 for k in r0 if ".lora_B." in k)  # pissa's B is not zero
+
+
 def test_two_nodes_on_localhost_match_one_node(runs: Runs, tmp_path: Path) -> None:
     """Two launchers (--nnodes 2 --nproc 1) rendezvous on 127.0.0.1 and train as one 2-process node does."""
     one_node, _ = runs.get("full", "ddp", 2)
