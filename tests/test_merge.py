@@ -390,3 +390,29 @@ def test_decompose_is_peft_s_pissa_and_olora_bit_for_bit(arch: str, init: str) -
         assert torch.equal(a0, getattr(model, LORA_INIT_ATTR)[f"{name}.lora_A.default.weight"])
         checked += 1
     assert checked == (4 if arch == "gpt2" else 7) * 2  # every adapted linear of both layers (c_proj twice)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_a_decomposing_run_starts_from_the_original_model(tmp_path: Path, init: str) -> None:
+    """The trainer's whole-model build keeps peft's decomposition (the seeded default init of other LoRA runs
+    must not overwrite A and B): the residual base plus the initial adapter is the original model."""
+    from finetune.adapters import LORA_INIT_ATTR
+    from finetune.recipe import load_recipe
+    from finetune.spec import execution_spec
+    from finetune.train.model import build_model
+    from tests.conftest import tiny_recipe, write_recipe
+
+    lora = {"r": 4, "alpha": 8, "init": init, "target_modules": ["q_proj", "v_proj"]}
+    loaded = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path / "out", method="lora", lora=lora)))
+    spec = execution_spec("lora", "single", "fp32", checkpointing=False, lora=loaded.recipe.lora)
+    model = build_model(loaded, spec, torch.device("cpu"), base_dir=tmp_path / "base").eval()
+    initial = getattr(model, LORA_INIT_ATTR)
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trained.keys() == initial.keys() and all(torch.equal(p, initial[n]) for n, p in trained.items())
+    with torch.no_grad():
+        start = model(INPUT_IDS).logits
+        with model.disable_adapter():
+            residual = model(INPUT_IDS).logits
+    original = logits_of(tmp_path / "base")
+    assert (start - original).abs().max().item() < 1e-4
+    assert (residual - original).abs().max().item() > 1e-2  # the base alone was changed
