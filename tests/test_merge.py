@@ -403,7 +403,8 @@ def test_a_decomposing_run_starts_from_the_original_model(tmp_path: Path, init: 
     from tests.conftest import tiny_recipe, write_recipe
 
     lora = {"r": 4, "alpha": 8, "init": init, "target_modules": ["q_proj", "v_proj"]}
-    loaded = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path / "out", method="lora", lora=lora)))
+    recipe = tiny_recipe(tmp_path / "out", method="lora", lora=lora)
+    loaded = load_recipe(write_recipe(tmp_path / "r.yaml", recipe))
     spec = execution_spec("lora", "single", "fp32", checkpointing=False, lora=loaded.recipe.lora)
     model = build_model(loaded, spec, torch.device("cpu"), base_dir=tmp_path / "base").eval()
     initial = getattr(model, LORA_INIT_ATTR)
