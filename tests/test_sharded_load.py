@@ -1,7 +1,7 @@
 """Sharded loading on 2 gloo processes: built on meta, wrapped by fully_shard, then each rank fills only its
 shards. The gathered weights equal today's seeded random init bit for bit, and a pretrained checkpoint cast
 per tensor to the storage dtype; tied embeddings stay one parameter; adapters start as peft's defaults
-(lora_B zero) identically on every path."""
+(lora_B zero) identically on every path, and pissa/olora as peft decomposes the whole model."""
 
 from __future__ import annotations
 
@@ -33,13 +33,14 @@ def _micro(d: Path, tied: bool) -> Path:
 
 def _write(model_dir: Path, out: Path, method: str, init: str, precision: str) -> Path:
     dora = method == "dora"
+    lora_init = method if method in ("pissa", "olora") else "default"
     r = tiny_recipe(
         out,
         model={"path": str(model_dir), "init": init},
-        method="lora" if dora else method,
+        method="lora" if dora or lora_init != "default" else method,
         precision=precision,
         data={"train": str(RECIPES / "data/reverse/train.jsonl"), "eval": None},
-        lora={"r": 4, "target_modules": ["q_proj", "v_proj"], "use_dora": dora},
+        lora={"r": 4, "target_modules": ["q_proj", "v_proj"], "use_dora": dora, "init": lora_init},
         prefix={"num_virtual_tokens": 4, "projection": True, "projection_hidden": 16},
         adapter={"size": 8},
         distributed={"strategy": "fsdp"},
@@ -50,6 +51,7 @@ def _write(model_dir: Path, out: Path, method: str, init: str, precision: str) -
 def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) -> None:
     import torch.distributed as dist
 
+    from finetune.adapters import LORA_INIT_ATTR
     from finetune.recipe import load_recipe
     from finetune.spec import execution_spec
     from finetune.train.distributed import DistContext
@@ -93,6 +95,8 @@ def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) 
             ids = torch.arange(2 * 24).reshape(2, 24) % 250 + 3
             result["loss"] = _loss(model, ids)
             result["old_loss"] = _loss(old, ids)
+            result["initial"] = getattr(model, LORA_INIT_ATTR, {})
+            result["old_initial"] = getattr(old, LORA_INIT_ATTR, {})
         if rank == 0:
             torch.save(result, Path(out) / "gathered.pt")
     dist.destroy_process_group()
@@ -158,6 +162,8 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
         (tied_dir, "prefix", "pretrained", "bf16"),
         (tied_dir, "adapter", "pretrained", "bf16"),
         (random_dir, "adapter", "random", "fp32"),
+        (tied_dir, "pissa", "pretrained", "bf16"),
+        (random_dir, "olora", "random", "fp32"),
     ):
         out = tmp_path / f"{method}-{init}-{precision}-{model_dir.name}"
         out.mkdir()
@@ -225,6 +231,11 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
             assert len(codes) == 2 * 7 and res["quant_state"], (
                 codes
             )  # 2 blocks x (q, k, v, o, gate, up, down)
+        elif case[2] in ("pissa", "olora"):  # decomposed after the sharded load: B is not zero, A0/B0 kept
+            b = [t for n, t in res["full"].items() if ".lora_B." in n]
+            assert len(b) == 4 and all(t.abs().sum() > 0 for t in b)
+            assert res["initial"].keys() == res["old_initial"].keys() and len(res["initial"]) == 8
+            assert all(torch.equal(t, res["old_initial"][n]) for n, t in res["initial"].items())
         else:  # what each method adds, non-trivially initialised
             # adapter: 2 blocks x (attention, MLP) x (down, up) x (weight, bias) + their input gains + the head's
             assert len(trained) == {"dora": 4, "prefix": 5, "adapter": 21}[case[2]], trained

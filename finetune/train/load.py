@@ -228,11 +228,14 @@ def init_decomposed(model: torch.nn.Module, init: str) -> None:
                     dist.broadcast(a0, src=0)
                     dist.broadcast(b0, src=0)
                 residual = subtract_initial(full, a0, b0, scaling, transposed=transposed)
+                # peft injects A and B in the base weight's dtype and upcasts them after (the residual is
+                # taken before, from the fp32 ones): round them the same way, as the whole-model load has them
+                a0, b0 = a0.to(full.dtype).to(a.dtype), b0.to(full.dtype).to(b.dtype)
                 copy_slice(weight.detach(), residual)
-                copy_slice(a.detach(), a0.to(a.dtype))
-                copy_slice(b.detach(), b0.to(b.dtype))
-                initial[names[id(a)]] = a0.to(a.dtype).cpu()
-                initial[names[id(b)]] = b0.to(b.dtype).cpu()
+                copy_slice(a.detach(), a0)
+                copy_slice(b.detach(), b0)
+                initial[names[id(a)]] = a0.cpu()
+                initial[names[id(b)]] = b0.cpu()
                 full = residual  # a second adapter on the same layer decomposes what the first left
         del full
     from finetune.train.parallel import unwrap
