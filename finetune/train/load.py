@@ -198,12 +198,13 @@ def init_dora_magnitudes(model: torch.nn.Module) -> None:
 
 def init_decomposed(model: torch.nn.Module, init: str) -> None:
     """lora.init pissa/olora on a sharded model, one base weight at a time (every rank calls, in the same
-    order): the weight is gathered whole, rank 0 decomposes it (:func:`finetune.adapters.decompose`, peft's
-    arithmetic) and broadcasts ``A0`` and ``B0``, every rank subtracts ``scaling * B0 @ A0`` from the same
-    gathered weight and keeps its slices of the residual, of ``A0`` and of ``B0``. The whole ``A0``/``B0`` are
-    kept (``LORA_INIT_ATTR``, on every rank) for the final save's conversion to a plain LoRA of the original
-    base. Broadcasting rather than decomposing on every rank: an SVD's signs are only as reproducible as the
-    LAPACK build and its threads, and the slices of one weight must come from one decomposition."""
+    order): the weight is gathered whole, rank 0 alone decomposes it (:func:`finetune.adapters.decompose`,
+    peft's arithmetic) and broadcasts ``A0`` and ``B0``, every rank subtracts ``scaling * B0 @ A0`` from the
+    same gathered weight and keeps its slices of the residual, of ``A0`` and of ``B0``. The whole ``A0`` and
+    ``B0`` are kept (``LORA_INIT_ATTR``, on every rank) for the final save's conversion to a plain LoRA of the
+    original base. Broadcasting rather than decomposing on every rank: an SVD's signs are only as
+    reproducible as the LAPACK build and its threads, and the slices of one weight must come from one
+    decomposition."""
     import torch.distributed as dist
 
     from finetune.adapters import LORA_INIT_ATTR, decompose, subtract_initial
@@ -223,7 +224,11 @@ def init_decomposed(model: torch.nn.Module, init: str) -> None:
                 scaling = module.scaling[adapter]
                 # peft's olora ignores fan_in_fan_out; so do we, to give the same model
                 transposed = init == "pissa" and getattr(module, "fan_in_fan_out", False)
-                a0, b0 = decompose(full, init, module.r[adapter], scaling, fan_in_fan_out=transposed)
+                if not shared or dist.get_rank() == 0:
+                    a0, b0 = decompose(full, init, module.r[adapter], scaling, fan_in_fan_out=transposed)
+                else:  # only rank 0's decomposition is used: the others skip the SVD/QR
+                    a0 = torch.empty(a.shape, dtype=torch.float32, device=full.device)
+                    b0 = torch.empty(b.shape, dtype=torch.float32, device=full.device)
                 if shared:
                     dist.broadcast(a0, src=0)
                     dist.broadcast(b0, src=0)
