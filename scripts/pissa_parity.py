@@ -34,8 +34,14 @@ def micro_model(d: Path) -> Path:
         if f.name != "config.json":
             shutil.copy(f, d / f.name)
     config = json.loads((TINY / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=32)
+    config.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
     (d / "config.json").write_text(json.dumps(config))
     return d
 
@@ -48,8 +54,15 @@ def run(work: Path, model: Path, init: str, strategy: str, nproc: int, steps: in
         "method": "lora",
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "init": init},
         "data": {"train": str(ROOT / "recipes/data/reverse/train.jsonl"), "max_seq_len": 48},
-        "train": {"max_steps": steps, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3,
-                  "warmup_steps": 2, "max_grad_norm": 1.0, "seed": 0},
+        "train": {
+            "max_steps": steps,
+            "global_batch_size": 8,
+            "micro_batch_size": 2,
+            "lr": 3e-3,
+            "warmup_steps": 2,
+            "max_grad_norm": 1.0,
+            "seed": 0,
+        },
         "precision": "fp32",
         "distributed": {"strategy": strategy},
         "output": {"dir": str(out), "log_every": 1},
@@ -89,7 +102,8 @@ def main() -> None:
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="pissa-parity-"))
     model = micro_model(work / "micro-llama")
-    print(f"{'init':6} {'strategy':8} {'max |dloss|':>12} {'max rel':>10} {'max |dlogit|':>13}  (vs 1 process)")
+    header = f"{'init':6} {'strategy':8} {'max |dloss|':>12} {'max rel':>10} {'max |dlogit|':>13}"
+    print(f"{header}  (vs 1 process)")
     for init in ("pissa", "olora"):
         single = run(work, model, init, "single", 1, args.steps)
         want, want_logits = losses(single), merged_logits(single)

@@ -211,10 +211,13 @@ def test_pissa_and_olora_parity(runs: Runs, init: str, strategy: str) -> None:
     assert max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in want]) <= LOSS_RTOL
     assert got[-1]["loss"] < got[0]["loss"]
     assert json.loads((dist / "adapter_config.json").read_text())["r"] == 8  # [A; A0], [B, -B0]
-    assert max_weight_diff(dist / "adapter_model.safetensors", single / "adapter_model.safetensors") <= WEIGHT_ATOL
+    adapter = "adapter_model.safetensors"
+    assert max_weight_diff(dist / adapter, single / adapter) <= WEIGHT_ATOL
 
 
-def test_pissa_under_fsdp_merges_onto_the_original_base_and_resumes_exactly(runs: Runs, tmp_path: Path) -> None:
+def test_pissa_under_fsdp_merges_onto_the_original_base_and_resumes_exactly(
+    runs: Runs, tmp_path: Path
+) -> None:
     """The fsdp run's saved adapter (gathered from the shards, with the kept initial adapter) merged onto the
     original base gives the single-process run's merged logits; and a resume from its step-5 checkpoint,
     which redoes the decomposition (the initial adapter is not in the checkpoint), saves the same adapter."""
@@ -285,7 +288,7 @@ def _decompose_and_broadcast(rank: int, port: int, out: Path) -> None:
 def test_ddp_ranks_share_rank_0s_decomposition(tmp_path: Path) -> None:
     """Under ddp every rank decomposes its own copy; after broadcast_decomposed (real gloo, 2 processes) the
     residual base weights, A, B and the kept initial adapter are bit-identical to rank 0's, even where rank 1
-    had another valid decomposition (opposite singular-vector signs) and a residual differing in its last bit."""
+    had another valid decomposition (opposite singular-vector signs) and a residual off in its last bit."""
     import torch.multiprocessing as mp
 
     mp.spawn(_decompose_and_broadcast, args=(free_port(), tmp_path), nprocs=2)
