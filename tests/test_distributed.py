@@ -182,11 +182,9 @@ def test_qlora_parity(runs: Runs, strategy: str) -> None:
     assert max_weight_diff(dist / "adapter_model.safetensors", single / "adapter_model.safetensors") <= WEIGHT_ATOL
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("method", ["prefix", "adapter"])
-def test_prefix_and_bottleneck_adapter_parity(runs: Runs, method: str, strategy: str) -> None:
-    """Prefix tuning (its encoder in FSDP's root unit) and bottleneck adapters (inside each decoder layer's
-    unit) give the single process's losses and trained weights under ddp and fsdp on 2 processes."""
+def _assert_step_parity(runs: Runs, method: str, strategy: str) -> tuple[Path, Path]:
+    """The 2-process run's losses and gradient norms equal the single process's, and the loss went down;
+    returns (single, distributed) output directories."""
     single, _ = runs.get(method, "single", 1)
     dist, _ = runs.get(method, strategy, 2)
     got, want = step_rows(dist), step_rows(single)
@@ -194,6 +192,15 @@ def test_prefix_and_bottleneck_adapter_parity(runs: Runs, method: str, strategy:
     assert max_rel([r["loss"] for r in got], [r["loss"] for r in want]) <= LOSS_RTOL
     assert max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in want]) <= LOSS_RTOL
     assert got[-1]["loss"] < got[0]["loss"]
+    return single, dist
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("method", ["prefix", "adapter"])
+def test_prefix_and_bottleneck_adapter_parity(runs: Runs, method: str, strategy: str) -> None:
+    """Prefix tuning (its encoder in FSDP's root unit) and bottleneck adapters (inside each decoder layer's
+    unit) give the single process's losses and trained weights under ddp and fsdp on 2 processes."""
+    single, dist = _assert_step_parity(runs, method, strategy)
     weights = "adapter_model.safetensors" if method == "prefix" else "bottleneck_adapter.safetensors"
     assert max_weight_diff(dist / weights, single / weights) <= WEIGHT_ATOL
 
@@ -203,13 +210,7 @@ def test_pissa_and_olora_parity(runs: Runs, init: str, strategy: str) -> None:
     """lora.init pissa/olora on 2 processes: ddp (each rank decomposes the whole model, rank 0's result is
     broadcast), zero2 and fsdp (built on meta, each weight gathered and decomposed once after the sharded
     load) give the single process's losses and the same saved plain LoRA (rank 2r) of the original base."""
-    single, _ = runs.get(init, "single", 1)
-    dist, _ = runs.get(init, strategy, 2)
-    got, want = step_rows(dist), step_rows(single)
-    assert len(got) == STEPS
-    assert max_rel([r["loss"] for r in got], [r["loss"] for r in want]) <= LOSS_RTOL
-    assert max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in want]) <= LOSS_RTOL
-    assert got[-1]["loss"] < got[0]["loss"]
+    single, dist = _assert_step_parity(runs, init, strategy)
     assert json.loads((dist / "adapter_config.json").read_text())["r"] == 8  # [A; A0], [B, -B0]
     adapter = "adapter_model.safetensors"
     assert max_weight_diff(dist / adapter, single / adapter) <= WEIGHT_ATOL
