@@ -370,3 +370,39 @@ def load_bottlenecks(model: Any, adapter_dir: str | Path) -> Any:
     if unexpected or lacking:
         raise UserError(f"{d}: the saved adapters do not fit this model ({(unexpected or lacking)[0]})")
     return model
+
+
+def prefix_text_ids(text: str, tokenizer: Any, num_virtual_tokens: int) -> list[int]:
+    """The token ids whose keys/values start a prefix of ``num_virtual_tokens`` (prefix.init: text): ``text``
+    tokenized without special tokens, then cut to ``num_virtual_tokens`` when longer or repeated from its start
+    when shorter. The base runs over these ids as one sequence, so each virtual token's key carries the rotary
+    position it has in the prefix (0 .. num_virtual_tokens - 1), where peft puts it."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise UserError("prefix.init_text: the text has no tokens; give a task instruction, or prefix.init: random")
+    return [ids[i % len(ids)] for i in range(num_virtual_tokens)]
+
+
+def init_prefix_from_text(model: Any, ids: list[int]) -> None:
+    """Set a prefix-tuned peft ``model``'s prefix (no projection) to its frozen base's own keys and values of
+    ``ids`` in every layer (Li & Liang 2021: a prefix started from real words' activations learns from little
+    data; peft's random draw puts the base far from its pretrained behaviour at step 0).
+
+    peft's prompt encoder stores one row per virtual token holding, layer after layer, the keys then the
+    values, each laid out (key/value head, head dim): ``get_prompt``'s view of it. The whole base must be on
+    this process (not sharded)."""
+    import torch
+
+    encoder = model.prompt_encoder[model.active_adapter]
+    weight = encoder.embedding.weight
+    base = model.get_base_model()
+    device = weight.device
+    with torch.no_grad(), model.disable_adapter():
+        out = base(input_ids=torch.tensor([ids], device=device), use_cache=True)
+    cache = out.past_key_values
+    rows = []
+    for layer in range(len(cache.layers)):
+        for t in (cache.layers[layer].keys, cache.layers[layer].values):  # (1, kv heads, tokens, head dim)
+            rows.append(t[0].transpose(0, 1).reshape(len(ids), -1))
+    with torch.no_grad():
+        weight.copy_(torch.cat(rows, dim=1).to(weight.dtype))

@@ -105,6 +105,14 @@ class PrefixConfig(Section):
     projection_hidden: Union[PositiveInt, None] = Field(
         None, description="Width of the projection MLP (default: the model's key/value width)."
     )
+    init: Literal["random", "text"] = Field(
+        "random",
+        description="Start of the prefix: random (peft's draw) or text (Li & Liang: every layer's keys/values of "
+        "init_text's tokens as the frozen base computes them; the tokens are repeated or cut to num_virtual_tokens).",
+    )
+    init_text: Union[str, None] = Field(
+        None, description="The text whose keys/values start the prefix (init: text), e.g. a task instruction."
+    )
 
 
 class AdapterConfig(Section):
@@ -703,6 +711,16 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
                 "use distributed.tp: 1, or init: default",
             ))
     if r.method == "prefix":
+        if r.prefix.init == "text" and not (r.prefix.init_text or "").strip():
+            problems.append(loaded.problem(
+                "prefix.init_text", "is empty, but prefix.init: text starts the prefix from a text's keys and "
+                "values; set prefix.init_text to that text (a task instruction, say), or use prefix.init: random",
+            ))
+        if r.prefix.init == "text" and r.prefix.projection:
+            problems.append(loaded.problem(
+                "prefix.init", "init: text sets the prefix's keys and values themselves, which the projection MLP "
+                "would recompute; use prefix.projection: false with init: text, or init: random",
+            ))
         if r.train.activation_checkpointing is True:
             problems.append(loaded.problem(
                 "train.activation_checkpointing",

@@ -168,6 +168,14 @@ BAD = {
         {"method": "prefix", "train": {"activation_checkpointing": True}},
         "train.activation_checkpointing: transformers drops the key/value cache",
     ),
+    "prefix-text-without-text": (
+        {"method": "prefix", "prefix": {"init": "text"}},
+        "prefix.init_text: is empty, but prefix.init: text starts the prefix from a text's keys and values",
+    ),
+    "prefix-text-with-projection": (
+        {"method": "prefix", "prefix": {"init": "text", "init_text": "Answer in JSON.", "projection": True}},
+        "prefix.init: init: text sets the prefix's keys and values themselves, which the projection MLP",
+    ),
     "pissa-qlora": (
         {"method": "qlora", "lora": {"init": "pissa"}},
         "lora.init: pissa rewrites the base weights, which QLoRA keeps quantized",
@@ -285,3 +293,30 @@ def test_int8_training_matmul_keeps_no_input_and_matches_bitsandbytes() -> None:
     (theirs, theirs_kept, theirs_grad), (ours, ours_kept, ours_grad) = results
     assert torch.equal(ours, theirs) and torch.equal(ours_grad, theirs_grad)
     assert theirs_kept and not ours_kept
+
+
+@pytest.mark.parametrize("text", ["Reverse the word", "Reverse the word and write it in capitals, please."])
+def test_prefix_init_text_puts_the_bases_own_keys_and_values_in_the_prefix(tmp_path: Path, text: str) -> None:
+    """With prefix.init: text, what peft hands every layer as its prefix cache is exactly the frozen base's own
+    keys and values of the text's tokens, repeated (short text) or cut (long text) to the virtual tokens."""
+    from finetune.adapters import init_prefix_from_text, prefix_text_ids
+    from finetune.train.model import load_tokenizer
+
+    tokens = 8
+    loaded = _loaded(tmp_path, method="prefix", prefix={"num_virtual_tokens": tokens, "init": "text", "init_text": text})
+    plan = plan_for_run(loaded, nproc=1, nnodes=1, device="cpu")
+    assert plan.execution.adapter.prefix_init_text == text
+    model = build_model(loaded, plan.execution, torch.device("cpu"))
+    tok = load_tokenizer(loaded)
+    ids = prefix_text_ids(text, tok, tokens)
+    own = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(own) != tokens and ids == [own[i % len(own)] for i in range(tokens)]
+    before = model.get_prompt(batch_size=1)
+    init_prefix_from_text(model, ids)
+    prompt = model.get_prompt(batch_size=1)  # peft's cache of the prefix, as the forward receives it
+    with torch.no_grad():
+        ref = model.get_base_model()(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    assert len(prompt.layers) == len(ref.layers) == LAYERS
+    for got, want, old in zip(prompt.layers, ref.layers, before.layers, strict=True):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        assert not torch.equal(old.keys, want.keys)  # peft's random draw was replaced

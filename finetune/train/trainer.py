@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from finetune.errors import UserError
 from finetune.loss import count_target_tokens
 from finetune.plan.hardware import parse_bytes
 from finetune.plan.types import Plan
@@ -157,13 +158,24 @@ class Trainer:
         r, spec, ctx = self.loaded.recipe, self.spec, self.ctx
         keep_base = ctx.is_main and spec.method.adapters and r.model.init == "random"
         base_dir = self.out_dir / "base" if keep_base else None
+        text = spec.adapter.prefix_init_text if spec.adapter is not None else None
         if not loads_sharded(spec, ctx.world_size):
             model = build_model(self.loaded, spec, ctx.device, base_dir=base_dir)
             broadcast_decomposed(model)
+            if text is not None:  # the base's own keys/values of the text, before any wrapper (every rank alike)
+                from finetune.adapters import init_prefix_from_text, prefix_text_ids
+
+                init_prefix_from_text(model, prefix_text_ids(text, self.tokenizer, spec.adapter.num_virtual_tokens))
             check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
             self.trainable, self.total_params = count_parameters(model)
             return parallelize(model, spec, ctx)
         # Sharded: built on meta, wrapped, then each rank materialises only its shards (finetune/train/load.py).
+        if text is not None:
+            raise UserError(
+                f"prefix.init: text runs the whole base over prefix.init_text on each process, which "
+                f"distributed.strategy {spec.strategy.value} on {ctx.world_size} processes shards; use strategy "
+                "ddp (or single), or prefix.init: random"
+            )
         model = build_on_meta(self.loaded, spec)
         check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
         self.trainable, self.total_params = count_parameters(model)
