@@ -379,7 +379,9 @@ def prefix_text_ids(text: str, tokenizer: Any, num_virtual_tokens: int) -> list[
     position it has in the prefix (0 .. num_virtual_tokens - 1), where peft puts it."""
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
-        raise UserError("prefix.init_text: the text has no tokens; give a task instruction, or prefix.init: random")
+        raise UserError(
+            "prefix.init_text: the text has no tokens; give a task instruction, or prefix.init: random"
+        )
     return [ids[i % len(ids)] for i in range(num_virtual_tokens)]
 
 

@@ -303,7 +303,9 @@ def test_prefix_init_text_puts_the_bases_own_keys_and_values_in_the_prefix(tmp_p
     from finetune.train.model import load_tokenizer
 
     tokens = 8
-    loaded = _loaded(tmp_path, method="prefix", prefix={"num_virtual_tokens": tokens, "init": "text", "init_text": text})
+    loaded = _loaded(
+        tmp_path, method="prefix", prefix={"num_virtual_tokens": tokens, "init": "text", "init_text": text}
+    )
     plan = plan_for_run(loaded, nproc=1, nnodes=1, device="cpu")
     assert plan.execution.adapter.prefix_init_text == text
     model = build_model(loaded, plan.execution, torch.device("cpu"))

@@ -162,10 +162,12 @@ class Trainer:
         if not loads_sharded(spec, ctx.world_size):
             model = build_model(self.loaded, spec, ctx.device, base_dir=base_dir)
             broadcast_decomposed(model)
-            if text is not None:  # the base's own keys/values of the text, before any wrapper (every rank alike)
+            # prefix.init: text: the base's own keys/values of the text, before any wrapper (every rank alike)
+            if text is not None:
                 from finetune.adapters import init_prefix_from_text, prefix_text_ids
 
-                init_prefix_from_text(model, prefix_text_ids(text, self.tokenizer, spec.adapter.num_virtual_tokens))
+                ids = prefix_text_ids(text, self.tokenizer, spec.adapter.num_virtual_tokens)
+                init_prefix_from_text(model, ids)
             check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
             self.trainable, self.total_params = count_parameters(model)
             return parallelize(model, spec, ctx)
