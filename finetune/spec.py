@@ -186,7 +186,8 @@ class AdapterSpec:
     num_virtual_tokens: int = 0
     projection: bool = False
     projection_hidden: int | None = None
-    prefix_init_text: str | None = None  # init: text (Li & Liang): the text whose keys/values start the prefix
+    # init: text (Li & Liang): the text whose keys/values start the prefix (None: peft's random draw)
+    prefix_init_text: str | None = None
     # bottleneck (finetune/adapters.py): width (None: hidden / reduction_factor), activation, where
     size: int | None = None
     reduction_factor: float = 16.0
@@ -216,7 +217,9 @@ def adapter_spec(method: str, lora: Any = None, prefix: Any = None, adapter: Any
             kind="prefix", num_virtual_tokens=int(getattr(prefix, "num_virtual_tokens", 20)),
             projection=bool(getattr(prefix, "projection", False)),
             projection_hidden=getattr(prefix, "projection_hidden", None),
-            prefix_init_text=getattr(prefix, "init_text", None) if getattr(prefix, "init", "random") == "text" else None,
+            prefix_init_text=(
+                getattr(prefix, "init_text", None) if getattr(prefix, "init", "random") == "text" else None
+            ),
         )
     if kind == "bottleneck":
         return AdapterSpec(
