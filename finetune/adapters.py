@@ -401,7 +401,7 @@ def init_prefix_from_text(model: Any, ids: list[int]) -> None:
     device = weight.device
     with torch.no_grad(), model.disable_adapter():
         out = base(input_ids=torch.tensor([ids], device=device), use_cache=True)
-    cache = out.past_key_values
+    cache = out.cache  # transformers 5 (past_key_values is its deprecated name)
     rows = []
     for layer in range(len(cache.layers)):
         for t in (cache.layers[layer].keys, cache.layers[layer].values):  # (1, kv heads, tokens, head dim)
