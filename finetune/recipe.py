@@ -716,6 +716,13 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
                 "prefix.init_text", "is empty, but prefix.init: text starts the prefix from a text's keys and "
                 "values; set prefix.init_text to that text (a task instruction, say), or use prefix.init: random",
             ))
+        sharded = r.distributed.strategy in ("zero2", "fsdp") and r.distributed.nproc not in (1, "auto")
+        if r.prefix.init == "text" and sharded:  # auto process counts are refused at setup by the trainer
+            problems.append(loaded.problem(
+                "prefix.init", f"text runs the whole base over prefix.init_text on each process, which "
+                f"distributed.strategy {r.distributed.strategy} on {r.distributed.nproc} processes shards; use "
+                "strategy ddp (or single), or prefix.init: random",
+            ))
         if r.prefix.init == "text" and r.prefix.projection:
             problems.append(loaded.problem(
                 "prefix.init", "init: text sets the prefix's keys and values themselves, which the projection MLP "

@@ -176,6 +176,12 @@ BAD = {
         {"method": "prefix", "prefix": {"init": "text", "init_text": "Answer in JSON.", "projection": True}},
         "prefix.init: init: text sets the prefix's keys and values themselves, which the projection MLP",
     ),
+    "prefix-text-sharded": (
+        {"method": "prefix", "prefix": {"init": "text", "init_text": "Reverse it"},
+         "distributed": {"strategy": "fsdp", "nproc": 2}},
+        "prefix.init: text runs the whole base over prefix.init_text on each process, which distributed.strategy "
+        "fsdp on 2 processes shards",
+    ),
     "pissa-qlora": (
         {"method": "qlora", "lora": {"init": "pissa"}},
         "lora.init: pissa rewrites the base weights, which QLoRA keeps quantized",
