@@ -409,6 +409,36 @@ def _line_map(text: str) -> dict[tuple[str, ...], int]:
     return lines
 
 
+def _duplicate_keys(text: str, file: str) -> list[Problem]:
+    """One problem per key written twice in the same mapping (YAML keeps the last silently, so a stray line
+    could replace a whole section)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return []
+    problems: list[Problem] = []
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for k, v in node.value:
+                key, line = str(k.value), k.start_mark.line + 1
+                if key in first:
+                    problems.append(Problem(
+                        ".".join((*path, key)),
+                        f"written twice (lines {first[key]} and {line}); keep one of them",
+                        file, line,
+                    ))
+                first.setdefault(key, line)
+                walk(v, (*path, key))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                walk(v, (*path, str(i)))
+
+    walk(root, ())
+    return problems
+
+
 def _section_fields(path: tuple[str, ...]) -> list[str]:
     """Field names allowed at ``path`` in the schema (for "did you mean")."""
     cls: Any = Recipe
@@ -597,6 +627,9 @@ def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None
         raise RecipeError([Problem("(yaml)", f"not valid YAML: {getattr(exc, 'problem', exc)}", str(p), line)]) from None
     if raw is None:
         raw = {}
+    duplicates = _duplicate_keys(text, str(p))
+    if duplicates:
+        raise RecipeError(duplicates)
     lines = _line_map(text)
     problems = apply_overrides(raw, overrides) if isinstance(raw, dict) else []
     try:

@@ -98,6 +98,23 @@ def test_not_yaml_and_missing_recipe(tmp_path: Path) -> None:
         load_recipe(tmp_path / "absent.yaml")
 
 
+def test_a_key_written_twice_is_refused_with_both_lines(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys silently: a stray `model:` line would replace the whole section."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(
+        "model: SmolLM2 learns to answer\nmethod: full\nmodel:\n  path: tiny-llama\n  init: random\n"
+        "data:\n  train: data/reverse/train.jsonl\n  max_seq_len: 32\n  max_seq_len: 64\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "finetune", "validate", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stdout + result.stderr == (
+        f"error: {path}:3: model: written twice (lines 1 and 3); keep one of them\n"
+        f"error: {path}:9: data.max_seq_len: written twice (lines 8 and 9); keep one of them\n"
+    )
+
+
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_validates(path: Path) -> None:
     loaded = load_recipe(path)
