@@ -6,6 +6,9 @@ Each task's answer can be checked exactly, so exact-match accuracy measures what
 - reverse:   "Reverse the letters." + a made-up word  -> the word reversed
 - uppercase: "Write in capitals."  + a made-up word  -> the word in upper case
 - reverse-upper: "Reverse the letters in capitals." -> the word reversed, in upper case (the LoRA quickstart)
+- reverse-reworded: "Spell it backwards." + reverse's own words and split -> the word reversed (the prefix
+  quickstart: the skill the quickstart model has, asked in words it does not follow; its held-out words are
+  reverse's, never seen by the base or the prefix)
 Every task has train.jsonl and a held-out eval.jsonl whose words never occur in train.
 
 The same rows are also written in the other data formats, for the recipes that show each format:
@@ -29,6 +32,9 @@ TASKS = {
     # LoRA quickstart's task: the reversal the quickstart model knows, answered in capitals.
     "reverse-upper": ("Reverse the letters in capitals.", lambda w: w[::-1].upper()),
 }
+# The prefix quickstart's instruction: the quickstart model answers it 0% of the time (it reverses after
+# "Reverse the letters." only), so a prefix must steer the base to the skill it has.
+REWORDED = "Spell it backwards."
 N_TRAIN, N_EVAL = 4000, 200
 N_TOKENIZED_TRAIN = 1000  # keeps the pre-tokenized copy small; it is a demonstration of the format
 TINY_TOKENIZER = OUT.parent / "models" / "tiny-llama" / "tokenizer.json"
@@ -64,6 +70,10 @@ def main() -> None:
         print(f"{name}: {N_TRAIN} train, {N_EVAL} eval -> {OUT / name}")
         if name == "reverse":
             write_other_formats(name, rows, chat=True, text=True)
+            reworded = [{**r, "instruction": REWORDED} for r in rows]
+            write_jsonl(OUT / "reverse-reworded" / "train.jsonl", reworded[:N_TRAIN])
+            write_jsonl(OUT / "reverse-reworded" / "eval.jsonl", reworded[N_TRAIN:])
+            print(f"reverse-reworded: the same words as reverse -> {OUT / 'reverse-reworded'}")
         if name == "uppercase":
             write_tokenized(name, rows)
 
