@@ -184,6 +184,19 @@ def test_shipped_tokenized_data_equals_instruction_encoding(tmp_path, tok):
     assert (first_tok["input_ids"], first_tok["labels"]) == (e.input_ids, e.labels)
 
 
+def test_reworded_reversal_is_the_reversal_data_under_another_instruction():
+    """The prefix quickstart's data is the quickstart's rows (words, split, answers) with only the instruction
+    changed, so its held-out words are held out from the base's training too."""
+    root = TINY_MODEL.parent.parent / "data"
+    for split in ("train.jsonl", "eval.jsonl"):
+        plain = [json.loads(line) for line in (root / "reverse" / split).open()]
+        reworded = [json.loads(line) for line in (root / "reverse-reworded" / split).open()]
+        assert [{**r, "instruction": "Spell it backwards."} for r in plain] == reworded
+    train = {json.loads(line)["input"] for line in (root / "reverse/train.jsonl").open()}
+    held_out = {json.loads(line)["input"] for line in (root / "reverse-reworded/eval.jsonl").open()}
+    assert len(held_out) == 200 and not held_out & train
+
+
 def test_truncation_and_drop_long_counted_once(tmp_path, tok):
     rows = [{"text": "ab"}, {"text": "x" * 20}, {"text": "y" * 30}]
     f = write_jsonl(tmp_path / "t.jsonl", rows)
