@@ -35,6 +35,8 @@ MLP_NAMES = ("mlp", "feed_forward", "ffn")
 SLOT_NAMES = {"attention": "bottleneck_attn", "mlp": "bottleneck_mlp"}
 #: Name of the LM head's input gain (``adapter.train_norms``), a child of the model that owns the head.
 HEAD_GAIN_NAME = "bottleneck_head"
+#: Name of the bottleneck on the token embeddings' output (``adapter.embeddings``), a child of their owner.
+EMBED_NAME = "bottleneck_embed"
 #: LoRA initialisations that decompose the base weights (and subtract the initial adapter from them).
 DECOMPOSING_INITS = ("pissa", "olora")
 #: Attribute of a pissa/olora peft model holding its initial adapter ({parameter name: tensor}).
@@ -288,7 +290,8 @@ def slots(spec: AdapterSpec) -> list[str]:
 
 def inject_bottlenecks(model: Any, spec: AdapterSpec) -> list[str]:
     """Add a bottleneck after the attention and/or MLP of every decoder layer of ``model`` (in place; fp32,
-    on the layer's device); return the qualified names of the added modules."""
+    on the layer's device), and with ``spec.embeddings`` one on the token embeddings' output; return the
+    qualified names of the added modules."""
     import torch
 
     hidden = int(model.config.hidden_size)
@@ -315,6 +318,14 @@ def inject_bottlenecks(model: Any, spec: AdapterSpec) -> list[str]:
             if spec.train_norms:
                 found[1].register_forward_pre_hook(_scale_input(adapter), with_kwargs=True)
             added.append(f"{names[id(layer)]}.{SLOT_NAMES[slot]}")
+    if spec.embeddings:  # after the layers' bottlenecks: the order a sharded load redraws them in
+        embed = model.get_input_embeddings()
+        owner = next(m for m in model.modules() if any(c is embed for c in m.children()))
+        with torch.device(embed.weight.device):
+            adapter = cls(hidden, size, spec.non_linearity).to(torch.float32)
+        owner.add_module(EMBED_NAME, adapter)
+        embed.register_forward_hook(_add_to_output(adapter))
+        added.append(".".join(filter(None, (names[id(owner)], EMBED_NAME))))
     head = model.get_output_embeddings() if spec.train_norms else None
     if head is not None:
         owner = next(m for m in model.modules() if any(c is head for c in m.children()))
@@ -334,7 +345,7 @@ def has_bottlenecks(model: Any) -> bool:
 
 def is_bottleneck_key(name: str) -> bool:
     """Whether a state-dict key belongs to a bottleneck adapter."""
-    return any(f".{s}." in f".{name}" for s in (*SLOT_NAMES.values(), HEAD_GAIN_NAME))
+    return any(f".{s}." in f".{name}" for s in (*SLOT_NAMES.values(), HEAD_GAIN_NAME, EMBED_NAME))
 
 
 def save_bottlenecks(

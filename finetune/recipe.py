@@ -129,6 +129,12 @@ class AdapterConfig(Section):
         description="Also train the layer norms before the adapted sublayers, as Houlsby et al. do (a gain "
         "saved with the adapters; the base is untouched).",
     )
+    embeddings: bool = Field(
+        False,
+        description="Also a bottleneck on the token embeddings' output, before layer 0 (not in Houlsby et al.): "
+        "reaches tokens whose embeddings the base never trained, which layer 0's attention reads; train it at "
+        "a lower lr (3e-3 on the quickstart) than the layer adapters alone allow.",
+    )
 
 
 class QuantizationConfig(Section):

@@ -194,6 +194,7 @@ class AdapterSpec:
     non_linearity: str = "relu"
     placement: str = "both"  # attention | mlp | both
     train_norms: bool = False  # a trained gain on each adapted sublayer's normalised input (Houlsby's LN)
+    embeddings: bool = False  # a bottleneck on the token embeddings' output too (before layer 0)
 
     def bottleneck_size(self, hidden: int) -> int:
         """Width of a bottleneck adapter in a model of ``hidden`` features."""
@@ -228,6 +229,7 @@ def adapter_spec(method: str, lora: Any = None, prefix: Any = None, adapter: Any
             non_linearity=str(getattr(adapter, "non_linearity", "relu")),
             placement=str(getattr(adapter, "placement", "both")),
             train_norms=bool(getattr(adapter, "train_norms", True)),
+            embeddings=bool(getattr(adapter, "embeddings", False)),
         )
     return None
 

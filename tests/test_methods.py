@@ -69,6 +69,8 @@ def test_adapter_inventory_is_the_bottleneck_matrices(tmp_path: Path) -> None:
         tmp_path, method="adapter", precision="bf16", adapter={"size": 8, "placement": "mlp", "train_norms": False}
     )
     assert planned == built == LAYERS * one(8)
+    planned, built = _trainable(tmp_path, method="adapter", adapter={"size": 8, "embeddings": True})
+    assert planned == built == LAYERS * 2 * (one(8) + HIDDEN) + HIDDEN + one(8)  # one more, on the embeddings
 
 
 def test_dora_inventory_adds_one_magnitude_per_output_feature(tmp_path: Path) -> None:
@@ -82,14 +84,19 @@ def test_bottlenecks_save_and_load_onto_an_untouched_base(tmp_path: Path) -> Non
     out = tmp_path / "run"
     recipe = write_recipe(
         tmp_path / "a.yaml",
-        tiny_recipe(out, method="adapter", adapter={"size": 16}, train={"max_steps": 3, "lr": 1e-2}, eval={"every": 0}),
+        tiny_recipe(
+            out, method="adapter", adapter={"size": 16, "embeddings": True}, train={"max_steps": 3, "lr": 1e-2},
+            eval={"every": 0},
+        ),
     )
     assert launch(str(recipe), []) == 0
     saved = load_file(out / BOTTLENECK_WEIGHTS)
-    # (attn, mlp) x (down, up) x (weight, bias) + (attn, mlp) x gain, and the LM head's gain
-    assert len(saved) == LAYERS * 2 * 5 + 1 and all("bottleneck_" in k for k in saved)
+    # (attn, mlp) x (down, up) x (weight, bias) + (attn, mlp) x gain, the LM head's gain, the embeddings' bottleneck
+    assert len(saved) == LAYERS * 2 * 5 + 1 + 4 and all("bottleneck_" in k for k in saved)
     assert saved["bottleneck_head.gain"].abs().max() > 0  # the norms were trained too
-    assert json.loads((out / BOTTLENECK_CONFIG).read_text())["size"] == 16
+    assert saved["model.bottleneck_embed.up.weight"].abs().max() > 0  # trained from zero
+    config = json.loads((out / BOTTLENECK_CONFIG).read_text())
+    assert (config["size"], config["embeddings"]) == (16, True)
     assert not (out / "model.safetensors").exists() and not (out / "adapter_model.safetensors").exists()
     from transformers import AutoModelForCausalLM
 

@@ -42,7 +42,7 @@ def _write(model_dir: Path, out: Path, method: str, init: str, precision: str) -
         data={"train": str(RECIPES / "data/reverse/train.jsonl"), "eval": None},
         lora={"r": 4, "target_modules": ["q_proj", "v_proj"], "use_dora": dora, "init": lora_init},
         prefix={"num_virtual_tokens": 4, "projection": True, "projection_hidden": 16},
-        adapter={"size": 8},
+        adapter={"size": 8, "embeddings": True},  # drawn after the layers' bottlenecks, as the whole load draws
         distributed={"strategy": "fsdp"},
     )
     return write_recipe(out.parent / f"{out.name}.yaml", r)
@@ -237,8 +237,8 @@ def test_sharded_load_random_init_pretrained_cast_and_tied(tmp_path: Path) -> No
             assert res["initial"].keys() == res["old_initial"].keys() and len(res["initial"]) == 8
             assert all(torch.equal(t, res["old_initial"][n]) for n, t in res["initial"].items())
         else:  # what each method adds, non-trivially initialised
-            # adapter: 2 blocks x (attention, MLP) x (down, up) x (weight, bias) + their input gains + the head's
-            assert len(trained) == {"dora": 4, "prefix": 5, "adapter": 21}[case[2]], trained
+            # adapter: 2 blocks x (attention, MLP) x (down, up) x (weight, bias) + their input gains + the head's, + the embeddings' bottleneck
+            assert len(trained) == {"dora": 4, "prefix": 5, "adapter": 21 + 4}[case[2]], trained
             starts_at_zero = ("up.weight", "up.bias", ".gain")
             assert all(res["full"][n].abs().sum() > 0 for n in trained if not n.endswith(starts_at_zero))
             assert all(torch.count_nonzero(res["full"][n]) == 0 for n in trained if n.endswith(".gain"))
