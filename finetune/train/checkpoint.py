@@ -154,6 +154,8 @@ def run_identity(
         ident["prefix"] = recipe.prefix.model_dump()
     elif method == "adapter":
         ident["adapter"] = recipe.adapter.model_dump()
+        if not ident["adapter"]["embeddings"]:  # as checkpoints from before adapter.embeddings recorded it
+            del ident["adapter"]["embeddings"]
     return ident
 
 
