@@ -445,6 +445,15 @@ def _duplicate_keys(text: str, file: str) -> list[Problem]:
     return problems
 
 
+def prefix_text_sharded(strategy: str, nproc: int) -> str:
+    """Why ``prefix.init: text`` is refused on a sharded load (from validate, and from the trainer when the
+    process count was auto): the sentence after the key."""
+    return (
+        f"text runs the whole base over prefix.init_text on each process, which distributed.strategy {strategy} "
+        f"on {nproc} processes shards; use strategy ddp (or single), or prefix.init: random"
+    )
+
+
 def _section_fields(path: tuple[str, ...]) -> list[str]:
     """Field names allowed at ``path`` in the schema (for "did you mean")."""
     cls: Any = Recipe
@@ -758,9 +767,7 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
         sharded = r.distributed.strategy in ("zero2", "fsdp") and r.distributed.nproc not in (1, "auto")
         if r.prefix.init == "text" and sharded:  # auto process counts are refused at setup by the trainer
             problems.append(loaded.problem(
-                "prefix.init", f"text runs the whole base over prefix.init_text on each process, which "
-                f"distributed.strategy {r.distributed.strategy} on {r.distributed.nproc} processes shards; use "
-                "strategy ddp (or single), or prefix.init: random",
+                "prefix.init", prefix_text_sharded(r.distributed.strategy, r.distributed.nproc)
             ))
         if r.prefix.init == "text" and r.prefix.projection:
             problems.append(loaded.problem(

@@ -28,24 +28,14 @@ import warnings
 from typing import Any
 
 
-def _init_from_text(model: Any, examples: list[Any], tokens: int) -> None:
-    """Set the prefix (no projection) to the base's keys and values of the first ``tokens`` training tokens."""
-    import torch
-
+def _first_tokens(examples: list[Any], tokens: int) -> list[int]:
+    """The first ``tokens`` token ids of the training examples, in order (what --init-from-text starts from)."""
     ids: list[int] = []
     for e in examples:
         ids += list(e.input_ids)
         if len(ids) >= tokens:
             break
-    base = model.get_base_model()
-    with torch.no_grad(), model.disable_adapter():
-        cache = base(input_ids=torch.tensor([ids[:tokens]]), use_cache=True).cache
-    rows = []
-    for layer in range(base.config.num_hidden_layers):  # get_prompt's layout: (layer, key|value, head, dim)
-        for t in (cache.layers[layer].keys, cache.layers[layer].values):
-            rows.append(t[0].transpose(0, 1).reshape(tokens, -1))
-    with torch.no_grad():
-        model.prompt_encoder["default"].embedding.weight.copy_(torch.cat(rows, dim=1))
+    return ids[:tokens]
 
 
 def main() -> int:
@@ -64,7 +54,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.adapters import inject
+    from finetune.adapters import init_prefix_from_text, inject
     from finetune.generation import greedy_tokens, left_padded
     from finetune.loss import causal_lm_loss
     from finetune.recipe import load_recipe
@@ -89,7 +79,7 @@ def main() -> int:
     if args.init_from_text:
         if args.projection:
             raise SystemExit("--init-from-text sets the prefix itself: use it without --projection")
-        _init_from_text(model, train, args.tokens)
+        init_prefix_from_text(model, _first_tokens(train, args.tokens))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     warm = 20

@@ -35,7 +35,7 @@ from finetune.errors import UserError
 from finetune.loss import count_target_tokens
 from finetune.plan.hardware import parse_bytes
 from finetune.plan.types import Plan
-from finetune.recipe import LoadedRecipe
+from finetune.recipe import LoadedRecipe, prefix_text_sharded
 from finetune.train.checkpoint import ModelState, OptimizerState, RNGState
 from finetune.train.data import BatchStream, TaskData, load_data
 from finetune.train.distributed import DistContext
@@ -173,11 +173,7 @@ class Trainer:
             return parallelize(model, spec, ctx)
         # Sharded: built on meta, wrapped, then each rank materialises only its shards (finetune/train/load.py).
         if text is not None:
-            raise UserError(
-                f"prefix.init: text runs the whole base over prefix.init_text on each process, which "
-                f"distributed.strategy {spec.strategy.value} on {ctx.world_size} processes shards; use strategy "
-                "ddp (or single), or prefix.init: random"
-            )
+            raise UserError(f"prefix.init: {prefix_text_sharded(spec.strategy.value, ctx.world_size)}")
         model = build_on_meta(self.loaded, spec)
         check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
         self.trainable, self.total_params = count_parameters(model)
