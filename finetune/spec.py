@@ -254,6 +254,7 @@ class ExecSpec:
     reshard_after_forward: bool  # FSDP2 units (ZeRO-3); the root never reshards
     adapter: AdapterSpec | None = None  # what is trained on the frozen base (None: full fine-tuning)
     tp: int = 1  # tensor-parallel degree: each decoder block's linears split over tp ranks of one node
+    compile: bool = False  # torch.compile each decoder block (train.compile), on every load path
 
     @property
     def dp(self) -> int:
@@ -325,6 +326,7 @@ def execution_spec(
     prefix: Any = None,
     adapter: Any = None,
     tp: int = 1,
+    compile: bool = False,
 ) -> ExecSpec:
     """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
 
@@ -384,4 +386,5 @@ def execution_spec(
         reshard_after_forward=s.reshards_after_forward,
         adapter=adapter_spec(m, lora, prefix, adapter),
         tp=tp,
+        compile=bool(compile),
     )

@@ -58,6 +58,7 @@ class Request:
     quantization: Any = None  # the recipe's quantization section (qlora); None: its defaults
     attn_implementation: str = "sdpa"
     optimizer: str = "adamw"
+    compile: bool = False  # train.compile: every decoder block compiled
     tp: int | str = 1  # distributed.tp: a degree, or auto (the walk tries TP when FSDP alone does not fit)
     for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
     eval_batch_size: int | None = None  # None: auto (the largest that fits)
@@ -94,6 +95,7 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         eval_max_new_tokens=r.eval.max_new_tokens,
         optimizer=r.train.optimizer,
         tp=r.distributed.tp,
+        compile=r.train.compile,
     )
 
 
@@ -176,7 +178,7 @@ class _Planner:
         return execution_spec(
             method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
             model_dtype=self.req.model_dtype, quantization=self.req.quantization, lora=self.lora,
-            prefix=self.req.prefix, adapter=self.req.adapter, tp=tp,
+            prefix=self.req.prefix, adapter=self.req.adapter, tp=tp, compile=self.req.compile,
         )
 
     def inventory(self, tp: int) -> Inventory:
