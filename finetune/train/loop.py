@@ -28,6 +28,7 @@ from finetune.train.data import BatchStream
 from finetune.train.distributed import DistContext
 from finetune.train.evaluate import EvalResult
 from finetune.train.memory import PeakMemory
+from finetune.train.optim import LocalShardOptimizer, is_sharded
 from finetune.train.outputs import Reporter
 from finetune.train.parallel import no_sync
 from finetune.units import torch_dtype
@@ -96,12 +97,17 @@ def build_optimizer(
     """``train.optimizer`` over the trainable parameters (``train`` section settings); ZeRO-1 shards its
     state over ranks.
 
+    Under ZeRO-2, FSDP and tensor parallelism (DTensor parameters) the 8-bit optimizers update each rank's
+    local shards (:class:`finetune.train.optim.LocalShardOptimizer`); unsharded runs use bitsandbytes' class as is.
     Under tensor parallelism the parameters are DTensors on different meshes (TP-split linears, FSDP-only
     norms) or plain tensors (what TP replicates): the foreach and fused kernels need one kind in a list, so
     AdamW runs its per-parameter loop there.
     """
     groups = param_groups(model, t.weight_decay)
     cls, options = optimizer_class(t.optimizer)
+    if cls is not torch.optim.AdamW and is_sharded([p for g in groups for p in g["params"]]):
+        # bitsandbytes' kernels take no DTensors: its 8-bit AdamW runs over each rank's local shards
+        return LocalShardOptimizer(groups, cls, lr=t.lr, betas=t.betas, **options)
     if strategy is Strategy.ZERO1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -1,0 +1,198 @@
+"""bitsandbytes' 8-bit AdamW over sharded parameters (FSDP2's ZeRO-2 and FSDP, tensor parallelism).
+
+Under FSDP2 every parameter and gradient is a DTensor, which bitsandbytes' kernels do not accept. AdamW is
+elementwise, so each rank can update its own shard alone: :class:`LocalShardOptimizer` hands bitsandbytes
+the local shards (``to_local()``: tensors aliasing the DTensors' local storage, updated in place) and their
+local gradients. The quantization blocks (256 values, one absmax each) then start at each shard's first
+value, so a sharded run's moments round a little differently from one process's: the same algorithm on a
+different blocking, not the same bits.
+
+Checkpoints hold AdamW's moments dequantized to fp32 DTensors laid out as the parameters
+(``exp_avg``, ``exp_avg_sq``, ``step``, as torch's AdamW names them): torch.distributed.checkpoint reshards
+them like any other state, and loading quantizes them back into this rank's blocks. A block's absmax
+reappears as its largest value, so a save and load on the same layout gives back the same codes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+#: bitsandbytes' block of values sharing one absmax (its optimizers' blockwise quantization).
+BLOCK = 256
+
+
+def is_sharded(params: list[torch.Tensor]) -> bool:
+    """True when any of ``params`` is a DTensor (FSDP2 or tensor parallelism laid it out over ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (``t`` itself when it is a plain tensor), aliasing its storage."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+class LocalShardOptimizer(torch.optim.Optimizer):
+    """A bitsandbytes optimizer (``inner_class``, e.g. ``bnb.optim.AdamW8bit``) run over the local shards of
+    DTensor parameters.
+
+    ``param_groups`` hold the parameters themselves (DTensors or plain tensors), so the LR scheduler, the
+    gradient scaler, gradient clipping and ``torch.distributed.checkpoint``'s name mapping see an ordinary
+    optimizer; ``state`` maps each parameter to bitsandbytes' state of its shard (8-bit codes and absmax per
+    block; fp32 moments for shards under bitsandbytes' ``min_8bit_size``). A rank whose shard of a parameter
+    is empty keeps no state for it.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], inner_class: type, **options: Any) -> None:
+        outer = [{**g, "params": list(g["params"])} for g in param_groups]
+        self._locals: list[torch.Tensor | None] = []
+        inner_groups = []
+        for g in outer:
+            mine = []
+            for p in g["params"]:
+                local = _local(p)
+                self._locals.append(local if local.numel() else None)
+                if local.numel():
+                    mine.append(local)
+            inner_groups.append({**g, "params": mine})
+        self._inner_groups = inner_groups
+        self.inner: torch.optim.Optimizer = inner_class(
+            [g for g in inner_groups if g["params"]] or [{"params": [torch.zeros(1)]}], **options
+        )
+        super().__init__(outer, self.inner.defaults)
+        self._alias_state()
+
+    # -- the step ---------------------------------------------------------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _refresh_locals(self) -> None:
+        """Follow FSDP2 when it replaced a parameter's local tensor (lazy init, a state-dict load): the
+        shard's state moves to the new tensor."""
+        inner_state = self.inner.state
+        for i, p in enumerate(self._params()):
+            old, new = self._locals[i], _local(p)
+            if old is None or new is old:
+                continue
+            if old in inner_state:
+                inner_state[new] = inner_state.pop(old)
+            for g in self.inner.param_groups:
+                g["params"] = [new if q is old else q for q in g["params"]]
+            self._locals[i] = new
+
+    def _alias_state(self) -> None:
+        """``state[param]`` is bitsandbytes' state of its shard (the same dict), for memory tracking and for
+        ``torch.distributed.checkpoint``'s test whether the state exists yet."""
+        state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        for p, local in zip(self._params(), self._locals, strict=True):
+            if local is not None and local in self.inner.state:
+                state[p] = self.inner.state[local]
+        self.state = state
+
+    def _sync_groups(self) -> None:
+        """The hyperparameters of each group (the scheduler's lr among them) onto bitsandbytes' groups."""
+        inner = iter(self.inner.param_groups)
+        for g, mine in zip(self.param_groups, self._inner_groups, strict=True):
+            if mine["params"]:
+                next(inner).update({k: v for k, v in g.items() if k != "params"})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One AdamW step of every local shard that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._refresh_locals()
+        self._sync_groups()
+        pairs = [(p, q) for p, q in zip(self._params(), self._locals, strict=True) if q is not None]
+        for p, local in pairs:
+            local.grad = None if p.grad is None else _local(p.grad)
+        try:
+            self.inner.step()
+        finally:
+            for _, local in pairs:
+                local.grad = None
+        self._alias_state()
+        return loss
+
+    # -- checkpoints: fp32 moments laid out as the parameters -------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's AdamW layout: ``exp_avg`` and ``exp_avg_sq`` (fp32, DTensors where the parameter is
+        one) and ``step`` for every parameter with state, and the param groups."""
+        self._refresh_locals()
+        moments: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        for p, local in zip(self._params(), self._locals, strict=True):
+            if local is not None and local in self.inner.state:
+                moments[p] = _export(p, self.inner.state[local])
+        aliases, self.state = self.state, moments
+        try:
+            return super().state_dict()
+        finally:
+            self.state = aliases
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore hyperparameters and moments (quantized into this rank's blocks) from :meth:`state_dict`'s
+        layout."""
+        super().load_state_dict(state_dict)
+        self._refresh_locals()
+        loaded = self.state
+        inner_index = {
+            id(q): (gi, pi) for gi, g in enumerate(self.inner.param_groups) for pi, q in enumerate(g["params"])
+        }
+        self._sync_groups()
+        for p, local in zip(self._params(), self._locals, strict=True):
+            if local is None or p not in loaded:
+                continue
+            if local not in self.inner.state:
+                gi, pi = inner_index[id(local)]
+                self.inner.init_state(self.inner.param_groups[gi], local, gi, pi)
+            _import(self.inner.state[local], loaded[p])
+        self._alias_state()
+
+
+def _export(p: torch.Tensor, s: dict[str, Any]) -> dict[str, Any]:
+    """One shard's bitsandbytes state as fp32 moments laid out as ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    m1, m2 = _dequantized(s, 1), _dequantized(s, 2)
+    if isinstance(p, DTensor):
+        m1, m2 = (
+            DTensor.from_local(m, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()) for m in (m1, m2)
+        )
+    return {"step": torch.tensor(float(s["step"])), "exp_avg": m1, "exp_avg_sq": m2}
+
+
+def _dequantized(s: dict[str, Any], k: int) -> torch.Tensor:
+    codes = s[f"state{k}"]
+    if codes.dtype != torch.uint8:
+        return codes.detach().clone()
+    import bitsandbytes.functional as F
+
+    return F.dequantize_blockwise(codes, absmax=s[f"absmax{k}"], code=s[f"qmap{k}"], blocksize=BLOCK)
+
+
+def _import(s: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Saved fp32 moments (DTensors or tensors) into one shard's bitsandbytes state, in place."""
+    s["step"] = int(saved["step"])
+    for k, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
+        value = _local(saved[name]).to(torch.float32)
+        target = s[f"state{k}"]
+        if target.dtype != torch.uint8:
+            target.copy_(value.view_as(target))
+            continue
+        import bitsandbytes.functional as F
+
+        F.quantize_blockwise(
+            value.reshape(target.shape).contiguous(), code=s[f"qmap{k}"], absmax=s[f"absmax{k}"], out=target,
+            blocksize=BLOCK,
+        )
