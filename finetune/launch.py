@@ -73,25 +73,7 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
         raise UserError(
             f"--nproc: {nproc} processes but this node has {torch.cuda.device_count()} GPU(s); one process per GPU"
         )
-    strategy = plan.chosen.strategy
-    if plan.chosen.tp > 1 and (r.train.compile or r.train.optimizer != "adamw"):
-        key, value = ("train.compile", "true") if r.train.compile else ("train.optimizer", r.train.optimizer)
-        raise UserError(
-            f"distributed.tp: {plan.chosen.tp} with {key}: {value} is not supported yet (tensor parallelism runs "
-            f"eager blocks and torch's AdamW); set {key} back to its default, or distributed.tp: 1"
-        )
-    if strategy.shards_optimizer and nproc * nnodes == 1:
-        # torch's sharding needs a process group: on one process it would silently run without the plan's
-        # mixed-precision policy and checkpointing (zero2/fsdp) or fail (zero1).
-        raise UserError(
-            f"distributed.strategy: `{strategy}` shards over several processes but this run has one; "
-            "use --nproc N (N >= 2), or strategy single or auto"
-        )
-    if not strategy.distributed and nproc * nnodes > 1:
-        raise UserError(
-            f"distributed.strategy: `single` trains one process but {nproc * nnodes} were asked for "
-            "(--nproc/--nnodes or distributed.nproc); choose ddp, zero1, zero2, fsdp or auto, or run 1 process"
-        )
+    # what the recipe and the process count cannot do together was refused by the planner (capability table)
     check_host_memory(plan, options)
     resume = options.resume
     if options.node_rank == 0:

@@ -264,15 +264,6 @@ class DistributedConfig(Section):
         "strategy shards over the rest); auto: the planner uses TP only when FSDP alone does not fit.",
     )
 
-    @model_validator(mode="after")
-    def _tp_needs_processes(self) -> DistributedConfig:
-        if self.tp != "auto" and self.tp > 1 and self.strategy == "single":
-            raise ValueError(
-                f"`distributed.tp: {self.tp}` splits the model over {self.tp} processes but `distributed.strategy` "
-                "is single (one process); use auto, ddp, zero2 or fsdp, or tp 1"
-            )
-        return self
-
 
 class EvalConfig(Section):
     every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0: only at the end).")
@@ -443,15 +434,6 @@ def _duplicate_keys(text: str, file: str) -> list[Problem]:
 
     walk(root, ())
     return problems
-
-
-def prefix_text_sharded(strategy: str, nproc: int) -> str:
-    """Why ``prefix.init: text`` is refused on a sharded load (from validate, and from the trainer when the
-    process count was auto): the sentence after the key."""
-    return (
-        f"text runs the whole base over prefix.init_text on each process, which distributed.strategy {strategy} "
-        f"on {nproc} processes shards; use strategy ddp (or single), or prefix.init: random"
-    )
 
 
 def _section_fields(path: tuple[str, ...]) -> list[str]:
@@ -732,59 +714,12 @@ def _later_from_hub(loaded: LoadedRecipe, value: str) -> bool:
 
 
 def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
-    """Settings that contradict the method (or the model): one problem each, naming the key."""
+    """Settings that contradict each other (every row of the capability table, finetune/capabilities.py, that
+    refuses what the recipe pins) or the model: one problem each, naming the key."""
+    from finetune.capabilities import Cell, refusals
+
     r = loaded.recipe
-    problems: list[Problem] = []
-    lora_methods = ("lora", "qlora", "auto")
-    for key, on in (("lora.use_dora", r.lora.use_dora), ("lora.use_rslora", r.lora.use_rslora)):
-        if on and r.method not in lora_methods:
-            what = "DoRA" if key.endswith("dora") else "rsLoRA"
-            problems.append(loaded.problem(
-                key, f"{what} is a kind of LoRA but method is {r.method}; set method: lora or qlora, or remove {key}"
-            ))
-    if r.lora.init in ("pissa", "olora") and r.method in lora_methods:
-        if r.method == "qlora":
-            problems.append(loaded.problem(
-                "lora.init", f"{r.lora.init} rewrites the base weights, which QLoRA keeps quantized (the saved adapter "
-                "could not be converted exactly against the original base); use method: lora, or init: default",
-            ))
-        elif r.lora.use_dora:
-            problems.append(loaded.problem(
-                "lora.init", f"{r.lora.init} with DoRA cannot be saved as an adapter of the original base (the "
-                "magnitudes are those of the rewritten weights); use init: default with use_dora, or use_dora: false",
-            ))
-        elif isinstance(r.distributed.tp, int) and r.distributed.tp > 1:
-            problems.append(loaded.problem(
-                "lora.init", f"{r.lora.init} decomposes whole weights, which tensor parallelism splits; "
-                "use distributed.tp: 1, or init: default",
-            ))
-    if r.method == "prefix":
-        if r.prefix.init == "text" and not (r.prefix.init_text or "").strip():
-            problems.append(loaded.problem(
-                "prefix.init_text", "is empty, but prefix.init: text starts the prefix from a text's keys and "
-                "values; set prefix.init_text to that text (a task instruction, say), or use prefix.init: random",
-            ))
-        sharded = r.distributed.strategy in ("zero2", "fsdp") and r.distributed.nproc not in (1, "auto")
-        if r.prefix.init == "text" and sharded:  # auto process counts are refused at setup by the trainer
-            problems.append(loaded.problem(
-                "prefix.init", prefix_text_sharded(r.distributed.strategy, r.distributed.nproc)
-            ))
-        if r.prefix.init == "text" and r.prefix.projection:
-            problems.append(loaded.problem(
-                "prefix.init", "init: text sets the prefix's keys and values themselves, which the projection MLP "
-                "would recompute; use prefix.projection: false with init: text, or init: random",
-            ))
-        if r.train.activation_checkpointing is True:
-            problems.append(loaded.problem(
-                "train.activation_checkpointing",
-                "transformers drops the key/value cache, which holds the trained prefix, in checkpointed layers; "
-                "set it to false or auto for method: prefix",
-            ))
-        if r.data.packing:
-            problems.append(loaded.problem(
-                "data.packing", "packed rows would all attend to one prefix across documents; set data.packing: false "
-                "for method: prefix",
-            ))
+    problems = [loaded.problem(found.key, found.message) for found in refusals(Cell.of_recipe(r))]
     if r.method == "adapter" and r.adapter.size is not None and inputs.model.problem() is None:
         from finetune.errors import UserError
         from finetune.locate import model_config

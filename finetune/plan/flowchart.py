@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from finetune.capabilities import Cell, check, first_refusal
 from finetune.errors import UserError
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.hardware import GPU_TYPES, Hardware, detect_hardware
@@ -146,6 +147,7 @@ class _Planner:
     def __init__(self, req: Request, hw: Hardware) -> None:
         self.req, self.hw = req, hw
         self.walk: list[str] = []
+        self.walk_refusals: set[str] = set()
         if req.strategy == "single" and hw.world > 1 and not req.for_run:  # a run: the launcher decides
             self.say(f"distributed.strategy is single: planning for one process, not {hw.world}.")
             hw.gpus_per_node, hw.nodes = 1, 1
@@ -155,6 +157,16 @@ class _Planner:
             from finetune.recipe import LoraConfig
 
             self.lora = LoraConfig()
+        # What the recipe pins, checked against the capability table before anything is traced. A preview on
+        # one GPU leaves the process count open (a sharded strategy is planned as it would run on more).
+        self.cell = Cell.of(
+            method=req.method, strategy=req.strategy, processes=self.world if req.for_run or self.world > 1 else None,
+            tp=req.tp,
+            precision=req.precision, optimizer=req.optimizer, compile=req.compile,
+            attention=req.attn_implementation, packing=req.packed, checkpointing=req.checkpointing,
+            lora=self.lora, prefix=req.prefix, quantization=req.quantization,
+        )
+        check(self.cell)
         # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:
         self.adapter = adapter_spec("lora" if req.method == "auto" else req.method, self.lora, req.prefix, req.adapter)
         self.inv: Inventory = build_inventory(req.config, req.source, self.adapter)
@@ -254,26 +266,6 @@ class _Planner:
         tp = int(req.tp)
         if tp == 1:
             return
-        if req.strategy == "single":
-            raise UserError(
-                f"distributed.tp: {tp} splits the model over {tp} processes, but distributed.strategy is single "
-                "(one process); use auto, ddp, zero2 or fsdp, or distributed.tp: 1"
-            )
-        if req.method in ("prefix", "adapter"):
-            raise UserError(
-                f"distributed.tp: {tp} with method {req.method} is not supported: tensor parallelism splits full "
-                "fine-tuning and LoRA only (a prefix holds every KV head); use method lora, or distributed.tp: 1"
-            )
-        if req.method in ("lora", "auto") and getattr(self.lora, "use_dora", False):
-            raise UserError(
-                f"distributed.tp: {tp} with lora.use_dora is not supported: DoRA's per-row weight norm needs the "
-                "whole weight; set lora.use_dora: false, or distributed.tp: 1"
-            )
-        if req.method == "qlora":
-            raise UserError(
-                f"distributed.tp: {tp} with method qlora is not supported: torch's tensor-parallel styles cannot "
-                "split bitsandbytes' 4-bit weights; use method lora, or distributed.tp: 1"
-            )
         what = "processes" if self.hw.device == "cpu" or req.for_run else "GPUs"
         if tp > per_node:
             raise UserError(
@@ -289,12 +281,7 @@ class _Planner:
         if problem:
             raise UserError(problem)
         dp = self.world // tp
-        if req.strategy in ("ddp", "zero1") and dp > 1:
-            raise UserError(
-                f"distributed.strategy: {req.strategy} cannot replicate a tensor-parallel model over the {dp} "
-                f"data-parallel groups of distributed.tp: {tp} (DDP does not take TP's sharded parameters); "
-                "use zero2, fsdp or auto"
-            )
+        check(self.cell.with_(processes=self.world))  # ddp/zero1 cannot replicate TP over several replicas
         self.tp = tp
         cfg = req.config
         self.say(
@@ -312,7 +299,7 @@ class _Planner:
 
     def try_tensor_parallel(self, method: str, mbs1: int, acs: list[bool], tried: list[Candidate]) -> Candidate | None:
         """The smallest TP degree (inside a node) under which ``method`` fits at micro-batch ``mbs1``."""
-        if not self.tp_auto or method not in ("full", "lora"):
+        if not self.tp_auto or all(self.refused(method, s, 2) for s in self.tp_strategies(2)):
             return None
         fsdp = [c for c in tried if c.method == method and c.strategy == "fsdp" and c.tp == 1]
         need = f" ({fmt_bytes(min(c.memory.total for c in fsdp))} at best)" if fsdp else ""
@@ -327,6 +314,8 @@ class _Planner:
             for ac in acs:
                 parts = []
                 for strategy in self.tp_strategies(tp):
+                    if self.refused(method, strategy, tp, ac):
+                        continue
                     c = self.evaluate(method, strategy, mbs1, ac, tp=tp)
                     tried.append(c)
                     text = self.describe(c, with_method=False)
@@ -340,6 +329,23 @@ class _Planner:
 
     def say(self, text: str) -> None:
         self.walk.append(text)
+
+    def refused(self, method: str, strategy: str, tp: int = 1, ac: bool | None = None) -> str | None:
+        """The capability table's sentence when ``method`` under ``strategy`` x ``tp`` cannot run with the
+        recipe's other settings (None: it can). Said once in the walk the first time it rules a candidate out."""
+        cell = self.cell.with_(
+            method=method, strategy=strategy, tp=tp, processes=1 if strategy == "single" else self.cell.processes,
+            checkpointing=self.cell.checkpointing if ac is None else ac,
+        )
+        found = first_refusal(cell)
+        if found is None:
+            return None
+        text = str(found)
+        if text not in self.walk_refusals:
+            self.walk_refusals.add(text)
+            self.say(f"{METHOD_NAMES[method][0].upper() + METHOD_NAMES[method][1:]} under {STRATEGY_NAMES[strategy]}"
+                     f"{f' x tp {tp}' if tp > 1 else ''} is ruled out: {text}.")
+        return text
 
     # -- the walk -----------------------------------------------------------------------------------------
     def resolve_precision(self) -> None:
@@ -418,6 +424,8 @@ class _Planner:
             for ac in acs:
                 parts = []
                 for strategy in self.strategies() if self.tp == 1 else self.tp_strategies(self.tp):
+                    if self.refused(method, strategy, self.tp, ac):
+                        continue
                     c = self.evaluate(method, strategy, mbs1, ac, tp=self.tp)
                     tried.append(c)
                     text = self.describe(c, with_method=not parts)
@@ -726,11 +734,12 @@ class _Planner:
         for method in self.methods():
             if self.tp == 1:
                 for strategy in self.table_strategies():
-                    out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True))
-            tps = [self.tp] if self.tp > 1 else self.tp_auto
-            for tp in tps if method in ("full", "lora") else []:
-                for strategy in self.tp_strategies(tp) if self.tp == 1 else self.tp_strategies(self.tp):
-                    out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True, tp=tp))
+                    if not self.refused(method, strategy, 1, ac):
+                        out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True))
+            for tp in [self.tp] if self.tp > 1 else self.tp_auto:
+                for strategy in self.tp_strategies(tp):
+                    if not self.refused(method, strategy, tp, ac):
+                        out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True, tp=tp))
         return out
 
 

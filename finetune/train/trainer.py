@@ -31,11 +31,10 @@ from typing import Any
 
 import torch
 
-from finetune.errors import UserError
 from finetune.loss import count_target_tokens
 from finetune.plan.hardware import parse_bytes
 from finetune.plan.types import Plan
-from finetune.recipe import LoadedRecipe, prefix_text_sharded
+from finetune.recipe import LoadedRecipe
 from finetune.train.checkpoint import ModelState, OptimizerState, RNGState
 from finetune.train.data import BatchStream, TaskData, load_data
 from finetune.train.distributed import DistContext
@@ -172,8 +171,8 @@ class Trainer:
             self.trainable, self.total_params = count_parameters(model)
             return parallelize(model, spec, ctx)
         # Sharded: built on meta, wrapped, then each rank materialises only its shards (finetune/train/load.py).
-        if text is not None:
-            raise UserError(f"prefix.init: {prefix_text_sharded(spec.strategy.value, ctx.world_size)}")
+        # (prefix.init: text is refused there by the capability table when the plan is made.)
+        assert text is None, "prefix.init: text on a sharded load is refused by the capability table"
         model = build_on_meta(self.loaded, spec)
         check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
         self.trainable, self.total_params = count_parameters(model)

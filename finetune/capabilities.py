@@ -1,0 +1,442 @@
+"""The capability table: every constraint between the dimensions of a recipe, stated once.
+
+A recipe is a point in a large space (method and its options x strategy x processes x tensor parallelism x
+optimizer x precision x compile x attention x packing x activation checkpointing). Most points train; the
+rows of :data:`TABLE` are the ones that do not, each with the keys that clash, why, and what to write instead.
+
+The table is checked where a configuration becomes known:
+
+- ``finetune validate`` and ``finetune run`` (``recipe.check_files``): the recipe's pinned values;
+- the planner (``finetune plan`` and the plan a run executes): each candidate it considers, so an ``auto``
+  choice never lands on a refused cell, and the chosen cell once more with the real process count.
+
+All three print the same sentence for the same cell, before any weights load. README's support matrix is
+rendered from this table (:func:`support_matrix_markdown`); a test fails when the two disagree.
+
+Pure Python (no torch): ``finetune validate`` stays instant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+#: The recipe's methods (``method``), without ``auto``.
+METHODS = ("full", "lora", "qlora", "prefix", "adapter")
+#: The data-parallel strategies (``distributed.strategy``), without ``auto``.
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")
+SHARDED = ("zero2", "fsdp")  # FSDP2 fully_shard: parameters become DTensors
+EIGHT_BIT_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration, as far as it is known: ``None`` is a value not decided yet (``auto``, or a process
+    count given only at launch). A rule that needs an unknown value does not fire."""
+
+    method: str | None = "full"
+    quant_bits: int = 4
+    quant_compute_dtype: str = "auto"
+    use_dora: bool = False
+    use_rslora: bool = False
+    lora_init: str = "default"
+    prefix_init: str = "random"
+    prefix_init_text: str | None = None
+    prefix_projection: bool = False
+    strategy: str | None = None
+    processes: int | None = None  # every process of the run (nodes x per node)
+    tp: int | None = 1
+    optimizer: str = "adamw"
+    precision: str | None = None
+    compile: bool = False
+    attention: str = "sdpa"
+    packing: bool = False
+    checkpointing: bool | None = None
+
+    @classmethod
+    def of(
+        cls, *, method: str, strategy: str, processes: int | None, tp: int | str, precision: str,
+        optimizer: str = "adamw", compile: bool = False, attention: str = "sdpa", packing: bool = False,
+        checkpointing: bool | None = None, lora: Any = None, prefix: Any = None, quantization: Any = None,
+    ) -> Cell:
+        """A cell from the recipe's values (``auto``: unknown) and its ``lora`` / ``prefix`` /
+        ``quantization`` sections (None: their defaults)."""
+        return cls(
+            method=None if method == "auto" else method,
+            quant_bits=int(getattr(quantization, "bits", 4)),
+            quant_compute_dtype=str(getattr(quantization, "compute_dtype", "auto")),
+            use_dora=bool(getattr(lora, "use_dora", False)),
+            use_rslora=bool(getattr(lora, "use_rslora", False)),
+            lora_init=str(getattr(lora, "init", "default")),
+            prefix_init=str(getattr(prefix, "init", "random")),
+            prefix_init_text=getattr(prefix, "init_text", None),
+            prefix_projection=bool(getattr(prefix, "projection", False)),
+            strategy=None if strategy == "auto" else strategy,
+            processes=processes,
+            tp=None if tp == "auto" else int(tp),
+            optimizer=optimizer,
+            precision=None if precision == "auto" else precision,
+            compile=bool(compile),
+            attention=attention,
+            packing=bool(packing),
+            checkpointing=checkpointing,
+        )
+
+    @classmethod
+    def of_recipe(cls, recipe: Any, processes: int | None = None) -> Cell:
+        """The cell a validated :class:`~finetune.recipe.Recipe` pins (``auto`` values unknown);
+        ``processes``: the run's process count when known, else the recipe's ``distributed.nproc`` x nodes."""
+        d, t = recipe.distributed, recipe.train
+        if processes is None and d.nproc != "auto":
+            processes = int(d.nproc) * int(recipe.hardware.nodes)
+        ac = t.activation_checkpointing
+        return cls.of(
+            method=recipe.method, strategy=d.strategy, processes=processes, tp=d.tp, precision=recipe.precision,
+            optimizer=t.optimizer, compile=t.compile, attention=recipe.model.attn_implementation,
+            packing=recipe.data.packing, checkpointing=None if ac == "auto" else bool(ac), lora=recipe.lora,
+            prefix=recipe.prefix, quantization=recipe.quantization,
+        )
+
+    def with_(self, **changes: Any) -> Cell:
+        """This cell with some dimensions decided (the planner's candidates)."""
+        return replace(self, **changes)
+
+    # -- derived facts the rules read -------------------------------------------------------------------
+    @property
+    def lora_family(self) -> bool:
+        """Trains LoRA adapters (lora, qlora)."""
+        return self.method in ("lora", "qlora")
+
+    @property
+    def split(self) -> bool:
+        """Tensor parallelism is on (known and above 1)."""
+        return self.tp is not None and self.tp > 1
+
+    @property
+    def dp(self) -> int | None:
+        """Data-parallel replicas (processes / tp) when both are known."""
+        if self.processes is None or self.tp is None:
+            return None
+        return self.processes // max(1, self.tp)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the table: a cell it refuses, why, and what to write instead.
+
+    ``keys``: the recipe keys that clash; the first names the problem (and its line in the recipe).
+    ``refuses``: whether the row applies to a cell (False when a value it needs is unknown).
+    ``says``: the sentence after ``key: `` (why, then ``;`` and what to do), from the cell.
+    ``methods``: the methods the row concerns (for the support matrix and ``TrainingMethod.supports``).
+    ``topic``: the support matrix's grouping (method x strategy x tp rows, or a note about another dimension).
+    """
+
+    name: str
+    keys: tuple[str, ...]
+    refuses: Callable[[Cell], bool]
+    says: Callable[[Cell], str]
+    methods: tuple[str, ...] = METHODS
+    topic: str = "parallelism"
+
+    def sentence(self, cell: Cell) -> str:
+        """The full refusal: ``key: why; what to do``."""
+        return f"{self.keys[0]}: {self.says(cell)}"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A rule that refuses a cell, with its sentence."""
+
+    rule: Rule
+    key: str
+    message: str  # the sentence after ``key: ``
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
+
+
+def _tp(c: Cell) -> int:
+    return c.tp or 1
+
+
+def _lora_dp(c: Cell) -> bool:
+    return c.strategy in ("ddp", "zero1") and c.split and (c.dp or 0) > 1
+
+
+def _quant_mismatch(c: Cell) -> bool:
+    if c.method != "qlora" or c.quant_bits != 4 or c.strategy not in SHARDED:
+        return False
+    if c.precision not in ("bf16", "fp16") or c.quant_compute_dtype in ("auto", None):
+        return False
+    return c.quant_compute_dtype != c.precision
+
+
+TABLE: tuple[Rule, ...] = (
+    # -- processes and strategy --------------------------------------------------------------------------
+    Rule(
+        "sharding-one-process", ("distributed.strategy", "distributed.nproc"),
+        lambda c: c.strategy in ("zero1", "zero2", "fsdp") and c.processes == 1,
+        lambda c: f"`{c.strategy}` shards over several processes but this run has one; use --nproc N (N >= 2), "
+        "or strategy single or auto",
+    ),
+    Rule(
+        "single-several-processes", ("distributed.strategy", "distributed.nproc"),
+        lambda c: c.strategy == "single" and (c.processes or 1) > 1,
+        lambda c: f"`single` trains one process but {c.processes} were asked for (--nproc/--nnodes or "
+        "distributed.nproc); choose ddp, zero1, zero2, fsdp or auto, or run 1 process",
+    ),
+    # -- tensor parallelism ------------------------------------------------------------------------------
+    Rule(
+        "tp-single", ("distributed.tp", "distributed.strategy"),
+        lambda c: c.split and c.strategy == "single",
+        lambda c: f"{_tp(c)} splits the model over {_tp(c)} processes, but distributed.strategy is single (one "
+        "process); use auto, ddp, zero2 or fsdp, or distributed.tp: 1",
+    ),
+    Rule(
+        "tp-replicated", ("distributed.strategy", "distributed.tp"),
+        _lora_dp,
+        lambda c: f"{c.strategy} cannot replicate a tensor-parallel model over the {c.dp} data-parallel groups of "
+        f"distributed.tp: {_tp(c)} (DDP does not take TP's sharded parameters); use zero2, fsdp or auto",
+    ),
+    Rule(
+        "tp-prefix-adapter", ("distributed.tp", "method"),
+        lambda c: c.split and c.method in ("prefix", "adapter"),
+        lambda c: f"{_tp(c)} with method {c.method} is not supported: tensor parallelism splits full fine-tuning "
+        "and LoRA only (a prefix holds every KV head); use method lora, or distributed.tp: 1",
+        methods=("prefix", "adapter"),
+    ),
+    Rule(
+        "tp-qlora", ("distributed.tp", "method"),
+        lambda c: c.split and c.method == "qlora",
+        lambda c: f"{_tp(c)} with method qlora is not supported: torch's tensor-parallel styles cannot split "
+        "bitsandbytes' 4-bit weights; use method lora, or distributed.tp: 1",
+        methods=("qlora",),
+    ),
+    Rule(
+        "tp-dora", ("distributed.tp", "lora.use_dora"),
+        lambda c: c.split and c.lora_family and c.use_dora,
+        lambda c: f"{_tp(c)} with lora.use_dora is not supported: DoRA's per-row weight norm needs the whole "
+        "weight; set lora.use_dora: false, or distributed.tp: 1",
+        methods=("lora", "qlora"),
+    ),
+    Rule(
+        "tp-decomposing-init", ("lora.init", "distributed.tp"),
+        lambda c: c.split and c.lora_family and c.lora_init in ("pissa", "olora"),
+        lambda c: f"{c.lora_init} decomposes whole weights, which tensor parallelism splits; use distributed.tp: "
+        "1, or init: default",
+        methods=("lora",),
+    ),
+    Rule(
+        "tp-compile", ("distributed.tp", "train.compile"),
+        lambda c: c.split and c.compile,
+        lambda c: f"{_tp(c)} with train.compile: true is not supported (tensor parallelism runs eager blocks); "
+        "set train.compile: false, or distributed.tp: 1",
+        topic="compile",
+    ),
+    Rule(
+        "tp-8bit-optimizer", ("distributed.tp", "train.optimizer"),
+        lambda c: c.split and c.optimizer in EIGHT_BIT_OPTIMIZERS,
+        lambda c: f"{_tp(c)} with train.optimizer: {c.optimizer} is not supported (tensor parallelism runs "
+        "torch's AdamW); set train.optimizer: adamw, or distributed.tp: 1",
+        topic="optimizer",
+    ),
+    # -- quantization ------------------------------------------------------------------------------------
+    Rule(
+        "int8-sharded", ("quantization.bits", "distributed.strategy"),
+        lambda c: c.method == "qlora" and c.quant_bits == 8 and c.strategy in SHARDED,
+        lambda c: f"8 (LLM.int8) keeps its scales beside each weight, which distributed.strategy {c.strategy} "
+        "replaces with shards; use quantization.bits: 4 (NF4 shards under zero2 and fsdp), or strategy ddp "
+        "(or zero1) for 8-bit",
+        methods=("qlora",),
+    ),
+    Rule(
+        "nf4-storage-dtype", ("quantization.compute_dtype", "precision"),
+        _quant_mismatch,
+        lambda c: f"the 4-bit weights are stored in {c.quant_compute_dtype} but {c.strategy} computes in "
+        f"{c.precision}; leave quantization.compute_dtype at auto so both follow `precision`",
+        methods=("qlora",), topic="precision",
+    ),
+    # -- the LoRA family's options -----------------------------------------------------------------------
+    Rule(
+        "dora-not-lora", ("lora.use_dora", "method"),
+        lambda c: c.use_dora and c.method is not None and not c.lora_family,
+        lambda c: f"DoRA is a kind of LoRA but method is {c.method}; set method: lora or qlora, or remove "
+        "lora.use_dora",
+        methods=("full", "prefix", "adapter"), topic="options",
+    ),
+    Rule(
+        "rslora-not-lora", ("lora.use_rslora", "method"),
+        lambda c: c.use_rslora and c.method is not None and not c.lora_family,
+        lambda c: f"rsLoRA is a kind of LoRA but method is {c.method}; set method: lora or qlora, or remove "
+        "lora.use_rslora",
+        methods=("full", "prefix", "adapter"), topic="options",
+    ),
+    Rule(
+        "decomposing-init-qlora", ("lora.init", "method"),
+        lambda c: c.method == "qlora" and c.lora_init in ("pissa", "olora"),
+        lambda c: f"{c.lora_init} rewrites the base weights, which QLoRA keeps quantized (the saved adapter could "
+        "not be converted exactly against the original base); use method: lora, or init: default",
+        methods=("qlora",), topic="options",
+    ),
+    Rule(
+        "decomposing-init-dora", ("lora.init", "lora.use_dora"),
+        lambda c: c.method == "lora" and c.lora_init in ("pissa", "olora") and c.use_dora,
+        lambda c: f"{c.lora_init} with DoRA cannot be saved as an adapter of the original base (the magnitudes "
+        "are those of the rewritten weights); use init: default with use_dora, or use_dora: false",
+        methods=("lora",), topic="options",
+    ),
+    # -- prefix tuning -----------------------------------------------------------------------------------
+    Rule(
+        "prefix-text-empty", ("prefix.init_text", "prefix.init"),
+        lambda c: c.method == "prefix" and c.prefix_init == "text" and not (c.prefix_init_text or "").strip(),
+        lambda c: "is empty, but prefix.init: text starts the prefix from a text's keys and values; set "
+        "prefix.init_text to that text (a task instruction, say), or use prefix.init: random",
+        methods=("prefix",), topic="options",
+    ),
+    Rule(
+        "prefix-text-projection", ("prefix.init", "prefix.projection"),
+        lambda c: c.method == "prefix" and c.prefix_init == "text" and c.prefix_projection,
+        lambda c: "init: text sets the prefix's keys and values themselves, which the projection MLP would "
+        "recompute; use prefix.projection: false with init: text, or init: random",
+        methods=("prefix",), topic="options",
+    ),
+    Rule(
+        "prefix-text-sharded", ("prefix.init", "distributed.strategy"),
+        lambda c: c.method == "prefix" and c.prefix_init == "text" and c.strategy in SHARDED
+        and (c.processes or 0) > 1,
+        lambda c: f"text runs the whole base over prefix.init_text on each process, which distributed.strategy "
+        f"{c.strategy} on {c.processes} processes shards; use strategy ddp (or single), or prefix.init: random",
+        methods=("prefix",),
+    ),
+    Rule(
+        "prefix-checkpointing", ("train.activation_checkpointing", "method"),
+        lambda c: c.method == "prefix" and c.checkpointing is True,
+        lambda c: "transformers drops the key/value cache, which holds the trained prefix, in checkpointed "
+        "layers; set it to false or auto for method: prefix",
+        methods=("prefix",), topic="activations",
+    ),
+    Rule(
+        "prefix-packing", ("data.packing", "method"),
+        lambda c: c.method == "prefix" and c.packing,
+        lambda c: "packed rows would all attend to one prefix across documents; set data.packing: false for "
+        "method: prefix",
+        methods=("prefix",), topic="data",
+    ),
+)
+
+
+def refusals(cell: Cell) -> list[Refusal]:
+    """Every row of :data:`TABLE` that refuses ``cell``, in table order."""
+    return [Refusal(rule, rule.keys[0], rule.says(cell)) for rule in TABLE if rule.refuses(cell)]
+
+
+def first_refusal(cell: Cell) -> Refusal | None:
+    """The first row that refuses ``cell`` (None: it trains)."""
+    found = refusals(cell)
+    return found[0] if found else None
+
+
+def check(cell: Cell) -> None:
+    """Raise :class:`~finetune.errors.UserError` with the first refusal's sentence (nothing when it trains)."""
+    from finetune.errors import UserError
+
+    found = first_refusal(cell)
+    if found is not None:
+        raise UserError(str(found))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The support matrix (README), rendered from the table
+# ------------------------------------------------------------------------------------------------------
+
+#: The matrix's method rows: a label and the cell settings that make it.
+MATRIX_METHODS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("full", {"method": "full"}),
+    ("lora", {"method": "lora"}),
+    ("lora + DoRA", {"method": "lora", "use_dora": True}),
+    ("lora + rsLoRA", {"method": "lora", "use_rslora": True}),
+    ("lora + PiSSA/OLoRA", {"method": "lora", "lora_init": "pissa"}),
+    ("qlora 4-bit", {"method": "qlora"}),
+    ("qlora 8-bit", {"method": "qlora", "quant_bits": 8}),
+    ("prefix", {"method": "prefix"}),
+    ("prefix, init: text", {"method": "prefix", "prefix_init": "text", "prefix_init_text": "Answer."}),
+    ("adapter", {"method": "adapter"}),
+)
+#: The matrix's columns: a label and the cell settings (processes as a 2-process run).
+MATRIX_COLUMNS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("single", {"strategy": "single", "processes": 1}),
+    ("ddp", {"strategy": "ddp", "processes": 2}),
+    ("zero1", {"strategy": "zero1", "processes": 2}),
+    ("zero2", {"strategy": "zero2", "processes": 2}),
+    ("fsdp", {"strategy": "fsdp", "processes": 2}),
+    ("tp 2 (+fsdp)", {"strategy": "fsdp", "processes": 4, "tp": 2}),
+)
+
+
+def support_matrix() -> list[tuple[str, list[Refusal | None]]]:
+    """For each matrix method row, the first refusal in each column (None: it trains)."""
+    return [
+        (label, [first_refusal(Cell(**{**m, **col})) for _, col in MATRIX_COLUMNS])
+        for label, m in MATRIX_METHODS
+    ]
+
+
+def support_matrix_markdown() -> str:
+    """README's support matrix: method x strategy x tensor parallelism, then the table's other rows, each
+    with its sentence. Every mark comes from :data:`TABLE`."""
+    rows = support_matrix()
+    notes: dict[str, int] = {}
+    lines = [
+        "| method | " + " | ".join(label for label, _ in MATRIX_COLUMNS) + " |",
+        "|---|" + "---|" * len(MATRIX_COLUMNS),
+    ]
+    for label, cells in rows:
+        marks = []
+        for found in cells:
+            if found is None:
+                marks.append("yes")
+            else:
+                n = notes.setdefault(found.rule.name, len(notes) + 1)
+                marks.append(f"no ({n})")
+        lines.append(f"| {label} | " + " | ".join(marks) + " |")
+    by_name = {r.name: r for r in TABLE}
+    lines.append("")
+    for name, n in notes.items():
+        lines.append(f"{n}. `{' + '.join(by_name[name].keys)}`: {_generic(by_name[name])}")
+    others = [r for r in TABLE if r.name not in notes]
+    if others:
+        lines += ["", "Every other refusal of the table (`finetune validate` prints the sentence with your values):", ""]
+        for rule in others:
+            lines.append(f"- `{' + '.join(rule.keys)}` ({rule.topic}): {_generic(rule)}")
+    return "\n".join(lines) + "\n"
+
+
+def _generic(rule: Rule) -> str:
+    """A rule's sentence on a representative cell it refuses (for the docs)."""
+    for _, m in MATRIX_METHODS:
+        for _, col in MATRIX_COLUMNS:
+            for extra in _EXTRAS:
+                cell = Cell(**{**m, **col, **extra})
+                if rule.refuses(cell):
+                    return rule.sentence(cell)
+    raise AssertionError(f"capability rule {rule.name} refuses no cell of the documentation grid")
+
+
+# dimensions beyond the matrix's rows and columns, to find a cell each other rule refuses
+_EXTRAS: tuple[dict[str, Any], ...] = (
+    {},
+    {"compile": True},
+    {"optimizer": "adamw8bit"},
+    {"use_dora": True},
+    {"use_rslora": True},
+    {"prefix_init": "text"},
+    {"prefix_init": "text", "prefix_init_text": "Answer.", "prefix_projection": True},
+    {"checkpointing": True},
+    {"packing": True},
+    {"precision": "bf16", "quant_compute_dtype": "fp16"},
+    {"lora_init": "pissa", "use_dora": True},
+    {"processes": 1},
+    {"strategy": "single", "processes": 2},
+    {"strategy": "ddp", "processes": 4, "tp": 2},
+)
