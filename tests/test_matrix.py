@@ -93,6 +93,16 @@ def test_crash_and_refusal_lines() -> None:
     assert where == "torch/distributed/fsdp/_api.py:99 (fully_shard), from finetune/train/parallel.py:10 (wrap)"
     assert sweep_matrix.error_lines(output) == ["rank 0 failed: RuntimeError: boom"]
     assert sweep_matrix.last_exception("error: r.yaml:3: method: no") == ("", "")
+    boxed = (  # a single-process run's traceback, drawn by rich
+        "╭──── Traceback (most recent call last) ────╮\n"
+        "│ /x/finetune/launch.py:71 in launch        │\n"
+        "│   70 │   plan = plan_for_run(loaded)      │\n"
+        "│ /x/finetune/plan/shapes.py:12 in count    │\n"
+        "╰───────────────────────────────────────────╯\n"
+        "AttributeError: 'str' object has no attribute 'bits'\n"
+    )
+    exc, where = sweep_matrix.last_exception(boxed)
+    assert (exc, where) == ("AttributeError: 'str' object has no attribute 'bits'", "/x/finetune/plan/shapes.py:12 (count)")
 
 
 # -- the matrix, end to end ----------------------------------------------------------------------------------
