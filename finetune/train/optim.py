@@ -65,10 +65,11 @@ class LocalShardOptimizer(torch.optim.Optimizer):
                     mine.append(local)
             inner_groups.append({**g, "params": mine})
         self._inner_groups = inner_groups
-        self.inner: torch.optim.Optimizer = inner_class(
+        self.inner: torch.optim.Optimizer = _by_whole_size(inner_class)(
             [g for g in inner_groups if g["params"]] or [{"params": [torch.zeros(1)]}], **options
         )
         super().__init__(outer, self.inner.defaults)
+        self._record_sizes()
         self._alias_state()
 
     # -- the step ---------------------------------------------------------------------------------------
@@ -88,6 +89,12 @@ class LocalShardOptimizer(torch.optim.Optimizer):
             for g in self.inner.param_groups:
                 g["params"] = [new if q is old else q for q in g["params"]]
             self._locals[i] = new
+        self._record_sizes()
+
+    def _record_sizes(self) -> None:
+        self.inner.whole_numel = {
+            id(q): p.numel() for p, q in zip(self._params(), self._locals, strict=True) if q is not None
+        }
 
     def _alias_state(self) -> None:
         """``state[param]`` is bitsandbytes' state of its shard (the same dict), for memory tracking and for
@@ -158,6 +165,20 @@ class LocalShardOptimizer(torch.optim.Optimizer):
                 self.inner.init_state(self.inner.param_groups[gi], local, gi, pi)
             _import(self.inner.state[local], loaded[p])
         self._alias_state()
+
+
+def _by_whole_size(inner_class: type) -> type:
+    """``inner_class`` choosing 8-bit or fp32 moments by the whole parameter's size, not its shard's: a
+    tensor keeps the moments it has on one process (and that the planner counts), however it is sharded."""
+
+    def get_config(self: Any, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
+        config = inner_class.get_config(self, gindex, pindex, group)
+        whole = self.whole_numel.get(id(self.param_groups[gindex]["params"][pindex]))
+        if whole is not None and whole >= config["min_8bit_size"]:
+            config["min_8bit_size"] = 0
+        return config
+
+    return type(f"Local{inner_class.__name__}", (inner_class,), {"get_config": get_config, "whole_numel": {}})
 
 
 def _export(p: torch.Tensor, s: dict[str, Any]) -> dict[str, Any]:
