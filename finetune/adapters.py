@@ -55,77 +55,29 @@ def lora_targets(target_modules: Any, model_type: str) -> list[str] | str:
     return list(PEFT_DEFAULTS.get(model_type) or []) or "all-linear"
 
 
-def peft_config(spec: AdapterSpec, model_config: Any, num_layers: int | None = None) -> Any:
-    """The peft config of a LoRA or prefix-tuning :class:`AdapterSpec` for a model of ``model_config``.
-
-    ``num_layers``: prefix tuning's depth when it differs from the model's (the planner builds one or two
-    decoder layers but counts and traces the prefix of every layer).
-    """
-    if spec.kind == "lora":
-        from peft import LoraConfig
-
-        return LoraConfig(
-            r=spec.r,
-            lora_alpha=spec.alpha,
-            lora_dropout=spec.dropout,
-            target_modules=lora_targets(spec.target_modules, model_config.model_type),
-            use_dora=spec.use_dora,
-            use_rslora=spec.use_rslora,
-            init_lora_weights=True if spec.init == "default" else spec.init,
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-    if spec.kind == "prefix":
-        from peft import PrefixTuningConfig
-
-        kw: dict[str, Any] = {}
-        if num_layers is not None:
-            kw["num_layers"] = num_layers
-        if spec.projection_hidden is not None:
-            kw["encoder_hidden_size"] = spec.projection_hidden
-        return PrefixTuningConfig(
-            task_type="CAUSAL_LM",
-            num_virtual_tokens=spec.num_virtual_tokens,
-            prefix_projection=spec.projection,
-            **kw,
-        )
-    raise ValueError(f"no peft config for {spec.kind}")
-
-
 def inject(model: Any, spec: AdapterSpec, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
     """``model`` with ``spec``'s trainable modules on its frozen base (a peft model for lora and prefix, the
-    same model with bottleneck modules for adapter); only the injected parameters require gradients.
+    same model with bottleneck modules for adapter); only the injected parameters require gradients. The
+    method's class injects (finetune/methods.py).
 
     ``stand_in``: the planner's model (meta or zero weights): LoRA's pissa/olora initialisation, which
     decomposes the real weights, is replaced by the default one (the same shapes).
     A pissa/olora peft model keeps its initial adapter as ``LORA_INIT_ATTR`` (see :func:`plain_lora`).
     """
-    if stand_in and spec.kind == "lora" and spec.init in DECOMPOSING_INITS:
-        import dataclasses
+    from finetune.methods import adapter_method
 
-        spec = dataclasses.replace(spec, init="default")
-    if spec.kind == "bottleneck":
-        for p in model.parameters():
-            p.requires_grad_(False)
-        inject_bottlenecks(model, spec)
-        return model
-    import warnings
+    return adapter_method(spec).inject(model, num_layers=num_layers, stand_in=stand_in)
 
+
+def peft_inject(model: Any, config: Any, key: str) -> Any:
+    """``get_peft_model`` with ``config``; a config that does not fit the model (e.g. target modules it does not
+    have) is one sentence naming the recipe ``key``."""
     from peft import get_peft_model
 
-    if (
-        spec.kind == "prefix"
-    ):  # peft 0.21 hands the prefix over as `past_key_values`, which transformers 5 renames
-        warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
-    key = "lora.target_modules" if spec.kind == "lora" else "prefix"
     try:
-        adapted = get_peft_model(model, peft_config(spec, model.config, num_layers))
-    except ValueError as exc:  # e.g. target modules not found in the model
+        return get_peft_model(model, config)
+    except ValueError as exc:
         raise UserError(f"{key}: {exc}") from None
-    if spec.kind == "lora" and spec.init in DECOMPOSING_INITS:
-        initial = {n: p.detach().clone() for n, p in adapted.named_parameters() if p.requires_grad}
-        setattr(adapted, LORA_INIT_ATTR, initial)
-    return adapted
 
 
 def plain_lora(state: dict[str, Any], initial: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import yaml
 from finetune.adapters import BOTTLENECK_CONFIG
 from finetune.errors import UserError
 from finetune.locate import locate_model
+from finetune.methods import METHOD_TYPES, BottleneckAdapters, FullFineTuning, PrefixTuning
 from finetune.recipe import QuantizationConfig
 from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, ST_DTYPES, ShardWriter, shard_map
 from finetune.train.quantize import dequantized_weight, quantized_modules
@@ -100,6 +101,12 @@ class MergeResult:
 # --------------------------------------------------------------------------------------------------
 
 
+def _quantized_base(recipe: dict[str, Any] | None) -> bool:
+    """Whether a run's saved recipe trained on a quantized base (QLoRA)."""
+    cls = METHOD_TYPES.get((recipe or {}).get("method"))  # type: ignore[call-overload]
+    return cls is not None and cls.quantizes_base
+
+
 def _read_adapter(run: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The PEFT adapter config and tensors of ``run``; a clear error when there is none."""
     import torch
@@ -110,25 +117,17 @@ def _read_adapter(run: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     cfg_path = run / ADAPTER_CONFIG
     weights = next((run / w for w in ADAPTER_WEIGHTS if (run / w).is_file()), None)
     if (run / BOTTLENECK_CONFIG).is_file():
-        raise UserError(
-            f"{run} holds bottleneck adapters: they add a non-linear module after attention and MLP, not a "
-            "linear update of a weight, so they cannot be folded into the base; load the base with them instead "
-            "(finetune.adapters.load_bottlenecks(base, dir))"
-        )
+        raise UserError(f"{run} holds bottleneck adapters: {BottleneckAdapters().merge_refusal()}")
     if not cfg_path.is_file() or weights is None:
         if (run / "config.json").is_file() and ((run / SAFE_SINGLE).is_file() or (run / SAFE_INDEX).is_file()):
-            raise UserError(f"{run} holds a full model, not an adapter: a full fine-tuning run has nothing to merge")
+            raise UserError(f"{run} holds a full model, not an adapter: {FullFineTuning().merge_refusal()}")
         raise UserError(
             f"{run} has no adapter ({ADAPTER_CONFIG} + adapter_model.safetensors); "
             "give the output.dir of a lora/qlora run or a PEFT adapter directory"
         )
     config = json.loads(cfg_path.read_text())
     if config.get("peft_type") == "PREFIX_TUNING":
-        raise UserError(
-            f"{run} holds a prefix-tuning adapter: its trained keys and values are extra attention positions, not "
-            "a change of any weight, so there is nothing to fold; load the base with the adapter instead "
-            "(PeftModel.from_pretrained(base, dir))"
-        )
+        raise UserError(f"{run} holds a prefix-tuning adapter: {PrefixTuning().merge_refusal()}")
     if config.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{cfg_path}: peft_type {config.get('peft_type')} cannot be merged; only LoRA adapters can")
     for key, what in (("trainable_token_indices", "trainable tokens"),
@@ -199,7 +198,7 @@ def find_base(
         model = recipe.get("model") or {}
         if model.get("init") == "random":
             usable = saved_base.is_dir() and not _is_quantized(saved_base)
-            if not usable and recipe.get("method") == "qlora" and scratch is not None:
+            if not usable and _quantized_base(recipe) and scratch is not None:
                 found, where = _rebuild_random_base(recipe, run, scratch), "model.init: random, train.seed"
             elif not saved_base.is_dir():
                 raise UserError(
@@ -488,7 +487,7 @@ def _merge(
     qcfg, compute_dtype = None, None
     if into_dequantized:
         method = (recipe or {}).get("method")
-        if method != "qlora":
+        if not _quantized_base(recipe):
             raise UserError(
                 f"--into-dequantized needs a qlora run; {run} is "
                 + (f"a {method} run" if method else "not a finetune run (no recipe.yaml)")

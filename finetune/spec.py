@@ -43,30 +43,26 @@ class Method(_Name):
     ADAPTER = "adapter"
 
     @property
+    def type(self) -> Any:
+        """The method's class (finetune/methods.py), which holds everything the method decides."""
+        from finetune.methods import method_type
+
+        return method_type(self)
+
+    @property
     def adapters(self) -> bool:
         """Adapters on a frozen base (the base gets no gradients or optimizer state)."""
-        return self is not Method.FULL
+        return bool(self.type.trains_adapters)
 
     @property
     def quantized(self) -> bool:
         """The frozen base's linear weights are quantized (bitsandbytes)."""
-        return self is Method.QLORA
-
-    @property
-    def lora(self) -> bool:
-        """Trains peft LoRA (or DoRA) adapters, which fold into the base weights (``finetune merge``)."""
-        return self in (Method.LORA, Method.QLORA)
-
-    @property
-    def adapter_kind(self) -> str | None:
-        """What is injected into the frozen base: lora, prefix (peft prefix tuning) or bottleneck (None: full)."""
-        return {"lora": "lora", "qlora": "lora", "prefix": "prefix", "adapter": "bottleneck"}.get(self.value)
+        return bool(self.type.quantizes_base)
 
     @property
     def recomputable(self) -> bool:
-        """Activation checkpointing keeps its behaviour. Not for prefix tuning: transformers drops the KV cache,
-        which holds the trained prefix, in checkpointed decoder layers."""
-        return self is not Method.PREFIX
+        """Activation checkpointing keeps its behaviour (see the method's class)."""
+        return bool(self.type.recomputable)
 
     @property
     def title(self) -> str:
@@ -193,7 +189,7 @@ class AdapterSpec:
     reduction_factor: float = 16.0
     non_linearity: str = "relu"
     placement: str = "both"  # attention | mlp | both
-    train_norms: bool = False  # a trained gain on each adapted sublayer's normalised input (Houlsby's LN)
+    train_norms: bool = True  # a trained gain on each adapted sublayer's normalised input (Houlsby's LN)
     embeddings: bool = False  # a bottleneck on the token embeddings' output too (before layer 0)
 
     def bottleneck_size(self, hidden: int) -> int:
@@ -202,36 +198,11 @@ class AdapterSpec:
 
 
 def adapter_spec(method: str, lora: Any = None, prefix: Any = None, adapter: Any = None) -> AdapterSpec | None:
-    """The :class:`AdapterSpec` of ``method`` from the recipe's ``lora`` / ``prefix`` / ``adapter`` sections
-    (None for full fine-tuning; a missing section: its defaults)."""
-    kind = Method(method).adapter_kind
-    if kind == "lora":
-        tm = getattr(lora, "target_modules", None)
-        return AdapterSpec(
-            kind="lora", r=int(getattr(lora, "r", 8)), alpha=float(getattr(lora, "alpha", 16.0)),
-            dropout=float(getattr(lora, "dropout", 0.0)), target_modules=tuple(tm) if isinstance(tm, list) else tm,
-            use_dora=bool(getattr(lora, "use_dora", False)), use_rslora=bool(getattr(lora, "use_rslora", False)),
-            init=str(getattr(lora, "init", "default")),
-        )
-    if kind == "prefix":
-        return AdapterSpec(
-            kind="prefix", num_virtual_tokens=int(getattr(prefix, "num_virtual_tokens", 20)),
-            projection=bool(getattr(prefix, "projection", False)),
-            projection_hidden=getattr(prefix, "projection_hidden", None),
-            prefix_init_text=(
-                getattr(prefix, "init_text", None) if getattr(prefix, "init", "random") == "text" else None
-            ),
-        )
-    if kind == "bottleneck":
-        return AdapterSpec(
-            kind="bottleneck", size=getattr(adapter, "size", None),
-            reduction_factor=float(getattr(adapter, "reduction_factor", 16.0)),
-            non_linearity=str(getattr(adapter, "non_linearity", "relu")),
-            placement=str(getattr(adapter, "placement", "both")),
-            train_norms=bool(getattr(adapter, "train_norms", True)),
-            embeddings=bool(getattr(adapter, "embeddings", False)),
-        )
-    return None
+    """What ``method`` injects, from the recipe's ``lora`` / ``prefix`` / ``adapter`` sections (None for full
+    fine-tuning; a missing section: its defaults). The method's class decides (finetune/methods.py)."""
+    from finetune.methods import method_type, settings_of
+
+    return method_type(method).adapter_spec(settings_of(method, {"lora": lora, "prefix": prefix, "adapter": adapter}))
 
 
 @dataclass(frozen=True)
@@ -255,6 +226,14 @@ class ExecSpec:
     adapter: AdapterSpec | None = None  # what is trained on the frozen base (None: full fine-tuning)
     tp: int = 1  # tensor-parallel degree: each decoder block's linears split over tp ranks of one node
     compile: bool = False  # torch.compile each decoder block (train.compile), on every load path
+
+    @property
+    def training(self) -> Any:
+        """The method as an object (:class:`finetune.methods.TrainingMethod`) with what it injects and the
+        base's quantization: what callers ask instead of comparing method names."""
+        from finetune.methods import training_method
+
+        return training_method(self.method, self.adapter, self.quant)
 
     @property
     def dp(self) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from finetune.plan.shapes import decoder_layer_names, reduced_config
-from finetune.spec import AdapterSpec, ExecSpec
+from finetune.spec import AdapterSpec, ExecSpec, Method
 from finetune.units import torch_dtype
 
 WINDOWS = ("head", "first", "last")
@@ -64,7 +64,7 @@ class TraceSpec:
         it matters only for flex attention, whose CPU path materialises a mask) (``lora``: (r, alpha, dropout,
         targets) replacing the spec's LoRA shape)."""
         adapter = spec.adapter if spec.method.adapters else None
-        if lora is not None and adapter is not None and adapter.kind == "lora":
+        if lora is not None and adapter is not None and adapter.r:  # a LoRA shape (only LoRA has a rank)
             r, alpha, dropout, targets = lora
             adapter = replace(adapter, r=r, alpha=alpha, dropout=dropout, target_modules=targets)
         return cls(
@@ -393,7 +393,7 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=_traced_kernel(spec))
     model.train()
-    if spec.method == "qlora":
+    if Method(spec.method).quantized:
         _emulate_kbit_preparation(model)
     if spec.adapter is not None:
         from finetune.adapters import inject

@@ -158,7 +158,7 @@ def eval_memory(
         buffers = sb.trainable * sb.param_dtype_bytes if strategy in ("ddp", "zero1") else 0  # DDP's buckets
     peak = eval_peak(config, spec, inv.num_layers, batch, max_new_tokens)
     acts = peak.activations
-    if spec.method == "qlora":  # bitsandbytes dequantizes one 4-bit weight at a time
+    if setup.spec.quant is not None:  # bitsandbytes dequantizes one 4-bit weight at a time
         acts += inv.largest_base_numel(quantizable_only=True) * DTYPE_BYTES[setup.spec.quant.compute_dtype]
     tensors = params + opt + buffers + acts
     overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * tensors) if setup.device == "cuda" else 0

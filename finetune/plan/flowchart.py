@@ -724,7 +724,7 @@ class _Planner:
         fp32 adapters otherwise) and AdamW's two moments per trainable parameter (what the trainer writes)."""
         from finetune.units import checkpoint_bytes
 
-        weights = sb.param_bytes if method == "full" else sb.trainable * 4
+        weights = Method(method).type().saved_weight_bytes(sb.param_bytes, sb.trainable)
         return checkpoint_bytes(weights, sb.trainable)
 
     def table(self) -> list[Candidate]:

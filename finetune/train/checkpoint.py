@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.errors import UserError
+from finetune.methods import method_type
 
 if TYPE_CHECKING:  # torch is imported where it is used: finding and checking checkpoints needs none of it
     import torch
@@ -146,16 +147,7 @@ def run_identity(
         "global_batch_size": recipe.train.global_batch_size,
         "seed": recipe.train.seed,
     }
-    if method in ("lora", "qlora"):
-        ident["lora"] = {"r": recipe.lora.r, "target_modules": recipe.lora.target_modules}
-        if recipe.lora.use_dora:
-            ident["lora"]["use_dora"] = True
-    elif method == "prefix":
-        ident["prefix"] = recipe.prefix.model_dump()
-    elif method == "adapter":
-        ident["adapter"] = recipe.adapter.model_dump()
-        if not ident["adapter"]["embeddings"]:  # as checkpoints from before adapter.embeddings recorded it
-            del ident["adapter"]["embeddings"]
+    ident.update(method_type(method)().checkpoint_identity(recipe))  # the method's own settings
     return ident
 
 

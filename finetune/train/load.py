@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from finetune import flex
-from finetune.adapters import DECOMPOSING_INITS
 from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
@@ -131,7 +130,7 @@ def materialize(
     if spec.adapter is not None:
         redraw_injected(model, device)
         init_dora_magnitudes(model)
-        if spec.adapter.init in DECOMPOSING_INITS:
+        if spec.training.decomposes:
             init_decomposed(model, spec.adapter.init)
         else:
             init_adapters(model, r.train.seed, gaussian=spec.adapter.init == "gaussian")

@@ -175,7 +175,7 @@ class RunCheckpoints:
         self.ctx.barrier()
 
     def _check_disk(self) -> None:
-        full = self.plan.chosen.method == "full"
+        full = self.plan.execution.training.saves_frozen()  # every weight is saved, not only the trained
         weights = trainable = 0
         for p in self.inner.parameters():
             if full or p.requires_grad:

@@ -1,0 +1,384 @@
+"""The training methods as types: one class per method, behind one interface.
+
+A run trains one of: every weight (:class:`FullFineTuning`); low-rank adapters (:class:`LoRA`, whose QLoRA,
+DoRA, rsLoRA and PiSSA/OLoRA are options: a quantized base, a magnitude vector, a scale, an initialisation);
+key/value prefixes (:class:`PrefixTuning`); or bottleneck modules (:class:`BottleneckAdapters`). Each class
+says, for its own method:
+
+- what it trains (``trains_adapters``: a frozen base with no gradients or optimizer state) and what the
+  planner counts (:meth:`~TrainingMethod.adapter_spec`, the :class:`~finetune.spec.AdapterSpec` that the
+  inventory and the activation traces inject);
+- whether it supports an execution (:meth:`~TrainingMethod.supports`: the capability table's sentence);
+- how it is injected into a model (:meth:`~TrainingMethod.inject`, the planner's stand-in and the trainer's
+  model alike), initialised and checkpointed (:meth:`~TrainingMethod.checkpoint_identity`);
+- what it saves and how a user loads it (:meth:`~TrainingMethod.saved_message`,
+  :meth:`~TrainingMethod.saved_weight_bytes`), and whether ``finetune merge`` folds it into the base.
+
+The execution spec names the method (``ExecSpec.method``, a plain name in JSON) and hands out its object
+(``ExecSpec.training``); callers ask the object instead of comparing names.
+
+Pure Python at import: torch and peft are imported inside the methods that need them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from finetune.adapters import DECOMPOSING_INITS
+from finetune.spec import AdapterSpec, Method, QuantSpec
+
+if TYPE_CHECKING:
+    from finetune.capabilities import Cell
+
+
+class TrainingMethod:
+    """What a run trains (a subclass per method). ``adapter``: the spec of what is injected (None for full
+    fine-tuning); ``quant``: the frozen base's quantization (QLoRA), else None."""
+
+    name: ClassVar[Method]
+    #: the recipe section holding the method's settings (lora, prefix, adapter; None: none)
+    section: ClassVar[str | None] = None
+    #: a frozen base with trained modules on it (no gradients or optimizer state for the base)
+    trains_adapters: ClassVar[bool] = True
+    #: activation checkpointing keeps its behaviour
+    recomputable: ClassVar[bool] = True
+    #: ``finetune merge`` folds what it trains into the base weights
+    merges: ClassVar[bool] = False
+    #: the frozen base's linear weights are quantized (QLoRA)
+    quantizes_base: ClassVar[bool] = False
+
+    def __init__(self, adapter: AdapterSpec | None = None, quant: QuantSpec | None = None) -> None:
+        self.adapter, self.quant = adapter, quant
+
+    # -- what it is ---------------------------------------------------------------------------------------
+    @property
+    def title(self) -> str:
+        """The name people use."""
+        return self.name.title
+
+    @property
+    def quantized(self) -> bool:
+        """The frozen base's linear weights are quantized (bitsandbytes)."""
+        return self.quant is not None
+
+    @classmethod
+    def adapter_spec(cls, settings: Any = None) -> AdapterSpec | None:
+        """What the method injects, from its recipe section (None: the section's defaults); None when it
+        injects nothing."""
+        return None
+
+    def supports(self, cell: Cell) -> str | None:
+        """The capability table's sentence when this method cannot run ``cell`` (None: it can)."""
+        from finetune.capabilities import first_refusal
+
+        found = first_refusal(cell.with_(method=self.name.value))
+        return None if found is None else str(found)
+
+    # -- building -----------------------------------------------------------------------------------------
+    def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
+        """``model`` with what this method trains on its frozen base; only those parameters require
+        gradients. ``stand_in``: the planner's model (meta or zero weights). ``num_layers``: the prefix's
+        depth when it differs from the model's (the planner builds fewer layers)."""
+        raise NotImplementedError
+
+    def prepare_on_meta(self, model: Any) -> None:
+        """After :meth:`inject` on a meta-device model (the sharded load): what must wait for real weights."""
+
+    @property
+    def decomposes(self) -> bool:
+        """The trained modules start as a decomposition of the real base weights (LoRA's pissa/olora), which
+        a meta-device build leaves to the sharded load."""
+        return False
+
+    @property
+    def seeded_init(self) -> str | None:
+        """How the trainer redraws the trained parameters from ``train.seed`` on every rank and load path
+        (``default`` or ``gaussian`` for LoRA; None: the injection's own values stand)."""
+        return None
+
+    # -- saving and resuming -------------------------------------------------------------------------------
+    def checkpoint_identity(self, recipe: Any) -> dict[str, Any]:
+        """What a checkpoint of this method depends on beyond the run's shared identity (a resume with other
+        values is refused): ``{recipe section: settings}``."""
+        return {}
+
+    def saved_weight_bytes(self, param_bytes: int, trainable: int) -> int:
+        """Bytes of the weights a checkpoint or the final save holds: the trained parameters in fp32."""
+        return trainable * 4
+
+    def saves_frozen(self) -> bool:
+        """Whether the saved weights include the frozen base (only full fine-tuning saves every weight)."""
+        return not self.trains_adapters
+
+    def saved_message(self, out: str) -> str:
+        """Where the run's result is and how to load it (the run's last lines)."""
+        raise NotImplementedError
+
+    def merge_refusal(self) -> str | None:
+        """Why ``finetune merge`` cannot fold this method into the base (None: it can)."""
+        return None
+
+
+class FullFineTuning(TrainingMethod):
+    """Every weight trained, in the master dtype."""
+
+    name = Method.FULL
+    trains_adapters = False
+
+    def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+
+    def saved_weight_bytes(self, param_bytes: int, trainable: int) -> int:
+        return param_bytes
+
+    def saved_message(self, out: str) -> str:
+        return f"model saved to {out}/  load it with: AutoModelForCausalLM.from_pretrained('{out}')"
+
+    def merge_refusal(self) -> str | None:
+        return "a full fine-tuning run has nothing to merge"
+
+
+class LoRA(TrainingMethod):
+    """Low-rank updates B·A on a frozen base (peft), folded into the base by ``finetune merge``. Options:
+    a quantized base (QLoRA, ``quant``), DoRA, rsLoRA, and the initialisation (default, gaussian, pissa,
+    olora; pissa and olora decompose the base weights)."""
+
+    name = Method.LORA
+    section = "lora"
+    merges = True
+    #: initialisations that decompose the base weights (and subtract the initial adapter from them)
+    DECOMPOSING = DECOMPOSING_INITS
+
+    @classmethod
+    def adapter_spec(cls, settings: Any = None) -> AdapterSpec:
+        if settings is None:
+            from finetune.recipe import LoraConfig
+
+            settings = LoraConfig()
+        tm = settings.target_modules
+        return AdapterSpec(
+            kind="lora", r=int(settings.r), alpha=float(settings.alpha), dropout=float(settings.dropout),
+            target_modules=tuple(tm) if isinstance(tm, list) else tm, use_dora=bool(settings.use_dora),
+            use_rslora=bool(settings.use_rslora), init=str(settings.init),
+        )
+
+    @property
+    def decomposes(self) -> bool:
+        """pissa/olora: the adapter starts as a decomposition of the real weights (none on a stand-in)."""
+        return self.adapter is not None and self.adapter.init in self.DECOMPOSING
+
+    def peft_config(self, model_config: Any, *, stand_in: bool = False) -> Any:
+        """peft's LoraConfig for a model of ``model_config`` (``stand_in``: pissa/olora drawn as default)."""
+        from peft import LoraConfig as PeftLoraConfig
+
+        from finetune.adapters import lora_targets
+
+        spec = self.adapter
+        assert spec is not None
+        init = "default" if stand_in and self.decomposes else spec.init
+        return PeftLoraConfig(
+            r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+            target_modules=lora_targets(spec.target_modules, model_config.model_type),
+            use_dora=spec.use_dora, use_rslora=spec.use_rslora,
+            init_lora_weights=True if init == "default" else init, bias="none", task_type="CAUSAL_LM",
+        )
+
+    def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
+        from finetune.adapters import LORA_INIT_ATTR, peft_inject
+
+        adapted = peft_inject(model, self.peft_config(model.config, stand_in=stand_in), "lora.target_modules")
+        if self.decomposes and not stand_in:
+            initial = {n: p.detach().clone() for n, p in adapted.named_parameters() if p.requires_grad}
+            setattr(adapted, LORA_INIT_ATTR, initial)
+        return adapted
+
+    def prepare_on_meta(self, model: Any) -> None:
+        # injected as default on meta (nothing to decompose yet); the sharded load decomposes the real weights
+        if self.decomposes:
+            assert self.adapter is not None
+            model.peft_config["default"].init_lora_weights = self.adapter.init
+
+    @property
+    def seeded_init(self) -> str | None:
+        # pissa/olora's A and B are the decomposition peft made when it injected them (no random draw to redo)
+        if self.adapter is None or self.decomposes:
+            return None
+        return "gaussian" if self.adapter.init == "gaussian" else "default"
+
+    def checkpoint_identity(self, recipe: Any) -> dict[str, Any]:
+        ident: dict[str, Any] = {"r": recipe.lora.r, "target_modules": recipe.lora.target_modules}
+        if recipe.lora.use_dora:
+            ident["use_dora"] = True
+        return {"lora": ident}
+
+    def saved_message(self, out: str) -> str:
+        return (
+            f"adapter saved to {out}/  load it with: PeftModel.from_pretrained(base, '{out}'), "
+            f"or fold it in: finetune merge {out} --out {out}-merged"
+        )
+
+
+class QLoRA(LoRA):
+    """LoRA on a quantized base (4-bit NF4/FP4, or 8-bit LLM.int8): the same adapters, the same interface."""
+
+    name = Method.QLORA
+    quantizes_base = True
+
+
+class PrefixTuning(TrainingMethod):
+    """Trained key/value prefixes in every layer (peft prefix tuning), optionally reparametrised by an MLP
+    or started from a text's keys and values."""
+
+    name = Method.PREFIX
+    section = "prefix"
+    # transformers drops the key/value cache, which holds the trained prefix, in checkpointed decoder layers
+    recomputable = False
+
+    @classmethod
+    def adapter_spec(cls, settings: Any = None) -> AdapterSpec:
+        if settings is None:
+            from finetune.recipe import PrefixConfig
+
+            settings = PrefixConfig()
+        return AdapterSpec(
+            kind="prefix", num_virtual_tokens=int(settings.num_virtual_tokens),
+            projection=bool(settings.projection), projection_hidden=settings.projection_hidden,
+            prefix_init_text=settings.init_text if settings.init == "text" else None,
+        )
+
+    def peft_config(self, model_config: Any, *, num_layers: int | None = None) -> Any:
+        """peft's PrefixTuningConfig (``num_layers``: the planner's shallower stand-in)."""
+        from peft import PrefixTuningConfig
+
+        spec = self.adapter
+        assert spec is not None
+        kw: dict[str, Any] = {}
+        if num_layers is not None:
+            kw["num_layers"] = num_layers
+        if spec.projection_hidden is not None:
+            kw["encoder_hidden_size"] = spec.projection_hidden
+        return PrefixTuningConfig(
+            task_type="CAUSAL_LM", num_virtual_tokens=spec.num_virtual_tokens, prefix_projection=spec.projection,
+            **kw,
+        )
+
+    def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
+        import warnings
+
+        from finetune.adapters import peft_inject
+
+        # peft hands the prefix over as `past_key_values`, which transformers 5 renames
+        warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
+        return peft_inject(model, self.peft_config(model.config, num_layers=num_layers), "prefix")
+
+    def checkpoint_identity(self, recipe: Any) -> dict[str, Any]:
+        return {"prefix": recipe.prefix.model_dump()}
+
+    def saved_message(self, out: str) -> str:
+        return f"prefix saved to {out}/  load it with: PeftModel.from_pretrained(base, '{out}')"
+
+    def merge_refusal(self) -> str | None:
+        return (
+            "its trained keys and values are extra attention positions, not a change of any weight, so there is "
+            "nothing to fold; load the base with the adapter instead (PeftModel.from_pretrained(base, dir))"
+        )
+
+
+class BottleneckAdapters(TrainingMethod):
+    """Bottleneck modules after the attention and/or MLP of every layer (Houlsby et al.), our own modules
+    (finetune/adapters.py), saved beside a config and loaded with ``finetune.adapters.load_bottlenecks``."""
+
+    name = Method.ADAPTER
+    section = "adapter"
+
+    @classmethod
+    def adapter_spec(cls, settings: Any = None) -> AdapterSpec:
+        if settings is None:
+            from finetune.recipe import AdapterConfig
+
+            settings = AdapterConfig()
+        return AdapterSpec(
+            kind="bottleneck", size=settings.size, reduction_factor=float(settings.reduction_factor),
+            non_linearity=str(settings.non_linearity), placement=str(settings.placement),
+            train_norms=bool(settings.train_norms), embeddings=bool(settings.embeddings),
+        )
+
+    def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
+        from finetune.adapters import inject_bottlenecks
+
+        assert self.adapter is not None
+        for p in model.parameters():
+            p.requires_grad_(False)
+        inject_bottlenecks(model, self.adapter)
+        return model
+
+    def checkpoint_identity(self, recipe: Any) -> dict[str, Any]:
+        ident = recipe.adapter.model_dump()
+        if not ident["embeddings"]:  # as checkpoints from before adapter.embeddings recorded it
+            del ident["embeddings"]
+        return {"adapter": ident}
+
+    def saved_message(self, out: str) -> str:
+        return (
+            f"bottleneck adapters saved to {out}/  load them with: "
+            f"finetune.adapters.load_bottlenecks(base, '{out}')"
+        )
+
+    def merge_refusal(self) -> str | None:
+        return (
+            "they add a non-linear module after attention and MLP, not a linear update of a weight, so they "
+            "cannot be folded into the base; load the base with them instead "
+            "(finetune.adapters.load_bottlenecks(base, dir))"
+        )
+
+
+#: The class of each method name.
+METHOD_TYPES: dict[Method, type[TrainingMethod]] = {
+    Method.FULL: FullFineTuning,
+    Method.LORA: LoRA,
+    Method.QLORA: QLoRA,
+    Method.PREFIX: PrefixTuning,
+    Method.ADAPTER: BottleneckAdapters,
+}
+#: The class that injects each kind of :class:`~finetune.spec.AdapterSpec`.
+ADAPTER_TYPES: dict[str, type[TrainingMethod]] = {"lora": LoRA, "prefix": PrefixTuning, "bottleneck": BottleneckAdapters}
+
+
+def method_type(name: str | Method) -> type[TrainingMethod]:
+    """The class of a method name (``full``, ``lora``, ``qlora``, ``prefix``, ``adapter``)."""
+    return METHOD_TYPES[Method(name)]
+
+
+def training_method(name: str | Method, adapter: AdapterSpec | None = None, quant: QuantSpec | None = None) -> TrainingMethod:
+    """The method object of a name with what it injects (``adapter``) and its base's quantization."""
+    return method_type(name)(adapter, quant)
+
+
+def adapter_method(spec: AdapterSpec) -> TrainingMethod:
+    """The method object that injects ``spec`` (its kind: lora, prefix or bottleneck)."""
+    return ADAPTER_TYPES[spec.kind](spec)
+
+
+def settings_of(name: str | Method, recipe_sections: dict[str, Any]) -> Any:
+    """The recipe section that holds method ``name``'s settings, from ``{section name: section}`` (None when
+    the method has none, or the section is missing)."""
+    section = method_type(name).section
+    return None if section is None else recipe_sections.get(section)
+
+
+__all__ = [
+    "ADAPTER_TYPES",
+    "METHOD_TYPES",
+    "BottleneckAdapters",
+    "FullFineTuning",
+    "LoRA",
+    "PrefixTuning",
+    "QLoRA",
+    "TrainingMethod",
+    "adapter_method",
+    "method_type",
+    "settings_of",
+    "training_method",
+]
