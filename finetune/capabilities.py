@@ -440,3 +440,7 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"strategy": "single", "processes": 2},
     {"strategy": "ddp", "processes": 4, "tp": 2},
 )
+
+
+if __name__ == "__main__":  # python -m finetune.capabilities: README's support matrix
+    print(support_matrix_markdown(), end="")
