@@ -160,6 +160,12 @@ def _tp(c: Cell) -> int:
     return c.tp or 1
 
 
+_TP_WHY = {
+    "prefix": "a prefix holds every KV head",
+    "adapter": "a bottleneck reads the whole hidden state, which TP's column-parallel layers hand on in parts",
+}
+
+
 def _lora_dp(c: Cell) -> bool:
     return c.strategy in ("ddp", "zero1") and c.split and (c.dp or 0) > 1
 
@@ -200,10 +206,16 @@ TABLE: tuple[Rule, ...] = (
         f"distributed.tp: {_tp(c)} (DDP does not take TP's sharded parameters); use zero2, fsdp or auto",
     ),
     Rule(
+        "tp-zero1", ("distributed.strategy", "distributed.tp"),
+        lambda c: c.split and c.strategy == "zero1",
+        lambda c: "zero1 shards AdamW with torch's ZeroRedundancyOptimizer, which does not take the DTensor "
+        f"parameters of distributed.tp: {_tp(c)}; use zero2 or fsdp (or ddp with one data-parallel replica)",
+    ),
+    Rule(
         "tp-prefix-adapter", ("distributed.tp", "method"),
         lambda c: c.split and c.method in ("prefix", "adapter"),
         lambda c: f"{_tp(c)} with method {c.method} is not supported: tensor parallelism splits full fine-tuning "
-        "and LoRA only (a prefix holds every KV head); use method lora, or distributed.tp: 1",
+        f"and LoRA only ({_TP_WHY[c.method or 'prefix']}); use method lora, or distributed.tp: 1",
         methods=("prefix", "adapter"),
     ),
     Rule(
@@ -439,6 +451,7 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"processes": 1},
     {"strategy": "single", "processes": 2},
     {"strategy": "ddp", "processes": 4, "tp": 2},
+    {"strategy": "zero1", "processes": 2, "tp": 2},
 )
 
 
