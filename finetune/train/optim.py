@@ -9,13 +9,15 @@ different blocking, not the same bits.
 
 Checkpoints hold AdamW's moments dequantized to fp32 DTensors laid out as the parameters
 (``exp_avg``, ``exp_avg_sq``, ``step``, as torch's AdamW names them): torch.distributed.checkpoint reshards
-them like any other state, and loading quantizes them back into this rank's blocks. A block's absmax
-reappears as its largest value, so a save and load on the same layout gives back the same codes.
+them like any other state, and loading quantizes them back into this rank's blocks, recovering each block's
+absmax (:func:`_requantize`), so a save and load on the same layout gives back the same codes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -147,6 +149,17 @@ class LocalShardOptimizer(torch.optim.Optimizer):
         finally:
             self.state = aliases
 
+    @contextlib.contextmanager
+    def keys_as_saved(self) -> Iterator[None]:
+        """``state[param]`` with :meth:`state_dict`'s names for the duration: torch.distributed.checkpoint
+        rebuilds a flattened state dict by the names it finds there."""
+        aliases = self.state
+        self.state = defaultdict(dict, {p: dict.fromkeys(("step", "exp_avg", "exp_avg_sq")) for p in aliases})
+        try:
+            yield
+        finally:
+            self._alias_state()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore hyperparameters and moments (quantized into this rank's blocks) from :meth:`state_dict`'s
         layout."""
@@ -211,9 +224,29 @@ def _import(s: dict[str, Any], saved: dict[str, Any]) -> None:
         if target.dtype != torch.uint8:
             target.copy_(value.view_as(target))
             continue
-        import bitsandbytes.functional as F
+        _requantize(value.reshape(-1), s[f"qmap{k}"], s[f"absmax{k}"], target)
 
-        F.quantize_blockwise(
-            value.reshape(target.shape).contiguous(), code=s[f"qmap{k}"], absmax=s[f"absmax{k}"], out=target,
-            blocksize=BLOCK,
-        )
+
+def _requantize(value: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor) -> None:
+    """Blockwise codes (into ``out``) and absmax (into ``absmax``) of dequantized moments ``value``, which give
+    back the codes they were dequantized from.
+
+    Quantizing them again would not: a block's absmax was its largest magnitude, and when that value was
+    negative the signed code book's extreme (-0.99297, not -1) shrank it, so the block's largest dequantized
+    magnitude undershoots the absmax. It is recovered as the larger of the largest value (code 1.0) and the
+    most negative one over the code book's extreme; each value then takes its nearest code.
+    """
+    n = value.numel()
+    blocks = value.new_zeros(absmax.numel() * BLOCK)
+    blocks[:n] = value
+    blocks = blocks.view(-1, BLOCK)
+    scale = blocks.amax(dim=1).clamp(min=0)
+    lowest = float(code.min())
+    if lowest < 0:
+        scale = torch.maximum(scale, blocks.amin(dim=1).clamp(max=0) / lowest)
+    scaled = blocks / torch.where(scale > 0, scale, 1.0)[:, None]
+    right = torch.bucketize(scaled, code).clamp(1, code.numel() - 1)
+    nearer_left = (scaled - code[right - 1]).abs() <= (code[right] - scaled).abs()
+    codes = torch.where(nearer_left, right - 1, right).view(-1)[:n]
+    out.copy_(codes.view(out.shape).to(torch.uint8))
+    absmax.copy_(scale)
