@@ -1,7 +1,7 @@
 """Build the model a Plan asks for: tokenizer, weights (pretrained or seeded random), dtype, adapters.
 
-Order (as in torchtitan's parallelize): load -> (quantize) -> adapters -> activation checkpointing;
-sharding and data parallelism are applied afterwards by finetune.train.parallel.
+Order: load -> (quantize) -> adapters; tensor parallelism, activation checkpointing, compilation, sharding
+and data parallelism are applied afterwards, once for every load path, by finetune.train.parallel.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def add_adapters(
 def build_model(
     loaded: LoadedRecipe, spec: ExecSpec, device: torch.device, *, base_dir: Path | None = None
 ) -> torch.nn.Module:
-    """Base model + adapters, stored as ``spec`` says (activation checkpointing and wrapping are
-    finetune.train.parallel's, applied once for every strategy).
+    """Base model + adapters, stored as ``spec`` says (activation checkpointing, compilation and wrapping
+    are finetune.train.parallel's, applied once for every strategy and load path).
 
     ``base_dir``: see :func:`load_base_model` (given by rank 0 of an adapter run from a random init).
     """
@@ -114,8 +114,6 @@ def build_model(
         init_adapters(model, loaded.recipe.train.seed, gaussian=adapter.init == "gaussian")
     if hasattr(model, "config"):
         model.config.use_cache = False
-    if loaded.recipe.train.compile:
-        compile_blocks(model)
     return model
 
 
@@ -142,16 +140,6 @@ def broadcast_decomposed(model: torch.nn.Module) -> None:
             if name in initial:
                 dist.broadcast(p.data, src=0)
                 dist.broadcast(initial[name], src=0)
-
-
-def compile_blocks(model: torch.nn.Module) -> None:
-    """``torch.compile`` every decoder block in place, as torchtitan does: one graph per block type (the
-    blocks share their code, so one compilation serves all), applied before FSDP2 wraps each block so that
-    its all-gather hooks stay outside the compiled region. The head, loss and embeddings stay eager."""
-    from finetune.train.parallel import decoder_blocks
-
-    for block in decoder_blocks(model):
-        block.compile()
 
 
 def stored_bytes_by_dtype(model: torch.nn.Module) -> dict[str, int]:

@@ -91,6 +91,11 @@ class Reporter:
         )
         for note in notes or []:
             self.print(f"data: {note}")
+        if plan.execution is not None and plan.execution.compile:
+            # finetune.train.parallel.parallelize compiled each decoder block before wrapping (every load path)
+            n = plan.model.get("layers")
+            blocks = f"{n} decoder block{'s' if n != 1 else ''}" if n else "every decoder block"
+            self.print(f"compile: {blocks} compiled (torch.compile)")
         if c.memory.total:
             self.print(f"plan: {fmt_bytes(c.memory.total)} per process predicted")
 

@@ -17,8 +17,10 @@ Every strategy is torch's own:
   the head are replicated over ``tp``.
 
 Order inside :func:`parallelize` (as torchtitan's ``parallelize``): tensor parallelism, then activation
-checkpointing per block (the one place it is applied, for every strategy), then sharding bottom-up (blocks,
-then the root), then prefetch wiring. Everything is read from the execution spec (finetune/spec.py).
+checkpointing per block, then ``torch.compile`` per block (``train.compile``), then sharding bottom-up
+(blocks, then the root) or DDP, then prefetch wiring. Checkpointing and compilation are applied here and
+nowhere else, so they hold for every strategy and both load paths (a whole model, or one built on meta and
+materialised after sharding). Everything is read from the execution spec (finetune/spec.py).
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ from finetune.units import torch_dtype
 
 
 def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torch.nn.Module:
-    """Apply the execution spec: tensor parallelism, activation checkpointing (every strategy), then the
-    strategy's wrapping over the data-parallel ranks."""
+    """Apply the execution spec: tensor parallelism, activation checkpointing and compilation of the decoder
+    blocks (every strategy), then the strategy's wrapping over the data-parallel ranks.
+
+    ``model`` may still be on the meta device (the sharded load path): compiling only marks each block, the
+    graphs are traced at its first forward, after :func:`finetune.train.load.materialize`.
+    """
     if ctx.distributed and not spec.strategy.distributed:  # each rank would train alone on its slice
         raise UserError(f"distributed.strategy: `single` cannot run on {ctx.world_size} processes; use ddp")
     dp_mesh = None
@@ -55,6 +61,11 @@ def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> tor
     if spec.checkpointing:
         # Before sharding, so that each block's recomputation sits inside the block FSDP gathers for it.
         apply_activation_checkpointing(model)
+    if spec.compile:
+        # After checkpointing (the checkpoint is traced into each block's graph) and before sharding: DDP's
+        # reducer stays outside the blocks, and FSDP2's block hooks (all-gather, reshard) are dynamo-disabled,
+        # so they run eagerly around each block's graph.
+        compile_blocks(model)
     if not ctx.distributed:
         return model
     if spec.strategy.uses_fsdp:
@@ -142,6 +153,26 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     if hasattr(base, "enable_input_require_grads"):
         # With a frozen embedding, the checkpointed blocks' inputs must require grad for backward to reach them.
         base.enable_input_require_grads()
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """``torch.compile`` every decoder block in place (``nn.Module.compile``), block by block as torchtitan
+    does; returns how many blocks were compiled.
+
+    The blocks share their code, so the graphs dynamo traces for the first serve all. Each block stays where
+    it is, with its name and parameters (no ``_orig_mod`` wrapper: state-dict keys and checkpoints are those
+    of an eager run); its ``_compiled_call_impl`` (the compiled ``_call_impl``: hooks and forward) runs in
+    place of the eager call. The head, loss and embeddings stay eager.
+    """
+    blocks = decoder_blocks(model)
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+def is_compiled(block: torch.nn.Module) -> bool:
+    """Whether ``block`` runs through ``torch.compile`` (``nn.Module.compile`` was applied to it)."""
+    return getattr(block, "_compiled_call_impl", None) is not None
 
 
 def _data_parallel(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
