@@ -1,6 +1,6 @@
 """What is trained on a frozen base, injected by one function for the planner and the trainer alike.
 
-:func:`inject` turns an :class:`~finetune.spec.AdapterSpec` into modules on a model: peft LoRA (with DoRA,
+:func:`finetune.methods.inject` turns an :class:`~finetune.spec.AdapterSpec` into modules on a model: peft LoRA (with DoRA,
 rsLoRA, gaussian init), peft prefix tuning, or bottleneck adapters (Houlsby et al.: down-projection,
 non-linearity, up-projection, added to the output of the attention and/or the MLP of every decoder layer).
 
@@ -53,20 +53,6 @@ def lora_targets(target_modules: Any, model_type: str) -> list[str] | str:
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
     return list(PEFT_DEFAULTS.get(model_type) or []) or "all-linear"
-
-
-def inject(model: Any, spec: AdapterSpec, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
-    """``model`` with ``spec``'s trainable modules on its frozen base (a peft model for lora and prefix, the
-    same model with bottleneck modules for adapter); only the injected parameters require gradients. The
-    method's class injects (finetune/methods.py).
-
-    ``stand_in``: the planner's model (meta or zero weights): LoRA's pissa/olora initialisation, which
-    decomposes the real weights, is replaced by the default one (the same shapes).
-    A pissa/olora peft model keeps its initial adapter as ``LORA_INIT_ATTR`` (see :func:`plain_lora`).
-    """
-    from finetune.methods import adapter_method
-
-    return adapter_method(spec).inject(model, num_layers=num_layers, stand_in=stand_in)
 
 
 def peft_inject(model: Any, config: Any, key: str) -> Any:
@@ -240,6 +226,14 @@ def slots(spec: AdapterSpec) -> list[str]:
     return ["attention", "mlp"] if spec.placement == "both" else [spec.placement]
 
 
+def add_bottlenecks(model: Any, spec: AdapterSpec) -> Any:
+    """Freeze ``model`` and put ``spec``'s bottlenecks on it: the trained modules of method ``adapter``."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    inject_bottlenecks(model, spec)
+    return model
+
+
 def inject_bottlenecks(model: Any, spec: AdapterSpec) -> list[str]:
     """Add a bottleneck after the attention and/or MLP of every decoder layer of ``model`` (in place; fp32,
     on the layer's device), and with ``spec.embeddings`` one on the token embeddings' output; return the
@@ -326,7 +320,7 @@ def load_bottlenecks(model: Any, adapter_dir: str | Path) -> Any:
     config = json.loads((d / BOTTLENECK_CONFIG).read_text())
     fields = {k: v for k, v in config.items() if k in AdapterSpec.__dataclass_fields__}
     spec = AdapterSpec(**fields)
-    inject(model, spec)
+    add_bottlenecks(model, spec)
     weights = load_file(str(d / BOTTLENECK_WEIGHTS))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     lacking = [k for k in missing if is_bottleneck_key(k)]

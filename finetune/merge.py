@@ -36,6 +36,7 @@ from finetune.locate import locate_model
 from finetune.methods import METHOD_TYPES, BottleneckAdapters, FullFineTuning, PrefixTuning
 from finetune.recipe import QuantizationConfig
 from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, ST_DTYPES, ShardWriter, shard_map
+from finetune.spec import Method
 from finetune.train.quantize import dequantized_weight, quantized_modules
 from finetune.units import DTYPE_NAMES
 
@@ -103,8 +104,8 @@ class MergeResult:
 
 def _quantized_base(recipe: dict[str, Any] | None) -> bool:
     """Whether a run's saved recipe trained on a quantized base (QLoRA)."""
-    cls = METHOD_TYPES.get((recipe or {}).get("method"))  # type: ignore[call-overload]
-    return cls is not None and cls.quantizes_base
+    name = (recipe or {}).get("method")
+    return name in METHOD_TYPES and Method(name).quantized
 
 
 def _read_adapter(run: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

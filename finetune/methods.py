@@ -15,7 +15,8 @@ says, for its own method:
   :meth:`~TrainingMethod.saved_weight_bytes`), and whether ``finetune merge`` folds it into the base.
 
 The execution spec names the method (``ExecSpec.method``, a plain name in JSON) and hands out its object
-(``ExecSpec.training``); callers ask the object instead of comparing names.
+(:func:`training_of`); callers ask the object instead of comparing names. What the name itself says (title,
+injected kind, quantized base, recomputable) is the ``Method`` enum's, which the classes read.
 
 Pure Python at import: torch and peft are imported inside the methods that need them.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from finetune.adapters import DECOMPOSING_INITS
-from finetune.spec import AdapterSpec, Method, QuantSpec
+from finetune.spec import AdapterSpec, ExecSpec, Method, QuantSpec
 
 if TYPE_CHECKING:
     from finetune.capabilities import Cell
@@ -38,14 +39,8 @@ class TrainingMethod:
     name: ClassVar[Method]
     #: the recipe section holding the method's settings (lora, prefix, adapter; None: none)
     section: ClassVar[str | None] = None
-    #: a frozen base with trained modules on it (no gradients or optimizer state for the base)
-    trains_adapters: ClassVar[bool] = True
-    #: activation checkpointing keeps its behaviour
-    recomputable: ClassVar[bool] = True
     #: ``finetune merge`` folds what it trains into the base weights
     merges: ClassVar[bool] = False
-    #: the frozen base's linear weights are quantized (QLoRA)
-    quantizes_base: ClassVar[bool] = False
 
     def __init__(self, adapter: AdapterSpec | None = None, quant: QuantSpec | None = None) -> None:
         self.adapter, self.quant = adapter, quant
@@ -55,6 +50,16 @@ class TrainingMethod:
     def title(self) -> str:
         """The name people use."""
         return self.name.title
+
+    @property
+    def trains_adapters(self) -> bool:
+        """A frozen base with trained modules on it (no gradients or optimizer state for the base)."""
+        return self.name.adapters
+
+    @property
+    def recomputable(self) -> bool:
+        """Activation checkpointing keeps its behaviour."""
+        return self.name.recomputable
 
     @property
     def quantized(self) -> bool:
@@ -123,7 +128,6 @@ class FullFineTuning(TrainingMethod):
     """Every weight trained, in the master dtype."""
 
     name = Method.FULL
-    trains_adapters = False
 
     def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
         for p in model.parameters():
@@ -153,16 +157,7 @@ class LoRA(TrainingMethod):
 
     @classmethod
     def adapter_spec(cls, settings: Any = None) -> AdapterSpec:
-        if settings is None:
-            from finetune.recipe import LoraConfig
-
-            settings = LoraConfig()
-        tm = settings.target_modules
-        return AdapterSpec(
-            kind="lora", r=int(settings.r), alpha=float(settings.alpha), dropout=float(settings.dropout),
-            target_modules=tuple(tm) if isinstance(tm, list) else tm, use_dora=bool(settings.use_dora),
-            use_rslora=bool(settings.use_rslora), init=str(settings.init),
-        )
+        return AdapterSpec.lora(settings)
 
     @property
     def decomposes(self) -> bool:
@@ -224,7 +219,6 @@ class QLoRA(LoRA):
     """LoRA on a quantized base (4-bit NF4/FP4, or 8-bit LLM.int8): the same adapters, the same interface."""
 
     name = Method.QLORA
-    quantizes_base = True
 
 
 class PrefixTuning(TrainingMethod):
@@ -233,20 +227,10 @@ class PrefixTuning(TrainingMethod):
 
     name = Method.PREFIX
     section = "prefix"
-    # transformers drops the key/value cache, which holds the trained prefix, in checkpointed decoder layers
-    recomputable = False
 
     @classmethod
     def adapter_spec(cls, settings: Any = None) -> AdapterSpec:
-        if settings is None:
-            from finetune.recipe import PrefixConfig
-
-            settings = PrefixConfig()
-        return AdapterSpec(
-            kind="prefix", num_virtual_tokens=int(settings.num_virtual_tokens),
-            projection=bool(settings.projection), projection_hidden=settings.projection_hidden,
-            prefix_init_text=settings.init_text if settings.init == "text" else None,
-        )
+        return AdapterSpec.prefix(settings)
 
     def peft_config(self, model_config: Any, *, num_layers: int | None = None) -> Any:
         """peft's PrefixTuningConfig (``num_layers``: the planner's shallower stand-in)."""
@@ -295,24 +279,13 @@ class BottleneckAdapters(TrainingMethod):
 
     @classmethod
     def adapter_spec(cls, settings: Any = None) -> AdapterSpec:
-        if settings is None:
-            from finetune.recipe import AdapterConfig
-
-            settings = AdapterConfig()
-        return AdapterSpec(
-            kind="bottleneck", size=settings.size, reduction_factor=float(settings.reduction_factor),
-            non_linearity=str(settings.non_linearity), placement=str(settings.placement),
-            train_norms=bool(settings.train_norms), embeddings=bool(settings.embeddings),
-        )
+        return AdapterSpec.bottleneck(settings)
 
     def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
-        from finetune.adapters import inject_bottlenecks
+        from finetune.adapters import add_bottlenecks
 
         assert self.adapter is not None
-        for p in model.parameters():
-            p.requires_grad_(False)
-        inject_bottlenecks(model, self.adapter)
-        return model
+        return add_bottlenecks(model, self.adapter)
 
     def checkpoint_identity(self, recipe: Any) -> dict[str, Any]:
         ident = recipe.adapter.model_dump()
@@ -356,16 +329,27 @@ def training_method(name: str | Method, adapter: AdapterSpec | None = None, quan
     return method_type(name)(adapter, quant)
 
 
+def training_of(spec: ExecSpec) -> TrainingMethod:
+    """The method object of an execution spec (what it injects and the base's quantization)."""
+    return training_method(spec.method, spec.adapter, spec.quant)
+
+
 def adapter_method(spec: AdapterSpec) -> TrainingMethod:
     """The method object that injects ``spec`` (its kind: lora, prefix or bottleneck)."""
     return ADAPTER_TYPES[spec.kind](spec)
 
 
-def settings_of(name: str | Method, recipe_sections: dict[str, Any]) -> Any:
-    """The recipe section that holds method ``name``'s settings, from ``{section name: section}`` (None when
-    the method has none, or the section is missing)."""
-    section = method_type(name).section
-    return None if section is None else recipe_sections.get(section)
+def inject(model: Any, spec: AdapterSpec, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
+    """``model`` with ``spec``'s trainable modules on its frozen base (a peft model for lora and prefix, the
+    same model with bottleneck modules for adapter); only the injected parameters require gradients. The
+    planner's inventory and traces and the trainer all inject through here, so what is counted and traced is
+    what is trained.
+
+    ``stand_in``: the planner's model (meta or zero weights): LoRA's pissa/olora initialisation, which
+    decomposes the real weights, is replaced by the default one (the same shapes).
+    A pissa/olora peft model keeps its initial adapter as ``LORA_INIT_ATTR`` (see ``adapters.plain_lora``).
+    """
+    return adapter_method(spec).inject(model, num_layers=num_layers, stand_in=stand_in)
 
 
 __all__ = [
@@ -378,7 +362,8 @@ __all__ = [
     "QLoRA",
     "TrainingMethod",
     "adapter_method",
+    "inject",
     "method_type",
-    "settings_of",
     "training_method",
+    "training_of",
 ]

@@ -42,35 +42,44 @@ class Method(_Name):
     PREFIX = "prefix"
     ADAPTER = "adapter"
 
+    # What the name itself says (the rest of what a method decides is its class's, finetune/methods.py):
+    # the title, what is injected (None: every weight is trained), a quantized base, and whether activation
+    # checkpointing keeps its behaviour (not for prefix tuning: transformers drops the KV cache, which holds
+    # the trained prefix, in checkpointed decoder layers).
     @property
-    def type(self) -> Any:
-        """The method's class (finetune/methods.py), which holds everything the method decides."""
-        from finetune.methods import method_type
+    def title(self) -> str:
+        """The name people use."""
+        return _METHOD_FACTS[self.value][0]
 
-        return method_type(self)
+    @property
+    def adapter_kind(self) -> str | None:
+        """What is injected into the frozen base: lora, prefix or bottleneck (None: full fine-tuning)."""
+        return _METHOD_FACTS[self.value][1]
 
     @property
     def adapters(self) -> bool:
         """Adapters on a frozen base (the base gets no gradients or optimizer state)."""
-        return bool(self.type.trains_adapters)
+        return self.adapter_kind is not None
 
     @property
     def quantized(self) -> bool:
         """The frozen base's linear weights are quantized (bitsandbytes)."""
-        return bool(self.type.quantizes_base)
+        return _METHOD_FACTS[self.value][2]
 
     @property
     def recomputable(self) -> bool:
-        """Activation checkpointing keeps its behaviour (see the method's class)."""
-        return bool(self.type.recomputable)
+        """Activation checkpointing keeps its behaviour."""
+        return _METHOD_FACTS[self.value][3]
 
-    @property
-    def title(self) -> str:
-        """The name people use."""
-        return {
-            "full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA", "prefix": "prefix tuning",
-            "adapter": "bottleneck adapters",
-        }[self.value]
+
+#: Per method name: title, injected kind, quantized base, recomputable.
+_METHOD_FACTS: dict[str, tuple[str, str | None, bool, bool]] = {
+    "full": ("full fine-tuning", None, False, True),
+    "lora": ("LoRA", "lora", False, True),
+    "qlora": ("QLoRA", "lora", True, True),
+    "prefix": ("prefix tuning", "prefix", False, False),
+    "adapter": ("bottleneck adapters", "bottleneck", False, True),
+}
 
 
 class Strategy(_Name):
@@ -196,13 +205,55 @@ class AdapterSpec:
         """Width of a bottleneck adapter in a model of ``hidden`` features."""
         return self.size if self.size is not None else max(1, int(hidden // self.reduction_factor))
 
+    @classmethod
+    def lora(cls, settings: Any = None) -> AdapterSpec:
+        """LoRA's shape from the recipe's ``lora`` section (None: its defaults)."""
+        if settings is None:
+            from finetune.recipe import LoraConfig
+
+            settings = LoraConfig()
+        tm = settings.target_modules
+        return cls(
+            kind="lora", r=int(settings.r), alpha=float(settings.alpha), dropout=float(settings.dropout),
+            target_modules=tuple(tm) if isinstance(tm, list) else tm, use_dora=bool(settings.use_dora),
+            use_rslora=bool(settings.use_rslora), init=str(settings.init),
+        )
+
+    @classmethod
+    def prefix(cls, settings: Any = None) -> AdapterSpec:
+        """The prefix from the recipe's ``prefix`` section (None: its defaults)."""
+        if settings is None:
+            from finetune.recipe import PrefixConfig
+
+            settings = PrefixConfig()
+        return cls(
+            kind="prefix", num_virtual_tokens=int(settings.num_virtual_tokens),
+            projection=bool(settings.projection), projection_hidden=settings.projection_hidden,
+            prefix_init_text=settings.init_text if settings.init == "text" else None,
+        )
+
+    @classmethod
+    def bottleneck(cls, settings: Any = None) -> AdapterSpec:
+        """The bottleneck modules from the recipe's ``adapter`` section (None: its defaults)."""
+        if settings is None:
+            from finetune.recipe import AdapterConfig
+
+            settings = AdapterConfig()
+        return cls(
+            kind="bottleneck", size=settings.size, reduction_factor=float(settings.reduction_factor),
+            non_linearity=str(settings.non_linearity), placement=str(settings.placement),
+            train_norms=bool(settings.train_norms), embeddings=bool(settings.embeddings),
+        )
+
 
 def adapter_spec(method: str, lora: Any = None, prefix: Any = None, adapter: Any = None) -> AdapterSpec | None:
     """What ``method`` injects, from the recipe's ``lora`` / ``prefix`` / ``adapter`` sections (None for full
-    fine-tuning; a missing section: its defaults). The method's class decides (finetune/methods.py)."""
-    from finetune.methods import method_type, settings_of
-
-    return method_type(method).adapter_spec(settings_of(method, {"lora": lora, "prefix": prefix, "adapter": adapter}))
+    fine-tuning; a missing section: its defaults): the constructor of its kind (``AdapterSpec.lora`` ...)."""
+    kind = Method(method).adapter_kind
+    if kind is None:
+        return None
+    settings = {"lora": lora, "prefix": prefix, "bottleneck": adapter}[kind]
+    return getattr(AdapterSpec, kind)(settings)
 
 
 @dataclass(frozen=True)
@@ -226,14 +277,6 @@ class ExecSpec:
     adapter: AdapterSpec | None = None  # what is trained on the frozen base (None: full fine-tuning)
     tp: int = 1  # tensor-parallel degree: each decoder block's linears split over tp ranks of one node
     compile: bool = False  # torch.compile each decoder block (train.compile), on every load path
-
-    @property
-    def training(self) -> Any:
-        """The method as an object (:class:`finetune.methods.TrainingMethod`) with what it injects and the
-        base's quantization: what callers ask instead of comparing method names."""
-        from finetune.methods import training_method
-
-        return training_method(self.method, self.adapter, self.quant)
 
     @property
     def dp(self) -> int:

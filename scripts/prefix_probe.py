@@ -54,9 +54,10 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.adapters import init_prefix_from_text, inject
+    from finetune.adapters import init_prefix_from_text
     from finetune.generation import greedy_tokens, left_padded
     from finetune.loss import causal_lm_loss
+    from finetune.methods import inject
     from finetune.recipe import load_recipe
     from finetune.spec import AdapterSpec
     from finetune.train.data import load_data

@@ -262,7 +262,8 @@ def _decompose_and_broadcast(rank: int, port: int, out: Path) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.adapters import LORA_INIT_ATTR, inject
+    from finetune.adapters import LORA_INIT_ATTR
+    from finetune.methods import inject
     from finetune.spec import AdapterSpec
     from finetune.train.model import broadcast_decomposed
 

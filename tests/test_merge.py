@@ -330,7 +330,8 @@ def test_pissa_and_olora_adapters_are_saved_for_the_original_base(tmp_path: Path
     model's logits within 1e-4."""
     from peft import PeftModel
 
-    from finetune.adapters import LORA_INIT_ATTR, inject
+    from finetune.adapters import LORA_INIT_ATTR
+    from finetune.methods import inject
     from finetune.spec import AdapterSpec
     from finetune.train.outputs import _save_plain_lora
 
@@ -368,7 +369,8 @@ def test_decompose_is_peft_s_pissa_and_olora_bit_for_bit(arch: str, init: str) -
     """The sharded load decomposes one gathered weight at a time with our function: it gives exactly the A, B
     and residual base weight that peft's own init gives when it injects into the whole model (GPT-2's
     transposed Conv1D weights included)."""
-    from finetune.adapters import LORA_INIT_ATTR, decompose, inject, subtract_initial
+    from finetune.adapters import LORA_INIT_ATTR, decompose, subtract_initial
+    from finetune.methods import inject
     from finetune.spec import AdapterSpec
 
     targets = GPT2_ALL if arch == "gpt2" else LLAMA_ALL

@@ -396,7 +396,7 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
     if Method(spec.method).quantized:
         _emulate_kbit_preparation(model)
     if spec.adapter is not None:
-        from finetune.adapters import inject
+        from finetune.methods import inject
 
         # prefix tuning: the prefix of every layer of the real model is computed up front (one embedding
         # lookup), so it is traced at full depth, outside the per-layer increment

@@ -94,7 +94,7 @@ def config_flops_per_token(config: Any, *, seq_len: float, adapter: Any = None) 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.adapters import inject
+    from finetune.methods import inject
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -18,6 +18,7 @@ from typing import Any
 
 from finetune.capabilities import Cell, check, first_refusal
 from finetune.errors import UserError
+from finetune.methods import method_type
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.hardware import GPU_TYPES, Hardware, detect_hardware
 from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Setup, candidate_memory
@@ -724,7 +725,7 @@ class _Planner:
         fp32 adapters otherwise) and AdamW's two moments per trainable parameter (what the trainer writes)."""
         from finetune.units import checkpoint_bytes
 
-        weights = Method(method).type().saved_weight_bytes(sb.param_bytes, sb.trainable)
+        weights = method_type(method)().saved_weight_bytes(sb.param_bytes, sb.trainable)
         return checkpoint_bytes(weights, sb.trainable)
 
     def table(self) -> list[Candidate]:

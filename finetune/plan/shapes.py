@@ -238,7 +238,7 @@ def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec |
             rows = p.shape[1] if isinstance(model.get_submodule(owner), Conv1D) else p.shape[0]
         inv.base.append(Tensor(name, p.numel(), name.startswith(block_prefix), quantizable, False, rows))
     if adapter is not None:
-        from finetune.adapters import inject
+        from finetune.methods import inject
 
         # prefix tuning: the prompt encoder sized for every layer of the real model (it lives outside the blocks)
         adapted = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)

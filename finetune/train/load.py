@@ -31,6 +31,7 @@ import torch
 
 from finetune import flex
 from finetune.errors import UserError
+from finetune.methods import training_of
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.train.model import (
@@ -130,7 +131,7 @@ def materialize(
     if spec.adapter is not None:
         redraw_injected(model, device)
         init_dora_magnitudes(model)
-        if spec.training.decomposes:
+        if training_of(spec).decomposes:
             init_decomposed(model, spec.adapter.init)
         else:
             init_adapters(model, r.train.seed, gaussian=spec.adapter.init == "gaussian")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from finetune import flex
-from finetune.adapters import DECOMPOSING_INITS
+from finetune.methods import training_of
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.units import DTYPE_NAMES, torch_dtype
@@ -81,20 +81,14 @@ def add_adapters(
     ``on_meta``: the base has no values yet, so pissa/olora are not decomposed here (the sharded load does it
     after loading, finetune.train.load.init_decomposed); the peft config still names the init.
     """
-    if not spec.method.adapters:
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
-    from finetune.adapters import inject
-
-    assert spec.adapter is not None, "the execution spec of an adapter method says what it trains"
     # QLoRA: no peft prepare_model_for_kbit_training. It would upcast the frozen embeddings, norms and head to
     # fp32, which doubles the residual stream's activations (every 4-bit matmul returns its input's dtype) and
     # the head's storage: Llama-3.1-8B at 4096 tokens needed more memory under QLoRA than under LoRA. They stay
     # in the compute dtype, as LoRA's frozen base does; get_peft_model freezes them and keeps adapters fp32.
-    adapted = inject(model, spec.adapter, stand_in=on_meta)
-    if on_meta and spec.adapter.kind == "lora" and spec.adapter.init in DECOMPOSING_INITS:
-        adapted.peft_config["default"].init_lora_weights = spec.adapter.init
+    training = training_of(spec)
+    adapted = training.inject(model, stand_in=on_meta)
+    if on_meta:
+        training.prepare_on_meta(adapted)
     return adapted
 
 
@@ -108,10 +102,9 @@ def build_model(
     """
     model = load_base_model(loaded, spec, device, base_dir)
     model = add_adapters(model, loaded, spec)
-    # pissa/olora's A and B are the decomposition peft made when it injected them (no random draw to redo)
-    adapter = spec.adapter
-    if adapter is not None and adapter.kind == "lora" and adapter.init not in DECOMPOSING_INITS:
-        init_adapters(model, loaded.recipe.train.seed, gaussian=adapter.init == "gaussian")
+    seeded = training_of(spec).seeded_init  # None for pissa/olora: A and B are the decomposition peft made
+    if seeded is not None:
+        init_adapters(model, loaded.recipe.train.seed, gaussian=seeded == "gaussian")
     if hasattr(model, "config"):
         model.config.use_cache = False
     return model

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from finetune.errors import UserError
+from finetune.methods import method_type
 from finetune.plan.types import Candidate, Plan
 from finetune.recipe import LoadedRecipe, recipe_to_yaml
 from finetune.train.distributed import DistContext
@@ -162,22 +163,7 @@ class Reporter:
             self.print(f"final eval: {_eval_text(result.eval)}")
             for want, got in result.eval.samples:
                 self.print(f"  expected {want!r:>14} generated {got!r}")
-        if chosen.method == "full":
-            self.print(
-                f"model saved to {out}/  load it with: AutoModelForCausalLM.from_pretrained('{out}')"
-            )
-        elif chosen.method == "adapter":
-            self.print(
-                f"bottleneck adapters saved to {out}/  load them with: "
-                f"finetune.adapters.load_bottlenecks(base, '{out}')"
-            )
-        elif chosen.method == "prefix":
-            self.print(f"prefix saved to {out}/  load it with: PeftModel.from_pretrained(base, '{out}')")
-        else:
-            self.print(
-                f"adapter saved to {out}/  load it with: PeftModel.from_pretrained(base, '{out}'), "
-                f"or fold it in: finetune merge {out} --out {out}-merged"
-            )
+        self.print(method_type(chosen.method)().saved_message(str(out)))  # where it is and how to load it
         self.plain(f"plots: finetune report {out} (--out report.html for a page with the recipe and plan)")
 
 

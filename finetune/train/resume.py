@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError
+from finetune.methods import training_of
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe, recipe_to_yaml
 from finetune.train import checkpoint as ck
@@ -175,7 +176,7 @@ class RunCheckpoints:
         self.ctx.barrier()
 
     def _check_disk(self) -> None:
-        full = self.plan.execution.training.saves_frozen()  # every weight is saved, not only the trained
+        full = training_of(self.plan.execution).saves_frozen()  # every weight is saved, not only the trained
         weights = trainable = 0
         for p in self.inner.parameters():
             if full or p.requires_grad:
