@@ -337,6 +337,7 @@ class _Planner:
         cell = self.cell.with_(
             method=method, strategy=strategy, tp=tp, processes=1 if strategy == "single" else self.cell.processes,
             checkpointing=self.cell.checkpointing if ac is None else ac,
+            precision=getattr(self, "precision", None) or self.cell.precision,  # as resolved by the walk
         )
         found = first_refusal(cell)
         if found is None:

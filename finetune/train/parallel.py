@@ -43,8 +43,8 @@ def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> tor
     ``model`` may still be on the meta device (the sharded load path): compiling only marks each block, the
     graphs are traced at its first forward, after :func:`finetune.train.load.materialize`.
     """
-    if ctx.distributed and not spec.strategy.distributed:  # each rank would train alone on its slice
-        raise UserError(f"distributed.strategy: `single` cannot run on {ctx.world_size} processes; use ddp")
+    # each rank would train alone on its slice: refused by the capability table when the plan is made
+    assert not (ctx.distributed and not spec.strategy.distributed), "strategy single on several processes"
     dp_mesh = None
     if spec.tensor_parallel:
         import logging
@@ -260,11 +260,10 @@ def _check_quantized_storage(model: torch.nn.Module, param_dtype: torch.dtype | 
         return
     for name, module in model.named_modules():
         w = getattr(module, "weight", None)
-        if type(w).__name__ == "Params4bit" and w.dtype.is_floating_point and w.dtype != param_dtype:
-            raise UserError(
-                f"quantization.compute_dtype: the 4-bit weights of {name} are stored as {w.dtype} but FSDP computes "
-                f"in {param_dtype}; leave quantization.compute_dtype at auto so both follow `precision`"
-            )
+        # a pinned quantization.compute_dtype other than the run's is refused by the capability table
+        assert not (type(w).__name__ == "Params4bit" and w.dtype.is_floating_point and w.dtype != param_dtype), (
+            f"the 4-bit weights of {name} are stored as {w.dtype} but FSDP computes in {param_dtype}"
+        )
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
