@@ -232,15 +232,18 @@ class TrainConfig(Section):
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit"] = Field(
         "adamw",
         description="adamw: torch's fused kernel; adamw8bit: bitsandbytes' 8-bit state "
-        "(1 byte per value and moment, blockwise scales); paged_adamw8bit: the same in CUDA unified memory, "
-        "paged to the host under pressure (on CPU it is adamw8bit).",
+        "(1 byte per value and moment, blockwise scales; under zero2/fsdp each rank updates its own shards); "
+        "paged_adamw8bit: the same in CUDA unified memory, paged to the host under pressure (on CPU it is "
+        "adamw8bit). Not with tensor parallelism.",
     )
     max_grad_norm: Union[float, None] = Field(1.0, description="Clip the global gradient norm; null: no clipping.")
     activation_checkpointing: Union[bool, Literal["auto"]] = Field(
         "auto", description="Recompute each decoder block in backward; auto: only when the planner needs it."
     )
     compile: bool = Field(
-        False, description="torch.compile each decoder block (before sharding); off until measured on a GPU."
+        False,
+        description="torch.compile each decoder block (after activation checkpointing, before sharding) under "
+        "every strategy and load path; the run header says so. Not with tensor parallelism.",
     )
     seed: int = Field(0, description="Seeds weights (init: random), data order, dropout.")
     on_nonfinite: Literal["auto", "stop", "skip"] = Field(
