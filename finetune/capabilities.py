@@ -186,18 +186,18 @@ TABLE: tuple[Rule, ...] = (
         lambda c: f"`{c.strategy}` shards over several processes but this run has one; use --nproc N (N >= 2), "
         "or strategy single or auto",
     ),
-    Rule(
-        "single-several-processes", ("distributed.strategy", "distributed.nproc"),
-        lambda c: c.strategy == "single" and (c.processes or 1) > 1,
-        lambda c: f"`single` trains one process but {c.processes} were asked for (--nproc/--nnodes or "
-        "distributed.nproc); choose ddp, zero1, zero2, fsdp or auto, or run 1 process",
-    ),
     # -- tensor parallelism ------------------------------------------------------------------------------
     Rule(
         "tp-single", ("distributed.tp", "distributed.strategy"),
         lambda c: c.split and c.strategy == "single",
         lambda c: f"{_tp(c)} splits the model over {_tp(c)} processes, but distributed.strategy is single (one "
         "process); use auto, ddp, zero2 or fsdp, or distributed.tp: 1",
+    ),
+    Rule(
+        "single-several-processes", ("distributed.strategy", "distributed.nproc"),
+        lambda c: c.strategy == "single" and (c.processes or 1) > 1,
+        lambda c: f"`single` trains one process but {c.processes} were asked for (--nproc/--nnodes or "
+        "distributed.nproc); choose ddp, zero1, zero2, fsdp or auto, or run 1 process",
     ),
     Rule(
         "tp-replicated", ("distributed.strategy", "distributed.tp"),
