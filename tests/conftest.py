@@ -1,4 +1,4 @@
-"""Shared fixtures: the repo's paths and a tiny, fast recipe for end-to-end runs."""
+"""Shared fixtures: the repo's paths, a tiny, fast recipe for end-to-end runs, and a private planner cache."""
 
 from __future__ import annotations
 
@@ -46,6 +46,16 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     """Write a recipe dict as YAML and return its path."""
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_trace_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The planner's activation traces go to a directory of this test run ($FINETUNE_CACHE, read when a trace is
+    looked up, and inherited by every CLI subprocess), not to ~/.cache/finetune. The SmolLM2 model is found
+    through $FINETUNE_SMOLLM2 or its own path under the home directory, which this leaves alone."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FINETUNE_CACHE", str(tmp_path_factory.mktemp("finetune-cache")))
+        yield
 
 
 @pytest.fixture

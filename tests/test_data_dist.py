@@ -7,9 +7,12 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch.multiprocessing as mp
 
 from .conftest import RECIPES, TINY_MODEL
+
+pytestmark = pytest.mark.dist  # a 2-process gloo job
 
 
 def _worker(rank: int, tmp: str) -> None:

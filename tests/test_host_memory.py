@@ -73,6 +73,7 @@ def test_fsdp_names_its_own_remedies(tmp_path: Path) -> None:
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow  # two trainings
 def test_run_under_host_memory_or_told_to_ignore_it_runs(tmp_path: Path) -> None:
     """The same check passes under a large enough --host-memory, and --ignore-host-memory runs a job over a
     tiny limit. (Every other run of the suite passes it under this machine's MemAvailable.)"""

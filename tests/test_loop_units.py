@@ -52,6 +52,7 @@ def _run(tmp_path: Path, name: str, **sections) -> object:
     return train_rank(loaded, plan_for_run(loaded, nproc=1, nnodes=1, device="cpu"))
 
 
+@pytest.mark.slow  # two trainings
 def test_bf16_mixed_precision_keeps_fp32_master_weights_and_tracks_fp32(tmp_path: Path) -> None:
     fp32 = _run(tmp_path, "fp32", train={"max_steps": 3})
     bf16 = _run(tmp_path, "bf16", precision="bf16", train={"max_steps": 3})

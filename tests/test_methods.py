@@ -80,6 +80,7 @@ def test_dora_inventory_adds_one_magnitude_per_output_feature(tmp_path: Path) ->
     assert planned == built == plain + LAYERS * (HIDDEN + KV_WIDTH)  # q_proj: hidden outputs, v_proj: kv
 
 
+@pytest.mark.slow  # trains through launch()
 def test_bottlenecks_save_and_load_onto_an_untouched_base(tmp_path: Path) -> None:
     out = tmp_path / "run"
     recipe = write_recipe(
@@ -111,6 +112,7 @@ def test_bottlenecks_save_and_load_onto_an_untouched_base(tmp_path: Path) -> Non
         assert torch.equal(adapted.state_dict()[k], v)
 
 
+@pytest.mark.slow  # two trainings through launch()
 @pytest.mark.parametrize("method", ["prefix", "adapter"])
 def test_exact_resume(tmp_path: Path, method: str) -> None:
     """Stopped after a checkpoint at step 3 and resumed: the same losses and trained weights, to the bit."""
@@ -139,6 +141,7 @@ def test_exact_resume(tmp_path: Path, method: str) -> None:
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
+@pytest.mark.slow  # trains through the CLI
 def test_qlora_8_bit_trains_through_the_cli(tmp_path: Path) -> None:
     out = tmp_path / "int8"
     recipe = write_recipe(

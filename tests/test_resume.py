@@ -31,6 +31,8 @@ from tests.fault_hooks import CHECKPOINT_SLEEP
 
 STEPS = 8
 
+pytestmark = pytest.mark.slow  # trainings through the CLI, killed and resumed
+
 
 def _recipe(tmp: Path, out: Path, **output: object) -> Path:
     data = tmp / "train48.jsonl"

@@ -18,10 +18,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from get_smollm2 import DONE, default_dest
 
 MODEL = default_dest()
-pytestmark = pytest.mark.skipif(
-    not (MODEL / DONE).is_file(),
-    reason=f"SmolLM2-135M-Instruct is not converted at {MODEL}: run `python scripts/get_smollm2.py` first",
-)
+pytestmark = [
+    pytest.mark.slow,  # loads the 135M model
+    pytest.mark.skipif(
+        not (MODEL / DONE).is_file(),
+        reason=f"SmolLM2-135M-Instruct is not converted at {MODEL}: run `python scripts/get_smollm2.py` first",
+    ),
+]
 
 
 def test_converted_model_answers_paris():

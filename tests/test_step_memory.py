@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from finetune.launch import LaunchOptions, launch
@@ -20,6 +21,7 @@ from finetune.train.memory import PeakMemory
 from tests.conftest import RECIPES, micro_model_dir, tiny_recipe, write_recipe
 
 BATCH, SEQ = 2, 64
+pytestmark = pytest.mark.slow  # both tests train through launch()
 
 
 def _gpt2_dir(d: Path) -> Path:

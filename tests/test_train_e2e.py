@@ -17,6 +17,8 @@ from tests.conftest import tiny_recipe, write_recipe
 
 PROBE = torch.tensor([[5, 80, 81, 82, 83, 12, 40, 41, 42, 43, 44, 45]])
 
+pytestmark = pytest.mark.slow  # every test trains through the CLI or the trainer
+
 
 def _cli_run(recipe_path: Path) -> subprocess.CompletedProcess:
     proc = subprocess.run(
