@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from finetune.recipe import load_recipe
 
 CMD = [sys.executable, "-m", "finetune"]
@@ -52,6 +54,7 @@ def test_run_with_a_missing_model_is_one_clear_line(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_sharded_strategy_on_one_process_and_bad_counts_are_refused(tmp_path: Path) -> None:
     recipe = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
     for strategy in ("zero1", "fsdp"):

@@ -236,6 +236,7 @@ def test_num_proc_gives_the_same_examples(tmp_path, tok):
     assert len(list((tmp_path / "cache2").glob("tokenized-*_of_00002.arrow"))) == 2
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_cli_reports_bad_row_without_traceback(tmp_path, finetune_cmd):
     """`finetune run` stops before training with the one-line message (exit 2, no traceback)."""
     f = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], {"instruction": "Rev", "output": 5}] + ROWS * 4)

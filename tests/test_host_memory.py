@@ -30,6 +30,7 @@ def _recipe(tmp: Path, strategy: str, nproc: int, name: str = "r") -> Path:
     return write_recipe(tmp / f"{name}.yaml", r)
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_run_over_host_memory_is_refused_in_one_sentence_before_any_process(tmp_path: Path) -> None:
     """ddp on 2 CPU processes loads the whole model in each: 2 x (2 GiB per process + the model + its largest
     tensor) while loading, over a node given 3 GiB. The sentence carries the plan's own figure."""

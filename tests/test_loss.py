@@ -93,6 +93,7 @@ def test_fused_equals_logits_then_chunked_loss(dtype, rows, train_head):
         torch.testing.assert_close(gw.float(), w.grad.float(), **tol)
 
 
+@pytest.mark.slow  # tens of seconds of CPU
 def test_fused_never_holds_the_logits(monkeypatch):
     """512 rows x 32768 classes: the chunked loss holds bf16 logits and their gradient (32 MiB each); the
     fused one holds chunks of 4 MiB: its peak above the inputs is far below the logits' bytes."""

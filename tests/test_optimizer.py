@@ -76,6 +76,7 @@ def test_unknown_optimizer_is_one_sentence(tmp_path, finetune_cmd):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_planner_counts_eight_bit_state(finetune_cmd):
     """Full fine-tuning of the quickstart model: AdamW keeps 2 x 4 bytes per value; the 8-bit one 2 bytes
     plus an fp32 scale per 256 values and a code book per large tensor, fp32 moments for small ones."""

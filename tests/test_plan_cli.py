@@ -23,6 +23,7 @@ def plan(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, timeout=300)
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_json_schema_for_a_catalog_model_on_8_gpus(tmp_path):
     out = plan("--model", "qwen2.5-0.5b", "--gpus", "8", "--gpu-memory", "24GiB", "--seq-len", "1024",
                "--global-batch-size", "64", "--json", env_cache=tmp_path)
@@ -44,6 +45,7 @@ def test_json_schema_for_a_catalog_model_on_8_gpus(tmp_path):
     assert p["walk"][1].startswith("Full fine-tuning under DDP needs") and ": fits" in p["walk"][1]
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_recipe_plan_and_user_errors(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

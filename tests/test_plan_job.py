@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from finetune.plan.job import HOST_PER_PROCESS
 
 GiB = 1024**3
@@ -43,6 +45,7 @@ def _plan(*extra: str) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_llama_70b_fsdp_on_2x8_whole_job_follows_the_sharding() -> None:
     plan = _plan("--host-memory", "2TiB")
     job, n = plan["job"], plan["model"]["parameters"]

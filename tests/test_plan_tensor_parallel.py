@@ -146,6 +146,7 @@ def test_bad_tp_in_the_planner(kw: dict, message: str) -> None:
     assert str(err.value) == message
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_405b_on_16_nodes_shows_tp_x_fsdp_candidates_and_their_communication(tmp_path) -> None:
     env = {**os.environ, "FINETUNE_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

@@ -44,6 +44,7 @@ def test_bnb_config_follows_the_recipe() -> None:
     assert c.load_in_8bit and not c.load_in_4bit
 
 
+@pytest.mark.slow  # trains
 def test_qlora_trains_on_cpu(tmp_path: Path) -> None:
     """NF4 + double quant base, LoRA on every linear layer: the loss falls over a few AdamW steps."""
     import bitsandbytes as bnb
@@ -136,6 +137,7 @@ def test_qlora_merge_into_16bit_base_and_into_dequantized(tmp_path: Path) -> Non
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow  # trains
 def test_qlora_bf16_keeps_the_frozen_base_in_bf16_and_trains(tmp_path: Path) -> None:
     """The trainer's own QLoRA setup (load_quantized + add_adapters) at bf16: embeddings, norms and head stay
     bf16 (no fp32 upcast), adapters are fp32, the residual stream is bf16, and AdamW steps lower the loss."""
