@@ -37,8 +37,6 @@ class TrainingMethod:
     fine-tuning); ``quant``: the frozen base's quantization (QLoRA), else None."""
 
     name: ClassVar[Method]
-    #: the recipe section holding the method's settings (lora, prefix, adapter; None: none)
-    section: ClassVar[str | None] = None
     #: ``finetune merge`` folds what it trains into the base weights
     merges: ClassVar[bool] = False
 
@@ -150,7 +148,6 @@ class LoRA(TrainingMethod):
     olora; pissa and olora decompose the base weights)."""
 
     name = Method.LORA
-    section = "lora"
     merges = True
     #: initialisations that decompose the base weights (and subtract the initial adapter from them)
     DECOMPOSING = DECOMPOSING_INITS
@@ -226,7 +223,6 @@ class PrefixTuning(TrainingMethod):
     or started from a text's keys and values."""
 
     name = Method.PREFIX
-    section = "prefix"
 
     @classmethod
     def adapter_spec(cls, settings: Any = None) -> AdapterSpec:
@@ -275,7 +271,6 @@ class BottleneckAdapters(TrainingMethod):
     (finetune/adapters.py), saved beside a config and loaded with ``finetune.adapters.load_bottlenecks``."""
 
     name = Method.ADAPTER
-    section = "adapter"
 
     @classmethod
     def adapter_spec(cls, settings: Any = None) -> AdapterSpec:
