@@ -300,7 +300,7 @@ class _Planner:
 
     def try_tensor_parallel(self, method: str, mbs1: int, acs: list[bool], tried: list[Candidate]) -> Candidate | None:
         """The smallest TP degree (inside a node) under which ``method`` fits at micro-batch ``mbs1``."""
-        if not self.tp_auto or all(self.refused(method, s, 2) for s in self.tp_strategies(2)):
+        if not self.tp_auto or all(self.refused(method, s, 2, say=False) for s in self.tp_strategies(2)):
             return None
         fsdp = [c for c in tried if c.method == method and c.strategy == "fsdp" and c.tp == 1]
         need = f" ({fmt_bytes(min(c.memory.total for c in fsdp))} at best)" if fsdp else ""
@@ -331,9 +331,12 @@ class _Planner:
     def say(self, text: str) -> None:
         self.walk.append(text)
 
-    def refused(self, method: str, strategy: str, tp: int = 1, ac: bool | None = None) -> str | None:
+    def refused(
+        self, method: str, strategy: str, tp: int = 1, ac: bool | None = None, *, say: bool = True
+    ) -> str | None:
         """The capability table's sentence when ``method`` under ``strategy`` x ``tp`` cannot run with the
-        recipe's other settings (None: it can). Said once in the walk the first time it rules a candidate out."""
+        recipe's other settings (None: it can). With ``say``, said once in the walk the first time it rules out
+        a candidate the walk considers (the table's extra rows and TP degrees it only probes stay silent)."""
         cell = self.cell.with_(
             method=method, strategy=strategy, tp=tp, processes=1 if strategy == "single" else self.cell.processes,
             checkpointing=self.cell.checkpointing if ac is None else ac,
@@ -343,7 +346,7 @@ class _Planner:
         if found is None:
             return None
         text = str(found)
-        if text not in self.walk_refusals:
+        if say and text not in self.walk_refusals:
             self.walk_refusals.add(text)
             self.say(f"{METHOD_NAMES[method][0].upper() + METHOD_NAMES[method][1:]} under {STRATEGY_NAMES[strategy]}"
                      f"{f' x tp {tp}' if tp > 1 else ''} is ruled out: {text}.")
@@ -736,11 +739,11 @@ class _Planner:
         for method in self.methods():
             if self.tp == 1:
                 for strategy in self.table_strategies():
-                    if not self.refused(method, strategy, 1, ac):
+                    if not self.refused(method, strategy, 1, ac, say=False):
                         out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True))
             for tp in [self.tp] if self.tp > 1 else self.tp_auto:
                 for strategy in self.tp_strategies(tp):
-                    if not self.refused(method, strategy, tp, ac):
+                    if not self.refused(method, strategy, tp, ac, say=False):
                         out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True, tp=tp))
         return out
 
