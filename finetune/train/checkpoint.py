@@ -405,10 +405,17 @@ class OptimizerState:
     def _local(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer's own share
 
+    def _holds_nothing(self) -> bool:
+        """ZeRO-1 gave this rank no parameters (fewer trained tensors than ranks, e.g. one prefix encoder):
+        torch's state-dict helpers refuse an empty optimizer, and there is nothing of this rank's to save."""
+        return not any(group["params"] for group in self._local().param_groups)
+
     def state_dict(self) -> dict[str, Any]:
         """Name-keyed, flattened optimizer state (this rank's shards)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+        if self._holds_nothing():
+            return {}
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         return get_optimizer_state_dict(self.model, self._local(), options=opts)
 
@@ -417,6 +424,8 @@ class OptimizerState:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         local = self._local()
+        if self._holds_nothing():
+            return
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         # How this run's optimizer computes is its own, not the checkpoint's: a tensor-parallel run needs the
         # per-parameter loop (foreach cannot mix DTensors and plain tensors), a run saved without TP had foreach.
