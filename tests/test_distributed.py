@@ -1,6 +1,6 @@
 """Multi-process training through the real CLI on gloo: loss parity of every strategy, multi-node, failure.
 
-The proof of the distributed feature (issue 4) is loss parity: the same recipe (fp32, same global batch,
+The proof of the distributed feature is loss parity: the same recipe (fp32, same global batch,
 10 steps) run as one process and as 2 processes under ddp / zero1 / zero2 / fsdp gives the same per-step
 losses, gradient norms and saved weights. Runs are shared between assertions (module-scoped, cached by
 key), and the model is a 2-block Llama (hidden 64) built from a config with random weights, so that each

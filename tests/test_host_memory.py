@@ -1,4 +1,4 @@
-"""`finetune run` checks host memory before it loads anything (issue 17): the job plan's host memory per node
+"""`finetune run` checks host memory before it loads anything: the job plan's host memory per node
 (finetune/plan/job.py) against this node's (``--host-memory``, default MemAvailable). Over it, the run is
 refused in one sentence naming the figure, the phase and what to do, before any worker or process group
 starts; under it (or with ``--ignore-host-memory``) it runs."""

@@ -114,7 +114,7 @@ def test_depth_and_batch_extrapolation_is_exact_for_another_architecture():
 
 def test_batch_extrapolation_is_exact_for_gpt2_with_attention_dropout():
     """GPT-2's attention dropout (math SDPA) keeps one more (1, heads, T, T) tensor per layer at micro-batch 1
-    than the line through micro-batches 2, 3, 4... (issue 15): a line through 1 and 2 under-predicted
+    than the line through micro-batches 2, 3, 4...: a line through 1 and 2 under-predicted
     micro-batch 16 by 4.4% (scripts/plan_accuracy.py, gpt2 full fp32 mb16)."""
     from transformers import GPT2Config
 

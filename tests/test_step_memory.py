@@ -1,6 +1,6 @@
 """A finetune training step holds no more tensor memory than the plain transformers step a user would write.
 
-Issue 15 item 11: GPT-2-style models (Conv1D projections, tied embeddings) under full bf16 mixed precision
+GPT-2-style models (Conv1D projections, tied embeddings) under full bf16 mixed precision
 used more memory than ``model(**batch).loss.backward(); AdamW.step()``. The extra copy was the optimizer's:
 the trainer asked for foreach AdamW on CPU, which holds a temporary of every parameter's size at once
 (``sqrt(exp_avg_sq)`` of all tensors), while torch's default on CPU is the per-parameter loop (two temporaries

@@ -1,4 +1,4 @@
-"""The whole job, not only the training step: loading, checkpoints and the final save (issue 17).
+"""The whole job, not only the training step: loading, checkpoints and the final save.
 
 For a configuration (an execution spec on ``world`` ranks, ``per_node`` of them on a node) and the model's
 inventory, with P the parameters' stored bytes, L the largest parameter's stored bytes, S the number of

@@ -111,7 +111,7 @@ class WandbTracker:
         os.environ.setdefault("WANDB_SILENT", "true")
         self.state = state
         state.setdefault("id", uuid.uuid4().hex[:12])
-        # Steps the earlier sessions of this run logged: a resumed run repeats some of them.
+        # Steps the earlier attempts of this run logged: a resumed run repeats some of them.
         self.done_upto = int(state.get("last_step", -1))
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "finetune"),
