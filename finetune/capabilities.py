@@ -178,6 +178,17 @@ def _quant_mismatch(c: Cell) -> bool:
     return c.quant_compute_dtype != c.precision
 
 
+def _lora_option(name: str, flag: str, what: str) -> Rule:
+    """The row refusing a LoRA option (``lora.<flag>``) on a method that trains no LoRA."""
+    return Rule(
+        name, (f"lora.{flag}", "method"),
+        lambda c: getattr(c, flag) and c.method is not None and not c.lora_family,
+        lambda c: f"{what} is a kind of LoRA but method is {c.method}; set method: lora or qlora, or remove "
+        f"lora.{flag}",
+        methods=("full", "prefix", "adapter"), topic="options",
+    )
+
+
 TABLE: tuple[Rule, ...] = (
     # -- processes and strategy --------------------------------------------------------------------------
     Rule(
@@ -270,20 +281,8 @@ TABLE: tuple[Rule, ...] = (
         methods=("qlora",), topic="precision",
     ),
     # -- the LoRA family's options -----------------------------------------------------------------------
-    Rule(
-        "dora-not-lora", ("lora.use_dora", "method"),
-        lambda c: c.use_dora and c.method is not None and not c.lora_family,
-        lambda c: f"DoRA is a kind of LoRA but method is {c.method}; set method: lora or qlora, or remove "
-        "lora.use_dora",
-        methods=("full", "prefix", "adapter"), topic="options",
-    ),
-    Rule(
-        "rslora-not-lora", ("lora.use_rslora", "method"),
-        lambda c: c.use_rslora and c.method is not None and not c.lora_family,
-        lambda c: f"rsLoRA is a kind of LoRA but method is {c.method}; set method: lora or qlora, or remove "
-        "lora.use_rslora",
-        methods=("full", "prefix", "adapter"), topic="options",
-    ),
+    _lora_option("dora-not-lora", "use_dora", "DoRA"),
+    _lora_option("rslora-not-lora", "use_rslora", "rsLoRA"),
     Rule(
         "decomposing-init-qlora", ("lora.init", "method"),
         lambda c: c.method == "qlora" and c.lora_init in ("pissa", "olora"),
