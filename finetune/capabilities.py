@@ -47,7 +47,8 @@ class Cell:
     strategy: str | None = None
     processes: int | None = None  # every process of the run (nodes x per node)
     tp: int | None = 1
-    optimizer: str = "adamw"
+    optimizer: str | None = "adamw"
+    offload: str | None = "none"  # none | optimizer | parameters
     precision: str | None = None
     compile: bool = False
     attention: str = "sdpa"
@@ -59,6 +60,7 @@ class Cell:
         cls, *, method: str, strategy: str, processes: int | None, tp: int | str, precision: str,
         optimizer: str = "adamw", compile: bool = False, attention: str = "sdpa", packing: bool = False,
         checkpointing: bool | None = None, lora: Any = None, prefix: Any = None, quantization: Any = None,
+        offload: str = "none",
     ) -> Cell:
         """A cell from the recipe's values (``auto``: unknown) and its ``lora`` / ``prefix`` /
         ``quantization`` sections (None: their defaults)."""
@@ -75,7 +77,8 @@ class Cell:
             strategy=None if strategy == "auto" else strategy,
             processes=processes,
             tp=None if tp == "auto" else int(tp),
-            optimizer=optimizer,
+            optimizer=None if optimizer == "auto" else optimizer,
+            offload=None if offload == "auto" else offload,
             precision=None if precision == "auto" else precision,
             compile=bool(compile),
             attention=attention,
@@ -93,7 +96,7 @@ class Cell:
         ac = t.activation_checkpointing
         return cls.of(
             method=recipe.method, strategy=d.strategy, processes=processes, tp=d.tp, precision=recipe.precision,
-            optimizer=t.optimizer, compile=t.compile, attention=recipe.model.attn_implementation,
+            optimizer=t.optimizer, offload=t.offload, compile=t.compile, attention=recipe.model.attn_implementation,
             packing=recipe.data.packing, checkpointing=None if ac == "auto" else bool(ac), lora=recipe.lora,
             prefix=recipe.prefix, quantization=recipe.quantization,
         )

@@ -229,12 +229,19 @@ class TrainConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay (not on norms and biases).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit"] = Field(
-        "adamw",
-        description="adamw: torch's fused kernel; adamw8bit: bitsandbytes' 8-bit state "
+    optimizer: Literal["auto", "adamw", "adamw8bit", "paged_adamw8bit"] = Field(
+        "auto",
+        description="auto: adamw, unless nothing fits without smaller optimizer state (the planner then picks "
+        "adamw8bit, then paged_adamw8bit); adamw: torch's fused kernel; adamw8bit: bitsandbytes' 8-bit state "
         "(1 byte per value and moment, blockwise scales; under zero2/fsdp each rank updates its own shards); "
         "paged_adamw8bit: the same in CUDA unified memory, paged to the host under pressure (on CPU it is "
         "adamw8bit). Not with tensor parallelism.",
+    )
+    offload: Literal["auto", "none", "optimizer", "parameters"] = Field(
+        "auto",
+        description="Keep state in host memory instead of on the GPU. optimizer: the optimizer state (and its "
+        "step) on the host; parameters: the parameters and gradients too (zero2/fsdp); auto: none, unless nothing "
+        "fits on the GPUs otherwise (the planner then offloads the least that fits).",
     )
     max_grad_norm: Union[float, None] = Field(1.0, description="Clip the global gradient norm; null: no clipping.")
     activation_checkpointing: Union[bool, Literal["auto"]] = Field(

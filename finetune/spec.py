@@ -277,6 +277,8 @@ class ExecSpec:
     adapter: AdapterSpec | None = None  # what is trained on the frozen base (None: full fine-tuning)
     tp: int = 1  # tensor-parallel degree: each decoder block's linears split over tp ranks of one node
     compile: bool = False  # torch.compile each decoder block (train.compile), on every load path
+    optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit (the optimizer state's storage)
+    offload: str = "none"  # none | optimizer | parameters: what lives in host memory instead of the device
 
     @property
     def dp(self) -> int:
@@ -349,6 +351,8 @@ def execution_spec(
     adapter: Any = None,
     tp: int = 1,
     compile: bool = False,
+    optimizer: str = "adamw",
+    offload: str = "none",
 ) -> ExecSpec:
     """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
 
@@ -362,7 +366,8 @@ def execution_spec(
     ``quantization`` is the recipe's section (bits, quant_type, double_quant, compute_dtype) or None;
     ``lora`` / ``prefix`` / ``adapter`` the recipe's sections that shape what is trained (:func:`adapter_spec`).
     ``tp``: tensor-parallel degree; ``world_size`` counts every process, the strategy applies over the
-    ``world_size // tp`` data-parallel ranks.
+    ``world_size // tp`` data-parallel ranks. ``optimizer``: the optimizer whose state the run keeps;
+    ``offload``: what lives in host memory (``auto`` is ``adamw`` / ``none``: the planner resolves both).
     """
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
     compute = p.compute
@@ -409,4 +414,6 @@ def execution_spec(
         adapter=adapter_spec(m, lora, prefix, adapter),
         tp=tp,
         compile=bool(compile),
+        optimizer="adamw" if optimizer in ("auto", None) else optimizer,
+        offload="none" if offload in ("auto", None) else offload,
     )

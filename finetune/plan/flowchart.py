@@ -59,7 +59,8 @@ class Request:
     model_dtype: str = "auto"  # model.dtype: the frozen base's storage (lora)
     quantization: Any = None  # the recipe's quantization section (qlora); None: its defaults
     attn_implementation: str = "sdpa"
-    optimizer: str = "adamw"
+    optimizer: str = "auto"  # train.optimizer (auto: adamw unless nothing fits without 8-bit state)
+    offload: str = "auto"  # train.offload (auto: none unless nothing fits without it)
     compile: bool = False  # train.compile: every decoder block compiled
     tp: int | str = 1  # distributed.tp: a degree, or auto (the walk tries TP when FSDP alone does not fit)
     for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
@@ -96,6 +97,7 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         eval_batch_size=None if r.eval.batch_size == "auto" else int(r.eval.batch_size),
         eval_max_new_tokens=r.eval.max_new_tokens,
         optimizer=r.train.optimizer,
+        offload=r.train.offload,
         tp=r.distributed.tp,
         compile=r.train.compile,
     )
@@ -163,7 +165,7 @@ class _Planner:
         self.cell = Cell.of(
             method=req.method, strategy=req.strategy, processes=self.world if req.for_run or self.world > 1 else None,
             tp=req.tp,
-            precision=req.precision, optimizer=req.optimizer, compile=req.compile,
+            precision=req.precision, optimizer=req.optimizer, offload=req.offload, compile=req.compile,
             attention=req.attn_implementation, packing=req.packed, checkpointing=req.checkpointing,
             lora=self.lora, prefix=req.prefix, quantization=req.quantization,
         )
@@ -192,6 +194,7 @@ class _Planner:
             method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
             model_dtype=self.req.model_dtype, quantization=self.req.quantization, lora=self.lora,
             prefix=self.req.prefix, adapter=self.req.adapter, tp=tp, compile=self.req.compile,
+            optimizer=self.req.optimizer, offload=self.req.offload,
         )
 
     def inventory(self, tp: int) -> Inventory:
@@ -219,7 +222,7 @@ class _Planner:
         accum = max(1, self.global_batch // (mbs * dp))
         spec = self.exec_spec(method, strategy, ac, world, tp)
         inv = self.inventory(tp)
-        setup = Setup(spec, mbs, accum, dp, self.hw.device, self.req.optimizer)
+        setup = Setup(spec, mbs, accum, dp, self.hw.device, spec.optimizer)
         states, comm = candidate_memory(inv, None, setup)
         note = ""
         if states.total > self.hw.memory_bytes:
@@ -242,7 +245,7 @@ class _Planner:
             micro_batch_size=mbs, grad_accum_steps=accum, activation_checkpointing=ac, nproc=self.hw.gpus_per_node,
             nnodes=self.hw.nodes, memory=mem, comm_bytes_per_step=comm, comm_seconds_per_step=secs,
             fits=mem.total <= self.hw.memory_bytes and not note.startswith("activations not traced"), note=note,
-            tp=tp, tp_comm_bytes_per_step=tp_comm,
+            tp=tp, tp_comm_bytes_per_step=tp_comm, optimizer=spec.optimizer, offload=spec.offload,
         )
 
     @property
@@ -684,7 +687,7 @@ class _Planner:
         spec = TraceSpec.of(
             execution, seq_len=self.req.seq_len, packed=False, attn_implementation=self.req.attn_implementation,
         )
-        setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, self.hw.device, self.req.optimizer)
+        setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, self.hw.device, execution.optimizer)
         cap = self.hw.memory_bytes
         # one TP rank's model; a single TP replica has no data-parallel wrapper (no DDP buckets)
         inv, config = self.inventory(c.tp), tp_config(self.req.config, c.tp)

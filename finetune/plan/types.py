@@ -37,6 +37,38 @@ class MemoryBreakdown:
 
 
 @dataclass
+class StepTime:
+    """Predicted seconds of one optimizer step, by what takes them, and of the whole job."""
+
+    compute: float = 0.0  # forward, backward (and recompute) arithmetic at the assumed utilisation
+    communication: float = 0.0  # collectives not hidden behind compute
+    offload: float = 0.0  # host <-> device transfers (and the host's optimizer step) not hidden
+    bubble: float = 0.0  # pipeline bubbles
+    steps: int | None = None  # optimizer steps of the job (None: not known without the data)
+    peak_flops: float = 0.0  # FLOP/s of one device the compute figure assumes
+    utilisation: float = 0.0  # the fraction of ``peak_flops`` assumed
+
+    @property
+    def step(self) -> float:
+        """Seconds per optimizer step."""
+        return self.compute + self.communication + self.offload + self.bubble
+
+    @property
+    def job(self) -> float | None:
+        """Seconds for the whole job (None when the step count is not known)."""
+        return None if self.steps is None else self.step * self.steps
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form, with ``step`` and ``job``."""
+        return {**asdict(self), "step": self.step, "job": self.job}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepTime:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**{k: v for k, v in d.items() if k not in ("step", "job")})
+
+
+@dataclass
 class Candidate:
     """One configuration the planner considered (and the chosen one)."""
 
@@ -57,6 +89,10 @@ class Candidate:
     eval_memory: int = 0  # predicted per-GPU peak of an evaluation at that batch (states + logits + KV cache)
     tp: int = 1  # tensor-parallel degree (inside a node); the strategy runs over world_size / tp replicas
     tp_comm_bytes_per_step: int = 0  # bytes each GPU sends per step for TP's all-reduces (intra-node link)
+    optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit
+    offload: str = "none"  # none | optimizer | parameters: what lives in host memory
+    offload_bytes_per_step: int = 0  # bytes over the host link per step for the offloaded state
+    time: StepTime | None = None  # predicted seconds per step and for the job
 
     @property
     def dp(self) -> int:
@@ -79,6 +115,7 @@ class Candidate:
         """JSON form."""
         d = asdict(self)
         d["memory"] = self.memory.to_dict()
+        d["time"] = self.time.to_dict() if self.time is not None else None
         return d
 
     @classmethod
@@ -86,7 +123,8 @@ class Candidate:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
         mem = {k: v for k, v in d.pop("memory", {}).items() if k != "total"}
-        return cls(memory=MemoryBreakdown(**mem), **d)
+        time = d.pop("time", None)
+        return cls(memory=MemoryBreakdown(**mem), time=StepTime.from_dict(time) if time else None, **d)
 
     def __post_init__(self) -> None:  # plain names (JSON, tests) become the enums
         self.method, self.strategy = Method(self.method), Strategy(self.strategy)

@@ -92,10 +92,11 @@ def optimizer_class(name: str) -> tuple[type, dict[str, Any]]:
 
 
 def build_optimizer(
-    model: torch.nn.Module, t: TrainConfig, strategy: Strategy, *, tensor_parallel: bool = False
+    model: torch.nn.Module, t: TrainConfig, strategy: Strategy, *, tensor_parallel: bool = False,
+    name: str | None = None,
 ) -> torch.optim.Optimizer:
-    """``train.optimizer`` over the trainable parameters (``train`` section settings); ZeRO-1 shards its
-    state over ranks.
+    """The optimizer ``name`` (the plan's; None: ``train.optimizer``, adamw for auto) over the trainable parameters (``train``
+    section settings); ZeRO-1 shards its state over ranks.
 
     Under ZeRO-2, FSDP and tensor parallelism (DTensor parameters) the 8-bit optimizers update each rank's
     local shards (:class:`finetune.train.optim.LocalShardOptimizer`); unsharded runs use bitsandbytes' class as is.
@@ -104,7 +105,8 @@ def build_optimizer(
     AdamW runs its per-parameter loop there.
     """
     groups = param_groups(model, t.weight_decay)
-    cls, options = optimizer_class(t.optimizer)
+    name = name or (t.optimizer if t.optimizer != "auto" else "adamw")
+    cls, options = optimizer_class(name)
     if cls is not torch.optim.AdamW and is_sharded([p for g in groups for p in g["params"]]):
         # bitsandbytes' kernels take no DTensors: its 8-bit AdamW runs over each rank's local shards
         return LocalShardOptimizer(groups, cls, lr=t.lr, betas=t.betas, **options)

@@ -117,7 +117,8 @@ class Trainer:
         self.data: TaskData = load_data(self.loaded, self.tokenizer)
         self.model = self._setup_model()
         self.optimizer = build_optimizer(
-            self.model, r.train, self.spec.strategy, tensor_parallel=self.spec.tensor_parallel
+            self.model, r.train, self.spec.strategy, tensor_parallel=self.spec.tensor_parallel,
+            name=self.spec.optimizer,
         )
         self.stream = BatchStream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
         self.total = total_steps(self.loaded, self.stream)
