@@ -52,7 +52,7 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama lora fp32 mb16", "llama", {"method": "lora", "precision": "fp32", "mbs": 16}, 1),
     ("llama qlora bf16 mb16", "llama", {"method": "qlora", "precision": "bf16", "mbs": 16}, 1),
     ("qwen2 full fp32 mb16", "qwen2", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
-    # GPT-2: Conv1D projections, tied head (issue 15)
+    # GPT-2: Conv1D projections, tied head
     ("gpt2 full fp32 mb16", "gpt2", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
     ("gpt2 full bf16 mb16", "gpt2", {"method": "full", "precision": "bf16", "mbs": 16}, 1),
     ("gpt2 lora bf16 mb16", "gpt2", {"method": "lora", "precision": "bf16", "mbs": 16, "targets": ["c_attn"]}, 1),

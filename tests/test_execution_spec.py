@@ -77,7 +77,7 @@ def test_planner_honours_model_dtype_compute_dtype_and_8_bits(tmp_path):
 
 def test_qlora_under_zero2_and_fsdp_stores_shardable_codes():
     """One rule for FSDP2, ZeRO-2 included: 4-bit codes stored in the compute dtype so fully_shard can shard
-    them (before, only fsdp switched the storage and a planned QLoRA/zero2 run broke)."""
+    them; uint8 codes would not shard, and a planned QLoRA/zero2 run would break."""
     for strategy in ("zero2", "fsdp"):
         spec = execution_spec("qlora", strategy, "bf16", checkpointing=False, world_size=2)
         assert spec.quant.storage_dtype == "bf16" and spec.quant.shardable and spec.fsdp_param_dtype == "bf16"

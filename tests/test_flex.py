@@ -108,8 +108,8 @@ def test_flex_generates_like_sdpa_on_cpu():
 def test_cpu_flex_plan_counts_the_fallbacks_masks(tmp_path, finetune_cmd):
     """On CPU, flex attention runs finetune.flex's fallback: every layer evaluates the document mask densely,
     (B, 1, T, T), and sdpa keeps an fp32 additive copy of it for backward. The run's plan (device cpu) traces
-    that fallback, so memory.json's prediction is the measured peak within 5% (it was 9% short when the CPU
-    plan counted flex's GPU memory: no mask). A GPU plan of the same recipe still counts no mask, and what it
+    that fallback, so memory.json's prediction is the measured peak within 5% (counting flex's GPU memory,
+    no mask, would fall about 9% short). A GPU plan of the same recipe still counts no mask, and what it
     misses of the CPU run's measured peak is exactly what the two plans differ by: the masks."""
     import random
 

@@ -1,6 +1,6 @@
 """Evaluation memory is planned: the eval loss forward and greedy generation traced, shown, and
-`eval.batch_size: auto` picks the largest batch that fits (a run that fit in training used to die at its
-first evaluation, with eval.batch_size 32 of full (B, T, V) logits and a KV cache nobody planned)."""
+`eval.batch_size: auto` picks the largest batch that fits (a run that fits in training must not die at its
+first evaluation, with eval.batch_size 32 of full (B, T, V) logits and a KV cache the plan did not count)."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def test_full_and_lora_counts_match_real_models(arch):
 
 def test_default_lora_targets_follow_the_architecture():
     """Unset lora.target_modules: q_proj+v_proj (Llama), c_attn (GPT-2), every linear layer for Phi-3, whose
-    fused qkv_proj peft has no default for (planning phi-3-mini with the Llama default used to fail)."""
+    fused qkv_proj peft has no default for (the Llama default would make planning phi-3-mini fail)."""
     lora = LoraConfig(r=4, alpha=8)
     cfgs = tiny_configs()
     phi3 = AutoConfig.for_model("phi3", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

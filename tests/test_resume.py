@@ -252,8 +252,8 @@ def test_preflight_errors_are_one_line_exit_2(reference: dict, tmp_path: Path) -
 
 
 def test_fresh_run_over_an_earlier_run_is_refused_unless_overwrite(tmp_path: Path) -> None:
-    """A fresh run into a finished run's output.dir once cleared its checkpoints and appended to its
-    metrics.jsonl (keeping the old step-0 evaluation beside the new one)."""
+    """A fresh run into a finished run's output.dir is refused (it would clear that run's checkpoints and
+    append to its metrics.jsonl, beside the old step-0 evaluation); --overwrite starts clean."""
     out = tmp_path / "run"
     recipe = write_recipe(
         tmp_path / "r.yaml",
@@ -264,7 +264,7 @@ def test_fresh_run_over_an_earlier_run_is_refused_unless_overwrite(tmp_path: Pat
     assert res.exit_code == 0, res.output
     metrics = (out / "metrics.jsonl").read_text()
     checkpoints = [p.name for _, p in ck.list_checkpoints(out)]
-    assert checkpoints  # the final checkpoint: what a silent fresh start used to delete
+    assert checkpoints  # the final checkpoint: what a silent fresh start would delete
 
     res = runner.invoke(app, ["run", str(recipe)])
     assert res.exit_code == 2, res.output

@@ -2,9 +2,9 @@
 run of a tiny model: no rank ever holds the whole model.
 
 Loading: each rank's peak RssAnon exceeds the tiny run's by at most half the model (its shard) plus the
-largest tensor (the one slice being read), where the loader before this change held the whole model on
-every rank; the same for ``model.init: random`` (drawn one module at a time). Checkpoint save and final save: rank 0 peaks no higher than rank 1 plus one tensor (before, rank 0
-gathered the whole model and the optimizer state).
+largest tensor (the one slice being read), never the whole model; the same for ``model.init: random``
+(drawn one module at a time). Checkpoint save and final save: rank 0 peaks no higher than rank 1 plus one
+tensor (no rank gathers the whole model or the optimizer state).
 """
 
 from __future__ import annotations
