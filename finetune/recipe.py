@@ -132,8 +132,8 @@ class AdapterConfig(Section):
     embeddings: bool = Field(
         False,
         description="Also a bottleneck on the token embeddings' output, before layer 0 (not in Houlsby et al.): "
-        "reaches tokens whose embeddings the base never trained, which layer 0's attention reads; train it at "
-        "a lower lr (3e-3 on the quickstart) than the layer adapters alone allow.",
+        "reaches tokens whose embeddings the base never trained, which layer 0's attention reads; it may need a "
+        "lower lr than the layer adapters alone (recipes/quickstart-adapter.yaml uses 3e-3).",
     )
 
 
@@ -333,7 +333,8 @@ class Recipe(Section):
     method: Literal["full", "lora", "qlora", "prefix", "adapter", "auto"] = Field(
         "full",
         description="full: train every weight; lora: adapters on a frozen base; qlora: adapters on a 4-bit base; "
-        "prefix: trained key/value prefixes (prefix tuning); adapter: bottleneck adapters after attention and MLP.",
+        "prefix: trained key/value prefixes (prefix tuning); adapter: bottleneck adapters after attention and MLP; "
+        "auto: full, else lora, else qlora, the first the planner finds fits.",
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter settings (lora and qlora).")
     prefix: PrefixConfig = Field(default_factory=PrefixConfig, description="Prefix tuning settings (method prefix).")
