@@ -28,6 +28,7 @@ METHODS = ("full", "lora", "qlora", "prefix", "adapter")
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")
 SHARDED = ("zero2", "fsdp")  # FSDP2 fully_shard: parameters become DTensors
 EIGHT_BIT_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
+OFFLOADS = ("optimizer", "parameters")  # train.offload values that move state to the host
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,47 @@ TABLE: tuple[Rule, ...] = (
         "torch's AdamW); set train.optimizer: adamw, or distributed.tp: 1",
         topic="optimizer",
     ),
+    # -- offload (FSDP2's CPUOffloadPolicy: finetune/train/parallel.py) -----------------------------------
+    Rule(
+        "offload-unsharded", ("train.offload", "distributed.strategy"),
+        lambda c: c.offload in OFFLOADS and c.strategy in ("single", "ddp", "zero1"),
+        lambda c: f"{c.offload} runs FSDP2's CPU offload policy, which moves each process's shards of the "
+        f"parameters, gradients and optimizer state to host memory, but distributed.strategy {c.strategy} does not "
+        "shard them; use strategy "
+        f"{'zero2' if c.offload == 'optimizer' else 'fsdp'} on 2 or more processes, or train.offload: none",
+        topic="offload",
+    ),
+    Rule(
+        "offload-optimizer-fsdp", ("train.offload", "distributed.strategy"),
+        lambda c: c.offload == "optimizer" and c.strategy == "fsdp",
+        lambda c: "optimizer keeps the gathered parameters on the GPU through the forward and backward, which is "
+        "zero2; under fsdp each unit is gathered from host memory for its forward and again for its backward "
+        "(parameter offload); write train.offload: parameters with fsdp, or distributed.strategy: zero2",
+        topic="offload",
+    ),
+    Rule(
+        "offload-parameters-zero2", ("train.offload", "distributed.strategy"),
+        lambda c: c.offload == "parameters" and c.strategy == "zero2",
+        lambda c: "parameters frees each unit's gathered parameters after use, but zero2 keeps every unit "
+        "gathered on the GPU from its forward to its backward; write train.offload: optimizer with zero2, or "
+        "distributed.strategy: fsdp",
+        topic="offload",
+    ),
+    Rule(
+        "offload-tp", ("train.offload", "distributed.tp"),
+        lambda c: c.offload in OFFLOADS and c.split,
+        lambda c: f"{c.offload} with distributed.tp: {_tp(c)} is not supported (FSDP2's CPU offload over "
+        "tensor-parallel DTensors is not run by finetune); set distributed.tp: 1, or train.offload: none",
+        topic="offload",
+    ),
+    Rule(
+        "offload-paged", ("train.optimizer", "train.offload"),
+        lambda c: c.optimizer == "paged_adamw8bit" and c.offload in OFFLOADS,
+        lambda c: f"paged_adamw8bit pages its state between the GPU and the host itself, but train.offload: "
+        f"{c.offload} already keeps it in host memory; use train.optimizer: adamw8bit (or adamw) with offload, "
+        "or train.offload: none",
+        topic="offload",
+    ),
     # -- quantization ------------------------------------------------------------------------------------
     Rule(
         "int8-sharded", ("quantization.bits", "distributed.strategy"),
@@ -442,6 +484,9 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {},
     {"compile": True},
     {"optimizer": "adamw8bit"},
+    {"offload": "optimizer"},
+    {"offload": "parameters"},
+    {"offload": "parameters", "optimizer": "paged_adamw8bit"},
     {"use_dora": True},
     {"use_rslora": True},
     {"prefix_init": "text"},

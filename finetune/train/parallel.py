@@ -9,6 +9,8 @@ Every strategy is torch's own:
   root: gradients and optimizer state are sharded, parameters stay gathered from forward to backward.
 - ``fsdp``: the same with ``reshard_after_forward=True`` on the blocks (ZeRO-3): each block's parameters are
   all-gathered for its forward, freed, and gathered again for its backward.
+- ``train.offload`` (zero2/fsdp): FSDP2's ``CPUOffloadPolicy`` on every unit: shards, gradients, optimizer
+  state and step in host memory (:func:`offload_policy`).
 
 - ``distributed.tp: N`` (tensor parallelism): a 2-D ``("dp", "tp")`` device mesh; the linear layers of every
   decoder block are split over the ``tp`` ranks of a node by ``torch.distributed.tensor.parallel``
@@ -66,6 +68,8 @@ def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> tor
         # reducer stays outside the blocks, and FSDP2's block hooks (all-gather, reshard) are dynamo-disabled,
         # so they run eagerly around each block's graph.
         compile_blocks(model)
+    # offload is FSDP2's policy: the capability table admits it under zero2/fsdp only
+    assert spec.offload == "none" or spec.strategy.uses_fsdp, "train.offload without zero2/fsdp"
     if not ctx.distributed:
         return model
     if spec.strategy.uses_fsdp:
@@ -221,8 +225,27 @@ def mixed_precision_policy(spec: ExecSpec) -> Any:
     )
 
 
+def offload_policy(spec: ExecSpec, device: torch.device) -> Any:
+    """FSDP2's offload policy for ``train.offload`` (finetune/capabilities.py admits it under zero2/fsdp only).
+
+    ``optimizer`` (zero2) and ``parameters`` (fsdp) are both torch's ``CPUOffloadPolicy``: the sharded fp32
+    parameters, their gradients and the optimizer state live in host memory, the optimizer step runs on the
+    host, and each unit's shard is copied to the device before its all-gather (gradients come back after
+    their reduce-scatter). What stays on the device is what the strategy gathers: every unit from its forward
+    to its backward under zero2 (the compute copy ZeRO-Offload keeps), one unit at a time under fsdp.
+    Pinned host memory where there is a GPU to copy to; on a CPU device the copies are no-ops (the host is the
+    device) and pinning needs an accelerator, so it is off. ``none``: FSDP2's default (no offload).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if spec.offload == "none":
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type != "cpu")
+
+
 def _fully_shard(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext, mesh: Any = None) -> torch.nn.Module:
-    """FSDP2 per decoder block and at the root; ZeRO-2 keeps parameters gathered after forward.
+    """FSDP2 per decoder block and at the root; ZeRO-2 keeps parameters gathered after forward;
+    ``spec.offload`` keeps the shards and the optimizer step in host memory (:func:`offload_policy`).
 
     ``mesh``: the data-parallel dimension of a 2-D mesh (tensor parallelism); else every rank.
     """
@@ -233,12 +256,13 @@ def _fully_shard(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext, mesh:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     policy = mixed_precision_policy(spec)
     _check_quantized_storage(model, policy.param_dtype)
+    offload = offload_policy(spec, ctx.device)
     reshard = spec.reshard_after_forward
     blocks = decoder_blocks(model)
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     # The root (embeddings, final norm, head) is needed again as soon as backward starts: never reshard it.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     # Explicit prefetch: gather block i+1's parameters while block i computes (i-1 in backward).
     for i, block in enumerate(blocks):
         if i + 1 < len(blocks):
