@@ -10,11 +10,8 @@ and a few generations. One line per setting, so settings can be compared side by
     python scripts/prefix_probe.py --tokens 32 --lr 5e-2 --steps 100
     python scripts/prefix_probe.py --tokens 16 --lr 1e-2 --init-from-text   # Li & Liang: real tokens' K/V
 
-Measured (docs/architecture.md, Decisions): on quickstart-lora.yaml's task (reversed words in capitals; pass
-`--recipe` a copy of the prefix recipe with data/reverse-upper/) every setting stays at 0% exact match: the
-answers become capitals but the wrong letters. On the prefix recipe's own task (the base's reversal asked as
-"Spell it backwards.", which the base answers 0% of the time) 32 tokens with the projection at lr 1e-2 reach
-83% in 200 steps and 85% in 300; 16 tokens 79% (200 steps); without the projection 49.5%; lr 3e-2 39.5%.
+On quickstart-lora.yaml's task (reversed words in capitals) pass `--recipe` a copy of the prefix recipe with
+data/reverse-upper/. The figures of both tasks are in docs/benchmarks.md ("Prefix tuning").
 """
 
 from __future__ import annotations
