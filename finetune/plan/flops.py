@@ -103,6 +103,110 @@ def config_flops_per_token(config: Any, *, seq_len: float, adapter: Any = None) 
     return training_flops_per_token(model, seq_len=seq_len)
 
 
+@dataclass(frozen=True)
+class FlopsShape:
+    """Where a model's matmul weights are, which is all :func:`training_flops_per_token` needs: the totals for
+    any row width and tensor-parallel degree follow from one decoder layer and what lies outside the layers."""
+
+    layers: int  # decoder layers
+    block: int  # matmul weights of one decoder layer (its adapters' included)
+    block_trainable: int  # ... of them trained
+    outside: int  # matmul weights outside the layers (the LM head, a prefix encoder's projection)
+    outside_trainable: int
+    no_input_grad: int  # the first layer's input projections when no gradient reaches its input (else 0)
+    attention_channels: int  # heads x head_dim of one layer
+    prefix_tokens: int  # prefix tuning's virtual tokens before every row
+    trainable_params: int  # every trained value of the whole model (matmul or not; tied weights once)
+    block_trainable_params: int  # ... of them in one decoder layer
+
+    def flops(self, seq_len: float, tp: int = 1) -> TrainingFlops:
+        """Model FLOPs of one training token of one rank in rows of ``seq_len`` tokens, with the decoder layers
+        split over ``tp`` tensor-parallel ranks (whatever lies outside them, the head, is computed whole by
+        every rank, as TP replicates it)."""
+        block, trained = self.block / tp, self.block_trainable / tp
+        total = self.layers * block + self.outside
+        attention = self.layers * (seq_len + self.prefix_tokens) * self.attention_channels / tp
+        return TrainingFlops(
+            forward=2.0 * total + 4.0 * attention,
+            input_gradients=2.0 * (total - self.no_input_grad / tp) + 8.0 * attention,
+            weight_gradients=2.0 * (self.layers * trained + self.outside_trainable),
+        )
+
+    def block_forward(self, seq_len: float, tp: int = 1) -> float:
+        """Forward FLOPs per token of the decoder layers alone (what activation checkpointing recomputes)."""
+        attention = self.layers * (seq_len + self.prefix_tokens) * self.attention_channels / tp
+        return 2.0 * self.layers * self.block / tp + 4.0 * attention
+
+
+_SHAPES: dict[Any, FlopsShape] = {}
+_BY_OBJECT: dict[tuple[int, Any], tuple[Any, FlopsShape]] = {}  # (id(config), adapter) -> (config, shape)
+
+
+def flops_shape(config: Any, adapter: Any = None) -> FlopsShape:
+    """The :class:`FlopsShape` of ``config``'s model as the trainer builds it, with ``adapter`` (an
+    :class:`~finetune.spec.AdapterSpec`; None: full fine-tuning) on the frozen base. Built on the meta device
+    with one decoder layer (layers of a model are identical in shape), so it is instant at any size; cached
+    per config and adapter (a config is read once: changing one after asking gives the old figures).
+    ``flops_shape(c, a).flops(t)`` equals ``config_flops_per_token(c, seq_len=t,
+    adapter=a)``."""
+    seen = _BY_OBJECT.get((id(config), adapter))
+    if seen is not None and seen[0] is config:  # the same config object again: skip serialising it
+        return seen[1]
+    key = (config.to_json_string(use_diff=False), adapter)
+    if key not in _SHAPES:
+        _SHAPES[key] = _build_shape(config, adapter)
+    _BY_OBJECT[(id(config), adapter)] = (config, _SHAPES[key])
+    return _SHAPES[key]
+
+
+def _build_shape(config: Any, adapter: Any) -> FlopsShape:
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    from finetune.adapters import prefix_tokens
+    from finetune.methods import inject
+    from finetune.plan.shapes import decoder_layer_names, reduced_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(reduced_config(config, 1))
+    if adapter is not None:
+        model = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)
+    layers = decoder_layer_names(model)
+    first = layers[0] + "." if layers else None
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    frozen_input = embeddings is None or not any(p.requires_grad for p in embeddings.parameters())
+    block = block_trained = outside = outside_trained = no_input_grad = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            size = module.in_features * module.out_features
+        elif isinstance(module, Conv1D):
+            size = module.weight.shape[0] * module.weight.shape[1]
+        else:
+            continue
+        trained = size if module.weight.requires_grad else 0
+        if first is not None and name.startswith(first):
+            block, block_trained = block + size, block_trained + trained
+            if frozen_input and _reads_layer_input(name, first):
+                no_input_grad += size
+        else:
+            outside, outside_trained = outside + size, outside_trained + trained
+    params = block_params = 0
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            in_block = first is not None and name.startswith(first)
+            params += p.numel() * (config.num_hidden_layers if in_block else 1)
+            block_params += p.numel() if in_block else 0
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return FlopsShape(
+        layers=config.num_hidden_layers, block=block, block_trainable=block_trained, outside=outside,
+        outside_trainable=outside_trained, no_input_grad=no_input_grad, attention_channels=heads * head_dim,
+        prefix_tokens=prefix_tokens(model), trainable_params=params, block_trainable_params=block_params,
+    )
+
+
 def _reads_layer_input(name: str, first_layer: str) -> bool:
     """Whether module ``name`` is one of the first layer's input projections (or its LoRA A, which reads the
     same input; LoRA's B reads A's output, which carries a gradient)."""

@@ -51,6 +51,17 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "t4": {"fp16": 65.0, "fp32": 8.1},
 }
 
+# name -> effective host <-> device bandwidth of one GPU's link, GB/s: what a pinned-memory copy achieves in
+# one direction, about 80% of the link's peak. PCIe 5.0 x16 (64 GB/s peak): H100/H200; PCIe 4.0 x16
+# (32 GB/s): A100, L40S, A6000, A10G, L4, RTX 4090/3090; PCIe 3.0 x16 (16 GB/s): V100, T4.
+HOST_LINK_GBPS: dict[str, float] = {
+    "h200": 50.0, "h100": 50.0, "h100-pcie": 50.0, "a100": 25.0, "a100-40gb": 25.0, "l40s": 25.0,
+    "a6000": 25.0, "a10g": 25.0, "l4": 25.0, "rtx4090": 25.0, "rtx3090": 25.0, "v100": 12.5,
+    "v100-16gb": 12.5, "t4": 12.5,
+}
+#: A GPU whose link is not known: PCIe 4.0 x16.
+DEFAULT_HOST_LINK = 25e9
+
 # Effective per-GPU bandwidth of a ring collective, bytes/s (approximate, stated in the walk)
 INTERCONNECTS: dict[str, float] = {
     "nvlink": 300e9,  # NVLink 4 (H100 SXM), ~half of the 900 GB/s peak in practice
@@ -182,6 +193,69 @@ def peak_flops(gpu_type: str | None, dtype: str) -> float | None:
     the GPU or the dtype on it is unknown."""
     tflops = PEAK_TFLOPS.get((gpu_type or "").lower(), {}).get(dtype)
     return tflops * 1e12 if tflops else None
+
+
+def host_link_bandwidth(gpu_type: str | None) -> float:
+    """Bytes/s one ``gpu_type`` GPU moves to or from host memory (:data:`HOST_LINK_GBPS`; PCIe 4.0 x16's
+    25 GB/s when the GPU is not known)."""
+    gbps = HOST_LINK_GBPS.get((gpu_type or "").lower())
+    return gbps * 1e9 if gbps else DEFAULT_HOST_LINK
+
+
+#: Matmul FLOP/s of one of this host's cores per dtype, measured once per process (:func:`cpu_core_flops`).
+_CPU_FLOPS: dict[str, float] = {}
+CPU_CALIBRATION_SIZE = 256  # square matmuls of this size: at full speed on one core, 34 MFLOP each
+CPU_CALIBRATION_SECONDS = 0.05  # the repeats of one dtype's measurement stop after this long (at least 2)
+
+
+def cpu_core_flops(dtype: str = "fp32") -> float:
+    """FLOP/s of one core of this host multiplying square ``dtype`` (fp32, bf16, fp16) matrices, measured
+    once per process and cached: :data:`CPU_CALIBRATION_SIZE`-sized products on one torch thread, repeated for
+    :data:`CPU_CALIBRATION_SECONDS`, the fastest repeat counting (the one least disturbed by other work on
+    the host). One thread, because a multi-threaded product on a busy host waits on its slowest thread and
+    measures the host's load rather than its arithmetic; :func:`cpu_process_flops` scales to the cores a
+    process gets."""
+    if dtype not in _CPU_FLOPS:
+        _CPU_FLOPS[dtype] = _measure_matmul(dtype)
+    return _CPU_FLOPS[dtype]
+
+
+def cpu_process_flops(nproc: int, dtype: str = "fp32") -> float:
+    """Matmul FLOP/s of one of ``nproc`` training processes sharing this host: :func:`cpu_core_flops` x the
+    torch threads each gets (``OMP_NUM_THREADS`` when set, else the available cores / ``nproc``, at least 1),
+    assuming threads scale linearly; a process with more threads than its share of the cores gets the share."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    threads = int(env) if env.isdigit() and int(env) > 0 else max(1, cores // max(1, nproc))
+    return cpu_core_flops(dtype) * min(threads, cores / max(1, nproc))
+
+
+def _measure_matmul(dtype: str) -> float:
+    import time
+
+    import torch
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    n = CPU_CALIBRATION_SIZE
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(torch_dtype)
+    b = torch.randn(n, n, generator=gen).to(torch_dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a @ b  # the first product selects the kernel
+        best, repeats = float("inf"), 0
+        deadline = time.perf_counter() + CPU_CALIBRATION_SECONDS
+        while repeats < 2 or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+            repeats += 1
+    finally:
+        torch.set_num_threads(threads)
+    return 2.0 * n**3 / max(best, 1e-9)
 
 
 def _visible_gpus() -> tuple[int, tuple[str, int, bool, bool] | None]:

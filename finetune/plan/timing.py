@@ -1,0 +1,156 @@
+"""Predicted seconds of one optimizer step of a candidate, and of the whole job.
+
+    step = compute + communication (what is not hidden) + offload + bubble
+
+compute
+    the model FLOPs of one rank's step / (the device's peak FLOP/s x an assumed utilisation).
+    FLOPs per token are finetune/plan/flops.py's: forward 2N, input gradients 2N, weight gradients 2N of the
+    trained matmuls, plus attention's score and value matmuls, with the decoder layers split over the ``tp``
+    ranks of a tensor-parallel group (a TP rank computes 1/tp of every layer, and the head whole, as TP
+    replicates it). Activation checkpointing runs the layers' forward once more. LoRA, QLoRA, prefix tuning
+    and bottleneck adapters compute no weight gradients for the frozen base and no input gradients for the
+    first layer's input projections (about 4N instead of 6N); QLoRA's dequantization of its 4-bit weights
+    (memory-bound work outside the matmuls) is not counted. A rank's tokens per step are micro-batch x
+    ``seq_len`` x gradient accumulation: rows are assumed full (``data.max_seq_len`` tokens, as packing makes
+    them); a run of shorter unpacked rows, padded to each micro-batch's longest, computes less.
+    GPUs: the datasheet peak of the GPU (hardware.PEAK_TFLOPS) in the compute dtype (bf16 or fp16 under mixed
+    precision, plain fp32 otherwise: TF32 stays off), at :data:`GPU_UTILISATION`. CPUs: one core's measured
+    matmul rate x the threads a process gets (hardware.cpu_process_flops), at :data:`CPU_UTILISATION`.
+
+communication
+    the strategy's collectives (``comm_bytes_per_step`` over the hardware's bandwidth) less what they hide
+    behind: exposed = max(0, comm - overlap x window). Gradients are synchronised on the last micro-batch of
+    a step only. DDP and ZeRO-1 all-reduce gradient buckets while that micro-batch's backward runs (window:
+    its backward); ZeRO-2 and FSDP prefetch the next unit's all-gather during forward and backward and
+    reduce-scatter during backward (window: the whole micro-batch). ``overlap`` is :data:`GPU_OVERLAP` (NCCL
+    runs on its own streams and SMs) or :data:`CPU_OVERLAP` (gloo's collectives run on the cores that
+    compute). Tensor parallelism's all-reduces (``tp_comm_bytes_per_step`` over the link inside a node) sit
+    between matmuls that need their result: all exposed.
+
+offload
+    ``offload_bytes_per_step`` over the GPU's host link (hardware.HOST_LINK_GBPS), plus, when optimizer state
+    lives in host memory, the host's optimizer step: the rank's trainable values x the bytes AdamW reads and
+    writes per value (:data:`HOST_OPTIMIZER_BYTES`) over the host's memory bandwidth
+    (:data:`HOST_MEMORY_BANDWIDTH`), which the node's ranks share. Nothing of it is assumed hidden. Zero on a
+    CPU, whose "device" memory is the host's.
+
+bubble
+    pipeline bubbles: zero (no pipeline stages are planned).
+
+Not counted: the optimizer step on the device (memory-bound, once per step), data loading, the loss and
+Python's overhead; :data:`CPU_UTILISATION` absorbs them on CPUs, where it was measured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.plan.flops import flops_shape
+from finetune.plan.hardware import INTERCONNECTS, Hardware, cpu_process_flops, host_link_bandwidth, peak_flops
+from finetune.plan.types import Candidate, StepTime
+from finetune.spec import Precision, Strategy
+
+#: Model FLOPs utilisation assumed on GPUs: what tuned data-parallel training of a 1-70B model in bf16 reaches
+#: (published MFU of FSDP/Megatron-style runs: 35-55%; 40% is the middle of Hugging Face-model training).
+GPU_UTILISATION = 0.4
+#: Fraction of the measured single-core matmul rate a CPU training step achieves: its matmuls are smaller
+#: than the calibration's and the elementwise work (norms, activations, softmax, the loss, AdamW) runs at
+#: memory speed. From the quickstart's full, LoRA and 2-process FSDP runs (docs/benchmarks.md).
+CPU_UTILISATION = 0.5
+#: Fraction of the overlap window that hides collectives on GPUs (NCCL kernels beside the compute).
+GPU_OVERLAP = 1.0
+#: ... on CPUs: gloo runs its collectives on the cores that compute, so nothing is hidden.
+CPU_OVERLAP = 0.0
+#: The GPU whose peaks are assumed when the plan's GPU is not known (the assumed 80 GiB bf16 GPU).
+ASSUMED_GPU = "a100"
+#: Bytes of host memory AdamW reads and writes per trainable value in one step: fp32 parameter, gradient and
+#: two moments read (16), parameter and moments written (12); 8-bit moments: 4 + 4 + 1 + 1 read, 4 + 1 + 1
+#: written.
+HOST_OPTIMIZER_BYTES = {"adamw": 28, "adamw8bit": 16, "paged_adamw8bit": 16}
+#: Effective host memory bandwidth of a vectorised CPU AdamW on one node (bytes/s): about a quarter of a
+#: two-socket server's DDR bandwidth, which the node's ranks share.
+HOST_MEMORY_BANDWIDTH = 50e9
+
+
+def compute_dtype(precision: Precision | str) -> str:
+    """The dtype matmuls run in under ``precision``: bf16 or fp16 under mixed or pure 16-bit, else fp32."""
+    value = Precision(precision).value
+    return "fp32" if value == "fp32" else value[:4]
+
+
+def device_peak(hw: Hardware, precision: Precision | str, nproc: int = 1) -> tuple[float, float]:
+    """(peak FLOP/s of one rank's device in ``precision``'s compute dtype, the utilisation assumed of it).
+
+    A GPU: its datasheet peak (:data:`ASSUMED_GPU`'s when the GPU is not known; its fp32 peak when it has none
+    in that dtype) at :data:`GPU_UTILISATION`. A CPU: one core's measured rate x the threads each of the
+    node's ``nproc`` processes gets, at :data:`CPU_UTILISATION`.
+    """
+    dtype = compute_dtype(precision)
+    if hw.device != "cuda":
+        return cpu_process_flops(nproc, dtype), CPU_UTILISATION
+    gpu = hw.gpu_type or ASSUMED_GPU
+    peak = peak_flops(gpu, dtype) or peak_flops(gpu, "fp32") or peak_flops(ASSUMED_GPU, dtype)
+    assert peak is not None, f"no peak for {gpu} {dtype}"
+    return peak, GPU_UTILISATION
+
+
+def step_time(
+    c: Candidate,
+    config: Any,
+    hw: Hardware,
+    *,
+    seq_len: int,
+    adapter: Any = None,
+    steps: int | None = None,
+    utilisation: float | None = None,
+) -> StepTime:
+    """Predicted seconds of one optimizer step of ``c`` (see the module docstring), and of ``steps`` of them.
+
+    ``config`` is the model's transformers config; ``hw`` the hardware the plan is for; ``seq_len`` the
+    tokens of a row (``data.max_seq_len``); ``adapter`` the :class:`~finetune.spec.AdapterSpec` that
+    ``c.method`` injects (required for an adapter method; ignored for full fine-tuning); ``steps`` the job's
+    optimizer steps (None: unknown, ``StepTime.job`` is then None); ``utilisation`` replaces the assumed
+    fraction of the peak (None: :data:`GPU_UTILISATION` or :data:`CPU_UTILISATION`). A pure function of its
+    arguments but for the CPU's peak, measured once per process; fast after the first call per model and
+    adapter (the FLOPs come from a cached one-layer build).
+    """
+    assert adapter is not None or not c.method.adapters, f"{c.method} needs its adapter spec"
+    shape = flops_shape(config, adapter if c.method.adapters else None)
+    tp = c.tp
+    per_token = shape.flops(seq_len, tp)
+    recompute = shape.block_forward(seq_len, tp) if c.activation_checkpointing else 0.0
+    peak, assumed = device_peak(hw, c.precision, c.nproc)
+    rate = peak * (assumed if utilisation is None else utilisation)
+    tokens = c.micro_batch_size * seq_len  # one rank's micro-batch (a TP group's ranks share theirs)
+    micro = (per_token.per_token + recompute) * tokens / rate
+    compute = micro * c.grad_accum_steps
+
+    # collectives, less what hides behind the last micro-batch (its backward: input + weight gradients and
+    # the recomputed forward; the whole micro-batch under ZeRO-2/FSDP)
+    dp_seconds = c.comm_bytes_per_step / hw.bandwidth if c.comm_bytes_per_step else 0.0
+    if c.strategy.uses_fsdp:
+        window = micro
+    elif c.strategy is Strategy.SINGLE:
+        window = 0.0
+    else:
+        backward = per_token.input_gradients + per_token.weight_gradients + recompute
+        window = micro * backward / (per_token.per_token + recompute)
+    overlap = GPU_OVERLAP if hw.device == "cuda" else CPU_OVERLAP
+    intra = hw.bandwidth if hw.nodes == 1 or hw.device != "cuda" else INTERCONNECTS["nvlink"]
+    tp_seconds = c.tp_comm_bytes_per_step / intra if c.tp_comm_bytes_per_step else 0.0
+    communication = max(0.0, dp_seconds - overlap * window) + tp_seconds
+
+    offload = 0.0
+    if hw.device == "cuda":
+        offload = c.offload_bytes_per_step / host_link_bandwidth(hw.gpu_type)
+        if c.offload != "none":
+            in_layers = shape.layers * shape.block_trainable_params
+            values = in_layers / tp + (shape.trainable_params - in_layers)
+            if c.strategy.shards_optimizer:
+                values /= max(1, c.dp)
+            per_value = HOST_OPTIMIZER_BYTES.get(c.optimizer, HOST_OPTIMIZER_BYTES["adamw"])
+            offload += values * per_value * c.nproc / HOST_MEMORY_BANDWIDTH
+    return StepTime(
+        compute=compute, communication=communication, offload=offload, bubble=0.0, steps=steps,
+        peak_flops=peak, utilisation=rate / peak,
+    )
