@@ -72,6 +72,17 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
     ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
     ("llama full bf16 fsdp x2", "llama", {"method": "full", "precision": "bf16", "mbs": 8, "strategy": "fsdp"}, 2),
+    # train.offload (FSDP2's CPU offload; on CPU the host is the device) and 8-bit AdamW on the shards; two steps,
+    # so that the optimizer state exists during the measured forward and backward (the steady-state prediction)
+    ("llama full fp32 zero2 x2 offload optimizer", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2", "offload": "optimizer", "steps": 2}, 2),
+    ("llama full fp32 fsdp x2 offload parameters", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp", "offload": "parameters", "steps": 2}, 2),
+    ("llama full fp32 zero2 x2 offload adamw8bit", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2", "offload": "optimizer",
+      "optimizer": "adamw8bit", "steps": 2}, 2),
+    ("llama full fp32 fsdp x2 adamw8bit", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp", "optimizer": "adamw8bit", "steps": 2}, 2),
     # tensor parallelism: one replica split over 2 processes (each holds heads/2, kv_heads/2, intermediate/2)
     ("llama full fp32 tp2", "llama", {"method": "full", "precision": "fp32", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
     ("llama full bf16 tp2", "llama", {"method": "full", "precision": "bf16", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
@@ -147,7 +158,7 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
         "data": {"train": str(rows), "format": "tokenized", "max_seq_len": seq, "packing": packing},
         "train": {"max_steps": steps, "global_batch_size": 16, "micro_batch_size": mbs,
                   "activation_checkpointing": change.get("ac", False), "lr": 1e-3, "seed": 0,
-                  "optimizer": change.get("optimizer", "adamw")},
+                  "optimizer": change.get("optimizer", "adamw"), "offload": change.get("offload", "none")},
         "precision": change["precision"],
         "distributed": {"strategy": change.get("strategy", "single"), "nproc": nproc, "tp": change.get("tp", 1)},
         "eval": {"every": 0},
@@ -163,6 +174,7 @@ def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: 
     from finetune.recipe import load_recipe
 
     out = root / name.replace(" ", "_")
+    steps = change.get("steps", steps)  # a configuration may need more steps than the others
     path = root / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(recipe_for(arch, change, nproc, root, out, steps), sort_keys=False))
     cmd = [sys.executable, "-m", "finetune", "run", str(path), "--nproc", str(nproc)]

@@ -14,6 +14,11 @@ shards (``world`` under zero2/fsdp, else 1) and g the ranks on a node:
     checkpoint on disk      finetune.units.checkpoint_bytes (weights kept + AdamW's two moments)
     final model on disk     P (full fine-tuning, as stored) or the fp32 adapters
 
+With ``train.offload`` on a GPU (FSDP2's CPU offload) each rank's shards of the parameters, gradients and
+optimizer state live in host memory from loading to the end (finetune.plan.memory.offloaded_bytes, O per
+rank): g x O more per node while a checkpoint or the final model is saved, and g x P/S more while loading
+(the shards are materialised on the host). On CPU they are the training step's memory, counted there.
+
 plus :data:`HOST_PER_PROCESS` per process on a node for the interpreter, torch and the data (a GPU run's CUDA
 context too). Before sharded loading every rank first held the whole model (P per rank) and rank 0 gathered
 the weights and AdamW's state (about P + 2 x trainable x 4 bytes) for every checkpoint.
@@ -42,6 +47,7 @@ class JobFigures:
     host_final_save_per_node: int
     checkpoint_bytes: int
     final_model_bytes: int
+    host_offload_per_node: int = 0  # train.offload on a GPU: the node's ranks' offloaded state (in the phases)
 
     @property
     def host_peak_per_node(self) -> int:
@@ -85,6 +91,11 @@ def job_figures(inv: Any, spec: ExecSpec, world: int, per_node: int, device: str
         loading = base + g * largest
         ckpt = base + g * (largest // shards)
         final = base + largest
+    offload = g * offloaded_per_rank(inv, spec, world, device)
+    if offload:  # resident from materialisation to the end of the job
+        loading += g * -(-sb.param_bytes // shards)
+        ckpt += offload
+        final += offload
     saved = sb.param_bytes if not spec.method.adapters else sb.trainable * DTYPE_BYTES["fp32"]
     return JobFigures(
         load_peak_per_gpu=resident,
@@ -93,7 +104,20 @@ def job_figures(inv: Any, spec: ExecSpec, world: int, per_node: int, device: str
         host_final_save_per_node=final,
         checkpoint_bytes=checkpoint_bytes(saved, sb.trainable),
         final_model_bytes=saved,
+        host_offload_per_node=offload,
     )
+
+
+def offloaded_per_rank(inv: Any, spec: ExecSpec, world: int, device: str) -> int:
+    """Host bytes one rank keeps for ``spec.offload`` on a GPU machine (0 without offload, or on a CPU device,
+    where the state is the training step's own memory): finetune.plan.memory.offloaded_bytes over the
+    strategy's data-parallel ranks, with the spec's optimizer."""
+    if spec.offload == "none" or device == "cpu":
+        return 0
+    from finetune.plan.memory import Setup, offloaded_bytes
+
+    dp = max(1, world // max(1, spec.tp))
+    return offloaded_bytes(inv, Setup(spec, 1, 1, dp, device, spec.optimizer))
 
 
 def host_memory_problem(

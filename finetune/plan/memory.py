@@ -16,6 +16,12 @@ The peak of a step is the larger of the forward/backward peak (traced, see activ
 optimizer step (parameters + gradients + state + AdamW's temporaries: none for the fused kernel the trainer
 uses on CPU and CUDA, which updates each tensor in place; two of the largest tensor for the per-parameter loop
 of tensor-parallel runs; bitsandbytes' 8-bit optimizers update in place too).
+
+train.offload (zero2: optimizer, fsdp: parameters) is FSDP2's CPU offload: on a GPU the shards of the
+parameters, gradients and optimizer state leave the device (offloaded_bytes: the host's share; job.py counts
+it per node; offload_bytes_per_step: the link's traffic) and the device keeps the gathered units, the
+reduce-scatter buffers and one unit's shard staged for its all-gather. On a CPU device the host is the device:
+the policy's copies are no-ops and the prediction is the one without offload.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.plan.activations import ActivationProfile, WindowPeaks
-from finetune.plan.shapes import Inventory, quantized_bytes
+from finetune.plan.shapes import Inventory, Tensor, quantized_bytes
 from finetune.plan.types import MemoryBreakdown
 from finetune.spec import DTYPE_BYTES, ExecSpec, Strategy
 
@@ -86,6 +92,73 @@ def unsharded_bytes(inv: Inventory, spec: ExecSpec, block_only: bool = False, ro
     return total
 
 
+def offloads_to_host(s: Setup) -> bool:
+    """Whether ``train.offload`` takes state off the device: FSDP2's CPU offload on a GPU. On a CPU device the
+    host is the device: the policy's copies are no-ops and every state stays in the memory it was counted in."""
+    return s.spec.offload != "none" and s.device != "cpu"
+
+
+def _pinned(nbytes: int) -> int:
+    """Bytes torch's pinned host allocator takes for ``nbytes`` (it rounds each block up to a power of two)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def offloaded_bytes(inv: Inventory, s: Setup) -> int:
+    """Host bytes one rank keeps under ``train.offload`` (FSDP2's CPUOffloadPolicy, optimizer and parameters
+    alike): its shard of every parameter as stored and of the gradients (dim-0 shards padded to
+    ``ceil(rows / n)`` rows; on a GPU machine both are pinned, so each shard is rounded up to a power of two),
+    and of the optimizer state. 0 without offload. On a CPU device these bytes are the process's own memory,
+    which :func:`candidate_memory` counts as it does without offload."""
+    spec = s.spec
+    if spec.offload == "none":
+        return 0
+    n = max(1, s.world)
+    pin = s.device != "cpu"
+
+    def shard(t: Tensor, value_bytes: int) -> int:
+        values = -(-t.rows // n) * (t.numel // t.rows) if t.rows > 1 else -(-t.numel // n)
+        per = values * value_bytes
+        return (_pinned(per) if pin else per) * (inv.num_layers if t.in_block else 1)
+
+    params = grads = 0
+    for t in inv.base:
+        if spec.quant is not None and t.quantizable:  # codes and their constants, split evenly
+            per = -(-inv.base_bytes(spec, t) // n)
+            params += (_pinned(per) if pin else per) * (inv.num_layers if t.in_block else 1)
+        else:
+            params += shard(t, DTYPE_BYTES[spec.base_dtype(t.quantizable)])
+        if not spec.method.adapters:
+            grads += shard(t, spec.trainable_bytes)
+    for t in inv.adapters if spec.method.adapters else []:
+        params += shard(t, spec.trainable_bytes)
+        grads += shard(t, spec.trainable_bytes)
+    sb = inv.storage(spec)
+    opt = -(-optimizer_state_bytes(inv, spec.method.adapters, s.optimizer, sb.param_dtype_bytes) // n)
+    return params + grads + opt
+
+
+def offload_bytes_per_step(inv: Inventory, s: Setup) -> int:
+    """Bytes one rank moves over the host link per optimizer step under ``train.offload`` (0 without it, and 0
+    on a CPU device, where there is no link).
+
+    FSDP2's CPU offload copies each unit's parameter shard (as stored: the fp32 master under mixed precision)
+    to the device before every all-gather: every unit once per micro-batch for the forward, and under fsdp
+    (``parameters``) the decoder blocks again for the backward; each gradient shard comes back once per
+    optimizer step, after the last micro-batch's reduce-scatter (in the reduce dtype). The optimizer updates
+    the host shards in place, so nothing else crosses.
+    """
+    spec = s.spec
+    if not offloads_to_host(s):
+        return 0
+    n = max(1, s.world)
+    sb = inv.storage(spec)
+    reduce_bytes = DTYPE_BYTES[spec.reduce_dtype] if spec.reduce_dtype else sb.param_dtype_bytes
+    per_micro = sb.param_bytes + (sb.block_param_bytes * inv.num_layers if spec.reshard_after_forward else 0)
+    down = s.grad_accum_steps * -(-per_micro // n)
+    up = -(-sb.trainable * reduce_bytes // n)
+    return down + up
+
+
 def candidate_memory(
     inv: Inventory,
     profile: ActivationProfile | None,
@@ -139,6 +212,10 @@ def candidate_memory(
             buffers = {"head": root, "first": root + 2 * unit + reduce_scatter, "last": root + unit + reduce_scatter}
             gathers = all_gathered + (all_gathered - root)
         comm = int(f * (sb.trainable * reduce_bytes + gathers))
+        if offloads_to_host(s):  # FSDP2's CPU offload: the shards live on the host (offloaded_bytes)
+            params = grads = opt = 0
+            staged = -(-sb.block_param_bytes // n)  # a unit's shard copied to the device for its all-gather
+            buffers = {k: v + staged for k, v in buffers.items()}
 
     # forward/backward peak: (gradients present, activations and temporaries, buffers) at the worst moment
     opt_fb = 0 if first_step else opt
@@ -159,6 +236,8 @@ def candidate_memory(
             # FSDP2: the root's and the current unit's gradients stay unsharded; finished units' are 1/n
             done = (layers - 1) * layer_grads if name == "last" else 0
             finished = (layers - 1) * sb.block_trainable * gbytes // n if name == "last" else 0
+            if offloads_to_host(s):  # finished units' gradient shards were copied to the host
+                finished = 0
             return w.grads_at_peak - done + finished, acts, buffers[name]
 
         fb = max((at_peak(k, w) for k, w in windows.items()), key=sum)
