@@ -1,11 +1,10 @@
 """A finetune training step holds no more tensor memory than the plain transformers step a user would write.
 
-GPT-2-style models (Conv1D projections, tied embeddings) under full bf16 mixed precision
-used more memory than ``model(**batch).loss.backward(); AdamW.step()``. The extra copy was the optimizer's:
-the trainer asked for foreach AdamW on CPU, which holds a temporary of every parameter's size at once
-(``sqrt(exp_avg_sq)`` of all tensors), while torch's default on CPU is the per-parameter loop (two temporaries
-of the largest tensor). When the step's peak is the optimizer's (small batches, many layers), foreach is a
-whole model's worth of fp32 more. The trainer now uses the fused kernel (no temporaries) everywhere.
+The optimizer's temporaries decide it when the step's peak is the optimizer's (small batches, many layers):
+foreach AdamW on CPU holds a temporary of every parameter's size at once (``sqrt(exp_avg_sq)`` of all tensors),
+a whole model's worth of fp32 more than torch's default per-parameter loop (two temporaries of the largest
+tensor). The trainer uses the fused kernel (no temporaries) everywhere; GPT-2-style models (Conv1D
+projections, tied embeddings) under full bf16 mixed precision are the case these tests compare.
 """
 
 from __future__ import annotations
