@@ -61,12 +61,10 @@ def test_auto_eval_batch_is_the_largest_that_fits_and_a_pinned_one_is_checked() 
     roomy = make_plan(req, _hw(2**40)).chosen
     assert roomy.eval_batch_size == 64
     # memory for training and an evaluation of 6 rows, not 7
-    from finetune.plan.flowchart import _Planner
+    from finetune.plan.flowchart import evaluate, plan_evaluation, settle
 
-    p = _Planner(req, _hw(2**40))
-    p.resolve_precision()
-    p.resolve_batch()
-    p.plan_evaluation(c := p.evaluate("lora", "single", 1, False))
+    p = settle(req, _hw(2**40))
+    c, _ = plan_evaluation(p, evaluate(p, "lora", "single", 1, False))
     at = {}
     for b in (6, 7):
         q = make_plan(Request(**{**req.__dict__, "eval_batch_size": b}), _hw(2**40))

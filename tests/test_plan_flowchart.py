@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoConfig
 
 from finetune.errors import UserError
-from finetune.plan.flowchart import Request, _Planner, make_plan
+from finetune.plan.flowchart import Request, evaluate, make_plan, settle
 from finetune.plan.hardware import Hardware
 from finetune.recipe import LoraConfig
 from finetune.units import fmt_bytes as gib
@@ -32,10 +32,8 @@ def req(**kw) -> Request:
 
 def totals(r: Request, gpus: int = 2) -> dict:
     """Per-GPU totals at micro-batch 1 without checkpointing, by (method, strategy)."""
-    p = _Planner(r, hw(10**15, gpus))
-    p.resolve_precision()
-    p.resolve_batch()
-    return {(m, s): p.evaluate(m, s, 1, False).memory.total
+    p = settle(r, hw(10**15, gpus))
+    return {(m, s): evaluate(p, m, s, 1, False).memory.total
             for m in ("full", "lora", "qlora") for s in ("ddp", "zero1", "zero2", "fsdp")}
 
 
@@ -74,10 +72,8 @@ def test_fsdp_when_zero2_does_not_fit():
 
 
 def test_lora_when_full_does_not_fit_even_with_checkpointing():
-    t_ac = _Planner(req(), hw(10**15))
-    t_ac.resolve_precision()
-    t_ac.resolve_batch()
-    full_ac = min(t_ac.evaluate("full", s, 1, True).memory.total for s in ("ddp", "zero2", "fsdp"))
+    t_ac = settle(req(), hw(10**15))
+    full_ac = min(evaluate(t_ac, "full", s, 1, True).memory.total for s in ("ddp", "zero2", "fsdp"))
     lora_best = min(T["lora", s] for s in ("ddp", "zero2", "fsdp"))
     plan = make_plan(req(), hw(between(lora_best, min(full_ac, min(T["full", s] for s in ("ddp", "zero2", "fsdp"))))))
     assert plan.chosen.method == "lora"
@@ -85,11 +81,9 @@ def test_lora_when_full_does_not_fit_even_with_checkpointing():
 
 
 def test_qlora_when_lora_does_not_fit():
-    p = _Planner(req(), hw(10**15))
-    p.resolve_precision()
-    p.resolve_batch()
-    lora_min = min(p.evaluate("lora", s, 1, ac).memory.total for s in ("ddp", "zero2", "fsdp") for ac in (False, True))
-    qlora_min = min(p.evaluate("qlora", s, 1, ac).memory.total for s in ("ddp", "zero2", "fsdp") for ac in (False, True))
+    p = settle(req(), hw(10**15))
+    lora_min = min(evaluate(p, "lora", s, 1, ac).memory.total for s in ("ddp", "zero2", "fsdp") for ac in (False, True))
+    qlora_min = min(evaluate(p, "qlora", s, 1, ac).memory.total for s in ("ddp", "zero2", "fsdp") for ac in (False, True))
     plan = make_plan(req(), hw(between(qlora_min, lora_min)))
     assert plan.chosen.method == "qlora" and plan.chosen.fits
     assert any("trying QLoRA" in s for s in plan.walk)

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoConfig
 
 from finetune.errors import UserError
-from finetune.plan.flowchart import Request, _Planner, make_plan
+from finetune.plan.flowchart import Request, Setting, evaluate, make_plan, settle
 from finetune.plan.hardware import Hardware
 from finetune.plan.shapes import build_inventory
 from finetune.plan.tensor_parallel import tp_config
@@ -43,11 +43,8 @@ def req(**kw) -> Request:
     return Request(**base)
 
 
-def planner(r: Request, h: Hardware) -> _Planner:
-    p = _Planner(r, h)
-    p.resolve_precision()
-    p.resolve_batch()
-    return p
+def planner(r: Request, h: Hardware) -> Setting:
+    return settle(r, h)
 
 
 def test_one_tp_rank_holds_the_split_block_and_the_whole_rest() -> None:
@@ -75,10 +72,10 @@ def test_fsdp_alone_does_not_fit_but_tp_inside_the_node_does() -> None:
     model's 4 heads and 4 KV heads would split 4 ways, but a node has 2 GPUs."""
     r = req(config=CFG.__class__(**{**CFG.to_dict(), "num_key_value_heads": 4}))
     p = planner(r, hw(10**15, per_node=2, nodes=4))
-    fsdp = p.evaluate("full", "fsdp", 1, False).memory.total
-    tp2 = min(p.evaluate("full", s, 1, False, tp=2).memory.total for s in ("zero2", "fsdp"))
+    fsdp = evaluate(p, "full", "fsdp", 1, False).memory.total
+    tp2 = min(evaluate(p, "full", s, 1, False, tp=2).memory.total for s in ("zero2", "fsdp"))
     assert tp2 < fsdp
-    assert p.tp_auto == [2]
+    assert p.tp_auto == (2,)
     plan = make_plan(r, hw((tp2 + fsdp) // 2, per_node=2, nodes=4))
     c = plan.chosen
     assert (c.method, c.tp, c.dp, c.fits) == ("full", 2, 4, True)
@@ -98,7 +95,7 @@ def test_fsdp_alone_does_not_fit_but_tp_inside_the_node_does() -> None:
 
 def test_tp_is_not_tried_when_fsdp_fits() -> None:
     p = planner(req(), hw(10**15))
-    fsdp = p.evaluate("full", "fsdp", 1, False).memory.total
+    fsdp = evaluate(p, "full", "fsdp", 1, False).memory.total
     plan = make_plan(req(), hw(fsdp * 1.01))
     assert plan.chosen.tp == 1 and not any("tensor parallelism" in s for s in plan.walk)
 

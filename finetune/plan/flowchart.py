@@ -1,4 +1,4 @@
-"""The lecture's flowchart as a function: precision -> strategy -> method -> micro-batch -> accumulation.
+"""The lecture's flowchart as a pure function: ``decide(request, hardware) -> Decision``.
 
 1. Precision: bf16 mixed precision where the GPU has it, else fp16 with loss scaling; fp32 on CPU.
 2. Full fine-tuning at micro-batch 1 under DDP, else ZeRO-2 (free: same communication), else FSDP
@@ -7,36 +7,43 @@
    the smallest degree that fits, with ZeRO-2/FSDP over the data-parallel replicas (a 2-D mesh).
    If full fine-tuning fits under none of them: LoRA, then QLoRA, each under the cheapest strategy that fits.
    Activation checkpointing is tried only when a method fits under no strategy without it.
-4. The largest micro-batch that fits, and gradient accumulation that keeps the recipe's global batch.
-Everything the recipe pins is respected and checked. Every step is a sentence with the numbers that decided it.
+4. If nothing fits yet, what still helps: the optimizer state in 8 bits, then paged (on GPUs), then the
+   optimizer state offloaded to host memory, then the parameters too; then shorter sequences or more GPUs.
+5. The largest micro-batch that fits, and gradient accumulation that keeps the recipe's global batch.
+Where several strategies fit at the same step, the predicted time per step breaks the tie.
+Everything the recipe pins is respected and checked. Every step is recorded as a typed
+:mod:`finetune.plan.walk` step with the numbers that decided it; the request and hardware are never changed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from finetune.capabilities import Cell, check, first_refusal
 from finetune.errors import UserError
 from finetune.methods import method_type
+from finetune.plan import walk as w
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
-from finetune.plan.hardware import GPU_TYPES, Hardware, detect_hardware
+from finetune.plan.hardware import GPU_TYPES, INTERCONNECTS, Hardware, detect_hardware
 from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Setup, candidate_memory
 from finetune.plan.shapes import Inventory, build_inventory, lora_targets
 from finetune.plan.tensor_parallel import degrees, tp_comm_bytes, tp_config, tp_problem
-from finetune.plan.types import Candidate, Plan
+from finetune.plan.types import Candidate, MemoryBreakdown, Plan, Status
 from finetune.recipe import LoadedRecipe
-from finetune.spec import ExecSpec, Method, Precision, Strategy, adapter_spec, execution_spec
-from finetune.units import fmt_bytes
+from finetune.spec import AdapterSpec, ExecSpec, Method, Precision, Strategy, adapter_spec, execution_spec
 
-STRATEGY_NAMES = {"single": "one process", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
-METHOD_NAMES = {m.value: m.title for m in Method}
-PRECISION_NAMES = {
-    "bf16": "bf16 mixed precision (fp32 master weights, no loss scaler)",
-    "fp16": "fp16 mixed precision (fp32 master weights, dynamic loss scaling)",
-    "fp32": "fp32",
-    "bf16-pure": "pure bf16 (weights, gradients and AdamW state in bf16)",
-}
+#: The ways the walk shrinks or moves the optimizer state when nothing fits, in order (optimizer, offload).
+STATE_STAGES: tuple[tuple[str, str], ...] = (
+    ("adamw8bit", "none"),
+    ("paged_adamw8bit", "none"),
+    ("adamw", "optimizer"),
+    ("adamw", "parameters"),
+)
+
+#: A strategy later in the flowchart's order than the first that fits is chosen only when it is predicted
+#: this much faster per step: within the time model's error the lecture's order (simplest first) stands.
+TIME_MARGIN = 0.2
 
 
 @dataclass
@@ -66,6 +73,7 @@ class Request:
     for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
     eval_batch_size: int | None = None  # None: auto (the largest that fits)
     eval_max_new_tokens: int = 32
+    steps: int | None = None  # optimizer steps of the job when known (train.max_steps), for its time
 
 
 def request_from_recipe(loaded: LoadedRecipe) -> Request:
@@ -100,14 +108,14 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         offload=r.train.offload,
         tp=r.distributed.tp,
         compile=r.train.compile,
+        steps=r.train.max_steps,
     )
 
 
 def plan_for_run(loaded: LoadedRecipe, *, nproc: int, nnodes: int, device: str) -> Plan:
     """The plan the trainer executes for ``nproc`` x ``nnodes`` processes on ``device`` ("cuda" or "cpu")."""
     req = replace(request_from_recipe(loaded), for_run=True)
-    hw = detect_hardware(device=device, gpus=nproc, nodes=nnodes, nproc=nproc)
-    hw.gpus_per_node = nproc
+    hw = replace(detect_hardware(device=device, gpus=nproc, nodes=nnodes, nproc=nproc), gpus_per_node=nproc)
     return make_plan(req, hw)
 
 
@@ -121,636 +129,873 @@ def _supports_sdpa(config: Any, flag: str = "_supports_sdpa") -> bool:
         return True
 
 
-def first_step_memory(loaded: LoadedRecipe, plan: Plan, *, device: str) -> Any:
-    """Predicted peak of the FIRST optimizer step of ``plan.chosen`` (AdamW's state does not exist yet
-    during its forward and backward), to compare with a probe that measures only that step."""
-    return chosen_memory(loaded, plan, device=device, first_step=True)
-
-
 def chosen_memory(
     loaded: LoadedRecipe, plan: Plan, *, device: str, first_step: bool = False, seq_len: int | None = None
-) -> Any:
-    """Predicted peak of ``plan.chosen`` (the first optimizer step's with ``first_step``), at ``seq_len``
-    tokens per row instead of ``data.max_seq_len`` when given: the trainer pads each micro-batch to its
-    longest row, so a run on short rows is compared with the prediction at the width that ran."""
+) -> MemoryBreakdown:
+    """Predicted peak of ``plan.chosen`` (the first optimizer step's with ``first_step``: AdamW's state does
+    not exist yet during its forward and backward), at ``seq_len`` tokens per row instead of
+    ``data.max_seq_len`` when given: the trainer pads each micro-batch to its longest row, so a run on short
+    rows is compared with the prediction at the width that ran."""
     c = plan.chosen
     req = replace(request_from_recipe(loaded), for_run=True)
     if seq_len is not None:
         req = replace(req, seq_len=seq_len)
     hw = detect_hardware(device=device, gpus=c.nproc, nodes=c.nnodes, nproc=c.nproc)
-    p = _Planner(req, hw)
-    p.precision = c.precision
-    p.global_batch = c.micro_batch_size * c.grad_accum_steps * c.dp  # the ranks of a TP group share a slice
-    return p.evaluate(
-        c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=first_step, tp=c.tp
+    s = replace(settle(req, hw), precision=str(c.precision), global_batch=c.micro_batch_size * c.grad_accum_steps * c.dp)
+    return evaluate(
+        s, c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=first_step, tp=c.tp,
+        optimizer=c.optimizer, offload=c.offload,
     ).memory
 
 
-class _Planner:
-    def __init__(self, req: Request, hw: Hardware) -> None:
-        self.req, self.hw = req, hw
-        self.walk: list[str] = []
-        self.walk_refusals: set[str] = set()
-        if req.strategy == "single" and hw.world > 1 and not req.for_run:  # a run: the launcher decides
-            self.say(f"distributed.strategy is single: planning for one process, not {hw.world}.")
-            hw.gpus_per_node, hw.nodes = 1, 1
-        self.world = hw.world
-        self.lora = req.lora
-        if self.lora is None:
-            from finetune.recipe import LoraConfig
+# -- the settled request ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """The request and hardware with everything the walk decides before it tries configurations: the
+    process count, precision, global batch, the pinned TP degree (or the degrees to try), the inventory.
+    Never changed once made; a variant (another sequence length, more GPUs) is a new one."""
 
-            self.lora = LoraConfig()
-        # What the recipe pins, checked against the capability table before anything is traced. A preview on
-        # one GPU leaves the process count open (a sharded strategy is planned as it would run on more).
-        self.cell = Cell.of(
-            method=req.method, strategy=req.strategy, processes=self.world if req.for_run or self.world > 1 else None,
-            tp=req.tp,
-            precision=req.precision, optimizer=req.optimizer, offload=req.offload, compile=req.compile,
-            attention=req.attn_implementation, packing=req.packed, checkpointing=req.checkpointing,
-            lora=self.lora, prefix=req.prefix, quantization=req.quantization,
-        )
-        check(self.cell)
-        # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:
-        self.adapter = adapter_spec("lora" if req.method == "auto" else req.method, self.lora, req.prefix, req.adapter)
-        self.inv: Inventory = build_inventory(req.config, req.source, self.adapter)
-        self.resolve_tp()
-        if req.attn_implementation == "sdpa" and not _supports_sdpa(req.config):
-            self.req = replace(req, attn_implementation="eager")
-            self.say(
-                f"{type(req.config).__name__.replace('Config', '')} has no sdpa attention in transformers: planned "
-                "with eager attention (set model.attn_implementation: eager in the recipe to train it)."
-            )
-        if req.attn_implementation == "flex_attention" and not _supports_sdpa(req.config, "_supports_flex_attn"):
-            raise UserError(
-                f"model.attn_implementation: {type(req.config).__name__.replace('Config', '')} has no flex attention "
-                "in transformers; use sdpa (packed rows then carry a T x T mask)"
-            )
-        self.profiles: dict[tuple[int, TraceSpec], ActivationProfile] = {}
+    req: Request
+    hw: Hardware
+    world: int
+    precision: str
+    global_batch: int
+    tp: int
+    tp_auto: tuple[int, ...]
+    lora: Any
+    adapter: AdapterSpec
+    inv: Inventory
+    cell: Cell
+    # memo of traces and per-TP inventories: (tp, TraceSpec) -> profile, tp -> inventory (pure caches)
+    profiles: dict[tuple[int, TraceSpec], ActivationProfile] = field(default_factory=dict, compare=False, repr=False)
+    inventories: dict[int, Inventory] = field(default_factory=dict, compare=False, repr=False)
 
-    # -- pieces -------------------------------------------------------------------------------------------
-    def exec_spec(self, method: str, strategy: str, ac: bool, world: int | None = None, tp: int = 1) -> ExecSpec:
-        """How ``method`` under ``strategy`` stores and computes each tensor (what the trainer will build)."""
-        return execution_spec(
-            method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
-            model_dtype=self.req.model_dtype, quantization=self.req.quantization, lora=self.lora,
-            prefix=self.req.prefix, adapter=self.req.adapter, tp=tp, compile=self.req.compile,
-            optimizer=self.req.optimizer, offload=self.req.offload,
-        )
+    @property
+    def capacity(self) -> int:
+        """Bytes of memory per GPU (per process on CPU)."""
+        return self.hw.memory_bytes
+
+    @property
+    def intra_node_bandwidth(self) -> float:
+        """Bytes/s of the link inside a node, which TP's all-reduces use (NVLink when several nodes are given)."""
+        if self.hw.nodes == 1 or self.hw.device != "cuda":
+            return self.hw.bandwidth
+        return INTERCONNECTS["nvlink"]
+
+    def at_seq_len(self, seq: int) -> Setting:
+        """This setting at ``seq`` tokens per sample (the traces are shared: they are keyed by length)."""
+        return replace(self, req=replace(self.req, seq_len=seq))
+
+    def on_gpus(self, k: int) -> Setting:
+        """This setting on ``k`` GPUs over the same nodes."""
+        return replace(self, world=k, hw=replace(self.hw, gpus_per_node=k // self.hw.nodes or 1))
 
     def inventory(self, tp: int) -> Inventory:
         """One TP rank's parameters (the whole model's at tp 1)."""
         if tp == 1:
             return self.inv
-        return build_inventory(tp_config(self.req.config, tp), self.req.source, self.adapter)
+        if tp not in self.inventories:
+            self.inventories[tp] = build_inventory(tp_config(self.req.config, tp), self.req.source, self.adapter)
+        return self.inventories[tp]
+
+    def exec_spec(
+        self, method: str, strategy: str, ac: bool, world: int | None = None, tp: int = 1,
+        optimizer: str | None = None, offload: str | None = None,
+    ) -> ExecSpec:
+        """How ``method`` under ``strategy`` stores and computes each tensor (what the trainer will build)."""
+        r = self.req
+        return execution_spec(
+            method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
+            model_dtype=r.model_dtype, quantization=r.quantization, lora=self.lora, prefix=r.prefix,
+            adapter=r.adapter, tp=tp, compile=r.compile, optimizer=optimizer or r.optimizer,
+            offload=offload or r.offload,
+        )
 
     def profile(self, spec: ExecSpec) -> ActivationProfile:
+        """The traced activations of ``spec`` at this setting's sequence length (one TP rank's)."""
         trace = TraceSpec.of(
             spec, seq_len=self.req.seq_len, packed=self.req.packed,
             attn_implementation=self.req.attn_implementation, device=self.hw.device,
         )
         key = (spec.tp, trace)
-        if key not in self.profiles:  # one TP rank's activations: the block traced at its sharded shapes
+        if key not in self.profiles:
             self.profiles[key] = activation_profile(tp_config(self.req.config, spec.tp), trace)
         return self.profiles[key]
 
-    def evaluate(
-        self, method: str, strategy: str, mbs: int, ac: bool, table_only: bool = False, first_step: bool = False,
-        tp: int = 1,
-    ) -> Candidate:
-        world = 1 if strategy == "single" else self.world
-        dp = world // tp
-        accum = max(1, self.global_batch // (mbs * dp))
-        spec = self.exec_spec(method, strategy, ac, world, tp)
-        inv = self.inventory(tp)
-        setup = Setup(spec, mbs, accum, dp, self.hw.device, spec.optimizer)
-        states, comm = candidate_memory(inv, None, setup)
-        note = ""
-        if states.total > self.hw.memory_bytes:
-            mem = states
-            note = "model states alone exceed the memory (activations not traced)"
-        elif table_only and not any(
-            t == tp and k.method == method and k.checkpointing == ac for t, k in self.profiles
-        ):
-            mem = states
-            note = "activations not traced (the walk did not need this method)"
-        else:
-            mem, comm = candidate_memory(inv, self.profile(spec), setup, first_step)
-        tp_comm = tp_comm_bytes(
-            self.req.config, tp, seq_len=self.req.seq_len, micro_batch_size=mbs, grad_accum_steps=accum,
-            compute_bytes=spec.compute_bytes, checkpointing=ac,
-        )
-        secs = (comm / self.hw.bandwidth if comm else 0.0) + tp_comm / self.intra_node_bandwidth
-        return Candidate(
-            method=Method(method), strategy=Strategy(strategy), precision=Precision(self.precision),
-            micro_batch_size=mbs, grad_accum_steps=accum, activation_checkpointing=ac, nproc=self.hw.gpus_per_node,
-            nnodes=self.hw.nodes, memory=mem, comm_bytes_per_step=comm, comm_seconds_per_step=secs,
-            fits=mem.total <= self.hw.memory_bytes and not note.startswith("activations not traced"), note=note,
-            tp=tp, tp_comm_bytes_per_step=tp_comm, optimizer=spec.optimizer, offload=spec.offload,
-        )
-
-    @property
-    def intra_node_bandwidth(self) -> float:
-        """Bytes/s of the link inside a node, which TP's all-reduces use (NVLink when several nodes are given)."""
-        from finetune.plan.hardware import INTERCONNECTS
-
-        if self.hw.nodes == 1 or self.hw.device != "cuda":
-            return self.hw.bandwidth
-        return INTERCONNECTS["nvlink"]
-
-    # -- tensor parallelism -------------------------------------------------------------------------------
-    def resolve_tp(self) -> None:
-        """``self.tp``: the pinned degree (checked, one sentence with the numbers when it cannot run), and
-        ``self.tp_auto``: the degrees the walk may try when FSDP alone does not fit."""
-        req, per_node = self.req, self.hw.gpus_per_node
-        self.tp, self.tp_auto = 1, []
-        if req.tp == "auto":
-            if req.strategy in ("auto", "zero2", "fsdp") and self.world > 1:
-                self.tp_auto = degrees(req.config, per_node)
-            return
-        tp = int(req.tp)
-        if tp == 1:
-            return
-        what = "processes" if self.hw.device == "cpu" or req.for_run else "GPUs"
-        if tp > per_node:
-            raise UserError(
-                f"distributed.tp: {tp} is more than the {per_node} {what} of a node (--nproc); tensor parallelism "
-                f"stays inside a node: use a tp of at most {per_node}"
-            )
-        if per_node % tp:
-            raise UserError(
-                f"distributed.tp: {tp} does not divide the {per_node} {what} of a node (--nproc); use a divisor "
-                f"of {per_node}"
-            )
-        problem = tp_problem(req.config, tp)
-        if problem:
-            raise UserError(problem)
-        dp = self.world // tp
-        check(self.cell.with_(processes=self.world))  # ddp/zero1 cannot replicate TP over several replicas
-        self.tp = tp
-        cfg = req.config
-        self.say(
-            f"Tensor parallelism: tp {tp} as the recipe pins: each block's linears split over {tp} {what} of a node "
-            f"({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, {cfg.intermediate_size} MLP "
-            f"features -> {cfg.num_attention_heads // tp}, {cfg.num_key_value_heads // tp}, "
-            f"{cfg.intermediate_size // tp} per rank), {dp} data-parallel replica(s)."
-        )
-
-    def tp_strategies(self, tp: int) -> list[str]:
-        """Strategies over the data-parallel replicas of a TP run (none to choose with one replica)."""
-        if self.req.strategy != "auto":
-            return [self.req.strategy]
-        return ["ddp"] if self.world // tp == 1 else ["zero2", "fsdp"]
-
-    def try_tensor_parallel(self, method: str, mbs1: int, acs: list[bool], tried: list[Candidate]) -> Candidate | None:
-        """The smallest TP degree (inside a node) under which ``method`` fits at micro-batch ``mbs1``."""
-        if not self.tp_auto or all(self.refused(method, s, 2, say=False) for s in self.tp_strategies(2)):
-            return None
-        fsdp = [c for c in tried if c.method == method and c.strategy == "fsdp" and c.tp == 1]
-        need = f" ({fmt_bytes(min(c.memory.total for c in fsdp))} at best)" if fsdp else ""
-        self.say(
-            f"{Method(method).title[0].upper() + Method(method).title[1:]} does not fit under FSDP alone at "
-            f"micro-batch {mbs1}{need}: trying tensor parallelism inside a node, tp {', '.join(map(str, self.tp_auto))} "
-            f"(never across nodes: its 4 all-reduces per block of micro-batch x {self.req.seq_len} x "
-            f"{self.req.config.hidden_size} values need the intra-node link)."
-        )
-        cap = fmt_bytes(self.hw.memory_bytes)
-        for tp in self.tp_auto:
-            for ac in acs:
-                parts = []
-                for strategy in self.tp_strategies(tp):
-                    if self.refused(method, strategy, tp, ac):
-                        continue
-                    c = self.evaluate(method, strategy, mbs1, ac, tp=tp)
-                    tried.append(c)
-                    text = self.describe(c, with_method=False)
-                    if c.fits:
-                        parts.append(f"{text}: fits (micro-batch {mbs1}, {self.req.seq_len} tokens)")
-                        self.say(self.sentence(parts, ac and len(acs) > 1))
-                        return c
-                    parts.append(f"{text} > {cap}")
-                self.say(self.sentence(parts, ac and len(acs) > 1))
-        return None
-
-    def say(self, text: str) -> None:
-        self.walk.append(text)
-
-    def refused(
-        self, method: str, strategy: str, tp: int = 1, ac: bool | None = None, *, say: bool = True
+    def refusal(
+        self, method: str, strategy: str, tp: int = 1, ac: bool | None = None, optimizer: str | None = None,
+        offload: str | None = None,
     ) -> str | None:
-        """The capability table's sentence when ``method`` under ``strategy`` x ``tp`` cannot run with the
-        recipe's other settings (None: it can). With ``say``, said once in the walk the first time it rules out
-        a candidate the walk considers (the table's extra rows and TP degrees it only probes stay silent)."""
+        """The capability table's sentence when this configuration cannot run with the recipe's other
+        settings (None: it can)."""
         cell = self.cell.with_(
             method=method, strategy=strategy, tp=tp, processes=1 if strategy == "single" else self.cell.processes,
-            checkpointing=self.cell.checkpointing if ac is None else ac,
-            precision=getattr(self, "precision", None) or self.cell.precision,  # as resolved by the walk
+            checkpointing=self.cell.checkpointing if ac is None else ac, precision=self.precision,
+            optimizer=optimizer or self.cell.optimizer, offload=offload or self.cell.offload,
         )
         found = first_refusal(cell)
-        if found is None:
-            return None
-        text = str(found)
-        if say and text not in self.walk_refusals:
-            self.walk_refusals.add(text)
-            self.say(f"{METHOD_NAMES[method][0].upper() + METHOD_NAMES[method][1:]} under {STRATEGY_NAMES[strategy]}"
-                     f"{f' x tp {tp}' if tp > 1 else ''} is ruled out: {text}.")
-        return text
+        return None if found is None else str(found)
 
-    # -- the walk -----------------------------------------------------------------------------------------
-    def resolve_precision(self) -> None:
-        req, hw = self.req, self.hw
-        if req.precision != "auto":
-            self.precision = req.precision
-            extra = ""
-            if hw.device == "cuda" and req.precision.startswith("bf16") and not hw.bf16:
-                extra = f" (pinned, but {hw.name} has no bf16 support: expect it to fail or run slowly)"
-            self.say(f"Precision: {PRECISION_NAMES[self.precision]}, as the recipe pins{extra}.")
-        elif hw.device == "cpu":
-            self.precision = "fp32"
-            self.say("Precision: fp32 (a CPU run).")
-        elif hw.bf16:
-            self.precision = "bf16"
-            why = f"{hw.name} supports bf16" if hw.detected or hw.name in GPU_TYPES else "assumed a bf16 GPU (--gpu-type v100/t4 for older ones)"
-            self.say(f"Precision: {PRECISION_NAMES['bf16']}: {why}.")
-        else:
-            self.precision = "fp16"
-            self.say(f"Precision: {PRECISION_NAMES['fp16']}: {hw.name} has no bf16 (compute capability < 8.0).")
 
-    def resolve_batch(self) -> None:
-        g, w = self.req.global_batch_size, self.world // self.tp  # the ranks of a TP group share a batch slice
-        if g % w:
-            if self.req.for_run:
-                raise UserError(
-                    f"train.global_batch_size ({g}) must be a multiple of the number of processes ({w}); "
-                    f"use e.g. {w * max(1, round(g / w))}"
-                )
-            new = w * (-(-g // w))
-            self.say(f"The global batch {g} is not a multiple of {w} processes: planning for {new}.")
-            g = new
-        self.global_batch = g
-        mbs = self.req.micro_batch_size
-        if mbs is not None and g % (mbs * w):
+def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setting:
+    """The :class:`Setting` of ``req`` on ``hw``: the capability table checked, the TP degree, attention,
+    precision and global batch resolved, each decision appended to ``log``."""
+    log = [] if log is None else log
+    if req.strategy == "single" and hw.world > 1 and not req.for_run:  # a run: the launcher decides
+        log.append(w.OneProcess(hw.world))
+        hw = replace(hw, gpus_per_node=1, nodes=1)
+    world = hw.world
+    lora = req.lora
+    if lora is None:
+        from finetune.recipe import LoraConfig
+
+        lora = LoraConfig()
+    # What the recipe pins, checked against the capability table before anything is traced. A preview on
+    # one GPU leaves the process count open (a sharded strategy is planned as it would run on more).
+    cell = Cell.of(
+        method=req.method, strategy=req.strategy, processes=world if req.for_run or world > 1 else None,
+        tp=req.tp, precision=req.precision, optimizer=req.optimizer, offload=req.offload, compile=req.compile,
+        attention=req.attn_implementation, packing=req.packed, checkpointing=req.checkpointing,
+        lora=lora, prefix=req.prefix, quantization=req.quantization,
+    )
+    check(cell)
+    # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:
+    adapter = adapter_spec("lora" if req.method == "auto" else req.method, lora, req.prefix, req.adapter)
+    inv = build_inventory(req.config, req.source, adapter)
+    tp, tp_auto = _resolve_tp(req, hw, world, cell, log)
+    req = _resolve_attention(req, log)
+    precision = _resolve_precision(req, hw, log)
+    global_batch = _resolve_batch(req, world // tp, tp, log)
+    return Setting(
+        req=req, hw=hw, world=world, precision=precision, global_batch=global_batch, tp=tp, tp_auto=tp_auto,
+        lora=lora, adapter=adapter, inv=inv, cell=cell,
+    )
+
+
+def _resolve_tp(req: Request, hw: Hardware, world: int, cell: Cell, log: list[w.Step]) -> tuple[int, tuple[int, ...]]:
+    """The pinned TP degree (checked, one sentence with the numbers when it cannot run), and the degrees the
+    walk may try when FSDP alone does not fit (``distributed.tp: auto``)."""
+    per_node = hw.gpus_per_node
+    if req.tp == "auto":
+        if req.strategy in ("auto", "zero2", "fsdp") and world > 1:
+            return 1, tuple(degrees(req.config, per_node))
+        return 1, ()
+    tp = int(req.tp)
+    if tp == 1:
+        return 1, ()
+    what = "processes" if hw.device == "cpu" or req.for_run else "GPUs"
+    if tp > per_node:
+        raise UserError(
+            f"distributed.tp: {tp} is more than the {per_node} {what} of a node (--nproc); tensor parallelism "
+            f"stays inside a node: use a tp of at most {per_node}"
+        )
+    if per_node % tp:
+        raise UserError(
+            f"distributed.tp: {tp} does not divide the {per_node} {what} of a node (--nproc); use a divisor "
+            f"of {per_node}"
+        )
+    problem = tp_problem(req.config, tp)
+    if problem:
+        raise UserError(problem)
+    check(cell.with_(processes=world))  # ddp/zero1 cannot replicate TP over several replicas
+    cfg = req.config
+    log.append(w.PinnedTensorParallel(
+        tp=tp, what=what, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+        mlp=cfg.intermediate_size, replicas=world // tp,
+    ))
+    return tp, ()
+
+
+def _resolve_attention(req: Request, log: list[w.Step]) -> Request:
+    """The request with the attention kernel the architecture has in transformers."""
+    arch = type(req.config).__name__.replace("Config", "")
+    if req.attn_implementation == "sdpa" and not _supports_sdpa(req.config):
+        log.append(w.Note(
+            f"{arch} has no sdpa attention in transformers: planned with eager attention (set "
+            "model.attn_implementation: eager in the recipe to train it)."
+        ))
+        return replace(req, attn_implementation="eager")
+    if req.attn_implementation == "flex_attention" and not _supports_sdpa(req.config, "_supports_flex_attn"):
+        raise UserError(
+            f"model.attn_implementation: {arch} has no flex attention in transformers; use sdpa (packed rows then "
+            "carry a T x T mask)"
+        )
+    return req
+
+
+def _resolve_precision(req: Request, hw: Hardware, log: list[w.Step]) -> str:
+    """Step 1: the precision, pinned or chosen for the hardware."""
+    if req.precision != "auto":
+        no_bf16 = hw.device == "cuda" and req.precision.startswith("bf16") and not hw.bf16
+        log.append(w.PrecisionChosen(req.precision, "pinned", hw.name, no_bf16))
+        return req.precision
+    if hw.device == "cpu":
+        log.append(w.PrecisionChosen("fp32", "cpu"))
+        return "fp32"
+    if hw.bf16:
+        known = hw.detected or hw.name in GPU_TYPES
+        log.append(w.PrecisionChosen("bf16", "bf16" if known else "assumed", hw.name))
+        return "bf16"
+    log.append(w.PrecisionChosen("fp16", "fp16", hw.name))
+    return "fp16"
+
+
+def _resolve_batch(req: Request, ranks: int, tp: int, log: list[w.Step]) -> int:
+    """The global batch over ``ranks`` data-parallel ranks (the ranks of a TP group share a slice)."""
+    g = req.global_batch_size
+    if g % ranks:
+        if req.for_run:
             raise UserError(
-                f"train.global_batch_size ({g}) must be divisible by micro_batch_size x "
-                f"{'data-parallel replicas' if self.tp > 1 else 'processes'} ({mbs} x {w} = {mbs * w})"
+                f"train.global_batch_size ({g}) must be a multiple of the number of processes ({ranks}); "
+                f"use e.g. {ranks * max(1, round(g / ranks))}"
             )
-
-    def strategies(self) -> list[str]:
-        if self.req.strategy != "auto":
-            return [self.req.strategy]
-        return ["single"] if self.world == 1 else ["ddp", "zero2", "fsdp"]
-
-    def table_strategies(self) -> list[str]:
-        if self.world == 1:
-            return ["single"] if self.req.strategy in ("auto", "single") else [self.req.strategy]
-        return ["ddp", "zero1", "zero2", "fsdp"]
-
-    def methods(self) -> list[str]:
-        return ["full", "lora", "qlora"] if self.req.method == "auto" else [self.req.method]
-
-    def describe(self, c: Candidate, with_method: bool = True) -> str:
-        head = f"{METHOD_NAMES[c.method]} under {c.label}" if with_method else c.label
-        if c.note.startswith("model states alone"):
-            return f"{head} needs {fmt_bytes(c.memory.total)} per GPU for the model states alone"
-        return f"{head} needs {fmt_bytes(c.memory.total)} per GPU"
-
-    @staticmethod
-    def sentence(parts: list[str], checkpointing: bool) -> str:
-        text = "; ".join(parts) + "."
-        if checkpointing:
-            return "With activation checkpointing, " + text
-        return text[0].upper() + text[1:]
-
-    def choose_method_and_strategy(self) -> tuple[Candidate | None, list[Candidate]]:
-        mbs1 = self.req.micro_batch_size or 1
-        acs = [False, True] if self.req.checkpointing is None else [self.req.checkpointing]
-        if self.req.method != "auto" and not Method(self.req.method).recomputable:
-            acs = [False]  # prefix tuning: checkpointed layers would drop the prefix (see Method.recomputable)
-        cap = fmt_bytes(self.hw.memory_bytes)
-        tried: list[Candidate] = []
-        methods = self.methods()
-        for mi, method in enumerate(methods):
-            for ac in acs:
-                parts = []
-                for strategy in self.strategies() if self.tp == 1 else self.tp_strategies(self.tp):
-                    if self.refused(method, strategy, self.tp, ac):
-                        continue
-                    c = self.evaluate(method, strategy, mbs1, ac, tp=self.tp)
-                    tried.append(c)
-                    text = self.describe(c, with_method=not parts)
-                    if c.fits:
-                        parts.append(f"{text}: fits (micro-batch {mbs1}, {self.req.seq_len} tokens)")
-                        self.say(self.sentence(parts, ac and len(acs) > 1))
-                        return c, tried
-                    parts.append(f"{text} > {cap}")
-                self.say(self.sentence(parts, ac and len(acs) > 1))
-            found = self.try_tensor_parallel(method, mbs1, acs, tried)
-            if found is not None:
-                return found, tried
-            if mi + 1 < len(methods):
-                nxt = methods[mi + 1]
-                sb = self.inv.storage(self.exec_spec(nxt, "single", False))
-                targets = lora_targets(self.lora, self.req.config.model_type)
-                targets = targets if isinstance(targets, str) else ", ".join(targets)
-                base = ""
-                if Method(nxt).quantized:  # 4-bit NF4 on the ladder; 8-bit only when quantization.bits pins it
-                    q = self.exec_spec(nxt, "single", False).quant
-                    assert q is not None
-                    base = f"{q.quant_type.upper()} 4-bit" if q.bits == 4 else "LLM.int8 8-bit"
-                    base = f" {base}"
-                self.say(
-                    f"{METHOD_NAMES[method][0].upper() + METHOD_NAMES[method][1:]} does not fit at micro-batch "
-                    f"{mbs1} under any strategy: trying {METHOD_NAMES[nxt]} ({sb.trainable / 1e6:.1f}M trainable "
-                    f"parameters, r={self.lora.r} on {targets},{base} base weights {fmt_bytes(sb.param_bytes)})."
-                )
-        return None, tried
-
-    def largest_micro_batch(self, c: Candidate) -> Candidate:
-        per_rank = self.global_batch // c.dp
-        if self.req.micro_batch_size is not None:
-            return c
-        best = c
-        for b in sorted(b for b in range(2, per_rank + 1) if per_rank % b == 0):
-            cand = self.evaluate(c.method, c.strategy, b, c.activation_checkpointing, tp=c.tp)
-            if not cand.fits:
-                break
-            best = cand
-        ac = "on" if best.activation_checkpointing else "off"
-        self.say(
-            f"Largest micro-batch that fits at {self.req.seq_len} tokens: {best.micro_batch_size} "
-            f"(activation checkpointing {ac}, {fmt_bytes(best.memory.total)} per GPU); gradient accumulation "
-            f"{best.grad_accum_steps} keeps the global batch at {self.global_batch}."
+        new = ranks * (-(-g // ranks))
+        log.append(w.BatchRounded(g, ranks, new))
+        g = new
+    mbs = req.micro_batch_size
+    if mbs is not None and g % (mbs * ranks):
+        raise UserError(
+            f"train.global_batch_size ({g}) must be divisible by micro_batch_size x "
+            f"{'data-parallel replicas' if tp > 1 else 'processes'} ({mbs} x {ranks} = {mbs * ranks})"
         )
-        return best
+    return g
 
-    def explain_comm(self, chosen: Candidate, table: list[Candidate]) -> None:
-        if self.world == 1:
-            return
-        self.explain_tp_comm(chosen)
-        by = {c.strategy: c for c in table if c.method == chosen.method and c.micro_batch_size == 1 and c.tp == 1}
-        ddp, z2, fs = by.get("ddp"), by.get("zero2"), by.get("fsdp")
-        if not (ddp and z2 and fs):
-            return
-        link = self.hw.interconnect
 
-        def gb(c: Candidate) -> str:
-            return f"{c.comm_bytes_per_step / 1e9:.2f} GB, {c.comm_seconds_per_step:.2f} s over {link}"
+# -- one candidate --------------------------------------------------------------------------------------------
+def evaluate(
+    s: Setting, method: str, strategy: str, mbs: int, ac: bool, *, tp: int = 1, first_step: bool = False,
+    traced: frozenset[tuple[str, bool, int]] | None = None, optimizer: str | None = None,
+    offload: str | None = None,
+) -> Candidate:
+    """One configuration's per-GPU memory, communication and time. ``traced``: trace activations only for
+    the (method, checkpointing, tp) the walk traced (the table's other rows are marked not traced)."""
+    world = 1 if strategy == "single" else s.world
+    dp = world // tp
+    accum = max(1, s.global_batch // (mbs * dp))
+    spec = s.exec_spec(method, strategy, ac, world, tp, optimizer, offload)
+    inv = s.inventory(tp)
+    setup = Setup(spec, mbs, accum, dp, s.hw.device, spec.optimizer)
+    mem, comm = candidate_memory(inv, None, setup)
+    if mem.total > s.capacity:
+        status = Status.STATES_OVER
+    elif traced is not None and (method, ac, tp) not in traced:
+        status = Status.NOT_TRACED
+    else:
+        mem, comm = candidate_memory(inv, s.profile(spec), setup, first_step)
+        status = Status.FITS if mem.total <= s.capacity else Status.OVER
+    tp_comm = tp_comm_bytes(
+        s.req.config, tp, seq_len=s.req.seq_len, micro_batch_size=mbs, grad_accum_steps=accum,
+        compute_bytes=spec.compute_bytes, checkpointing=ac,
+    )
+    secs = (comm / s.hw.bandwidth if comm else 0.0) + tp_comm / s.intra_node_bandwidth
+    c = Candidate(
+        method=Method(method), strategy=Strategy(strategy), precision=Precision(s.precision),
+        micro_batch_size=mbs, grad_accum_steps=accum, activation_checkpointing=ac, nproc=s.hw.gpus_per_node,
+        nnodes=s.hw.nodes, memory=mem, comm_bytes_per_step=comm, comm_seconds_per_step=secs, status=status,
+        tp=tp, tp_comm_bytes_per_step=tp_comm, optimizer=spec.optimizer, offload=spec.offload,
+        offload_bytes_per_step=_offload_bytes(inv, setup),
+    )
+    return replace(c, time=_time(s, c))
 
-        if z2.comm_bytes_per_step <= 1.05 * ddp.comm_bytes_per_step:
-            zero2 = (f"ZeRO-2 reduce-scatters gradients and all-gathers parameters, no more than that all-reduce "
-                     f"(an all-reduce is a reduce-scatter plus an all-gather), so its memory saving is free ({gb(z2)})")
-        else:
-            zero2 = (f"ZeRO-2 sends more here ({gb(z2)}): FSDP2 all-gathers the frozen base weights too, while "
-                     "DDP only all-reduces the small trainable gradients")
-        self.say(
-            f"Communication per GPU per step ({METHOD_NAMES[chosen.method]}): DDP all-reduces the gradients "
-            f"({gb(ddp)}); {zero2}; FSDP all-gathers the parameters again in backward "
-            f"({gb(fs)}, {fs.comm_bytes_per_step / max(1, z2.comm_bytes_per_step):.2f}x ZeRO-2)."
-        )
 
-    def explain_tp_comm(self, chosen: Candidate) -> None:
-        if chosen.tp == 1:
-            return
-        link = self.hw.interconnect if self.hw.nodes == 1 else "nvlink (inside a node)"
-        per_block = 6 if chosen.activation_checkpointing else 4
-        self.say(
-            f"Tensor parallelism (tp {chosen.tp}) all-reduces each block's attention and MLP outputs in forward and "
-            f"their input gradients in backward ({per_block} per block per micro-batch"
-            f"{', 2 of them for the recomputed forward' if chosen.activation_checkpointing else ''}, each "
-            f"{chosen.micro_batch_size} x {self.req.seq_len} x {self.req.config.hidden_size} values): "
-            f"{chosen.tp_comm_bytes_per_step / 1e9:.2f} GB per GPU per step, "
-            f"{chosen.tp_comm_bytes_per_step / self.intra_node_bandwidth:.2f} s over {link}."
-        )
+def _offload_bytes(inv: Inventory, setup: Setup) -> int:
+    """Bytes over the host link per step for what ``setup`` offloads (0 when nothing is)."""
+    if setup.spec.offload == "none":
+        return 0
+    from finetune.plan import memory
 
-    def at_seq_len(self, c: Candidate, seq: int) -> Candidate:
-        """``c`` evaluated (traced) at ``seq`` tokens per sample instead of the request's."""
-        req, profiles = self.req, self.profiles
-        self.req, self.profiles = replace(req, seq_len=seq), {}
-        try:
-            return self.evaluate(c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, tp=c.tp)
-        finally:
-            self.req, self.profiles = req, profiles
+    fn = getattr(memory, "offload_bytes_per_step", None)
+    return int(fn(inv, setup)) if fn is not None else 0
 
-    def shorter_sequences(self, tried: list[Candidate]) -> tuple[int, Candidate] | None:
-        """The longest sequence length (a multiple of 64) at which one of ``tried`` fits, found by tracing.
 
-        The candidate is the one whose other memory leaves activations the most room (not necessarily the
-        smallest: at long sequences QLoRA's fp32 activations outgrow full fine-tuning's). Memory is not
-        linear in the length (autocast weight copies do not grow; packed rows under sdpa carry a T x T mask),
-        so the length is searched on traced totals: secant steps from the two longest, then false position
-        inside the bracket, at most eight traces.
-        """
-        def room(m: Any) -> float:  # bytes left for activations; the overhead shrinks with them
-            ctx, frag = (CUDA_CONTEXT_BYTES, FRAGMENTATION) if m.overhead else (0, 0.0)
-            return (self.hw.memory_bytes - ctx) / (1 + frag) - (m.total - m.overhead - m.activations)
+def _time(s: Setting, c: Candidate) -> Any:
+    """The predicted :class:`~finetune.plan.types.StepTime` of ``c`` (None until the time model applies)."""
+    try:
+        from finetune.plan.timing import step_time
+    except ImportError:
+        return None
+    return step_time(c, s.req.config, s.hw, seq_len=s.req.seq_len, adapter=s.adapter, steps=s.req.steps)
 
-        cap, seq_len = self.hw.memory_bytes, self.req.seq_len
-        options = [c for c in tried if c.memory.activations > 0 and room(c.memory) > 0]
-        if not options or seq_len < 128:
-            return None
-        c = max(options, key=lambda o: room(o.memory) / o.memory.activations)
-        over = [(seq_len, c.memory.total - cap)]  # (length, bytes over the cap), longest first
-        best: tuple[int, Candidate, float] | None = None  # the longest length that fits
-        t = max(64, seq_len // 2 // 64 * 64)
-        for _ in range(8):
-            found = self.at_seq_len(c, t)
-            excess = found.memory.total - cap
-            if found.fits:
-                best = (t, found, excess)
-            else:
-                over.append((t, excess))
-                over.sort(reverse=True)
-            hi, g_hi = min(over)  # the shortest length that does not fit
-            if best is not None:
-                lo, _, g_lo = best
-                if hi - lo <= 64:
-                    break
-                t = lo + (hi - lo) * (-g_lo) / (g_hi - g_lo)  # false position
-                t = min(max(int(t) // 64 * 64, lo + 64), hi - 64)
-            else:
-                (t1, g1), (t2, g2) = over[-1], over[-2]  # secant through the two shortest that do not fit
-                t = t1 - g1 * (t2 - t1) / (g2 - g1) if g2 != g1 else t1 / 2
-                t = int(min(t, t1 / 2 if t >= t1 else t)) // 64 * 64
-                if t < 64:
-                    if t1 == 64:
-                        return None
-                    t = 64
-        return (best[0], best[1]) if best is not None else None
 
-    def nothing_fits(self, tried: list[Candidate]) -> Candidate:
-        best = min(tried, key=lambda c: c.memory.total)
-        cap = fmt_bytes(self.hw.memory_bytes)
-        at_least = "at least " if best.note.startswith("model states alone") else ""
-        advice = [f"Nothing fits in {cap} per GPU: the smallest option, {METHOD_NAMES[best.method]} under "
-                  f"{STRATEGY_NAMES[best.strategy]} at micro-batch {best.micro_batch_size}, needs "
-                  f"{at_least}{fmt_bytes(best.memory.total)}."]
-        # more GPUs (sharded strategies only shrink with the world size)
-        smallest = "fsdp" if self.req.strategy == "auto" else self.req.strategy
-        method = best.method if self.req.method != "auto" else "qlora"
-        if smallest in ("zero1", "zero2", "fsdp") or self.world == 1:
-            strat = smallest if smallest != "single" else "fsdp"
-            for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-                if k <= self.world:
-                    continue
-                saved = self.world, self.hw.gpus_per_node
-                self.world, self.hw.gpus_per_node = k, k // self.hw.nodes or 1
-                try:
-                    ac = Method(method).recomputable if self.req.checkpointing is None else self.req.checkpointing
-                    c = self.evaluate(method, strat, 1, ac)
-                finally:
-                    self.world, self.hw.gpus_per_node = saved
-                if c.fits:
-                    advice.append(f"{METHOD_NAMES[method]} under {STRATEGY_NAMES[strat]} would fit on {k} GPUs "
-                                  f"({fmt_bytes(c.memory.total)} per GPU).")
-                    break
-        if self.req.method not in ("auto", "qlora"):
-            q = self.evaluate("qlora", best.strategy, 1, best.activation_checkpointing)
-            advice.append(f"QLoRA would need {fmt_bytes(q.memory.total)} per GPU ({'fits' if q.fits else 'still too much'}).")
-        shorter = self.shorter_sequences(tried)
-        if shorter is not None:
-            seq, c = shorter
-            ckpt = ", activation checkpointing on" if c.activation_checkpointing else ""
-            advice.append(f"Shorter sequences would fit: {seq} tokens instead of {self.req.seq_len} "
-                          f"({METHOD_NAMES[c.method]} under {STRATEGY_NAMES[c.strategy]}{ckpt}: "
-                          f"{fmt_bytes(c.memory.total)} per GPU).")
-        self.say(" ".join(advice))
-        return best
+def _step_seconds(c: Candidate) -> float:
+    return c.time.step if c.time is not None else 0.0
 
-    def run(self) -> Plan:
-        self.resolve_precision()
-        self.resolve_batch()
-        chosen, tried = self.choose_method_and_strategy()
-        if chosen is None:
-            chosen = self.nothing_fits(tried)
-        else:
-            chosen = self.largest_micro_batch(chosen)
-            pinned = self.pinned_keys()
-            if pinned:
-                self.say(f"Pinned by the recipe and checked: {', '.join(pinned)}.")
-        if chosen.fits:
-            self.plan_evaluation(chosen)
-        table = self.table()
-        self.explain_comm(chosen, table)
-        def key(c: Candidate) -> tuple:
-            return (c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, c.tp)
 
-        rows = [chosen] + [c for c in table if key(c) != key(chosen)]
-        execution = self.exec_spec(
-            chosen.method, chosen.strategy, chosen.activation_checkpointing,
-            1 if chosen.strategy == "single" else self.world, chosen.tp,
-        )
-        sb = self.inv.storage(execution)  # the whole model: what is built (before TP splits it) and saved
+# -- the walk -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Decision:
+    """What the walk decided: the chosen configuration, the table's rows (chosen first), every candidate
+    the walk tried (refused ones with why), and the walk as typed steps."""
+
+    setting: Setting
+    chosen: Candidate
+    rows: tuple[Candidate, ...]
+    tried: tuple[Candidate, ...]
+    steps: tuple[w.Step, ...]
+    execution: ExecSpec
+    job: dict[str, Any]
+
+    @property
+    def walk(self) -> list[str]:
+        """The walk in sentences."""
+        return [step.render() for step in self.steps]
+
+    def plan(self) -> Plan:
+        """The :class:`Plan` (the trainer's contract) of this decision."""
+        s, chosen = self.setting, self.chosen
+        sb = s.inv.storage(self.execution)  # the whole model: what is built (before TP splits it) and saved
         model = {
-            "source": self.req.source, "model_type": self.inv.model_type, "layers": self.inv.num_layers,
-            "parameters": self.inv.n_params, "trainable": sb.trainable, "seq_len": self.req.seq_len,
-            "global_batch_size": self.global_batch, "packed": self.req.packed,
-            "checkpoint_bytes": self.checkpoint_size(chosen.method, sb),
+            "source": s.req.source, "model_type": s.inv.model_type, "layers": s.inv.num_layers,
+            "parameters": s.inv.n_params, "trainable": sb.trainable, "seq_len": s.req.seq_len,
+            "global_batch_size": s.global_batch, "packed": s.req.packed,
+            "checkpoint_bytes": _checkpoint_size(chosen.method, sb),
+            "param_bytes": sb.param_bytes, "param_bytes_by_dtype": s.inv.bytes_by_dtype(self.execution),
         }
-        hw = self.hw.to_dict()
-        hw["world"] = self.world
-        model["param_bytes"] = sb.param_bytes
-        model["param_bytes_by_dtype"] = self.inv.bytes_by_dtype(execution)
-        job = self.check_host_memory(rows)
+        hw = s.hw.to_dict()
+        hw["world"] = s.world
         return Plan(
-            chosen=chosen, candidates=rows, walk=self.walk, hardware=hw, model=model, execution=execution, job=job
+            chosen=chosen, candidates=list(self.rows), walk=self.walk, hardware=hw, model=model,
+            execution=self.execution, job=self.job, steps=[step.to_dict() for step in self.steps],
+            refused=[c.to_dict() for c in self.tried if c.status is Status.REFUSED],
         )
 
-    def check_host_memory(self, rows: list[Candidate]) -> dict[str, Any]:
-        """The whole job's figures (finetune/plan/job.py) of the chosen row (first); rows whose host memory per
-        node exceeds ``hw.host_memory`` are marked as not fitting, with the reason in the walk."""
-        from finetune.plan.job import host_peak_phase, job_figures
 
-        chosen_job: dict[str, Any] = {}
-        for i, c in enumerate(rows):
-            world = 1 if c.strategy == "single" else self.world
-            spec = self.exec_spec(c.method, c.strategy, c.activation_checkpointing, world, getattr(c, "tp", 1))
-            per_node = 1 if c.strategy == "single" else self.hw.gpus_per_node
-            job = job_figures(self.inv, spec, world, per_node, self.hw.device)
-            if i == 0:
-                chosen_job = job.to_dict()
-            limit = self.hw.host_memory
-            if limit and job.host_peak_per_node > limit and (c.fits or i == 0):
-                c.fits = False
-                phase = host_peak_phase(job.to_dict())[0]
-                self.say(
-                    f"{METHOD_NAMES[c.method]} under {STRATEGY_NAMES[c.strategy]} needs "
-                    f"{fmt_bytes(job.host_peak_per_node)} of host memory per node ({phase}) but a node has "
-                    f"{fmt_bytes(limit)} (--host-memory): it does not fit."
-                )
-        return chosen_job
+class _Walk:
+    """The log and the candidates of one walk (local to :func:`decide`; the setting is never changed)."""
 
-    def plan_evaluation(self, c: Candidate) -> None:
-        """The evaluation's peak at eval.batch_size (or the largest batch that fits, for auto) on ``c``."""
-        from finetune.plan.evaluation import MAX_AUTO_EVAL_BATCH, eval_memory
+    def __init__(self, s: Setting, log: list[w.Step]) -> None:
+        self.s, self.log = s, log
+        self.tried: list[Candidate] = []
+        self.said: set[str] = set()
 
-        world = 1 if c.strategy == "single" else self.world
-        execution = self.exec_spec(c.method, c.strategy, False, world, c.tp)
-        spec = TraceSpec.of(
-            execution, seq_len=self.req.seq_len, packed=False, attn_implementation=self.req.attn_implementation,
+    def refused(
+        self, method: str, strategy: str, tp: int, ac: bool, optimizer: str | None = None,
+        offload: str | None = None, *, say: bool = True,
+    ) -> bool:
+        """Whether the capability table refuses the configuration; the first time a sentence rules out a
+        candidate the walk considers, it is said (and the refused candidate kept with why)."""
+        text = self.s.refusal(method, strategy, tp, ac, optimizer, offload)
+        if text is None:
+            return False
+        if say and text not in self.said:
+            self.said.add(text)
+            self.log.append(w.RuledOut(method, strategy, tp, text))
+            self.tried.append(_refused(self.s, method, strategy, tp, ac, text, optimizer, offload))
+        return True
+
+    def attempt(
+        self, method: str, strategies: list[str], mbs: int, ac: bool, tp: int, clause: bool,
+        optimizer: str | None = None, offload: str | None = None, with_method: bool = True, setting: str = "",
+        say: bool = True,
+    ) -> Candidate | None:
+        """``method`` under each of ``strategies`` in order (tp, checkpointing and state fixed). The first
+        that fits is the answer, unless a later one that also fits is predicted faster by more than
+        :data:`TIME_MARGIN` (every strategy after the first fit is evaluated for that); the sentence lists
+        the attempts up to the first fit."""
+        attempts: list[w.Attempt] = []
+        fitting: list[Candidate] = []
+        for strategy in strategies:
+            if self.refused(method, strategy, tp, ac, optimizer, offload, say=not fitting):
+                continue
+            c = self.host_checked(
+                evaluate(self.s, method, strategy, mbs, ac, tp=tp, optimizer=optimizer, offload=offload)
+            )
+            self.tried.append(c)
+            if fitting:  # past the first fit: only to compare the predicted time
+                if c.fits:
+                    fitting.append(c)
+                continue
+            attempts.append(w.Attempt(_label(c), c.memory.total, c.fits, c.status is Status.STATES_OVER))
+            if c.fits:
+                fitting.append(c)
+                if c.time is None:
+                    break
+        if say and attempts:
+            self.log.append(w.Tried(
+                method, tuple(attempts), self.s.capacity, mbs, self.s.req.seq_len, clause, with_method, setting,
+            ))
+        if not fitting:
+            return None
+        first, best = fitting[0], min(fitting, key=_step_seconds)
+        if best is not first and _step_seconds(best) < (1 - TIME_MARGIN) * _step_seconds(first):
+            self.log.append(w.FasterChoice(_label(best), _step_seconds(best), _label(first), _step_seconds(first)))
+            return best
+        return first
+
+    def host_checked(self, c: Candidate) -> Candidate:
+        """An offloading candidate whose host memory per node exceeds ``hw.host_memory`` does not fit."""
+        limit = self.s.hw.host_memory
+        if c.offload == "none" or not limit or not c.fits:
+            return c
+        need, phase = _host_peak(self.s, c)
+        if need <= limit:
+            return c
+        self.log.append(w.HostMemoryOver(c.method, c.strategy, need, phase, limit))
+        return replace(c, status=Status.HOST_OVER)
+
+
+def _refused(
+    s: Setting, method: str, strategy: str, tp: int, ac: bool, why: str, optimizer: str | None, offload: str | None,
+) -> Candidate:
+    optimizer = optimizer or (s.req.optimizer if s.req.optimizer != "auto" else "adamw")
+    offload = offload or (s.req.offload if s.req.offload != "auto" else "none")
+    return Candidate(
+        method=Method(method), strategy=Strategy(strategy), precision=Precision(s.precision), micro_batch_size=1,
+        grad_accum_steps=1, activation_checkpointing=ac, nproc=s.hw.gpus_per_node, nnodes=s.hw.nodes,
+        status=Status.REFUSED, why=why, tp=tp, optimizer=optimizer, offload=offload,
+    )
+
+
+def _label(c: Candidate) -> str:
+    return c.label
+
+
+def _host_peak(s: Setting, c: Candidate) -> tuple[int, str]:
+    """The whole job's host memory per node of ``c`` and the phase that peaks."""
+    from finetune.plan.job import host_peak_phase, job_figures
+
+    world = 1 if c.strategy == "single" else s.world
+    spec = s.exec_spec(c.method, c.strategy, c.activation_checkpointing, world, c.tp, c.optimizer, c.offload)
+    per_node = 1 if c.strategy == "single" else s.hw.gpus_per_node
+    job = job_figures(s.inv, spec, world, per_node, s.hw.device)
+    return job.host_peak_per_node, host_peak_phase(job.to_dict())[0]
+
+
+def _strategies(s: Setting) -> list[str]:
+    if s.req.strategy != "auto":
+        return [s.req.strategy]
+    return ["single"] if s.world == 1 else ["ddp", "zero2", "fsdp"]
+
+
+def _tp_strategies(s: Setting, tp: int) -> list[str]:
+    """Strategies over the data-parallel replicas of a TP run (none to choose with one replica)."""
+    if s.req.strategy != "auto":
+        return [s.req.strategy]
+    return ["ddp"] if s.world // tp == 1 else ["zero2", "fsdp"]
+
+
+def _table_strategies(s: Setting) -> list[str]:
+    if s.world == 1:
+        return ["single"] if s.req.strategy in ("auto", "single") else [s.req.strategy]
+    return ["ddp", "zero1", "zero2", "fsdp"]
+
+
+def _methods(s: Setting) -> list[str]:
+    return ["full", "lora", "qlora"] if s.req.method == "auto" else [s.req.method]
+
+
+def _checkpointing_options(s: Setting) -> list[bool]:
+    acs = [False, True] if s.req.checkpointing is None else [s.req.checkpointing]
+    if s.req.method != "auto" and not Method(s.req.method).recomputable:
+        return [False]  # prefix tuning: checkpointed layers would drop the prefix (see Method.recomputable)
+    return acs
+
+
+def _try_method(
+    wk: _Walk, method: str, mbs1: int, acs: list[bool], optimizer: str | None = None, offload: str | None = None,
+    setting: str = "", say: bool = True,
+) -> Candidate | None:
+    """``method`` under every strategy (the pinned TP degree), without then with checkpointing."""
+    s = wk.s
+    strategies = _strategies(s) if s.tp == 1 else _tp_strategies(s, s.tp)
+    for ac in acs:
+        if offload == "parameters":
+            strategies = [x for x in strategies if x in ("zero2", "fsdp")]
+        found = wk.attempt(
+            method, strategies, mbs1, ac, s.tp, ac and len(acs) > 1, optimizer, offload, setting=setting, say=say,
         )
-        setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, self.hw.device, execution.optimizer)
-        cap = self.hw.memory_bytes
-        # one TP rank's model; a single TP replica has no data-parallel wrapper (no DDP buckets)
-        inv, config = self.inventory(c.tp), tp_config(self.req.config, c.tp)
-        strategy = "single" if c.tp > 1 and c.dp == 1 else str(c.strategy)
+        if found is not None:
+            return found
+    return None
 
-        def at(batch: int) -> tuple[int, Any]:
-            return eval_memory(inv, config, spec, strategy, setup, batch, self.req.eval_max_new_tokens)
 
-        pinned = self.req.eval_batch_size
-        if pinned is not None:
-            total, peak = at(pinned)
-        else:  # arithmetic on four cached traces: trying every batch costs nothing
-            batch = next((b for b in range(MAX_AUTO_EVAL_BATCH, 0, -1) if at(b)[0] <= cap), 1)
-            total, peak = at(batch)
-        c.eval_batch_size, c.eval_memory = peak.batch_size, total
-        how = "eval.batch_size" if pinned is not None else "eval.batch_size auto, the largest that fits"
-        text = (
-            f"Evaluation at {self.req.seq_len} tokens ({how}: {peak.batch_size}): {fmt_bytes(total)} per GPU "
-            f"(loss forward {fmt_bytes(peak.loss)}, generating {self.req.eval_max_new_tokens} tokens with a KV cache "
-            f"{fmt_bytes(peak.generation)}, beside the model states)"
-        )
-        if total > cap:
-            fix = "set eval.batch_size: auto" if pinned is not None and at(1)[0] <= cap else (
-                "lower eval.max_new_tokens or data.max_seq_len")
-            text += f" > {fmt_bytes(cap)}: the run would fail at its first evaluation; {fix}"
-        self.say(text + ".")
+def _try_tensor_parallel(wk: _Walk, method: str, mbs1: int, acs: list[bool]) -> Candidate | None:
+    """The smallest TP degree (inside a node) under which ``method`` fits at micro-batch ``mbs1``."""
+    s = wk.s
+    if not s.tp_auto or all(wk.refused(method, x, 2, acs[0], say=False) for x in _tp_strategies(s, 2)):
+        return None
+    fsdp = [c for c in wk.tried if c.method == method and c.strategy == "fsdp" and c.tp == 1 and c.memory.total]
+    wk.log.append(w.TryTensorParallel(
+        method, mbs1, min(c.memory.total for c in fsdp) if fsdp else None, s.tp_auto, s.req.seq_len,
+        s.req.config.hidden_size,
+    ))
+    for tp in s.tp_auto:
+        for ac in acs:
+            found = wk.attempt(method, _tp_strategies(s, tp), mbs1, ac, tp, ac and len(acs) > 1, with_method=False)
+            if found is not None:
+                return found
+    return None
 
-    def pinned_keys(self) -> list[str]:
-        """The recipe keys the walk took as given instead of choosing them (named as in the recipe)."""
-        r = self.req
-        given = (
-            ("method", r.method != "auto"),
-            ("distributed.strategy", r.strategy != "auto"),
-            ("precision", r.precision != "auto"),
-            ("train.micro_batch_size", r.micro_batch_size is not None),
-            ("train.activation_checkpointing", r.checkpointing is not None),
-        )
-        return [key for key, pinned in given if pinned]
 
-    def checkpoint_size(self, method: str, sb: Any) -> int:
-        """Bytes of one checkpoint of ``method``: the saved weights (all of them for full fine-tuning, the
-        fp32 adapters otherwise) and AdamW's two moments per trainable parameter (what the trainer writes)."""
-        from finetune.units import checkpoint_bytes
+def _next_method_step(s: Setting, method: str, nxt: str, mbs1: int) -> w.NextMethod:
+    sb = s.inv.storage(s.exec_spec(nxt, "single", False))
+    targets = lora_targets(s.lora, s.req.config.model_type)
+    targets = targets if isinstance(targets, str) else ", ".join(targets)
+    base = ""
+    if Method(nxt).quantized:  # 4-bit NF4 on the ladder; 8-bit only when quantization.bits pins it
+        q = s.exec_spec(nxt, "single", False).quant
+        assert q is not None
+        base = f"{q.quant_type.upper()} 4-bit" if q.bits == 4 else "LLM.int8 8-bit"
+    return w.NextMethod(method, nxt, mbs1, sb.trainable, s.lora.r, targets, base, sb.param_bytes)
 
-        weights = method_type(method)().saved_weight_bytes(sb.param_bytes, sb.trainable)
-        return checkpoint_bytes(weights, sb.trainable)
 
-    def table(self) -> list[Candidate]:
-        out = []
-        mbs1 = self.req.micro_batch_size or 1
-        ac = bool(self.req.checkpointing)
-        for method in self.methods():
-            if self.tp == 1:
-                for strategy in self.table_strategies():
-                    if not self.refused(method, strategy, 1, ac, say=False):
-                        out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True))
-            for tp in [self.tp] if self.tp > 1 else self.tp_auto:
-                for strategy in self.tp_strategies(tp):
-                    if not self.refused(method, strategy, tp, ac, say=False):
-                        out.append(self.evaluate(method, strategy, mbs1, ac, table_only=True, tp=tp))
-        return out
+def _choose(wk: _Walk) -> Candidate | None:
+    """Steps 2 and 3: the first method (in the ladder's order) that fits under some strategy."""
+    s = wk.s
+    mbs1 = s.req.micro_batch_size or 1
+    acs = _checkpointing_options(s)
+    methods = _methods(s)
+    for mi, method in enumerate(methods):
+        found = _try_method(wk, method, mbs1, acs) or _try_tensor_parallel(wk, method, mbs1, acs)
+        if found is not None:
+            return found
+        if mi + 1 < len(methods):
+            wk.log.append(_next_method_step(s, method, methods[mi + 1], mbs1))
+    return _smaller_state(wk, mbs1, acs)
+
+
+def _stages(s: Setting) -> list[tuple[str, str]]:
+    """The (optimizer, offload) stages the walk may try: only what the recipe leaves to it."""
+    optimizer, offload = s.req.optimizer, s.req.offload
+    out = []
+    if optimizer == "auto" and offload in ("auto", "none"):
+        out.append(("adamw8bit", "none"))
+        if s.hw.device == "cuda":  # on a CPU, paged and plain 8-bit states are the same memory
+            out.append(("paged_adamw8bit", "none"))
+    if offload == "auto":
+        kept = "adamw" if optimizer == "auto" else optimizer
+        out += [(kept, "optimizer"), (kept, "parameters")]
+    return out
+
+
+def _smaller_state(wk: _Walk, mbs1: int, acs: list[bool]) -> Candidate | None:
+    """Step 4: when nothing fits with the optimizer state as planned, the ways to shrink or move it, each
+    tried over the ladder's methods (the first method that fits wins; the last is described if none)."""
+    s = wk.s
+    methods = _methods(s)
+    for optimizer, offload in _stages(s):
+        sized = [c for c in wk.tried if c.status in (Status.OVER, Status.STATES_OVER)]
+        if not sized:
+            return None
+        best = min(sized, key=lambda c: c.memory.total)
+        if wk.refused(best.method, best.strategy, best.tp, best.activation_checkpointing, optimizer, offload, say=False):
+            same = best
+        else:
+            same = evaluate(s, best.method, best.strategy, best.micro_batch_size, best.activation_checkpointing,
+                            tp=best.tp, optimizer=optimizer, offload=offload)
+        if same.memory.total >= best.memory.total:
+            continue  # saves nothing on the smallest configuration so far (e.g. adapters too small for 8 bits)
+        host = _host_peak(s, same)[0] if offload != "none" else 0
+        link = same.offload_bytes_per_step
+        wk.log.append(w.SmallerState(
+            optimizer, offload, max(0, best.memory.total - same.memory.total), host, link,
+            same.time.offload if same.time is not None else link / INTERCONNECTS["pcie"],
+        ))
+        label = _state_words(optimizer, offload)
+        for mi, method in enumerate(methods):
+            last = mi + 1 == len(methods)
+            mark = len(wk.log)
+            found = _try_method(wk, method, mbs1, acs, optimizer, offload, setting=label)
+            if found is not None:
+                return found
+            if not last:
+                del wk.log[mark:]  # only the lightest method's attempts are worth a sentence
+    return None
+
+
+def _largest_micro_batch(wk: _Walk, c: Candidate) -> Candidate:
+    """Step 5: the largest micro-batch that fits (a divisor of each rank's share of the global batch)."""
+    s = wk.s
+    per_rank = s.global_batch // c.dp
+    if s.req.micro_batch_size is not None:
+        return c
+    best = c
+    for b in sorted(b for b in range(2, per_rank + 1) if per_rank % b == 0):
+        cand = evaluate(s, c.method, c.strategy, b, c.activation_checkpointing, tp=c.tp, optimizer=c.optimizer,
+                        offload=c.offload)
+        if not cand.fits:
+            break
+        best = cand
+    wk.log.append(w.LargestMicroBatch(
+        s.req.seq_len, best.micro_batch_size, best.activation_checkpointing, best.memory.total,
+        best.grad_accum_steps, s.global_batch,
+    ))
+    return best
+
+
+def _shorter_sequences(s: Setting, tried: list[Candidate]) -> tuple[int, Candidate] | None:
+    """The longest sequence length (a multiple of 64) at which one of ``tried`` fits, found by tracing.
+
+    The candidate is the one whose other memory leaves activations the most room (not necessarily the
+    smallest: at long sequences QLoRA's fp32 activations outgrow full fine-tuning's). Memory is not
+    linear in the length (autocast weight copies do not grow; packed rows under sdpa carry a T x T mask),
+    so the length is searched on traced totals: secant steps from the two longest, then false position
+    inside the bracket, at most eight traces.
+    """
+    def room(m: MemoryBreakdown) -> float:  # bytes left for activations; the overhead shrinks with them
+        ctx, frag = (CUDA_CONTEXT_BYTES, FRAGMENTATION) if m.overhead else (0, 0.0)
+        return (s.capacity - ctx) / (1 + frag) - (m.total - m.overhead - m.activations)
+
+    cap, seq_len = s.capacity, s.req.seq_len
+    options = [c for c in tried if c.memory.activations > 0 and room(c.memory) > 0]
+    if not options or seq_len < 128:
+        return None
+    c = max(options, key=lambda o: room(o.memory) / o.memory.activations)
+    over = [(seq_len, c.memory.total - cap)]  # (length, bytes over the cap), longest first
+    best: tuple[int, Candidate, float] | None = None  # the longest length that fits
+    t = max(64, seq_len // 2 // 64 * 64)
+    for _ in range(8):
+        found = evaluate(s.at_seq_len(t), c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing,
+                         tp=c.tp, optimizer=c.optimizer, offload=c.offload)
+        excess = found.memory.total - cap
+        if found.fits:
+            best = (t, found, excess)
+        else:
+            over.append((t, excess))
+            over.sort(reverse=True)
+        hi, g_hi = min(over)  # the shortest length that does not fit
+        if best is not None:
+            lo, _, g_lo = best
+            if hi - lo <= 64:
+                break
+            t = lo + (hi - lo) * (-g_lo) / (g_hi - g_lo)  # false position
+            t = min(max(int(t) // 64 * 64, lo + 64), hi - 64)
+        else:
+            (t1, g1), (t2, g2) = over[-1], over[-2]  # secant through the two shortest that do not fit
+            t = t1 - g1 * (t2 - t1) / (g2 - g1) if g2 != g1 else t1 / 2
+            t = int(min(t, t1 / 2 if t >= t1 else t)) // 64 * 64
+            if t < 64:
+                if t1 == 64:
+                    return None
+                t = 64
+    return (best[0], best[1]) if best is not None else None
+
+
+def _nothing_fits(wk: _Walk) -> Candidate:
+    """No configuration fits: the smallest one, and what would make one fit (more GPUs, QLoRA, shorter
+    sequences)."""
+    s = wk.s
+    sized = [c for c in wk.tried if c.status is not Status.REFUSED]
+    planned = [c for c in sized if (c.optimizer, c.offload) == _planned_state(s)] or sized
+    best = min(planned, key=lambda c: c.memory.total)
+    advice = []
+    moved = [c for c in sized if c not in planned]
+    if moved:
+        least = min(moved, key=lambda c: c.memory.total)
+        advice.append(f"Shrinking or moving the optimizer state does not make it fit either: {_state_label(least)} "
+                      f"needs {'at least ' if least.status is Status.STATES_OVER else ''}"
+                      f"{w.fmt_bytes(least.memory.total)} per GPU.")
+    smallest = "fsdp" if s.req.strategy == "auto" else s.req.strategy
+    method = best.method if s.req.method != "auto" else "qlora"
+    if smallest in ("zero1", "zero2", "fsdp") or s.world == 1:  # sharded strategies shrink with the world
+        strat = smallest if smallest != "single" else "fsdp"
+        ac = Method(method).recomputable if s.req.checkpointing is None else s.req.checkpointing
+        for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+            if k <= s.world:
+                continue
+            c = evaluate(s.on_gpus(k), method, strat, 1, ac, optimizer=best.optimizer, offload=best.offload)
+            if c.fits:
+                advice.append(f"{w.method_name(method)} under {w.strategy_name(strat)} would fit on {k} GPUs "
+                              f"({w.fmt_bytes(c.memory.total)} per GPU).")
+                break
+    if s.req.method not in ("auto", "qlora"):
+        q = evaluate(s, "qlora", best.strategy, 1, best.activation_checkpointing)
+        advice.append(f"QLoRA would need {w.fmt_bytes(q.memory.total)} per GPU "
+                      f"({'fits' if q.fits else 'still too much'}).")
+    shorter = _shorter_sequences(s, [c for c in wk.tried if c.status is not Status.REFUSED])
+    if shorter is not None:
+        seq, c = shorter
+        ckpt = ", activation checkpointing on" if c.activation_checkpointing else ""
+        advice.append(f"Shorter sequences would fit: {seq} tokens instead of {s.req.seq_len} "
+                      f"({w.method_name(c.method)} under {w.strategy_name(c.strategy)}{ckpt}: "
+                      f"{w.fmt_bytes(c.memory.total)} per GPU).")
+    wk.log.append(w.NothingFits(
+        s.capacity, best.method, best.strategy, best.micro_batch_size, best.memory.total,
+        best.status is Status.STATES_OVER, tuple(advice),
+    ))
+    return best
+
+
+def _planned_state(s: Setting) -> tuple[str, str]:
+    """The (optimizer, offload) the recipe asks for before the walk shrinks or moves anything."""
+    return (s.req.optimizer if s.req.optimizer != "auto" else "adamw", s.req.offload if s.req.offload != "auto" else "none")
+
+
+def _state_label(c: Candidate) -> str:
+    """``QLoRA with 8-bit AdamW under FSDP``: a candidate with its optimizer state's setting."""
+    return f"{w.method_name(c.method)}{_state_words(c.optimizer, c.offload)} under {c.label}"
+
+
+def _state_words(optimizer: str, offload: str) -> str:
+    """`` with 8-bit AdamW``, `` with the optimizer state offloaded`` (empty for plain AdamW on the GPU)."""
+    if offload == "optimizer":
+        return " with the optimizer state offloaded"
+    if offload == "parameters":
+        return " with parameters and optimizer state offloaded"
+    return "" if optimizer == "adamw" else f" with {w.OPTIMIZER_NAMES[optimizer].split(' (')[0]}"
+
+
+def _pinned_keys(r: Request) -> tuple[str, ...]:
+    """The recipe keys the walk took as given instead of choosing them (named as in the recipe)."""
+    given = (
+        ("method", r.method != "auto"),
+        ("distributed.strategy", r.strategy != "auto"),
+        ("precision", r.precision != "auto"),
+        ("train.micro_batch_size", r.micro_batch_size is not None),
+        ("train.activation_checkpointing", r.checkpointing is not None),
+    )
+    return tuple(key for key, pinned in given if pinned)
+
+
+def plan_evaluation(s: Setting, c: Candidate) -> tuple[Candidate, w.EvaluationPlanned]:
+    """The evaluation's peak at eval.batch_size (or the largest batch that fits, for auto) on ``c``: the
+    candidate with its evaluation figures, and the step that says them."""
+    from finetune.plan.evaluation import MAX_AUTO_EVAL_BATCH, eval_memory
+
+    world = 1 if c.strategy == "single" else s.world
+    execution = s.exec_spec(c.method, c.strategy, False, world, c.tp, c.optimizer, c.offload)
+    spec = TraceSpec.of(execution, seq_len=s.req.seq_len, packed=False, attn_implementation=s.req.attn_implementation)
+    setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, s.hw.device, execution.optimizer)
+    # one TP rank's model; a single TP replica has no data-parallel wrapper (no DDP buckets)
+    inv, config = s.inventory(c.tp), tp_config(s.req.config, c.tp)
+    strategy = "single" if c.tp > 1 and c.dp == 1 else str(c.strategy)
+
+    def at(batch: int) -> tuple[int, Any]:
+        return eval_memory(inv, config, spec, strategy, setup, batch, s.req.eval_max_new_tokens)
+
+    pinned = s.req.eval_batch_size
+    if pinned is not None:
+        total, peak = at(pinned)
+    else:  # arithmetic on four cached traces: trying every batch costs nothing
+        batch = next((b for b in range(MAX_AUTO_EVAL_BATCH, 0, -1) if at(b)[0] <= s.capacity), 1)
+        total, peak = at(batch)
+    fix = ""
+    if total > s.capacity:
+        fix = "set eval.batch_size: auto" if pinned is not None and at(1)[0] <= s.capacity else (
+            "lower eval.max_new_tokens or data.max_seq_len")
+    step = w.EvaluationPlanned(
+        s.req.seq_len, pinned is not None, peak.batch_size, total, peak.loss, peak.generation,
+        s.req.eval_max_new_tokens, s.capacity, fix,
+    )
+    return replace(c, eval_batch_size=peak.batch_size, eval_memory=total), step
+
+
+def _communication(s: Setting, chosen: Candidate, table: list[Candidate]) -> list[w.Step]:
+    """What the chosen configuration sends, and what the other strategies would (several processes)."""
+    if s.world == 1:
+        return []
+    out: list[w.Step] = []
+    if chosen.tp > 1:
+        link = s.hw.interconnect if s.hw.nodes == 1 else "nvlink (inside a node)"
+        out.append(w.TensorParallelCommunication(
+            chosen.tp, chosen.activation_checkpointing, chosen.micro_batch_size, s.req.seq_len,
+            s.req.config.hidden_size, chosen.tp_comm_bytes_per_step,
+            chosen.tp_comm_bytes_per_step / s.intra_node_bandwidth, link,
+        ))
+    by = {c.strategy: c for c in table if c.method == chosen.method and c.micro_batch_size == 1 and c.tp == 1}
+    ddp, z2, fs = by.get("ddp"), by.get("zero2"), by.get("fsdp")
+    if ddp and z2 and fs:
+        def link_of(c: Candidate) -> w.Link:
+            return w.Link(c.comm_bytes_per_step, c.comm_seconds_per_step or 0.0)
+
+        out.append(w.Communication(chosen.method, s.hw.interconnect, link_of(ddp), link_of(z2), link_of(fs)))
+    return out
+
+
+def _table(s: Setting, traced: frozenset[tuple[str, bool, int]]) -> list[Candidate]:
+    """Every method x strategy (x TP degree) at micro-batch 1, for the table (refused cells left out)."""
+    out = []
+    mbs1 = s.req.micro_batch_size or 1
+    ac = bool(s.req.checkpointing)
+    for method in _methods(s):
+        if s.tp == 1:
+            for strategy in _table_strategies(s):
+                if not s.refusal(method, strategy, 1, ac):
+                    out.append(evaluate(s, method, strategy, mbs1, ac, traced=traced))
+        for tp in [s.tp] if s.tp > 1 else s.tp_auto:
+            for strategy in _tp_strategies(s, tp):
+                if not s.refusal(method, strategy, tp, ac):
+                    out.append(evaluate(s, method, strategy, mbs1, ac, tp=tp, traced=traced))
+    return out
+
+
+def _check_host_memory(s: Setting, rows: list[Candidate]) -> tuple[list[Candidate], dict[str, Any], list[w.Step]]:
+    """The whole job's figures (finetune/plan/job.py) of the chosen row (first); rows whose host memory per
+    node exceeds ``hw.host_memory`` do not fit, with the reason in the walk."""
+    from finetune.plan.job import host_peak_phase, job_figures
+
+    out, steps = [], []
+    chosen_job: dict[str, Any] = {}
+    for i, c in enumerate(rows):
+        world = 1 if c.strategy == "single" else s.world
+        spec = s.exec_spec(c.method, c.strategy, c.activation_checkpointing, world, c.tp, c.optimizer, c.offload)
+        per_node = 1 if c.strategy == "single" else s.hw.gpus_per_node
+        job = job_figures(s.inv, spec, world, per_node, s.hw.device)
+        if i == 0:
+            chosen_job = job.to_dict()
+        limit = s.hw.host_memory
+        if limit and job.host_peak_per_node > limit and (c.fits or i == 0):
+            if c.status is not Status.HOST_OVER:
+                steps.append(w.HostMemoryOver(
+                    c.method, c.strategy, job.host_peak_per_node, host_peak_phase(job.to_dict())[0], limit,
+                ))
+            c = replace(c, status=Status.HOST_OVER)
+        out.append(c)
+    return out, chosen_job, steps
+
+
+def _checkpoint_size(method: str, sb: Any) -> int:
+    """Bytes of one checkpoint of ``method``: the saved weights (all of them for full fine-tuning, the
+    fp32 adapters otherwise) and AdamW's two moments per trainable parameter (what the trainer writes)."""
+    from finetune.units import checkpoint_bytes
+
+    weights = method_type(method)().saved_weight_bytes(sb.param_bytes, sb.trainable)
+    return checkpoint_bytes(weights, sb.trainable)
+
+
+def _key(c: Candidate) -> tuple[Any, ...]:
+    return (c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, c.tp, c.optimizer, c.offload)
+
+
+def decide(req: Request, hw: Hardware) -> Decision:
+    """Walk the flowchart for ``req`` on ``hw`` (neither is changed); every step is recorded."""
+    log: list[w.Step] = []
+    s = settle(req, hw, log)
+    wk = _Walk(s, log)
+    chosen = _choose(wk)
+    if chosen is None:
+        chosen = _nothing_fits(wk)
+    else:
+        chosen = _largest_micro_batch(wk, chosen)
+        pinned = _pinned_keys(s.req)
+        if pinned:
+            log.append(w.Pinned(pinned))
+    if chosen.fits:
+        chosen, step = plan_evaluation(s, chosen)
+        log.append(step)
+    if chosen.time is not None and chosen.fits:
+        t = chosen.time
+        log.append(w.Timing(t.step, t.compute, t.communication, t.offload, t.utilisation, t.peak_flops / 1e12,
+                            t.steps, t.job))
+    traced = frozenset(
+        (str(c.method), c.activation_checkpointing, c.tp) for c in wk.tried
+        if c.status in (Status.FITS, Status.OVER, Status.HOST_OVER)
+    )
+    table = _table(s, traced)
+    log.extend(_communication(s, chosen, table))
+    rows = [chosen] + [c for c in table if _key(c) != _key(chosen)]
+    rows, job, host_steps = _check_host_memory(s, rows)
+    log.extend(host_steps)
+    execution = s.exec_spec(
+        rows[0].method, rows[0].strategy, rows[0].activation_checkpointing,
+        1 if rows[0].strategy == "single" else s.world, rows[0].tp, rows[0].optimizer, rows[0].offload,
+    )
+    return Decision(
+        setting=s, chosen=rows[0], rows=tuple(rows), tried=tuple(wk.tried), steps=tuple(log), execution=execution,
+        job=job,
+    )
 
 
 def make_plan(req: Request, hw: Hardware) -> Plan:
     """Walk the flowchart for ``req`` on ``hw``; every step is recorded in ``Plan.walk``."""
-    return _Planner(req, hw).run()
+    return decide(req, hw).plan()

@@ -2,7 +2,11 @@
 
 Model states follow what the trainer builds (see finetune/train):
   single  one process: parameters, gradients, AdamW state (exp_avg, exp_avg_sq) of the trainable values.
-  ddp     + DistributedDataParallel's gradient buckets (a second copy of the gradients).
+  ddp     DistributedDataParallel with gradient_as_bucket_view: the gradients are views into its all-reduce
+          buckets, which exist from the start, so the gradients count in full from the first forward on.
+          The optimizer's zero_grad(set_to_none=True) detaches the views after every step: under gradient
+          accumulation the non-final micro-batches (no_sync) accumulate into tensors of their own, a second
+          copy of the gradients beside the buckets until the last micro-batch's backward copies them in.
   zero1   ddp with ZeroRedundancyOptimizer: optimizer state sharded by parameter over the ranks.
   zero2   FSDP2 fully_shard per decoder layer and on the root, reshard_after_forward=False: parameters,
           gradients and optimizer state sharded, but every unit stays all-gathered from its forward to its
@@ -185,6 +189,7 @@ def candidate_memory(
     reduce_bytes = DTYPE_BYTES[spec.reduce_dtype] if spec.reduce_dtype else gbytes
     f = (n - 1) / n
     sharded = spec.strategy.uses_fsdp
+    ddp = not sharded and spec.strategy.distributed and n > 1  # no DDP wrapper over a single TP replica
 
     # strategy buffers alive in each window of the forward/backward (see activations.WINDOWS)
     buffers: dict[str, int] = {"head": 0, "first": 0, "last": 0}
@@ -192,9 +197,8 @@ def candidate_memory(
     if not sharded:
         params, grads = sb.param_bytes, grads_full
         opt = opt_full if spec.strategy is not Strategy.ZERO1 else max(opt_full // n, 2 * largest)
-        if spec.strategy.distributed and n > 1:  # DDP gradient buckets (no wrapper over a single TP replica)
+        if ddp and s.grad_accum_steps > 1:  # no_sync's gradients beside the buckets (module docstring)
             buffers = dict.fromkeys(buffers, grads_full)
-            buffers_step = grads_full
         comm = int(2 * f * sb.trainable * gbytes)
     else:
         params = -(-sb.param_bytes // n)
@@ -218,7 +222,10 @@ def candidate_memory(
             buffers = {k: v + staged for k, v in buffers.items()}
 
     # forward/backward peak: (gradients present, activations and temporaries, buffers) at the worst moment
-    opt_fb = 0 if first_step else opt
+    # the first step's forward and backward run before AdamW allocates its state; a paged optimizer's state is
+    # evicted to the host while the forward and backward need the room, and paged back in for the step
+    paged = s.optimizer == "paged_adamw8bit" and s.device == "cuda"
+    opt_fb = 0 if first_step or paged else opt
     if profile is None:
         fb = (grads, 0, buffers["head"])
     else:
@@ -229,7 +236,7 @@ def candidate_memory(
 
         def at_peak(name: str, w: WindowPeaks) -> tuple[int, int, int]:
             acts = w.grads_and_acts - w.grads_at_peak
-            if s.grad_accum_steps > 1:  # later micro-batches: every gradient exists from the start
+            if s.grad_accum_steps > 1 or ddp:  # later micro-batches, DDP's buckets: every gradient exists from the start
                 return grads, max(w.acts, acts) + largest, buffers[name]
             if not sharded:  # gradients appear during backward (set to None after every step)
                 return w.grads_at_peak, acts, buffers[name]

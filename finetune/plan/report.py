@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.plan.types import Plan
+from finetune.plan.types import Plan, Status
+from finetune.plan.walk import Note
 from finetune.units import compact_bytes
 
 
@@ -159,9 +160,13 @@ def build_plan(opts: PlanOptions) -> Plan:
     from finetune.plan.hardware import parse_bytes
     from finetune.plan.job import this_machine_memory
 
-    hw.host_memory = parse_bytes(opts.host_memory) if opts.host_memory is not None else this_machine_memory()
-    if hw.host_memory <= 0:
-        raise UserError(f"--host-memory: {opts.host_memory} is no memory; write e.g. 512GiB")
+    if opts.host_memory is not None:
+        host = parse_bytes(opts.host_memory)
+        if host <= 0:
+            raise UserError(f"--host-memory: {opts.host_memory} is no memory; write e.g. 512GiB")
+    else:  # this machine's, when the plan is for it; a plan for other GPUs checks host memory only when given
+        host = this_machine_memory() if hw.detected or hw.device == "cpu" else 0
+    hw = replace(hw, host_memory=host)
     if opts.global_batch_size is not None:
         req = replace(req, global_batch_size=opts.global_batch_size)
     elif not opts.recipe and "train.global_batch_size" not in overridden:
@@ -175,6 +180,7 @@ def build_plan(opts: PlanOptions) -> Plan:
     plan = make_plan(req, hw)
     if note:
         plan.walk.insert(0, note)
+        plan.steps.insert(0, Note(note).to_dict())
     return plan
 
 
@@ -209,9 +215,10 @@ def print_plan(plan: Plan, console: Any = None) -> None:
             comm = f"{comm} + tp {c.tp_comm_bytes_per_step / 1e9:.1f}GB"
         if c.comm_seconds_per_step:
             comm += f" {c.comm_seconds_per_step:.2f}s"
-        acts = compact_bytes(m.activations) if not c.note else "-"
-        total = compact_bytes(m.total) if not c.note else f">= {compact_bytes(m.total)}"
-        fits = "yes" if c.fits else ("?" if c.note.startswith("activations not traced") else "no")
+        untraced = c.status in (Status.STATES_OVER, Status.NOT_TRACED)
+        acts = compact_bytes(m.activations) if not untraced else "-"
+        total = compact_bytes(m.total) if not untraced else f">= {compact_bytes(m.total)}"
+        fits = "yes" if c.fits else ("?" if c.status is Status.NOT_TRACED else "no")
         style = "bold green" if i == 0 else ("dim" if not c.fits else "")
         t.add_row(
             c.method + (" *" if i == 0 else ""), _strategy_cell(c), str(c.micro_batch_size),
@@ -239,8 +246,8 @@ def print_plan(plan: Plan, console: Any = None) -> None:
             f"whole job: loading peaks at {compact_bytes(job['load_peak_per_gpu'])} per GPU (its shards + one tensor); "
             f"host memory per node {compact_bytes(job['host_loading_per_node'])} loading, "
             f"{compact_bytes(job['host_checkpoint_per_node'])} saving a checkpoint, "
-            f"{compact_bytes(job['host_final_save_per_node'])} saving the final model (of "
-            f"{compact_bytes(hw.get('host_memory') or 0)}); disk {compact_bytes(job['checkpoint_bytes'])} per "
+            f"{compact_bytes(job['host_final_save_per_node'])} saving the final model ("
+            f"{'of ' + compact_bytes(hw['host_memory']) if hw.get('host_memory') else 'not checked: --host-memory'}); disk {compact_bytes(job['checkpoint_bytes'])} per "
             f"checkpoint, {compact_bytes(job['final_model_bytes'])} for the final model"
         )
     if model.get("checkpoint_bytes"):

@@ -8,6 +8,7 @@ accumulation, activation checkpointing, processes) and reports its measured peak
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 from finetune.spec import ExecSpec, Method, Precision, Strategy
@@ -34,6 +35,28 @@ class MemoryBreakdown:
         d = asdict(self)
         d["total"] = self.total
         return d
+
+
+class Status(str, Enum):
+    """Where a candidate stands against the memory (and the capability table)."""
+
+    FITS = "fits"
+    OVER = "does not fit"  # traced total over the GPU's memory
+    STATES_OVER = "model states do not fit"  # the model states alone exceed it (activations not traced)
+    NOT_TRACED = "not traced"  # the walk did not need this method's activations (a table row)
+    HOST_OVER = "host memory does not fit"  # the whole job's host memory per node exceeds --host-memory
+    REFUSED = "refused"  # the capability table rules it out (``Candidate.why`` says why)
+
+    @property
+    def note(self) -> str:
+        """The short note ``plan --json`` has always carried (empty unless activations were not traced)."""
+        return _NOTES.get(self, "")
+
+
+_NOTES = {
+    Status.STATES_OVER: "model states alone exceed the memory (activations not traced)",
+    Status.NOT_TRACED: "activations not traced (the walk did not need this method)",
+}
 
 
 @dataclass
@@ -83,8 +106,8 @@ class Candidate:
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
     comm_bytes_per_step: int = 0
     comm_seconds_per_step: float | None = None
-    fits: bool = True
-    note: str = ""  # e.g. "model states alone exceed the GPU (activations not traced)"
+    fits: bool = True  # status is FITS (kept in the JSON)
+    note: str = ""  # the status's note (kept in the JSON)
     eval_batch_size: int = 0  # rows per evaluation batch (eval.batch_size, or the largest that fits); 0: not planned
     eval_memory: int = 0  # predicted per-GPU peak of an evaluation at that batch (states + logits + KV cache)
     tp: int = 1  # tensor-parallel degree (inside a node); the strategy runs over world_size / tp replicas
@@ -93,6 +116,8 @@ class Candidate:
     offload: str = "none"  # none | optimizer | parameters: what lives in host memory
     offload_bytes_per_step: int = 0  # bytes over the host link per step for the offloaded state
     time: StepTime | None = None  # predicted seconds per step and for the job
+    status: Status | None = None  # None: from ``fits`` and ``note`` (a plan written before statuses)
+    why: str = ""  # the capability table's sentence of a refused candidate
 
     @property
     def dp(self) -> int:
@@ -129,6 +154,11 @@ class Candidate:
     def __post_init__(self) -> None:  # plain names (JSON, tests) become the enums
         self.method, self.strategy = Method(self.method), Strategy(self.strategy)
         self.precision = Precision(self.precision)
+        if self.status is None:
+            by_note = {st.note: st for st in (Status.STATES_OVER, Status.NOT_TRACED)}
+            self.status = by_note.get(self.note, Status.FITS if self.fits else Status.OVER)
+        self.status = Status(self.status)
+        self.fits, self.note = self.status is Status.FITS, self.status.note
 
 
 @dataclass
@@ -142,6 +172,8 @@ class Plan:
     model: dict[str, Any] = field(default_factory=dict)  # source, parameter counts, sequence length
     execution: ExecSpec | None = None  # how the chosen configuration stores and computes every tensor
     job: dict[str, Any] = field(default_factory=dict)  # the chosen row's loading/checkpoint/final-save figures
+    steps: list[dict[str, Any]] = field(default_factory=list)  # the walk's typed steps (finetune/plan/walk.py)
+    refused: list[dict[str, Any]] = field(default_factory=list)  # candidates the capability table ruled out
 
     def to_dict(self) -> dict[str, Any]:
         """The stable JSON form written as ``plan.json`` and printed by ``finetune plan --json``."""
@@ -153,6 +185,8 @@ class Plan:
             "model": dict(self.model),
             "execution": self.execution.to_dict() if self.execution else None,
             "job": dict(self.job),
+            "steps": list(self.steps),
+            "refused": list(self.refused),
         }
 
     @classmethod
@@ -166,4 +200,6 @@ class Plan:
             model=dict(d.get("model", {})),
             execution=ExecSpec.from_dict(d["execution"]) if d.get("execution") else None,
             job=dict(d.get("job", {})),
+            steps=list(d.get("steps", [])),
+            refused=list(d.get("refused", [])),
         )

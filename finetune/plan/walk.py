@@ -1,0 +1,479 @@
+"""The planner's walk as a structured log: one typed step per decision, each rendered as one sentence.
+
+The planner (finetune/plan/flowchart.py) records what it did as these steps, with the numbers that decided
+it; ``Plan.walk`` is their sentences and ``Plan.steps`` their fields (``plan --json``). Nothing here decides
+anything: a step only says what happened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from finetune.spec import Method, Strategy
+from finetune.units import fmt_bytes
+
+PRECISION_NAMES = {
+    "bf16": "bf16 mixed precision (fp32 master weights, no loss scaler)",
+    "fp16": "fp16 mixed precision (fp32 master weights, dynamic loss scaling)",
+    "fp32": "fp32",
+    "bf16-pure": "pure bf16 (weights, gradients and AdamW state in bf16)",
+}
+OPTIMIZER_NAMES = {
+    "adamw": "AdamW",
+    "adamw8bit": "8-bit AdamW (bitsandbytes: each moment in 1 byte with blockwise scales)",
+    "paged_adamw8bit": "paged 8-bit AdamW (its state in CUDA unified memory, paged to the host while the "
+    "forward and backward need the room)",
+}
+OFFLOAD_NAMES = {
+    "optimizer": "the optimizer state and its step in host memory",
+    "parameters": "parameters, gradients and the optimizer state in host memory (FSDP2's CPU offload)",
+}
+
+
+def _cap(text: str) -> str:
+    return text[0].upper() + text[1:]
+
+
+def method_name(method: str) -> str:
+    """How a sentence names a method: ``full fine-tuning``, ``LoRA``."""
+    return Method(method).title
+
+
+def strategy_name(strategy: str) -> str:
+    """How a sentence names a strategy: ``one process``, ``DDP``, ``ZeRO-2``."""
+    return Strategy(strategy).title
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the walk."""
+
+    def render(self) -> str:  # pragma: no cover - every step overrides it
+        """The step as one sentence."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: the step's kind and its fields."""
+        return {"kind": type(self).__name__, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class Note(Step):
+    """A sentence about the request itself (no GPU visible, a fallback the architecture needs)."""
+
+    text: str
+
+    def render(self) -> str:
+        """The sentence as given."""
+        return self.text
+
+
+@dataclass(frozen=True)
+class OneProcess(Step):
+    """``distributed.strategy: single`` on hardware with several GPUs."""
+
+    world: int
+
+    def render(self) -> str:
+        """The sentence."""
+        return f"distributed.strategy is single: planning for one process, not {self.world}."
+
+
+@dataclass(frozen=True)
+class PinnedTensorParallel(Step):
+    """The recipe pins a TP degree: how it splits each block."""
+
+    tp: int
+    what: str  # processes | GPUs
+    heads: int
+    kv_heads: int
+    mlp: int
+    replicas: int
+
+    def render(self) -> str:
+        """The sentence."""
+        t = self.tp
+        return (
+            f"Tensor parallelism: tp {t} as the recipe pins: each block's linears split over {t} {self.what} of a "
+            f"node ({self.heads} heads, {self.kv_heads} KV heads, {self.mlp} MLP features -> {self.heads // t}, "
+            f"{self.kv_heads // t}, {self.mlp // t} per rank), {self.replicas} data-parallel replica(s)."
+        )
+
+
+@dataclass(frozen=True)
+class PrecisionChosen(Step):
+    """Step 1 of the flowchart."""
+
+    precision: str
+    why: str  # pinned | cpu | bf16 | assumed | fp16
+    gpu: str = ""
+    no_bf16: bool = False  # pinned bf16 on a GPU without it
+
+    def render(self) -> str:
+        """The sentence."""
+        name = PRECISION_NAMES[self.precision]
+        if self.why == "pinned":
+            extra = f" (pinned, but {self.gpu} has no bf16 support: expect it to fail or run slowly)" if self.no_bf16 else ""
+            return f"Precision: {name}, as the recipe pins{extra}."
+        if self.why == "cpu":
+            return "Precision: fp32 (a CPU run)."
+        if self.why == "bf16":
+            return f"Precision: {name}: {self.gpu} supports bf16."
+        if self.why == "assumed":
+            return f"Precision: {name}: assumed a bf16 GPU (--gpu-type v100/t4 for older ones)."
+        return f"Precision: {name}: {self.gpu} has no bf16 (compute capability < 8.0)."
+
+
+@dataclass(frozen=True)
+class BatchRounded(Step):
+    """The global batch is not a multiple of the data-parallel ranks (a preview rounds it up)."""
+
+    asked: int
+    ranks: int
+    planned: int
+
+    def render(self) -> str:
+        """The sentence."""
+        return f"The global batch {self.asked} is not a multiple of {self.ranks} processes: planning for {self.planned}."
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One candidate as a tried-step names it."""
+
+    label: str  # the strategy as people say it (DDP, TP 2 x FSDP)
+    total: int
+    fits: bool
+    states_only: bool  # the model states alone already exceed the memory (activations not traced)
+
+
+@dataclass(frozen=True)
+class Tried(Step):
+    """The strategies tried for one method at one checkpointing setting, in order, up to the first that fits."""
+
+    method: str
+    attempts: tuple[Attempt, ...]
+    capacity: int
+    micro_batch_size: int
+    seq_len: int
+    checkpointing_clause: bool  # say "With activation checkpointing, " (both settings are being tried)
+    with_method: bool = True  # name the method before the first strategy
+    setting: str = ""  # what else differs from the plain run ("8-bit AdamW", "optimizer state offloaded")
+
+    def render(self) -> str:
+        """The sentence: each attempt's per-GPU need against the capacity, and which fits."""
+        parts = []
+        for i, a in enumerate(self.attempts):
+            head = f"{method_name(self.method)}{self.setting} under {a.label}" if i == 0 and self.with_method else a.label
+            need = f"{head} needs {fmt_bytes(a.total)} per GPU"
+            if a.states_only:
+                need += " for the model states alone"
+            if a.fits:
+                parts.append(f"{need}: fits (micro-batch {self.micro_batch_size}, {self.seq_len} tokens)")
+            else:
+                parts.append(f"{need} > {fmt_bytes(self.capacity)}")
+        text = "; ".join(parts) + "."
+        if self.checkpointing_clause:
+            return "With activation checkpointing, " + text
+        return _cap(text)
+
+
+@dataclass(frozen=True)
+class RuledOut(Step):
+    """The capability table refuses a candidate the walk would consider."""
+
+    method: str
+    strategy: str
+    tp: int
+    reason: str
+
+    def render(self) -> str:
+        """The sentence."""
+        tp = f" x tp {self.tp}" if self.tp > 1 else ""
+        return f"{_cap(method_name(self.method))} under {strategy_name(self.strategy)}{tp} is ruled out: {self.reason}."
+
+
+@dataclass(frozen=True)
+class NextMethod(Step):
+    """A method fits under no strategy: the walk tries the next one."""
+
+    method: str
+    next: str
+    micro_batch_size: int
+    trainable: int
+    r: int
+    targets: str
+    base: str  # "" | "NF4 4-bit" | "LLM.int8 8-bit"
+    base_bytes: int
+
+    def render(self) -> str:
+        """The sentence."""
+        base = f" {self.base}" if self.base else ""
+        return (
+            f"{_cap(method_name(self.method))} does not fit at micro-batch {self.micro_batch_size} under any strategy: "
+            f"trying {method_name(self.next)} ({self.trainable / 1e6:.1f}M trainable parameters, r={self.r} on "
+            f"{self.targets},{base} base weights {fmt_bytes(self.base_bytes)})."
+        )
+
+
+@dataclass(frozen=True)
+class TryTensorParallel(Step):
+    """FSDP alone does not fit: the walk tries TP degrees inside a node."""
+
+    method: str
+    micro_batch_size: int
+    best_fsdp: int | None
+    degrees: tuple[int, ...]
+    seq_len: int
+    hidden: int
+
+    def render(self) -> str:
+        """The sentence."""
+        need = f" ({fmt_bytes(self.best_fsdp)} at best)" if self.best_fsdp is not None else ""
+        return (
+            f"{_cap(method_name(self.method))} does not fit under FSDP alone at micro-batch {self.micro_batch_size}"
+            f"{need}: trying tensor parallelism inside a node, tp {', '.join(map(str, self.degrees))} (never across "
+            f"nodes: its 4 all-reduces per block of micro-batch x {self.seq_len} x {self.hidden} values need the "
+            "intra-node link)."
+        )
+
+
+@dataclass(frozen=True)
+class SmallerState(Step):
+    """No method fits with the plain optimizer state: the walk tries the next way to shrink or move it."""
+
+    optimizer: str
+    offload: str  # none | optimizer | parameters
+    saved: int  # bytes per GPU this saves on the smallest candidate so far
+    host_per_node: int = 0  # host memory per node the offloaded state takes
+    link_bytes: int = 0  # bytes over the host link per step
+    link_seconds: float = 0.0
+
+    def render(self) -> str:
+        """The sentence."""
+        if self.offload == "none":
+            what = OPTIMIZER_NAMES[self.optimizer]
+            return (
+                f"No configuration fits with the optimizer state as planned: trying {what}, which saves "
+                f"{fmt_bytes(self.saved)} per GPU."
+            )
+        return (
+            f"No configuration fits with every state on the GPU: trying {OFFLOAD_NAMES[self.offload]}, which saves "
+            f"{fmt_bytes(self.saved)} per GPU and costs {fmt_bytes(self.host_per_node)} of host memory per node and "
+            f"{self.link_bytes / 1e9:.2f} GB over the host link per step ({self.link_seconds:.2f} s)."
+        )
+
+
+@dataclass(frozen=True)
+class LargestMicroBatch(Step):
+    """Step 4 of the flowchart."""
+
+    seq_len: int
+    micro_batch_size: int
+    checkpointing: bool
+    total: int
+    grad_accum_steps: int
+    global_batch: int
+
+    def render(self) -> str:
+        """The sentence."""
+        ac = "on" if self.checkpointing else "off"
+        return (
+            f"Largest micro-batch that fits at {self.seq_len} tokens: {self.micro_batch_size} (activation "
+            f"checkpointing {ac}, {fmt_bytes(self.total)} per GPU); gradient accumulation {self.grad_accum_steps} "
+            f"keeps the global batch at {self.global_batch}."
+        )
+
+
+@dataclass(frozen=True)
+class FasterChoice(Step):
+    """Several configurations fit at the same step of the walk: the one with the shortest predicted step."""
+
+    chosen: str
+    chosen_seconds: float
+    other: str
+    other_seconds: float
+
+    def render(self) -> str:
+        """The sentence."""
+        return (
+            f"{self.chosen} and {self.other} both fit: {self.chosen} is predicted faster ({self.chosen_seconds:.2f} s "
+            f"per step against {self.other_seconds:.2f} s)."
+        )
+
+
+@dataclass(frozen=True)
+class Pinned(Step):
+    """The recipe keys the walk took as given."""
+
+    keys: tuple[str, ...]
+
+    def render(self) -> str:
+        """The sentence."""
+        return f"Pinned by the recipe and checked: {', '.join(self.keys)}."
+
+
+@dataclass(frozen=True)
+class EvaluationPlanned(Step):
+    """The evaluation's peak on the chosen configuration."""
+
+    seq_len: int
+    pinned: bool
+    batch_size: int
+    total: int
+    loss: int
+    generation: int
+    max_new_tokens: int
+    capacity: int
+    fix: str = ""  # what to change when it does not fit
+
+    def render(self) -> str:
+        """The sentence."""
+        how = "eval.batch_size" if self.pinned else "eval.batch_size auto, the largest that fits"
+        text = (
+            f"Evaluation at {self.seq_len} tokens ({how}: {self.batch_size}): {fmt_bytes(self.total)} per GPU "
+            f"(loss forward {fmt_bytes(self.loss)}, generating {self.max_new_tokens} tokens with a KV cache "
+            f"{fmt_bytes(self.generation)}, beside the model states)"
+        )
+        if self.total > self.capacity:
+            text += f" > {fmt_bytes(self.capacity)}: the run would fail at its first evaluation; {self.fix}"
+        return text + "."
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bytes and seconds of one strategy's communication per step."""
+
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Communication(Step):
+    """What DDP, ZeRO-2 and FSDP send per step for the chosen method."""
+
+    method: str
+    link: str
+    ddp: Link
+    zero2: Link
+    fsdp: Link
+
+    def render(self) -> str:
+        """The sentence."""
+        def gb(c: Link) -> str:
+            return f"{c.bytes / 1e9:.2f} GB, {c.seconds:.2f} s over {self.link}"
+
+        if self.zero2.bytes <= 1.05 * self.ddp.bytes:
+            zero2 = (f"ZeRO-2 reduce-scatters gradients and all-gathers parameters, no more than that all-reduce "
+                     f"(an all-reduce is a reduce-scatter plus an all-gather), so its memory saving is free "
+                     f"({gb(self.zero2)})")
+        else:
+            zero2 = (f"ZeRO-2 sends more here ({gb(self.zero2)}): FSDP2 all-gathers the frozen base weights too, "
+                     "while DDP only all-reduces the small trainable gradients")
+        return (
+            f"Communication per GPU per step ({method_name(self.method)}): DDP all-reduces the gradients "
+            f"({gb(self.ddp)}); {zero2}; FSDP all-gathers the parameters again in backward "
+            f"({gb(self.fsdp)}, {self.fsdp.bytes / max(1, self.zero2.bytes):.2f}x ZeRO-2)."
+        )
+
+
+@dataclass(frozen=True)
+class TensorParallelCommunication(Step):
+    """TP's all-reduces of the chosen configuration."""
+
+    tp: int
+    checkpointing: bool
+    micro_batch_size: int
+    seq_len: int
+    hidden: int
+    bytes: int
+    seconds: float
+    link: str
+
+    def render(self) -> str:
+        """The sentence."""
+        per_block = 6 if self.checkpointing else 4
+        return (
+            f"Tensor parallelism (tp {self.tp}) all-reduces each block's attention and MLP outputs in forward and "
+            f"their input gradients in backward ({per_block} per block per micro-batch"
+            f"{', 2 of them for the recomputed forward' if self.checkpointing else ''}, each "
+            f"{self.micro_batch_size} x {self.seq_len} x {self.hidden} values): "
+            f"{self.bytes / 1e9:.2f} GB per GPU per step, {self.seconds:.2f} s over {self.link}."
+        )
+
+
+@dataclass(frozen=True)
+class Timing(Step):
+    """The chosen configuration's predicted time per step and for the job."""
+
+    step_seconds: float
+    compute: float
+    communication: float
+    offload: float
+    utilisation: float
+    peak_tflops: float
+    steps: int | None
+    job_seconds: float | None
+
+    def render(self) -> str:
+        """The sentence."""
+        parts = [f"compute {self.compute:.2f} s at {self.utilisation:.0%} of {self.peak_tflops:.1f} TFLOP/s"]
+        if self.communication:
+            parts.append(f"communication not hidden by compute {self.communication:.2f} s")
+        if self.offload:
+            parts.append(f"host transfers and the host's optimizer step {self.offload:.2f} s")
+        job = ""
+        if self.steps is not None and self.job_seconds is not None:
+            job = f"; {self.steps} steps: {_duration(self.job_seconds)} for the job"
+        return f"Time per optimizer step: {self.step_seconds:.2f} s ({', '.join(parts)}){job}."
+
+
+def _duration(seconds: float) -> str:
+    """3725 -> '1 h 2 min'."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    minutes = seconds / 60
+    if minutes < 120:
+        return f"{minutes:.0f} min"
+    return f"{int(minutes // 60)} h {int(minutes % 60)} min"
+
+
+@dataclass(frozen=True)
+class HostMemoryOver(Step):
+    """A configuration needs more host memory per node than a node has."""
+
+    method: str
+    strategy: str
+    need: int
+    phase: str
+    limit: int
+
+    def render(self) -> str:
+        """The sentence."""
+        return (
+            f"{method_name(self.method)} under {strategy_name(self.strategy)} needs {fmt_bytes(self.need)} of host "
+            f"memory per node ({self.phase}) but a node has {fmt_bytes(self.limit)} (--host-memory): it does not fit."
+        )
+
+
+@dataclass(frozen=True)
+class NothingFits(Step):
+    """No configuration fits: the smallest, and what would make one fit."""
+
+    capacity: int
+    method: str
+    strategy: str
+    micro_batch_size: int
+    total: int
+    at_least: bool  # the model states alone already exceed the memory
+    advice: tuple[str, ...] = field(default_factory=tuple)
+
+    def render(self) -> str:
+        """The sentence, then the advice."""
+        head = (
+            f"Nothing fits in {fmt_bytes(self.capacity)} per GPU: the smallest option, {method_name(self.method)} "
+            f"under {strategy_name(self.strategy)} at micro-batch {self.micro_batch_size}, needs "
+            f"{'at least ' if self.at_least else ''}{fmt_bytes(self.total)}."
+        )
+        return " ".join((head, *self.advice))
