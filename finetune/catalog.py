@@ -22,6 +22,9 @@ def _m(base: dict[str, Any], h: int, i: int, n: int, heads: int, kv: int, **extr
 
 
 CATALOG: dict[str, dict[str, Any]] = {
+    # LLaMA (2023): the QLoRA paper's 65B
+    "llama-65b": _m({"model_type": "llama", "vocab_size": 32000, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+                     "tie_word_embeddings": False}, 8192, 22016, 80, 64, 64),
     "llama-3.1-8b": _m(_LLAMA31, 4096, 14336, 32, 32, 8),
     "llama-3.1-70b": _m(_LLAMA31, 8192, 28672, 80, 64, 8),
     "llama-3.1-405b": _m(_LLAMA31, 16384, 53248, 126, 128, 8),
@@ -49,7 +52,7 @@ ALIASES = {
     "meta-llama/llama-3.1-405b": "llama-3.1-405b", "meta-llama/llama-3.2-1b": "llama-3.2-1b",
     "meta-llama/llama-3.2-3b": "llama-3.2-3b", "mistralai/mistral-7b-v0.3": "mistral-7b",
     "google/gemma-2-2b": "gemma-2-2b", "google/gemma-2-9b": "gemma-2-9b", "google/gemma-2-27b": "gemma-2-27b",
-    "microsoft/phi-3-mini-4k-instruct": "phi-3-mini",
+    "microsoft/phi-3-mini-4k-instruct": "phi-3-mini", "huggyllama/llama-65b": "llama-65b",
 }
 
 

@@ -205,9 +205,12 @@ def print_plan(plan: Plan, console: Any = None) -> None:
     )
     t = Table(show_lines=False, header_style="bold")
     with_tp = any(c.tp > 1 for c in plan.candidates)
-    for col in ("method", "strategy", "mb", "ckpt", "params", "grads", "optim", "activ", "buffers",
-                "overhead", "total/GPU", "comm/step", "fits"):
-        t.add_column(col, justify="left" if col in ("method", "strategy") else "right")
+    with_state = any((c.optimizer, c.offload) != ("adamw", "none") for c in plan.candidates)
+    with_time = any(c.time is not None for c in plan.candidates)
+    columns = ["method", "strategy", *(["state"] if with_state else []), "mb", "ckpt", "params", "grads", "optim",
+               "activ", "buffers", "overhead", "total/GPU", "comm/step", *(["s/step"] if with_time else []), "fits"]
+    for col in columns:
+        t.add_column(col, justify="left" if col in ("method", "strategy", "state") else "right")
     for i, c in enumerate(plan.candidates):
         m = c.memory
         comm = f"{c.comm_bytes_per_step / 1e9:.1f}GB" if c.comm_bytes_per_step else "-"
@@ -220,20 +223,26 @@ def print_plan(plan: Plan, console: Any = None) -> None:
         total = compact_bytes(m.total) if not untraced else f">= {compact_bytes(m.total)}"
         fits = "yes" if c.fits else ("?" if c.status is Status.NOT_TRACED else "no")
         style = "bold green" if i == 0 else ("dim" if not c.fits else "")
-        t.add_row(
-            c.method + (" *" if i == 0 else ""), _strategy_cell(c), str(c.micro_batch_size),
-            "on" if c.activation_checkpointing else "off", compact_bytes(m.params), compact_bytes(m.grads), compact_bytes(m.optimizer), acts,
-            compact_bytes(m.buffers), compact_bytes(m.overhead), total, comm, fits, style=style,
-        )
+        cells = [
+            c.method + (" *" if i == 0 else ""), _strategy_cell(c), *([_state_cell(c)] if with_state else []),
+            str(c.micro_batch_size), "on" if c.activation_checkpointing else "off", compact_bytes(m.params),
+            compact_bytes(m.grads), compact_bytes(m.optimizer), acts, compact_bytes(m.buffers),
+            compact_bytes(m.overhead), total, comm,
+            *([f"{c.time.step:.2f}" if c.time is not None and not untraced else "-"] if with_time else []), fits,
+        ]
+        t.add_row(*cells, style=style)
     console.print(t)
     tp_note = "; tpN x S: tensor parallelism over N GPUs of a node, S over the replicas (+ tp: TP's all-reduces, " \
         "inside the node)" if with_tp else ""
+    state_note = "; state: the optimizer (8-bit: bitsandbytes) and what lives in host memory" if with_state else ""
+    time_note = "; s/step: predicted seconds per optimizer step" if with_time else ""
     console.print("[dim]- activations not traced: model states alone exceed the memory, or the walk stopped before "
                   "this method; comm: bytes each GPU sends per optimizer step, and the time over "
-                  f"{hw.get('interconnect')}{tp_note}.[/]")
+                  f"{hw.get('interconnect')}{tp_note}{state_note}{time_note}.[/]")
     ch = plan.chosen
     console.print(
-        f"[bold]chosen[/]: {ch.method} / {_strategy_cell(ch)} / {ch.precision}, micro-batch {ch.micro_batch_size}, "
+        f"[bold]chosen[/]: {ch.method} / {_strategy_cell(ch)} / {ch.precision}"
+        f"{'' if (ch.optimizer, ch.offload) == ('adamw', 'none') else ' / ' + _state_cell(ch)}, micro-batch {ch.micro_batch_size}, "
         f"gradient accumulation {ch.grad_accum_steps}, activation checkpointing "
         f"{'on' if ch.activation_checkpointing else 'off'}, {compact_bytes(ch.memory.total)} per GPU"
         + ("" if ch.fits else " [bold red](does not fit)[/]")
@@ -255,6 +264,16 @@ def print_plan(plan: Plan, console: Any = None) -> None:
             f"checkpoints: {compact_bytes(model['checkpoint_bytes'])} each (weights + AdamW state); a run keeps output.keep "
             "of them and writes one more before pruning, and checks the free disk for that before it starts"
         )
+
+
+def _state_cell(c: Any) -> str:
+    """Where the optimizer state lives: ``adamw``, ``8-bit``, ``paged 8-bit``, ``+offload opt``."""
+    name = {"adamw": "adamw", "adamw8bit": "8-bit", "paged_adamw8bit": "paged 8-bit"}.get(c.optimizer, c.optimizer)
+    if c.offload == "optimizer":
+        return f"{name} on host"
+    if c.offload == "parameters":
+        return f"{name}, params on host"
+    return name
 
 
 def _strategy_cell(c: Any) -> str:
