@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from finetune import attention
+
 IGNORE_INDEX = -100
 
 
@@ -42,8 +44,10 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
 
     The output head and the loss are fused (:func:`fused_head`): the head's forward computes the fp32 loss
     from the last hidden state chunk by chunk, so the (B, T, V) logits never exist whole, nor their
-    gradient. Models whose head is not a plain bias-free linear layer (a LoRA-adapted head, GPT-2's Conv1D,
-    Gemma 2's logit soft-capping) fall back to the chunked loss over materialised logits. Returning the
+    gradient. Models whose head is not a plain bias-free linear layer (a LoRA-adapted head, a biased head,
+    Gemma 2's logit soft-capping) fall back to the chunked loss over materialised logits. Attention with
+    dropout on CPU keeps no (B, H, T, T) tensor for backward (:mod:`finetune.attention`, enabled on the model
+    here, so the trainer and the planner's trace run the same attention). Returning the
     *sum* lets the trainer normalise by the number of label tokens in the whole global batch, so that
     gradient accumulation and data parallelism give exactly the single-process result.
     """
@@ -54,6 +58,8 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
         "position_ids": batch.get("position_ids"),
         "use_cache": False,
     }
+    if not getattr(model, attention.MARK, False):
+        attention.enable(model)
     head = fusable_head(model)
     if head is not None and FUSED_HEAD:
         with fused_head(head, shifted):
