@@ -256,14 +256,15 @@ def batches(trainer: Any, steps: int) -> list[dict[str, torch.Tensor]]:
 
 
 def plain_steps(
-    arch: str, root: Path, steps: list[dict[str, torch.Tensor]], precision: str = "bf16"
+    arch: str, root: Path, steps: list[dict[str, torch.Tensor]], precision: str = "bf16", dropout: bool = True
 ) -> tuple[StorageCounter, list[float]]:
-    """Plain steps (the model built from the same seed as the trainer's), one per batch, measured; the losses."""
+    """Plain steps (the model built from the same seed as the trainer's), one per batch, measured; the losses.
+    ``dropout=False``: the model in eval mode (what ``from_pretrained`` returns), so without its dropout."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir(arch, root))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).train()
+    model = AutoModelForCausalLM.from_config(config).train(dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     counter = StorageCounter()
     counter.track(model, *(t for b in steps for t in (b["input_ids"], b["labels"])))
@@ -299,11 +300,17 @@ def predicted(loaded: Any, trainer: Any, steps: int) -> int:
     return int(m.total - m.overhead)
 
 
-def measure(arch: str, root: Path, precision: str = "bf16", steps: int = 1) -> dict[str, Any]:
+def measure(
+    arch: str, root: Path, precision: str = "bf16", steps: int = 1, no_dropout: bool = False
+) -> dict[str, Any]:
     """Plain and trainer peaks over ``steps`` steps, their ratio, the planner's prediction, the losses and
-    the breakdowns."""
+    the breakdowns; ``no_dropout``: also the plain step without dropout (``plain_no_dropout``)."""
     torch.manual_seed(0)
     trainer, loaded = trainer_for(arch, root, precision, steps)
+    extra: dict[str, Any] = {}
+    if no_dropout:
+        counter, losses = plain_steps(arch, root, batches(trainer, steps), precision, dropout=False)
+        extra = {"plain_no_dropout": counter.peak, "plain_no_dropout_loss": losses}
     plain, plain_loss = plain_steps(arch, root, batches(trainer, steps), precision)
     ours, ours_loss = trainer_steps(trainer, steps)
     pred = predicted(loaded, trainer, steps)
@@ -312,7 +319,7 @@ def measure(arch: str, root: Path, precision: str = "bf16", steps: int = 1) -> d
         "ratio": ours.peak / plain.peak, "predicted": pred, "predicted_vs_trainer": pred / ours.peak,
         "plain_loss": plain_loss, "trainer_loss": ours_loss,
         "plain_by_kind": plain.by_kind(), "trainer_by_kind": ours.by_kind(),
-        "plain_top": plain.summary(), "trainer_top": ours.summary(),
+        "plain_top": plain.summary(), "trainer_top": ours.summary(), **extra,
     }
 
 
@@ -332,6 +339,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", choices=sorted(CONFIGS), help="configurations to run")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--steps", type=int, default=1, help="optimizer steps measured (2: with AdamW's state)")
+    ap.add_argument("--no-dropout", action="store_true", help="also the plain step without dropout (eval mode)")
     ap.add_argument("--breakdown", action="store_true", help="print the largest storages alive at each peak")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--dir", help="work directory (default: a temporary one)")
@@ -341,12 +349,15 @@ def main() -> int:
     results = []
     with workdir(args.dir) as root:
         for arch in args.only or list(CONFIGS):
-            r = measure(arch, root, args.precision, args.steps)
+            r = measure(arch, root, args.precision, args.steps, args.no_dropout)
             results.append(r)
             print(f"{arch:6s} plain {r['plain'] / mib:7.1f} MiB | trainer {r['trainer'] / mib:7.1f} MiB | "
                   f"trainer/plain {r['ratio']:.3f} | planner {r['predicted'] / mib:7.1f} MiB "
                   f"({100 * (r['predicted_vs_trainer'] - 1):+.1f}% of trainer) | "
                   f"loss plain {r['plain_loss'][-1]:.5f} trainer {r['trainer_loss'][-1]:.5f}", flush=True)
+            if "plain_no_dropout" in r:
+                print(f"{'':6s} plain without dropout {r['plain_no_dropout'] / mib:7.1f} MiB | trainer/plain "
+                      f"{r['trainer'] / r['plain_no_dropout']:.3f}", flush=True)
             if args.breakdown:
                 for side in ("plain", "trainer"):
                     kinds = ", ".join(f"{k} {v / mib:.1f}" for k, v in sorted(r[f"{side}_by_kind"].items()))
