@@ -15,8 +15,10 @@ and in the micro-batch size:
 
 Each window's peak is traced at two layers and extrapolated linearly in depth, which is exact for a stack of
 identical layers. In the micro-batch it is linear from 2 on, but micro-batch 1 is off that line for some
-models (GPT-2's attention dropout under the math SDPA path keeps one more (1, heads, T, T) tensor per layer at
-micro-batch 1), so micro-batch 1 and 2 are traced as such and larger ones are extrapolated from 2 and 4.
+models (torch's math SDPA path keeps one more (1, heads, T, T) tensor per layer at micro-batch 1), so
+micro-batch 1 and 2 are traced as such and larger ones are extrapolated from 2 and 4. Attention with dropout
+(GPT-2's) is traced as the trainer runs it on CPU, through :mod:`finetune.attention` (``causal_lm_loss``
+enables it on the traced model): q, k and v are kept, no (B, H, T, T) tensor.
 """
 
 from __future__ import annotations
