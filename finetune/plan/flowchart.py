@@ -119,16 +119,6 @@ def plan_for_run(loaded: LoadedRecipe, *, nproc: int, nnodes: int, device: str) 
     return make_plan(req, hw)
 
 
-def _supports_sdpa(config: Any, flag: str = "_supports_sdpa") -> bool:
-    """Whether transformers can build this architecture with SDPA attention (``flag``: another kernel's)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        return bool(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], flag, True))
-    except KeyError:
-        return True
-
-
 def chosen_memory(
     loaded: LoadedRecipe, plan: Plan, *, device: str, first_step: bool = False, seq_len: int | None = None
 ) -> MemoryBreakdown:
@@ -263,7 +253,7 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
     adapter = adapter_spec("lora" if req.method == "auto" else req.method, lora, req.prefix, req.adapter)
     inv = build_inventory(req.config, req.source, adapter)
     tp, tp_auto = _resolve_tp(req, hw, world, cell, log)
-    req = _resolve_attention(req, log)
+    req = _resolve_attention(req, inv, log)
     precision = _resolve_precision(req, hw, log)
     global_batch = _resolve_batch(req, world // tp, tp, log)
     return Setting(
@@ -306,16 +296,16 @@ def _resolve_tp(req: Request, hw: Hardware, world: int, cell: Cell, log: list[w.
     return tp, ()
 
 
-def _resolve_attention(req: Request, log: list[w.Step]) -> Request:
-    """The request with the attention kernel the architecture has in transformers."""
+def _resolve_attention(req: Request, inv: Inventory, log: list[w.Step]) -> Request:
+    """The request with the attention kernel the architecture has in transformers (``inv`` knows)."""
     arch = type(req.config).__name__.replace("Config", "")
-    if req.attn_implementation == "sdpa" and not _supports_sdpa(req.config):
+    if req.attn_implementation == "sdpa" and not inv.sdpa:
         log.append(w.Note(
             f"{arch} has no sdpa attention in transformers: planned with eager attention (set "
             "model.attn_implementation: eager in the recipe to train it)."
         ))
         return replace(req, attn_implementation="eager")
-    if req.attn_implementation == "flex_attention" and not _supports_sdpa(req.config, "_supports_flex_attn"):
+    if req.attn_implementation == "flex_attention" and not inv.flex:
         raise UserError(
             f"model.attn_implementation: {arch} has no flex attention in transformers; use sdpa (packed rows then "
             "carry a T x T mask)"

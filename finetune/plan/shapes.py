@@ -60,6 +60,8 @@ class Inventory:
     block_class: str
     base: list[Tensor] = field(default_factory=list)
     adapters: list[Tensor] = field(default_factory=list)
+    sdpa: bool = True  # transformers builds the architecture with SDPA attention
+    flex: bool = True  # ... and with flex attention
 
     def count(self, tensors: list[Tensor], **where: bool) -> int:
         """Total values over the whole model of ``tensors`` matching the flags in ``where``."""
@@ -206,9 +208,69 @@ def build_inventory(config: Any, source: str, adapter: Any = None) -> Inventory:
 _INV_CACHE: dict[Any, Inventory] = {}
 
 
+#: Bump when what an inventory records changes: invalidates the disk cache.
+INVENTORY_VERSION = 2
+
+
 def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec | None) -> Inventory:
+    """The inventory of ``key``, from memory, else from the disk cache, else built (and cached on disk)."""
     if key in _INV_CACHE:
         return _INV_CACHE[key]
+    path = _inventory_path(key)
+    inv = _load_inventory(path) if path is not None else None
+    if inv is None:
+        inv = _build_inventory(config, source, adapter)
+        _save_inventory(path, inv)
+    _INV_CACHE[key] = inv
+    return inv
+
+
+def _inventory_path(key: Any) -> Any:
+    """``$FINETUNE_CACHE/inventories/<digest>.json`` (keyed by the config, the adapter and the library
+    versions that build the model), or None when there is no cache directory."""
+    import hashlib
+    import os
+    from importlib.metadata import version
+    from pathlib import Path
+
+    try:
+        versions = (version("torch"), version("transformers"), version("peft"), INVENTORY_VERSION)
+        digest = hashlib.sha256(repr((key, versions)).encode()).hexdigest()[:32]
+        root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "inventories"
+        return root / f"{digest}.json"
+    except Exception:  # no home, odd environment: no disk cache
+        return None
+
+
+def _load_inventory(path: Any) -> Inventory | None:
+    import json
+
+    try:
+        d = json.loads(path.read_text())
+        base, adapters = d.pop("base"), d.pop("adapters")
+        return Inventory(**d, base=[Tensor(**t) for t in base], adapters=[Tensor(**t) for t in adapters])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _save_inventory(path: Any, inv: Inventory) -> None:
+    import json
+    import os
+    from dataclasses import asdict
+
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(inv)))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache directory: plan without it
+        pass
+
+
+def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> Inventory:
+    """Count the parameters of ``config``'s model (one decoder layer, on the meta device) and of ``adapter``."""
     import torch
     from torch import nn
     from transformers import AutoModelForCausalLM
@@ -227,7 +289,9 @@ def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec |
         n for n, m in model.named_modules()
         if (type(m) is nn.Linear or isinstance(m, Conv1D)) and m is not out_emb and n != last
     }
-    inv = Inventory(source, config.model_type, config.num_hidden_layers, type(model).__name__)
+    inv = Inventory(source, config.model_type, config.num_hidden_layers, type(model).__name__,
+                    sdpa=bool(getattr(model, "_supports_sdpa", True)),
+                    flex=bool(getattr(model, "_supports_flex_attn", True)))
     if layers:
         inv.block_class = type(model.get_submodule(layers[0])).__name__
     for name, p in params:
@@ -245,5 +309,4 @@ def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec |
         for name, p in adapted.named_parameters():
             if p.requires_grad:
                 inv.adapters.append(Tensor(name, p.numel(), block_prefix in name, False, True))
-    _INV_CACHE[key] = inv
     return inv
