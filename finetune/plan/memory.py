@@ -275,3 +275,28 @@ def candidate_memory(
     )
     return mem, comm
 
+
+def zero1_accounting_note(trainable: int, world: int, compute_dtype: str = "bf16") -> str:
+    """One sentence: how this planner's ZeRO-1 model states differ from the ZeRO paper's P_os accounting
+    (Rajbhandari et al. 2020, mixed-precision Adam, K = 12), with both figures for ``trainable`` parameters
+    over ``world`` data-parallel ranks.
+
+    The paper keeps fp16 parameters and gradients replicated (2 + 2 bytes per parameter) and partitions the
+    fp32 master weights with Adam's two moments (12 / N bytes). The trainer keeps the fp32 parameters
+    replicated, as the weights it trains, and autocasts them to ``compute_dtype``; their fp32 gradients live
+    in DDP's buckets on every rank, and ZeroRedundancyOptimizer shards only the moments (8 / N bytes).
+    """
+    from finetune.units import fmt_bytes
+
+    n = max(1, world)
+    ours = 4 + 4 + 8 / n
+    paper = 2 + 2 + 12 / n
+    return (
+        f"ZeRO-1 here holds {ours:.2f} bytes per parameter ({fmt_bytes(trainable * ours)} for "
+        f"{trainable / 1e9:.2f}B parameters on {n} GPUs) where the ZeRO paper's P_os counts {paper:.2f} "
+        f"({fmt_bytes(trainable * paper)}): the paper replicates fp16 parameters and gradients (2 + 2 bytes) and "
+        f"partitions the fp32 master weights together with Adam's moments (12 / {n} bytes), while this trainer "
+        f"replicates the fp32 parameters it trains (4 bytes, autocast computes in {compute_dtype}) and their "
+        f"fp32 gradients in DDP's buckets (4 bytes), and ZeroRedundancyOptimizer shards only the two moments "
+        f"(8 / {n} bytes)."
+    )

@@ -77,7 +77,7 @@ def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> tor
     if spec.tensor_parallel:  # one data-parallel replica (checked before launch): nothing to replicate over
         assert spec.dp == 1, "ddp/zero1 with tp and several replicas is refused before launch"
         return model
-    return _data_parallel(model, ctx)
+    return data_parallel(model, ctx)
 
 
 # transformers' TP plan styles this trainer applies (torch's ColwiseParallel and RowwiseParallel)
@@ -179,8 +179,18 @@ def is_compiled(block: torch.nn.Module) -> bool:
     return getattr(block, "_compiled_call_impl", None) is not None
 
 
-def _data_parallel(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
-    """DistributedDataParallel over the trainable parameters."""
+def data_parallel(model: torch.nn.Module, ctx: DistContext, bucket_view: bool = True) -> torch.nn.Module:
+    """DistributedDataParallel over the trainable parameters (ddp, and zero1 under its sharded optimizer).
+
+    ``bucket_view`` (``gradient_as_bucket_view``): each gradient is a view into DDP's all-reduce buckets,
+    which then hold the only copy of the gradients. Backward still computes each parameter's gradient into a
+    tensor of its own (the optimizer sets them to None after every step); DDP copies it into its bucket,
+    divided by the world size, and points ``.grad`` at the bucket at once, so one parameter's gradient at a
+    time exists twice. Under gradient accumulation the non-final micro-batches run under ``no_sync``, where
+    DDP does not touch the gradients: those are ordinary tensors beside the buckets until the final
+    micro-batch's backward copies them in. ``False`` (torch's default) keeps the buckets as a second copy of
+    every gradient (scripts/ddp_bucket_memory.py measures both).
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     # Frozen weights (a LoRA base, QLoRA's 4-bit codes) are identical on every rank by construction (same
@@ -190,7 +200,9 @@ def _data_parallel(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # No buffer sync before every forward: the only buffers are rotary tables, identical on every rank.
-    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+    return DistributedDataParallel(
+        model, device_ids=device_ids, forward_sync_buffers=False, gradient_as_bucket_view=bucket_view
+    )
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
