@@ -53,9 +53,10 @@ from finetune.spec import Precision, Strategy
 #: Model FLOPs utilisation assumed on GPUs: what tuned data-parallel training of a 1-70B model in bf16 reaches
 #: (published MFU of FSDP/Megatron-style runs: 35-55%; 40% is the middle of Hugging Face-model training).
 GPU_UTILISATION = 0.4
-#: Fraction of the measured single-core matmul rate a CPU training step achieves: its matmuls are smaller
-#: than the calibration's and the elementwise work (norms, activations, softmax, the loss, AdamW) runs at
-#: memory speed. From the quickstart's full, LoRA and 2-process FSDP runs (docs/benchmarks.md).
+#: Fraction of the measured matmul rate (one core's x the process's threads) a CPU training step achieves:
+#: its matmuls are thinner than the calibration's and the elementwise work (norms, activations, softmax, the
+#: loss, AdamW, LoRA's dropout and scaling) runs at memory speed. The tiny quickstart model's full, LoRA and
+#: 2-process FSDP steps ran at 0.63, 0.40 and 0.52 of it (scripts/time_accuracy.py, docs/benchmarks.md).
 CPU_UTILISATION = 0.5
 #: Fraction of the overlap window that hides collectives on GPUs (NCCL kernels beside the compute).
 GPU_OVERLAP = 1.0
