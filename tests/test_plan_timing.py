@@ -187,6 +187,26 @@ def test_flops_shape_is_the_built_models_flops():
         assert flops_shape(config, adapter).flops(96) == config_flops_per_token(config, seq_len=96, adapter=adapter)
 
 
+def test_flops_shapes_are_cached_on_disk(llama7b, monkeypatch, tmp_path):
+    """A second process (here: empty memory caches) reads the shape from $FINETUNE_CACHE/flops and builds no model."""
+    import finetune.plan.flops as flops
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))
+    monkeypatch.setattr(flops, "_SHAPES", {})
+    monkeypatch.setattr(flops, "_BY_OBJECT", {})
+    built = flops.flops_shape(llama7b, lora_spec())
+    assert len(list((tmp_path / "flops").glob("*.json"))) == 1
+    monkeypatch.setattr(flops, "_SHAPES", {})
+    monkeypatch.setattr(flops, "_BY_OBJECT", {})
+
+    def no_build(*args):
+        raise AssertionError("built a model")
+
+    monkeypatch.setattr(flops, "_build_shape", no_build)
+    assert flops.flops_shape(llama7b, lora_spec()) == built
+    assert built.trainable_params == 32 * 4 * 16 * (4096 + 4096)  # LoRA r=16 on q, k, v, o of 32 layers
+
+
 def test_hundreds_of_candidates_take_milliseconds(llama7b):
     """The planner times every candidate: after the first call per model and adapter, a call is arithmetic."""
     from finetune.plan.timing import step_time

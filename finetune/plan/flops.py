@@ -146,7 +146,8 @@ def flops_shape(config: Any, adapter: Any = None) -> FlopsShape:
     """The :class:`FlopsShape` of ``config``'s model as the trainer builds it, with ``adapter`` (an
     :class:`~finetune.spec.AdapterSpec`; None: full fine-tuning) on the frozen base. Built on the meta device
     with one decoder layer (layers of a model are identical in shape), so it is instant at any size; cached
-    per config and adapter (a config is read once: changing one after asking gives the old figures).
+    per config and adapter in memory (a config object is read once: changing it after asking gives the old
+    figures) and on disk beside the planner's inventories, so a warm plan builds no model.
     ``flops_shape(c, a).flops(t)`` equals ``config_flops_per_token(c, seq_len=t,
     adapter=a)``."""
     seen = _BY_OBJECT.get((id(config), adapter))
@@ -154,9 +155,62 @@ def flops_shape(config: Any, adapter: Any = None) -> FlopsShape:
         return seen[1]
     key = (config.to_json_string(use_diff=False), adapter)
     if key not in _SHAPES:
-        _SHAPES[key] = _build_shape(config, adapter)
+        path = _shape_path(key)
+        shape = _load_shape(path)
+        if shape is None:
+            shape = _build_shape(config, adapter)
+            _save_shape(path, shape)
+        _SHAPES[key] = shape
     _BY_OBJECT[(id(config), adapter)] = (config, _SHAPES[key])
     return _SHAPES[key]
+
+
+#: Bump when what a FlopsShape records changes: invalidates the disk cache.
+FLOPS_SHAPE_VERSION = 1
+
+
+def _shape_path(key: Any) -> Any:
+    """``$FINETUNE_CACHE/flops/<digest>.json`` (keyed by the config, the adapter and the library versions that
+    build the model, as the planner's inventories are), or None when there is no cache directory."""
+    import hashlib
+    import os
+    from importlib.metadata import version
+    from pathlib import Path
+
+    try:
+        versions = (version("torch"), version("transformers"), version("peft"), FLOPS_SHAPE_VERSION)
+        digest = hashlib.sha256(repr((key, versions)).encode()).hexdigest()[:32]
+        root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "flops"
+        return root / f"{digest}.json"
+    except Exception:  # no home, odd environment: no disk cache
+        return None
+
+
+def _load_shape(path: Any) -> FlopsShape | None:
+    import json
+
+    if path is None:
+        return None
+    try:
+        return FlopsShape(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _save_shape(path: Any, shape: FlopsShape) -> None:
+    import json
+    import os
+    from dataclasses import asdict
+
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(shape)))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache directory: count without it
+        pass
 
 
 def _build_shape(config: Any, adapter: Any) -> FlopsShape:
