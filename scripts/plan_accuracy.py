@@ -69,6 +69,12 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama full fp32 mb4 flex 512", "llama",
      {"method": "full", "precision": "fp32", "mbs": 4, "seq": 512, "attn": "flex_attention"}, 1),
     ("llama full fp32 ddp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "ddp"}, 2),
+    # DDP's gradients are views into its buckets; under accumulation no_sync's gradients are a second copy
+    ("llama full fp32 ddp x2 accum2", "llama", {"method": "full", "precision": "fp32", "mbs": 4, "strategy": "ddp"}, 2),
+    ("llama full fp32 ddp x2 seq32", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 8, "seq": 32, "strategy": "ddp"}, 2),
+    ("llama full fp32 zero1 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero1"}, 2),
+    ("llama full bf16 zero1 x2", "llama", {"method": "full", "precision": "bf16", "mbs": 8, "strategy": "zero1"}, 2),
     ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
     ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
     ("llama full bf16 fsdp x2", "llama", {"method": "full", "precision": "bf16", "mbs": 8, "strategy": "fsdp"}, 2),
@@ -169,7 +175,7 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
 def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: str = "cpu", steps: int = 1) -> dict:
     """Train ``steps`` steps through the real CLI; return predicted, measured and the error (and tokens/s
     after two warm-up steps when there are more)."""
-    from finetune.plan.flowchart import first_step_memory
+    from finetune.plan.flowchart import chosen_memory
     from finetune.plan.types import Plan
     from finetune.recipe import load_recipe
 
@@ -187,7 +193,7 @@ def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: 
         return {"config": name, "error": f"run failed ({proc.returncode}): {' | '.join(tail)}"}
     measured = json.loads(mem_file.read_text())
     plan = Plan.from_dict(json.loads((out / "plan.json").read_text()))
-    first = first_step_memory(load_recipe(path), plan, device=device)
+    first = chosen_memory(load_recipe(path), plan, device=device, first_step=True)
     steady = plan.chosen.memory.total
     meas = int(measured["measured_peak"])
     # One step: AdamW's state never exists, the first-step prediction applies; more: the probe spans the
