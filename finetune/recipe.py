@@ -239,9 +239,12 @@ class TrainConfig(Section):
     )
     offload: Literal["auto", "none", "optimizer", "parameters"] = Field(
         "auto",
-        description="Keep state in host memory instead of on the GPU. optimizer: the optimizer state (and its "
-        "step) on the host; parameters: the parameters and gradients too (zero2/fsdp); auto: none, unless nothing "
-        "fits on the GPUs otherwise (the planner then offloads the least that fits).",
+        description="Keep the training state in host memory instead of on the GPUs (FSDP2's CPU offload; 2 or more "
+        "processes). optimizer: with zero2, each rank's parameter, gradient and optimizer-state shards live on the "
+        "host and the optimizer steps there, while the gathered compute copy stays on the GPU from forward to "
+        "backward (ZeRO-Offload); parameters: with fsdp, the same with each unit copied up for its forward and its "
+        "backward. auto: none, unless nothing fits on the GPUs otherwise (the planner then offloads the least that "
+        "fits).",
     )
     max_grad_norm: Union[float, None] = Field(1.0, description="Clip the global gradient norm; null: no clipping.")
     activation_checkpointing: Union[bool, Literal["auto"]] = Field(

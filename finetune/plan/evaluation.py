@@ -140,14 +140,22 @@ def eval_memory(
     """Per-GPU bytes at an evaluation's peak on ``strategy``: parameters, AdamW state (evaluations after the
     first step), the strategy's resident buffers, no gradients (set to None after each step), and the traced
     activations; plus the CUDA context and allocator slack as for training. Returns (total, activations)."""
-    from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, unsharded_bytes
+    from finetune.plan.memory import (
+        CUDA_CONTEXT_BYTES,
+        FRAGMENTATION,
+        offloads_to_host,
+        optimizer_state_bytes,
+        unsharded_bytes,
+    )
     from finetune.spec import DTYPE_BYTES
 
     sb = inv.storage(setup.spec)
     n = max(1, setup.world) if strategy != "single" else 1
-    opt = 2 * sb.trainable * sb.param_dtype_bytes
+    opt = optimizer_state_bytes(inv, setup.spec.method.adapters, setup.optimizer, sb.param_dtype_bytes)
     if strategy in ("zero2", "fsdp"):
         params, opt = -(-sb.param_bytes // n), -(-opt // n)
+        if offloads_to_host(setup):  # the shards and the state live in host memory
+            params = opt = 0
         gathered = unsharded_bytes(inv, setup.spec)
         root = unsharded_bytes(inv, setup.spec, root_only=True)
         unit = unsharded_bytes(inv, setup.spec, block_only=True)

@@ -26,8 +26,9 @@ OPTIMIZER_NAMES = {
     "forward and backward need the room)",
 }
 OFFLOAD_NAMES = {
-    "optimizer": "the optimizer state and its step in host memory",
-    "parameters": "parameters, gradients and the optimizer state in host memory (FSDP2's CPU offload)",
+    "optimizer": "each rank's shards of parameters, gradients and optimizer state in host memory, the "
+    "optimizer step there (ZeRO-2 with FSDP2's CPU offload)",
+    "parameters": "the same under FSDP, each unit copied up for its forward and its backward",
 }
 
 
