@@ -217,7 +217,8 @@ def plan(
     json_: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Predict per-GPU memory of every strategy and pick one by the flowchart (no GPU, no weights)."""
-    from finetune.plan.report import PlanOptions, build_plan, plan_json, print_plan, without_bitsandbytes
+    from finetune.plan.command import PlanOptions, build_plan, without_bitsandbytes
+    from finetune.plan.render import plan_json, print_plan
 
     opts = PlanOptions(
         recipe=recipe, overrides=tuple(set_ or []), model=model, method=method, strategy=strategy,

@@ -1,18 +1,17 @@
-"""`finetune plan`: build the request (recipe or --model), walk the flowchart, print a table or JSON."""
+"""`finetune plan`'s inputs: the command line and the recipe (or --model) made into a request and hardware,
+walked into a :class:`~finetune.plan.types.Plan` (printed by finetune/plan/render.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.plan.types import Plan, Status
+from finetune.plan.types import Plan
 from finetune.plan.walk import Note
-from finetune.units import compact_bytes
 
 
 @dataclass(kw_only=True)
@@ -182,107 +181,3 @@ def build_plan(opts: PlanOptions) -> Plan:
         plan.walk.insert(0, note)
         plan.steps.insert(0, Note(note).to_dict())
     return plan
-
-
-def _count(n: float) -> str:
-    """3037440 -> '3.04M', 8.03e9 -> '8.03B'."""
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
-def print_plan(plan: Plan, console: Any = None) -> None:
-    """The table (chosen row first, highlighted), then the walk."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 150)
-    hw, model = plan.hardware, plan.model
-    cap = hw.get("memory_bytes", 0)
-    console.print(
-        f"[bold]{model.get('source')}[/]: {_count(model.get('parameters', 0))} parameters, "
-        f"{model.get('layers')} layers; {model.get('seq_len')} tokens per sample, global batch "
-        f"{model.get('global_batch_size')}; {hw.get('gpus_per_node')} x {hw.get('nodes')} "
-        f"{'processes' if hw.get('device') == 'cpu' else 'GPUs'} of {compact_bytes(cap)} ({hw.get('name')})"
-    )
-    t = Table(show_lines=False, header_style="bold")
-    with_tp = any(c.tp > 1 for c in plan.candidates)
-    with_state = any((c.optimizer, c.offload) != ("adamw", "none") for c in plan.candidates)
-    with_time = any(c.time is not None for c in plan.candidates)
-    columns = ["method", "strategy", *(["state"] if with_state else []), "mb", "ckpt", "params", "grads", "optim",
-               "activ", "buffers", "overhead", "total/GPU", "comm/step", *(["s/step"] if with_time else []), "fits"]
-    for col in columns:
-        t.add_column(col, justify="left" if col in ("method", "strategy", "state") else "right")
-    for i, c in enumerate(plan.candidates):
-        m = c.memory
-        comm = f"{c.comm_bytes_per_step / 1e9:.1f}GB" if c.comm_bytes_per_step else "-"
-        if with_tp and c.tp > 1:  # data-parallel bytes over the slowest link + TP's all-reduces inside the node
-            comm = f"{comm} + tp {c.tp_comm_bytes_per_step / 1e9:.1f}GB"
-        if c.comm_seconds_per_step:
-            comm += f" {c.comm_seconds_per_step:.2f}s"
-        untraced = c.status in (Status.STATES_OVER, Status.NOT_TRACED)
-        acts = compact_bytes(m.activations) if not untraced else "-"
-        total = compact_bytes(m.total) if not untraced else f">= {compact_bytes(m.total)}"
-        fits = "yes" if c.fits else ("?" if c.status is Status.NOT_TRACED else "no")
-        style = "bold green" if i == 0 else ("dim" if not c.fits else "")
-        cells = [
-            c.method + (" *" if i == 0 else ""), _strategy_cell(c), *([_state_cell(c)] if with_state else []),
-            str(c.micro_batch_size), "on" if c.activation_checkpointing else "off", compact_bytes(m.params),
-            compact_bytes(m.grads), compact_bytes(m.optimizer), acts, compact_bytes(m.buffers),
-            compact_bytes(m.overhead), total, comm,
-            *([f"{c.time.step:.2f}" if c.time is not None and not untraced else "-"] if with_time else []), fits,
-        ]
-        t.add_row(*cells, style=style)
-    console.print(t)
-    tp_note = "; tpN x S: tensor parallelism over N GPUs of a node, S over the replicas (+ tp: TP's all-reduces, " \
-        "inside the node)" if with_tp else ""
-    state_note = "; state: the optimizer (8-bit: bitsandbytes) and what lives in host memory" if with_state else ""
-    time_note = "; s/step: predicted seconds per optimizer step" if with_time else ""
-    console.print("[dim]- activations not traced: model states alone exceed the memory, or the walk stopped before "
-                  "this method; comm: bytes each GPU sends per optimizer step, and the time over "
-                  f"{hw.get('interconnect')}{tp_note}{state_note}{time_note}.[/]")
-    ch = plan.chosen
-    console.print(
-        f"[bold]chosen[/]: {ch.method} / {_strategy_cell(ch)} / {ch.precision}"
-        f"{'' if (ch.optimizer, ch.offload) == ('adamw', 'none') else ' / ' + _state_cell(ch)}, micro-batch {ch.micro_batch_size}, "
-        f"gradient accumulation {ch.grad_accum_steps}, activation checkpointing "
-        f"{'on' if ch.activation_checkpointing else 'off'}, {compact_bytes(ch.memory.total)} per GPU"
-        + ("" if ch.fits else " [bold red](does not fit)[/]")
-    )
-    for sentence in plan.walk:
-        console.print(f"  - {sentence}")
-    job = plan.job
-    if job:
-        console.print(
-            f"whole job: loading peaks at {compact_bytes(job['load_peak_per_gpu'])} per GPU (its shards + one tensor); "
-            f"host memory per node {compact_bytes(job['host_loading_per_node'])} loading, "
-            f"{compact_bytes(job['host_checkpoint_per_node'])} saving a checkpoint, "
-            f"{compact_bytes(job['host_final_save_per_node'])} saving the final model ("
-            f"{'of ' + compact_bytes(hw['host_memory']) if hw.get('host_memory') else 'not checked: --host-memory'}); disk {compact_bytes(job['checkpoint_bytes'])} per "
-            f"checkpoint, {compact_bytes(job['final_model_bytes'])} for the final model"
-        )
-    if model.get("checkpoint_bytes"):
-        console.print(
-            f"checkpoints: {compact_bytes(model['checkpoint_bytes'])} each (weights + AdamW state); a run keeps output.keep "
-            "of them and writes one more before pruning, and checks the free disk for that before it starts"
-        )
-
-
-def _state_cell(c: Any) -> str:
-    """Where the optimizer state lives: ``adamw``, ``8-bit``, ``paged 8-bit``, ``+offload opt``."""
-    name = {"adamw": "adamw", "adamw8bit": "8-bit", "paged_adamw8bit": "paged 8-bit"}.get(c.optimizer, c.optimizer)
-    if c.offload == "optimizer":
-        return f"{name} on host"
-    if c.offload == "parameters":
-        return f"{name}, params on host"
-    return name
-
-
-def _strategy_cell(c: Any) -> str:
-    """``fsdp``; ``tp2 x fsdp`` (2-D mesh); ``tp8`` (one data-parallel replica)."""
-    if c.tp == 1:
-        return str(c.strategy)
-    return f"tp{c.tp}" if c.dp == 1 else f"tp{c.tp} x {c.strategy}"
-
-
-def plan_json(plan: Plan) -> str:
-    """The stable JSON form of a plan."""
-    return json.dumps(plan.to_dict(), indent=2)
