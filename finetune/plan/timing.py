@@ -56,7 +56,7 @@ GPU_UTILISATION = 0.4
 #: Fraction of the measured matmul rate (one core's x the process's threads) a CPU training step achieves:
 #: its matmuls are thinner than the calibration's and the elementwise work (norms, activations, softmax, the
 #: loss, AdamW, LoRA's dropout and scaling) runs at memory speed. The tiny quickstart model's full, LoRA and
-#: 2-process FSDP steps ran at 0.63, 0.40 and 0.52 of it (scripts/time_accuracy.py, docs/benchmarks.md).
+#: 2-process FSDP steps ran at 0.40-0.63 of it (scripts/time_accuracy.py, docs/benchmarks.md).
 CPU_UTILISATION = 0.5
 #: Fraction of the overlap window that hides collectives on GPUs (NCCL kernels beside the compute).
 GPU_OVERLAP = 1.0
