@@ -77,8 +77,8 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
     check_host_memory(plan, options)
     resume = options.resume
     if options.node_rank == 0:
-        from finetune.train.outputs import write_run_files
         from finetune.train.resume import preflight_resume
+        from finetune.train.save import write_run_files
 
         resume = preflight_resume(loaded, plan, resume, options.overwrite)  # the checkpoint path; a mismatch is a UserError
         write_run_files(loaded, plan.to_dict())
@@ -100,8 +100,8 @@ def check_host_memory(plan: Plan, options: LaunchOptions) -> None:
     """Refuse (one sentence) a run whose plan needs more host memory per node, in its largest phase (loading,
     checkpoint save, final save), than this node has: ``--host-memory`` or MemAvailable. Every node's
     launcher checks its own, before any weights load or any process group starts."""
-    from finetune.plan.hardware import parse_bytes
     from finetune.plan.job import available_host_memory, host_memory_problem
+    from finetune.units import parse_bytes
 
     if options.ignore_host_memory or not plan.job or plan.execution is None:
         return
@@ -189,7 +189,7 @@ def launch_workers(request: RunRequest, options: LaunchOptions) -> int:
     with tempfile.TemporaryDirectory(prefix="finetune-launch-") as tmp:
         argv = torchrun_args(request.write(Path(tmp) / "request.json"), options, run_id)
         # On SIGTERM/Ctrl-C the agent forwards the signal to the workers, which finish the step and save a
-        # checkpoint (finetune.train.resume.StopRequest); it waits this long before SIGKILL (torch's default: 30 s).
+        # checkpoint (finetune.train.signals.StopRequest); it waits this long before SIGKILL (torch's default: 30 s).
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
         config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(argv))
         try:

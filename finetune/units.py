@@ -1,11 +1,15 @@
-"""Units shared by the whole package: byte counts for people, and the recipe's dtype names.
+"""Units shared by the whole package: byte counts for people (and read back from them), and the recipe's dtype
+names.
 
 No torch at import time (the CLI imports this).
 """
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
+
+from finetune.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +23,17 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'80GiB', '80GB', '24 G', '512MiB', 85899345920 -> bytes (GB and G are read as GiB, as GPUs are sold)."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise UserError(f"cannot read `{text}` as a memory size; write e.g. 80GiB or 24GB")
+    value, unit = float(m.group(1)), m.group(2).upper()
+    return int(value * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}[unit])
 
 
 def compact_bytes(n: float) -> str:

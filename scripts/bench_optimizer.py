@@ -1,6 +1,6 @@
 """AdamW's three implementations side by side on GPT-2-small-shaped parameters (124M, tied 50257 x 768
 embedding): time per step and the optimizer's peak tensor memory during ``step()`` (MemTracker), with
-ratios against the fused kernel the trainer uses (finetune/train/loop.py: optimizer_class).
+ratios against the fused kernel the trainer uses (finetune/train/optimizer.py: optimizer_class).
 
     python scripts/bench_optimizer.py [--steps 3] [--device cpu|cuda] [--json]
 

@@ -1,6 +1,6 @@
 """AdamW against the 8-bit AdamW on FSDP2 shards, side by side: 2 processes on gloo fully_shard a Llama
 (recipes/models/tiny-llama unless --model) and time ``optimizer.step()``, with the optimizer-state bytes each
-rank holds and their ratio. Both optimizers come from finetune/train/loop.py: build_optimizer, as the trainer
+rank holds and their ratio. Both optimizers come from finetune/train/optimizer.py: build_optimizer, as the trainer
 builds them under ``distributed.strategy: fsdp``.
 
     python scripts/bench_optimizer_sharded.py [--steps 6] [--model DIR] [--json]
@@ -45,7 +45,7 @@ def measure(name: str, model_dir: str, steps: int) -> dict[str, Any]:
 
     from finetune.recipe import TrainConfig
     from finetune.spec import Strategy
-    from finetune.train.loop import build_optimizer
+    from finetune.train.optimizer import build_optimizer
 
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(model_dir)

@@ -63,7 +63,7 @@ def _rank(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from finetune.train.distributed import DistContext
-    from finetune.train.loop import optimizer_class
+    from finetune.train.optimizer import optimizer_class
     from finetune.train.parallel import data_parallel, no_sync
 
     torch.set_num_threads(1)

@@ -285,9 +285,8 @@ def trainer_steps(trainer: Any, steps: int) -> tuple[StorageCounter, list[float]
     """The trainer's first ``steps`` calls of ``train_step``, measured; their losses (token means)."""
     counter = StorageCounter()
     counter.track(trainer.model, trainer.optimizer)
-    trainer.longest, trainer.probe = 0, None  # what Trainer.train sets before its first step
     with counter, contextlib.redirect_stdout(sys.stderr):
-        losses = [trainer.train_step(0).loss for _ in range(steps)]
+        losses = [trainer.train_step().loss for _ in range(steps)]
     return counter, losses
 
 

@@ -121,7 +121,8 @@ def _train(rank: int, port: int, bucket_view: bool, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from finetune.train.distributed import DistContext
-    from finetune.train.loop import clip_gradients, optimizer_class
+    from finetune.train.gradients import clip_gradients
+    from finetune.train.optimizer import optimizer_class
     from finetune.train.parallel import apply_activation_checkpointing, data_parallel, no_sync
 
     torch.set_num_threads(1)

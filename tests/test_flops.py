@@ -106,8 +106,8 @@ def test_the_summary_gains_one_mfu_line_on_a_gpu_and_none_on_cpu(tmp_path):
     from finetune.plan.flops import mfu
     from finetune.plan.types import Candidate
     from finetune.spec import Method, Precision, Strategy
-    from finetune.train.loop import RunResult
-    from finetune.train.outputs import Reporter
+    from finetune.train.console import Reporter
+    from finetune.train.state import RunResult
 
     chosen = Candidate(
         method=Method("full"),

@@ -10,7 +10,9 @@ import torch
 
 from finetune.launch import prepare
 from finetune.plan.flowchart import plan_for_run
-from finetune.train.loop import clip_gradients, lr_lambda, param_groups
+from finetune.train.gradients import clip_gradients
+from finetune.train.optimizer import param_groups
+from finetune.train.schedule import lr_lambda
 from finetune.train.trainer import train_rank
 from tests.conftest import tiny_recipe, write_recipe
 

@@ -333,7 +333,7 @@ def test_pissa_and_olora_adapters_are_saved_for_the_original_base(tmp_path: Path
     from finetune.adapters import LORA_INIT_ATTR
     from finetune.methods import inject
     from finetune.spec import AdapterSpec
-    from finetune.train.outputs import _save_plain_lora
+    from finetune.train.save import _save_plain_lora
 
     base = tmp_path / "base"
     tiny_model("llama", bias=True).save_pretrained(base)

@@ -10,7 +10,7 @@ import torch
 
 from finetune.recipe import load_recipe
 from finetune.spec import Strategy
-from finetune.train.loop import build_optimizer
+from finetune.train.optimizer import build_optimizer
 from tests.conftest import RECIPES, tiny_recipe, write_recipe
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from finetune.errors import UserError
+from finetune.units import parse_bytes
 
 GiB = 1024**3
 
@@ -95,17 +96,6 @@ class Hardware:
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return asdict(self)
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """'80GiB', '80GB', '24 G', '512MiB', 85899345920 -> bytes (GB and G are read as GiB, as GPUs are sold)."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise UserError(f"cannot read `{text}` as a memory size; write e.g. 80GiB or 24GB")
-    value, unit = float(m.group(1)), m.group(2).upper()
-    return int(value * {"": 1, "K": 1024, "M": 1024**2, "G": GiB, "T": 1024**4}[unit])
 
 
 def bandwidth_of(interconnect: str) -> float:

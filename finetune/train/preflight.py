@@ -6,8 +6,8 @@ Preflight: before anything is loaded, every rank compares the memory it can stil
 address space ``RLIMIT_AS`` leaves) with the plan's total per process. A rank that cannot hold it stops the run
 in seconds: one sentence per failing rank, with the configuration the planner picks for that much memory.
 
-Out of memory: the loop names its phase (load, forward, backward, optimizer, evaluation, save) and step in
-:data:`WHERE`; ``torch.OutOfMemoryError`` (CUDA) or a failed CPU allocation (``MemoryError``, or torch's
+Out of memory: the trainer names its phase (load, forward, backward, optimizer, evaluation, save) and step in
+its :class:`RunPhase`; ``torch.OutOfMemoryError`` (CUDA) or a failed CPU allocation (``MemoryError``, or torch's
 ``DefaultCPUAllocator: can't allocate memory``) anywhere in a run becomes :class:`OutOfMemory`: the phase, the
 step, the plan's breakdown beside what was allocated, and the plan's next configuration that needs less, as a
 command line. With ``--debug-memory`` on CUDA, the allocator's history is recorded from the start and dumped
@@ -17,15 +17,12 @@ as a snapshot file (``torch.cuda.memory._dump_snapshot``; open it at pytorch.org
 from __future__ import annotations
 
 import shlex
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
 from finetune.units import fmt_bytes
-
-#: Where the run is: the loop updates it, the OOM message reads it.
-WHERE: dict[str, Any] = {"phase": "load", "step": 0}
 
 #: Exit status of a run stopped by the preflight or by running out of memory.
 OOM_EXIT = 3
@@ -38,11 +35,19 @@ class OutOfMemory(UserError):
         super().__init__(message, exit_code=OOM_EXIT)
 
 
-def at(phase: str, step: int | None = None) -> None:
-    """Record the phase (and the optimizer step, 1-based) the run is entering."""
-    WHERE["phase"] = phase
-    if step is not None:
-        WHERE["step"] = step
+@dataclass
+class RunPhase:
+    """Where a run is: its phase (load, forward, backward, optimizer, evaluation, save) and optimizer step
+    (1-based; 0 while loading). The trainer moves it; the out-of-memory message reads it."""
+
+    phase: str = "load"
+    step: int = 0
+
+    def at(self, phase: str, step: int | None = None) -> None:
+        """Record the phase (and the optimizer step) the run is entering."""
+        self.phase = phase
+        if step is not None:
+            self.step = step
 
 
 def is_oom(err: BaseException) -> bool:
@@ -223,14 +228,14 @@ def oom_message(
     device: Any,
     rank: int,
     snapshot: Path | None,
-    where: dict[str, Any],
+    where: RunPhase,
     allocated: str,
 ) -> str:
-    """The phase, the step, the plan's breakdown beside what was allocated (``allocated``, taken when the
-    allocation failed), and what to run instead. ``err`` is the allocator's message."""
+    """The phase and step (``where``, when the allocation failed), the plan's breakdown beside what was
+    allocated (``allocated``, taken then), and what to run instead. ``err`` is the allocator's message."""
     import re
 
-    phase, step = where["phase"], where["step"]
+    phase, step = where.phase, where.step
     when = f"in the {phase} phase of step {step}" if phase != "load" else "while loading the model and data"
     tried = re.search(r"tried to allocate (\d+) bytes", err) or re.search(
         r"Tried to allocate ([0-9.]+ [KMG]iB)", err

@@ -1,11 +1,11 @@
 """A run's checkpoint lifecycle, as the training loop uses it: preflight, resume, periodic and final saves,
-the stop/skip policy for non-finite steps, and the resume command a user is shown.
+and the resume command a user is shown.
 
 The loop calls :meth:`RunCheckpoints.start` once the model, optimizer, scheduler and scaler exist (it loads
 the checkpoint into them, or prepares a fresh start), :meth:`RunCheckpoints.restore_rng` just before the
 first step, and :meth:`RunCheckpoints.after_step` after every optimizer step, which also turns SIGTERM and
-Ctrl-C (recorded by :class:`StopRequest`) into a checkpoint and a clean exit. The files themselves are
-:mod:`finetune.train.checkpoint`'s business.
+Ctrl-C (recorded by :class:`finetune.train.signals.StopRequest`) into a checkpoint and a clean exit. The files
+themselves are :mod:`finetune.train.checkpoint`'s business.
 
 Resume sources: ``--resume`` (``latest`` or a path) and, under ``--max-restarts``, torchrun's restart
 counter: a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the newest checkpoint by itself.
@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -33,15 +29,9 @@ from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe, recipe_to_yaml
 from finetune.train import checkpoint as ck
 from finetune.train.distributed import DistContext
-from finetune.train.loop import TrainState, position
+from finetune.train.signals import StopRequest
+from finetune.train.state import TrainState, position
 from finetune.units import checkpoint_bytes
-
-
-class NonFiniteError(UserError):
-    """The loss or gradient norm became NaN/inf under ``train.on_nonfinite: stop`` (exit status 3)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, exit_code=3)
 
 
 def identity_for(loaded: LoadedRecipe, plan: Plan) -> dict[str, Any]:
@@ -87,14 +77,6 @@ def preflight_resume(loaded: LoadedRecipe, plan: Plan, resume: str | None, overw
 def _tp(degree: int) -> str:
     """`` tp N`` for a tensor-parallel layout, nothing otherwise (the resume note)."""
     return f" tp {degree}" if degree > 1 else ""
-
-
-def nonfinite_policy(loaded: LoadedRecipe, precision: str) -> str:
-    """``train.on_nonfinite`` resolved: auto is skip under fp16 loss scaling, stop otherwise."""
-    p = loaded.recipe.train.on_nonfinite
-    if p == "auto":
-        return "skip" if precision == "fp16" else "stop"
-    return p
 
 
 def resume_command(loaded: LoadedRecipe) -> str:
@@ -212,77 +194,3 @@ class RunCheckpoints:
             self.say(f"checkpoint saved: {self.last_saved} (step {state.step} of {self.total_steps})")
             self.say(f"resume with: {resume_command(self.loaded)}")
         return stopping
-
-    def nonfinite_error(self, step: int, loss: float, grad_norm: float) -> NonFiniteError:
-        """The one-line error of ``train.on_nonfinite: stop``, naming the step and the last good checkpoint."""
-        if self.last_saved is not None:
-            last = f"last good checkpoint: {self.last_saved} (resume with `{resume_command(self.loaded)}`)"
-        else:
-            last = "no checkpoint was saved yet (set output.save_every)"
-        return NonFiniteError(
-            f"step {step}: the loss is {loss} and the gradient norm {grad_norm}, training stopped "
-            f"(train.on_nonfinite: stop); {last}; lower train.lr, or set train.on_nonfinite: skip"
-        )
-
-
-# --------------------------------------------------------------------------------------------------
-# Graceful stop on SIGTERM and Ctrl-C (SIGINT): finish the current step, save a checkpoint, exit.
-#
-# The handler only records the signal; the loop asks StopRequest.agreed at the end of every optimizer step,
-# which sums the flag over all ranks so every rank stops after the same step and joins the same (collective)
-# checkpoint save. A second Ctrl-C restores the default handler and interrupts at once, except in a worker
-# started by torchrun: there the agent forwards the terminal's signal once more, so repeats are ignored (the
-# agent kills the workers itself after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds).
-# --------------------------------------------------------------------------------------------------
-
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-
-
-class StopRequest:
-    """Records SIGINT/SIGTERM while installed (a context manager); main thread only, else inert."""
-
-    def __init__(self, announce: Callable[[str], None] | None = None) -> None:
-        self.signum: int | None = None
-        self._announce = announce
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None and "TORCHELASTIC_RUN_ID" in os.environ:
-            return  # the agent's forwarded copy of the signal this worker already has
-        if self.signum is not None and signum == signal.SIGINT:
-            # Second Ctrl-C: the user does not want to wait for the step and the save.
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        self.signum = signum
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, self._handle)
-        if self._announce is not None:
-            name = signal.Signals(signum).name
-            extra = "; press Ctrl-C again to quit without saving" if signum == signal.SIGINT else ""
-            self._announce(f"\n{name} received: finishing this step and saving a checkpoint{extra}")
-            sys.stdout.flush()
-
-    def agreed(self, all_reduce_sum: Callable[[float], Any]) -> bool:
-        """True on every rank when any rank was signalled (a collective: every rank calls each step)."""
-        stop = float(all_reduce_sum(1.0 if self.signum is not None else 0.0)) > 0
-        if stop and self.signum is None:
-            self.signum = signal.SIGTERM  # another rank was signalled: stop the same way
-        return stop
-
-    @property
-    def exit_code(self) -> int:
-        """128 + the signal number (130 for Ctrl-C, 143 for SIGTERM), as a shell reports it."""
-        if self.signum is None:
-            return 0
-        return EXIT_CODES.get(signal.Signals(self.signum), 128 + int(self.signum))

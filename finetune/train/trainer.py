@@ -9,6 +9,9 @@ Read top to bottom, this is everything ``finetune run`` does on a rank once the 
                 and checkpointing as the recipe says
     train_step  one optimizer step over the global batch (micro-batches, gradient accumulation, clipping,
                 non-finite policy), with the memory probe around the first two steps
+                (:mod:`~finetune.train.step_memory`); the metrics row, tokens/s and MFU of every step come from
+                :class:`~finetune.train.metrics.MetricsProcessor`, the evaluations from the
+                :class:`~finetune.train.schedule.EvalSchedule`
     evaluate    eval loss and exact match (collective-safe: every rank runs the same forwards)
     save        the final model or adapter, and the tokenizer (rank 0 writes; every rank gathers)
     cleanup     nothing to release today but the process group, which the worker owns
@@ -22,42 +25,27 @@ global batch, whatever the micro-batch size, accumulation or number of processes
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from finetune.loss import count_target_tokens
-from finetune.plan.hardware import parse_bytes
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe
 from finetune.train.checkpoint import ModelState, OptimizerState, RNGState
+from finetune.train.console import Reporter
 from finetune.train.data import BatchStream, TaskData, load_data
+from finetune.train.determinism import seed_everything
 from finetune.train.distributed import DistContext
 from finetune.train.evaluate import EvalResult, evaluate
+from finetune.train.gradients import accumulate, clip_gradients
 from finetune.train.hooks import TrainerHooks, load_hooks
 from finetune.train.load import build_on_meta, loads_sharded, materialize
-from finetune.train.loop import (
-    DataPosition,
-    RunResult,
-    TrainState,
-    accumulate,
-    autocast_factory,
-    build_optimizer,
-    clip_gradients,
-    eval_fields,
-    lr_lambda,
-    memory_probe,
-    position,
-    report_memory,
-    seed_everything,
-    total_steps,
-)
-from finetune.train.memory import PeakMemory
+from finetune.train.metrics import MetricsProcessor, MetricsWriter
 from finetune.train.model import (
     broadcast_decomposed,
     build_model,
@@ -65,21 +53,19 @@ from finetune.train.model import (
     count_parameters,
     load_tokenizer,
 )
-from finetune.train.outputs import MetricsWriter, Reporter, save_final
+from finetune.train.nonfinite import nonfinite_policy, nonfinite_stop
+from finetune.train.optimizer import build_optimizer
 from finetune.train.parallel import parallelize, unwrap
-from finetune.train.preflight import at
-from finetune.train.resume import RunCheckpoints, StopRequest, build_checkpointer, nonfinite_policy
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step reports."""
-
-    loss: float
-    grad_norm: float
-    input_tokens: int  # real tokens (no padding) over all ranks
-    epoch: int
-    row_widths: tuple[int, int] = (0, 0)  # this rank's sum of (padded row width x real tokens), and its tokens
+from finetune.train.precision import autocast_factory, grad_scaler
+from finetune.train.preflight import RunPhase
+from finetune.train.resume import RunCheckpoints, build_checkpointer, resume_command
+from finetune.train.save import save_final
+from finetune.train.schedule import EvalSchedule, lr_scheduler, total_steps
+from finetune.train.signals import StopRequest
+from finetune.train.state import DataPosition, RunResult, StepResult, TrainState, position
+from finetune.train.step_memory import StepMemory
+from finetune.train.throughput import MfuMeter, row_widths
+from finetune.units import parse_bytes
 
 
 class Trainer:
@@ -104,9 +90,8 @@ class Trainer:
         self.out_dir = Path(loaded.recipe.output.dir)
         self.reporter = Reporter(self.ctx.is_main)
         self.state = TrainState()
+        self.phase = RunPhase()  # where the run is, for the out-of-memory message
         self.started = time.perf_counter()
-        self.measured_peak: int | None = None
-        self._flops: tuple[float, float] | None = None  # model FLOPs per token: at width 0, per token of width
 
     # -- setup ------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -122,13 +107,10 @@ class Trainer:
         )
         self.stream = BatchStream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
         self.total = total_steps(self.loaded, self.stream)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(r.train.lr_schedule, r.train.warmup_steps, self.total, r.train.min_lr_ratio)
-        )
-        self.scaler = torch.amp.GradScaler(ctx.device.type) if self.spec.loss_scaling else None
+        self.scheduler = lr_scheduler(self.optimizer, r.train, self.total)
+        self.scaler = grad_scaler(self.spec, ctx.device)
         self.autocast = autocast_factory(self.spec, ctx.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", enabled=ctx.is_main)
         self.reporter.start(
             self.plan, self.trainable, self.total_params, self.total, self.data.stats, ctx.world_size,
             getattr(self.data, "notes", []),
@@ -149,8 +131,21 @@ class Trainer:
             self.loaded, self.plan, ctx, self.checkpointer, unwrap(self.model), self.total, self.reporter.plain
         )
         self.checkpoints.start(self.state, self.resume)
-        resumed_at = self.state.step if self.checkpoints.last_saved is not None else None
-        self.metrics.trackers = open_trackers(self.loaded, self.plan, ctx, resumed_at)
+        start = self.state.step
+        resumed_at = start if self.checkpoints.last_saved is not None else None
+        writer = MetricsWriter(
+            self.out_dir / "metrics.jsonl", ctx.is_main, open_trackers(self.loaded, self.plan, ctx, resumed_at)
+        )
+        mfu = MfuMeter(
+            unwrap(self.model), r.hardware.gpu_type or self.plan.hardware.get("gpu_type"), self.spec.compute_dtype,
+            ctx.world_size, ctx.device.type,
+        )
+        self.metrics = MetricsProcessor(writer, mfu, log_every=r.output.log_every, total_steps=self.total, start_step=start)
+        self.step_memory = StepMemory(
+            self.measure_memory, self.loaded, self.plan, ctx, self.out_dir, start_step=start, total_steps=self.total,
+            say=self.reporter.print, track=self.metrics.track,
+        )
+        self.eval_schedule = EvalSchedule.of(r.eval, self.total)
         self.on_nonfinite = nonfinite_policy(self.loaded, chosen.precision)
 
     def _setup_model(self) -> torch.nn.Module:
@@ -182,43 +177,28 @@ class Trainer:
         return model
 
     # -- one optimizer step -----------------------------------------------------------------------------------
-    def train_step(self, start_step: int) -> StepResult:
+    def train_step(self) -> StepResult:
         """Forward and backward every micro-batch of this rank's share of the global batch, then update."""
         ctx, state, chosen = self.ctx, self.state, self.plan.chosen
         step = state.step + 1
-        at("forward", step)
+        self.phase.at("forward", step)
         self.hooks.before_step(step, ctx.rank)
         epoch, in_epoch = position(state.step, self.stream)
         micro = self.stream.micro_batches(
             epoch, in_epoch, rank=ctx.dp_rank, world_size=ctx.dp_size, micro_batch_size=chosen.micro_batch_size
         )
         input_tokens = int(ctx.data_sum(sum(int(mb["num_tokens"]) for mb in micro)))  # no padding
-        # attention FLOPs per token grow with the row it sits in (for MFU): token-weighted row width
-        widths = (sum(mb["input_ids"].shape[1] * int(mb["num_tokens"]) for mb in micro),
-                  sum(int(mb["num_tokens"]) for mb in micro))
+        widths = row_widths(micro)  # for MFU
         micro = [{k: v.to(ctx.device) for k, v in mb.items()} for mb in micro]
         global_tokens = float(ctx.data_sum(sum(count_target_tokens(mb) for mb in micro)))
-        if state.step == start_step:
-            self.probe = memory_probe(self.measure_memory, ctx, self.model, self.optimizer)
-        measuring: Any = contextlib.nullcontext()
-        if state.step - start_step < 2:  # the 2nd step is the steady state: AdamW's state exists by then
-            self.longest = max(self.longest, max(mb["input_ids"].shape[1] for mb in micro))
-            measuring = self.probe
-        with measuring:
-            loss_sum = accumulate(self.model, micro, global_tokens, ctx, self.autocast, self.scaler)
+        with self.step_memory.measuring(state.step, micro, self.model, self.optimizer):
+            loss_sum = accumulate(self.model, micro, global_tokens, ctx, self.autocast, self.scaler, self.phase)
             loss_sum = self.hooks.after_backward(step, self.params, loss_sum)
-            at("optimizer")
+            self.phase.at("optimizer")
             grad_norm = clip_gradients(self.params, self.optimizer, self.scaler, self.loaded.recipe.train.max_grad_norm)
             loss = float(ctx.data_sum(loss_sum)) / max(global_tokens, 1.0)
             self._update(step, loss, grad_norm)
-        if isinstance(measuring, PeakMemory) and (state.step - start_step == 1 or step == self.total):
-            self.measured_peak = measuring.measured_peak_bytes
-            report = report_memory(measuring, self.loaded, self.plan, self.out_dir, ctx, self.reporter, self.longest)
-            if report is not None:  # the trackers get the plan's prediction and the measured peak once
-                self.metrics.track(
-                    {"step": step, "memory/predicted_bytes": report["predicted"],
-                     "memory/measured_bytes": report["measured_peak"]}
-                )
+        self.step_memory.after(state.step)
         self.scheduler.step()
         state.step = step
         state.tokens += input_tokens
@@ -229,7 +209,7 @@ class Trainer:
         """The optimizer step, or none when the loss or gradients are not finite (``train.on_nonfinite``)."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and self.on_nonfinite == "stop":
-            raise self.checkpoints.nonfinite_error(step, loss, grad_norm)
+            raise nonfinite_stop(step, loss, grad_norm, self.checkpoints.last_saved, resume_command(self.loaded))
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips the update itself when the scaled grads overflowed
             self.scaler.update()
@@ -246,7 +226,7 @@ class Trainer:
         r = self.loaded.recipe
         if not self.data.eval and not self.data.eval_prompts:
             return None
-        at("evaluation")
+        self.phase.at("evaluation")
         return evaluate(
             self.model, self.data.eval, self.data.eval_prompts, self.tokenizer, self.ctx,
             batch_size=eval_batch_size(r, self.plan.chosen), max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
@@ -255,81 +235,42 @@ class Trainer:
     # -- the whole run ----------------------------------------------------------------------------------------
     def train(self) -> RunResult:
         """Every step of the run; returns early (after a checkpoint) when SIGTERM or Ctrl-C asks to stop."""
-        r, state = self.loaded.recipe, self.state
-        stop = StopRequest(self.reporter.plain)
+        state, stop = self.state, StopRequest(self.reporter.plain)
         self.model.train()
-        if r.eval.at_start and state.step == 0:
-            first = self.evaluate()
-            if first is not None:
-                self.metrics.write({"step": 0, **eval_fields(first)})
-                self.reporter.eval_line(0, first)
-        start_step, self.longest, self.probe = state.step, 0, None
-        window_tokens, window_start = 0, time.perf_counter()
-        window_widths, steady = Throughput(), Throughput()  # this log window's; steps 2.. of the run
+        if self.eval_schedule.before_training(state.step):
+            self.metrics.log_eval(0, self._evaluate_and_show(0))
+        self.metrics.start()
         self.checkpoints.restore_rng()  # last thing before the first step: the resumed run draws what the first would
         with stop, self.reporter.progress(self.total, start=state.step) as advance:
             while state.step < self.total:
-                step_start = time.perf_counter()
-                result = self.train_step(start_step)
-                if state.step - start_step > 1 or self.total - start_step == 1:  # the first step warms up
-                    steady.add(result, time.perf_counter() - step_start)
-                window_tokens += result.input_tokens
-                window_widths.add(result, 0.0)
-                row: dict[str, Any] = {"step": state.step, "loss": result.loss, "lr": self.scheduler.get_last_lr()[0]}
-                if r.eval.every and state.step % r.eval.every == 0 and state.step < self.total:
-                    ev = self.evaluate()
-                    row.update(eval_fields(ev))
-                    self.reporter.eval_line(state.step, ev)
-                now = time.perf_counter()
-                tokens_per_s = window_tokens / max(now - window_start, 1e-9)
-                if state.step % r.output.log_every == 0 or state.step == self.total or "eval_loss" in row:
-                    row.update(tokens=state.tokens, tokens_per_s=tokens_per_s, grad_norm=result.grad_norm, epoch=result.epoch)
-                    utilisation = self.utilisation(tokens_per_s, window_widths.mean_width)
-                    if utilisation is not None:
-                        row["mfu"] = utilisation.mfu
-                    window_tokens, window_start, window_widths = 0, now, Throughput()
-                    self.metrics.write(row)
-                advance(loss=result.loss, lr=row["lr"], tokens_per_s=tokens_per_s)
+                started = time.perf_counter()
+                result = self.train_step()
+                seconds = time.perf_counter() - started
+                ev = self._evaluate_and_show(state.step) if self.eval_schedule.due(state.step) else None
+                lr = self.scheduler.get_last_lr()[0]
+                tokens_per_s = self.metrics.log_step(state.step, result, seconds, lr=lr, tokens=state.tokens, ev=ev)
+                advance(loss=result.loss, lr=lr, tokens_per_s=tokens_per_s)
                 self.hooks.after_step(state.step)
-                at("save")
+                self.phase.at("save")
                 if self.checkpoints.after_step(state, stop):  # saves when due; True after SIGTERM/Ctrl-C
                     self.metrics.close()
                     return self._result(None, exit_code=stop.exit_code)
         last_eval = self.evaluate()
-        if last_eval is not None:
-            self.metrics.write({"step": state.step, **eval_fields(last_eval)})
+        self.metrics.log_eval(state.step, last_eval)
         self.metrics.close()
         self.save()
         result = self._result(last_eval)
-        if steady.seconds > 0:
-            result.tokens_per_s = steady.tokens / steady.seconds
-            result.utilisation = self.utilisation(result.tokens_per_s, steady.mean_width)
+        result.tokens_per_s, result.utilisation = self.metrics.steady()
         self.reporter.summary(result, self.plan.chosen, state.skipped_steps, gpu=self.ctx.device.type == "cuda")
-        if r.output.push_to_hub and self.ctx.is_main:
-            self.push(r.output.push_to_hub)
+        if self.loaded.recipe.output.push_to_hub and self.ctx.is_main:
+            self.push(self.loaded.recipe.output.push_to_hub)
         return result
 
-    def utilisation(self, tokens_per_s: float, row_width: float) -> Any:
-        """The model FLOPs utilisation of ``tokens_per_s`` (all ranks) in rows ``row_width`` tokens wide, against
-        the peak of this run's GPUs (``hardware.gpu_type``, else the detected one) in its matmul dtype; None on
-        CPU, and on a GPU whose peak is not known."""
-        if self.ctx.device.type != "cuda":
-            return None
-        return self._utilisation(tokens_per_s, row_width)
-
-    def _utilisation(self, tokens_per_s: float, row_width: float) -> Any:
-        from finetune.plan.flops import mfu, training_flops_per_token
-
-        if tokens_per_s <= 0 or row_width <= 0:
-            return None
-        if self._flops is None:  # from the model as built; linear in the row width
-            model = unwrap(self.model)
-            zero = training_flops_per_token(model, seq_len=0).per_token
-            self._flops = (zero, training_flops_per_token(model, seq_len=1).per_token - zero)
-        zero, per_width = self._flops
-        gpu_type = self.loaded.recipe.hardware.gpu_type or self.plan.hardware.get("gpu_type")
-        # finetune leaves TF32 off (torch's default), so fp32 matmuls run at the fp32 peak
-        return mfu(tokens_per_s, zero + per_width * row_width, gpu_type, self.spec.compute_dtype, self.ctx.world_size)
+    def _evaluate_and_show(self, step: int) -> EvalResult | None:
+        """:meth:`evaluate`, with its line on the console (step 0: before training)."""
+        ev = self.evaluate()
+        self.reporter.eval_line(step, ev)
+        return ev
 
     def push(self, repo_id: str) -> None:
         """Upload output.dir's model or adapter with its model card (rank 0, after the final save)."""
@@ -343,7 +284,7 @@ class Trainer:
 
     def save(self) -> None:
         """The final model or adapter and the tokenizer (every rank calls; rank 0 writes)."""
-        at("save")
+        self.phase.at("save")
         save_final(
             self.model, unwrap(self.model), self.tokenizer, self.out_dir, self.ctx,
             adapters=self.spec.method.adapters, max_shard_bytes=parse_bytes(self.loaded.recipe.output.max_shard_size),
@@ -356,32 +297,11 @@ class Trainer:
         history = self.state.history
         return RunResult(
             steps=self.state.step, final_loss=history[-1] if history else None, eval=last_eval,
-            output_dir=self.out_dir, seconds=time.perf_counter() - self.started, measured_peak=self.measured_peak,
+            output_dir=self.out_dir, seconds=time.perf_counter() - self.started,
+            measured_peak=self.step_memory.measured_peak,
             model=unwrap(self.model), losses=list(history), exit_code=exit_code,
             checkpoint_seconds=self.checkpoints.save_seconds,
         )
-
-
-@dataclass
-class Throughput:
-    """Tokens, seconds and row widths summed over steps (what tokens/s and MFU are computed from)."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    width_tokens: int = 0  # this rank's sum of (padded row width x real tokens)
-    local_tokens: int = 0
-
-    def add(self, step: StepResult, seconds: float) -> None:
-        """Count one step."""
-        self.tokens += step.input_tokens
-        self.seconds += seconds
-        self.width_tokens += step.row_widths[0]
-        self.local_tokens += step.row_widths[1]
-
-    @property
-    def mean_width(self) -> float:
-        """The token-weighted mean row width (0 before any token)."""
-        return self.width_tokens / self.local_tokens if self.local_tokens else 0.0
 
 
 def open_trackers(loaded: LoadedRecipe, plan: Plan, ctx: DistContext, resume_step: int | None) -> Any:
@@ -411,7 +331,6 @@ def train_rank(
     from finetune.train import preflight as pf
 
     ctx = ctx or DistContext.from_env()
-    pf.at("load", 0)
     pf.preflight(loaded, plan, ctx)
     pf.start_debug_memory(debug_memory, ctx.device)
     trainer = Trainer(loaded, plan, ctx, measure_memory=measure_memory, resume=resume)
@@ -422,7 +341,7 @@ def train_rank(
         if not pf.is_oom(err):
             raise
         snapshot = pf.dump_debug_memory(debug_memory, ctx.device, trainer.out_dir, ctx.rank)
-        where, allocated, text = dict(pf.WHERE), pf.allocated_now(ctx.device), str(err)
+        where, allocated, text = copy.copy(trainer.phase), pf.allocated_now(ctx.device), str(err)
         err.__traceback__ = None  # let go of the frames (and their tensors) before planning an alternative
     finally:
         trainer.cleanup()

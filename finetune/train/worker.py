@@ -108,7 +108,7 @@ def run_worker(request_path: str) -> None:
     _set_threads()
     from finetune.train.distributed import DistContext
     from finetune.train.nodes import agree_with_node0
-    from finetune.train.outputs import write_run_files
+    from finetune.train.save import write_run_files
     from finetune.train.trainer import train_rank
 
     request = RunRequest.read(request_path)

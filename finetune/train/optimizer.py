@@ -1,4 +1,5 @@
-"""bitsandbytes' 8-bit AdamW over sharded parameters (FSDP2's ZeRO-2 and FSDP, tensor parallelism).
+"""The optimizer of a run: which class ``train.optimizer`` names, its parameter groups, and how it is laid
+out over ranks (ZeRO-1's sharded state; bitsandbytes' 8-bit AdamW over FSDP2 and tensor-parallel shards).
 
 Under FSDP2 every parameter and gradient is a DTensor, which bitsandbytes' kernels do not accept. AdamW is
 elementwise, so each rank can update its own shard alone: :class:`LocalShardOptimizer` hands bitsandbytes
@@ -22,6 +23,10 @@ from typing import Any
 
 import torch
 
+from finetune.errors import UserError
+from finetune.recipe import TrainConfig
+from finetune.spec import Strategy
+
 #: bitsandbytes' block of values sharing one absmax (its optimizers' blockwise quantization).
 BLOCK = 256
 
@@ -31,6 +36,72 @@ def is_sharded(params: list[torch.Tensor]) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in params)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters, with weight decay on matrices only (not norms, biases)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def optimizer_class(name: str) -> tuple[type, dict[str, Any]]:
+    """The optimizer class of ``train.optimizer`` and its implementation options.
+
+    torch's AdamW: its fused kernel on CUDA and on CPU. It updates each tensor in place, so the step needs no
+    temporaries (foreach holds a state-sized ``sqrt(exp_avg_sq)`` of every tensor at once, the per-parameter
+    loop two of the largest tensor), and on CPU it is several times faster than either
+    (``scripts/bench_optimizer.py``). bitsandbytes' 8-bit AdamW keeps both moments in 8 bits.
+    """
+    if name == "adamw":
+        return torch.optim.AdamW, {"fused": True}
+    import bitsandbytes as bnb
+
+    if name == "adamw8bit":
+        return bnb.optim.AdamW8bit, {}
+    if name == "paged_adamw8bit":
+        return bnb.optim.PagedAdamW8bit, {}
+    raise UserError(f"train.optimizer: unknown optimizer `{name}`; use adamw, adamw8bit or paged_adamw8bit")
+
+
+def build_optimizer(
+    model: torch.nn.Module, t: TrainConfig, strategy: Strategy, *, tensor_parallel: bool = False,
+    name: str | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer ``name`` (the plan's; None: ``train.optimizer``, adamw for auto) over the trainable parameters (``train``
+    section settings); ZeRO-1 shards its state over ranks.
+
+    Under ZeRO-2, FSDP and tensor parallelism (DTensor parameters) the 8-bit optimizers update each rank's
+    local shards (:class:`LocalShardOptimizer`); unsharded runs use bitsandbytes' class as is.
+    Under tensor parallelism the parameters are DTensors on different meshes (TP-split linears, FSDP-only
+    norms) or plain tensors (what TP replicates): the foreach and fused kernels need one kind in a list, so
+    AdamW runs its per-parameter loop there.
+    """
+    groups = param_groups(model, t.weight_decay)
+    name = name or (t.optimizer if t.optimizer != "auto" else "adamw")
+    cls, options = optimizer_class(name)
+    if cls is not torch.optim.AdamW and is_sharded([p for g in groups for p in g["params"]]):
+        # bitsandbytes' kernels take no DTensors: its 8-bit AdamW runs over each rank's local shards
+        return LocalShardOptimizer(groups, cls, lr=t.lr, betas=t.betas, **options)
+    if strategy is Strategy.ZERO1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(
+            groups[0]["params"], optimizer_class=cls, lr=t.lr, betas=t.betas,
+            weight_decay=groups[0]["weight_decay"], **options,
+        )
+        for g in groups[1:]:
+            opt.add_param_group(g)
+        return opt
+    if tensor_parallel and cls is torch.optim.AdamW:
+        options = {"foreach": False}
+    return cls(groups, lr=t.lr, betas=t.betas, **options)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""What a run writes into output.dir: the run files before training (the resolved recipe and the plan) and,
+at the end, the trained model (streamed one tensor at a time) or adapter, with the tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.errors import UserError
+from finetune.recipe import LoadedRecipe, recipe_to_yaml
+from finetune.train.distributed import DistContext
+
+
+def _save_plain_lora(inner: Any, out_dir: Path, state: dict[str, Any]) -> None:
+    """A pissa/olora run's adapter saved as a plain LoRA (rank 2r) of the original base: the base weights the
+    run trained on had the initial adapter subtracted, and no one else has them (merge and
+    PeftModel.from_pretrained load the original base)."""
+    import math
+
+    from finetune.adapters import LORA_INIT_ATTR, plain_lora
+
+    config = inner.peft_config["default"]
+    kept = (config.r, config.lora_alpha, config.init_lora_weights)
+    config.r, config.init_lora_weights = 2 * kept[0], True
+    config.lora_alpha = kept[1] * (math.sqrt(2) if config.use_rslora else 2)
+    try:
+        plain = plain_lora(state, getattr(inner, LORA_INIT_ATTR))
+        inner.save_pretrained(out_dir, state_dict=plain, safe_serialization=True)
+    finally:
+        config.r, config.lora_alpha, config.init_lora_weights = kept
+
+
+def save_final(
+    model: torch.nn.Module, inner: torch.nn.Module, tokenizer: Any, out_dir: Path, ctx: DistContext, *,
+    adapters: bool, max_shard_bytes: int,
+) -> None:
+    """Write the trained model (HF directory) or adapter (PEFT directory) and the tokenizer, on rank 0.
+
+    Every rank calls this. Nothing is gathered whole: a full fine-tune is streamed one tensor at a time
+    (:func:`write_model_streamed`); an adapter run gathers only the adapters.
+    """
+    from transformers.utils import logging as hf_logging
+
+    from finetune.adapters import LORA_INIT_ATTR, has_bottlenecks, prefix_tokens, save_bottlenecks
+    from finetune.train.parallel import is_sharded
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
+    if ctx.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    # peft saves a prefix by running its prompt encoder, which FSDP2 keeps sharded in the root unit: gather
+    # the root's parameters on every rank for the save (a collective), and shard them again after.
+    gather_root = ctx.distributed and is_sharded(model) and prefix_tokens(inner) > 0
+    if gather_root:
+        model.unshard()
+    if adapters:  # the trained parameters only, each gathered whole (the frozen base is never gathered)
+        state = {name: _whole(p) for name, p in inner.named_parameters() if p.requires_grad}
+        if ctx.is_main:
+            if has_bottlenecks(inner):  # our own adapter format; the base stays where it is
+                save_bottlenecks(inner, out_dir, state, base=getattr(inner.config, "_name_or_path", None))
+            elif getattr(inner, LORA_INIT_ATTR, None) is not None:
+                _save_plain_lora(inner, out_dir, state)
+            else:
+                inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+    else:
+        write_model_streamed(inner, out_dir, ctx, max_shard_bytes)
+        if ctx.is_main:
+            inner.config.save_pretrained(out_dir)
+            if getattr(inner, "generation_config", None) is not None:
+                inner.generation_config.save_pretrained(out_dir)
+    if ctx.is_main:
+        tokenizer.save_pretrained(out_dir)
+    ctx.barrier()
+    if gather_root:
+        model.reshard()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on CPU (a DTensor is all-gathered: every rank must call)."""
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().cpu()
+
+
+def write_model_streamed(inner: torch.nn.Module, out_dir: Path, ctx: DistContext, max_shard_bytes: int) -> list[str]:
+    """The model's weights as ``from_pretrained`` reads them, one tensor at a time (every rank calls).
+
+    Shapes and dtypes are known without gathering, so the safetensors headers and the split into files of
+    at most ``max_shard_bytes`` are fixed up front; then each tensor is all-gathered (a DTensor), written by
+    rank 0 and dropped, so no rank holds more than one whole tensor beyond its shards. A weight shared by two
+    names (tied embeddings) is written once, under its first name, as ``save_pretrained`` does. Returns the
+    file names (on every rank).
+    """
+    from finetune.safetensors_stream import SAFE_INDEX, ShardWriter, plan_shards, write_index
+
+    named: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    tensors = dict(inner.named_parameters(remove_duplicate=False))
+    tensors.update(inner.named_buffers(remove_duplicate=False))
+    for name in inner.state_dict(keep_vars=True):
+        t = tensors[name]
+        if id(t) not in seen:
+            seen.add(id(t))
+            named[name] = t
+    specs = [(name, list(t.shape), t.dtype) for name, t in named.items()]
+    shards = plan_shards(specs, max_shard_bytes)
+    if ctx.is_main:
+        for old in [*out_dir.glob("model*.safetensors"), out_dir / SAFE_INDEX]:
+            old.unlink(missing_ok=True)  # an earlier run's shards would mix with these
+    for file, file_specs in shards:
+        writer = ShardWriter(out_dir / file, file_specs) if ctx.is_main else None
+        for name, _, _ in file_specs:
+            whole = _whole(named[name])
+            if writer is not None:
+                writer.write(name, whole)
+            del whole
+        if writer is not None:
+            writer.close()
+    if ctx.is_main:
+        write_index(out_dir, shards)
+    return [file for file, _ in shards]
+
+
+def write_run_files(loaded: LoadedRecipe, plan_dict: dict[str, Any]) -> Path:
+    """Save the resolved recipe and the plan in the output directory (before training, by global rank 0)."""
+    out = Path(loaded.recipe.output.dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"output.dir: cannot create {out} ({exc.strerror}); choose a writable directory") from None
+    if not os.access(out, os.W_OK):
+        raise UserError(f"output.dir: {out} is not writable; choose a writable directory")
+    (out / "recipe.yaml").write_text(recipe_to_yaml(loaded.recipe))
+    (out / "plan.json").write_text(json.dumps(plan_dict, indent=2) + "\n")
+    return out

@@ -1,0 +1,98 @@
+"""The memory of a run's first optimizer steps: measured, written to memory.json and printed beside the plan's
+prediction.
+
+On CUDA always, on CPU with ``--measure-memory``: a :class:`~finetune.train.memory.PeakMemory` probe wraps the
+first two steps a run (or a resumed run) takes. After two steps the measurement includes AdamW's state, so it
+compares with the plan's steady state; a one-step run compares with the planner's first-step figure (no
+optimizer state yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.plan.types import Plan
+from finetune.recipe import LoadedRecipe
+from finetune.train.distributed import DistContext
+from finetune.train.memory import PeakMemory
+
+#: The steps measured: the 2nd is the steady state (AdamW's state exists by then).
+MEASURED_STEPS = 2
+
+
+class StepMemory:
+    """The peak-memory probe around a run's first steps and its report.
+
+    ``start_step`` is the step the run (re)starts from, ``total_steps`` its last; ``say`` prints the summary
+    line (rank 0), ``track`` sends the prediction and the measurement to the trackers.
+    """
+
+    def __init__(
+        self, enabled: bool, loaded: LoadedRecipe, plan: Plan, ctx: DistContext, out_dir: Path, *,
+        start_step: int, total_steps: int, say: Callable[[str], None], track: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.enabled = enabled or ctx.device.type == "cuda"
+        self.loaded, self.plan, self.ctx, self.out_dir = loaded, plan, ctx, out_dir
+        self.start_step, self.total_steps = start_step, total_steps
+        self.say, self.track = say, track
+        self.probe: PeakMemory | None = None
+        self.longest = 0  # the widest micro-batch measured (tokens)
+        self.measured_peak: int | None = None
+
+    def measuring(
+        self, done: int, micro: list[dict[str, torch.Tensor]], model: torch.nn.Module, optimizer: Any
+    ) -> contextlib.AbstractContextManager[Any]:
+        """The probe around the optimizer step after ``done`` steps when it is one of the run's first two
+        (``micro``: its micro-batches), else a no-op."""
+        if done - self.start_step >= MEASURED_STEPS:
+            return contextlib.nullcontext()
+        self.longest = max(self.longest, max(mb["input_ids"].shape[1] for mb in micro))
+        if not self.enabled:
+            return contextlib.nullcontext()
+        if self.probe is None:
+            self.probe = PeakMemory(self.ctx.device.type, modules=(model,), optimizer=optimizer)
+        return self.probe
+
+    def after(self, done: int) -> None:
+        """After the optimizer step that followed ``done`` steps: when it is the last one measured (or the run's
+        last), keep the peak, write memory.json, print the summary line and send both figures to the trackers."""
+        step = done + 1
+        if self.probe is None or done - self.start_step >= MEASURED_STEPS:
+            return
+        if done - self.start_step != MEASURED_STEPS - 1 and step != self.total_steps:
+            return
+        self.measured_peak = self.probe.measured_peak_bytes
+        report = self.report(self.probe)
+        if report is not None:  # the trackers get the plan's prediction and the measured peak once
+            self.track(
+                {"step": step, "memory/predicted_bytes": report["predicted"],
+                 "memory/measured_bytes": report["measured_peak"]}
+            )
+
+    def report(self, probe: PeakMemory) -> dict[str, Any] | None:
+        """Write memory.json and print the plan's prediction beside the measured peak (rank 0); return its
+        content (None on other ranks)."""
+        if not self.ctx.is_main:
+            return None
+        from finetune.plan.flowchart import chosen_memory
+
+        loaded, plan, device = self.loaded, self.plan, self.ctx.device.type
+        first_step = probe.steps < 2
+        predicted = plan.chosen.memory
+        if first_step:
+            predicted = chosen_memory(loaded, plan, device=device, first_step=True)
+        planned = loaded.recipe.data.max_seq_len
+        at_rows, rows = None, None
+        if 0 < self.longest < planned:
+            # the plan is for full rows; these batches were narrower: predict them too, like for like
+            at_rows = chosen_memory(loaded, plan, device=device, first_step=first_step, seq_len=self.longest)
+            rows = (planned, self.longest)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        report = probe.write(self.out_dir / "memory.json", predicted, at_rows, rows)
+        self.say(probe.summary_line(predicted, at_rows, rows))
+        return report
