@@ -131,7 +131,13 @@ class Trainer:
             self.loaded, self.plan, ctx, self.checkpointer, unwrap(self.model), self.total, self.reporter.plain
         )
         self.checkpoints.start(self.state, self.resume)
-        start = self.state.step
+        self._setup_step_reporting()
+        self.on_nonfinite = nonfinite_policy(self.loaded, chosen.precision)
+
+    def _setup_step_reporting(self) -> None:
+        """What each step reports from the step the run (re)starts at: the metrics (rows, tokens/s, MFU, the
+        trackers), the first steps' memory and the evaluation schedule."""
+        r, ctx, start = self.loaded.recipe, self.ctx, self.state.step
         resumed_at = start if self.checkpoints.last_saved is not None else None
         writer = MetricsWriter(
             self.out_dir / "metrics.jsonl", ctx.is_main, open_trackers(self.loaded, self.plan, ctx, resumed_at)
@@ -146,7 +152,6 @@ class Trainer:
             say=self.reporter.print, track=self.metrics.track,
         )
         self.eval_schedule = EvalSchedule.of(r.eval, self.total)
-        self.on_nonfinite = nonfinite_policy(self.loaded, chosen.precision)
 
     def _setup_model(self) -> torch.nn.Module:
         """Build the model the execution spec describes, check it against the plan, then wrap it."""
