@@ -24,7 +24,6 @@ enables it on the traced model): q, k and v are kept, no (B, H, T, T) tensor.
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -152,154 +151,6 @@ class ActivationProfile:
                 out[w] = WindowPeaks(p.grads_and_acts + a, p.grads_at_peak, p.acts + a,
                                      p.acts_no_copies + extra * (r.layer_acts - r.layer_copies))
         return out
-
-
-def _window_tracker(root: str, layer_names: list[str], model: Any) -> Any:
-    """A ``TorchDispatchMode`` that files every new tensor storage as gradient or activation and keeps, per
-    window, the peaks the planner needs.
-
-    It counts as torch's ``MemTracker`` does (same categories, same storages: parameters and buffers of
-    ``model`` are known up front and not counted; a storage becomes a gradient when autograd hands it to a
-    parameter), but keeps only two running totals instead of per-module snapshots: a trace costs about half.
-    Module positions (forward/backward, which decoder layer) come from torch's ``ModTracker``.
-    """
-    import torch
-    from torch.distributed._tools.mod_tracker import ModTracker
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class Tracker(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mt = ModTracker()
-            # ModTracker names modules "<RootClass>.<qualified name>"
-            self.first_layer = f"{root}.{layer_names[-1]}"
-            self.last_layer = f"{root}.{layer_names[0]}"
-            self.windows = {w: WindowPeaks() for w in WINDOWS}
-            self.seen_first = False
-            self.seen_last = False
-            self.grads = 0
-            self.acts = 0  # activations and backward temporaries: every tracked storage that is not a gradient
-            self.copies = 0
-            self.layer_in: tuple[int, int] | None = None
-            self.layer_out: tuple[int, int] | None = None
-            self.pending_out = False
-            # id(storage) -> [bytes, kind, weakref]; kind: "fixed" (parameter/buffer), "grad" or "act"
-            self.storages: dict[int, list[Any]] = {}
-            self.hooks: list[Any] = []
-            for t in [*model.parameters(), *model.buffers()]:
-                self._add(t.untyped_storage(), "fixed")
-            for prm in model.parameters():
-                if prm.requires_grad:
-                    self.hooks.append(prm.register_hook(self._mark_grad))
-                    self.hooks.append(prm.register_post_accumulate_grad_hook(lambda q: self._mark_grad(q.grad)))
-
-        # -- storages ----------------------------------------------------------------------------------
-        def _add(self, st: Any, kind: str) -> list[Any]:
-            key = id(st)
-            entry = [st.nbytes(), kind, None]
-            entry[2] = weakref.ref(st, functools.partial(self._dead, key))
-            self.storages[key] = entry
-            if kind == "grad":
-                self.grads += entry[0]
-            elif kind == "act":
-                self.acts += entry[0]
-            return entry
-
-        def _dead(self, key: int, _ref: Any) -> None:
-            entry = self.storages.pop(key, None)
-            if entry is not None:
-                if entry[1] == "grad":
-                    self.grads -= entry[0]
-                elif entry[1] == "act":
-                    self.acts -= entry[0]
-
-        def _mark_grad(self, grad: Any) -> None:
-            if grad is None:
-                return
-            st = grad.untyped_storage()
-            entry = self.storages.get(id(st))
-            if entry is None:
-                self._add(st, "grad")
-            elif entry[1] == "act":
-                entry[1] = "grad"
-                self.acts -= entry[0]
-                self.grads += entry[0]
-
-        # -- module positions --------------------------------------------------------------------------
-        def _pre_fw(self, module: Any, inputs: Any) -> None:
-            # The layer's increment is measured from its start to the start of the next module, when
-            # the caller has dropped the layer's input (kept only if the layer saved it for backward).
-            if self.mt.is_bw:
-                return
-            if self.pending_out:
-                self.layer_out = (self.acts, self.copies)
-                self.pending_out = False
-            if self.layer_in is None and self.mt.get_known_fqn(module) == self.first_layer:
-                self.layer_in = (self.acts, self.copies)
-
-        def _post_fw(self, module: Any, inputs: Any, outputs: Any) -> None:
-            if self.mt.is_bw or self.layer_out is not None:
-                return
-            if self.mt.get_known_fqn(module) == self.first_layer:
-                self.layer_out = (self.acts, self.copies)  # fallback if no module follows
-                self.pending_out = True
-
-        def _update_peaks(self) -> None:
-            grads, acts, mt = self.grads, self.acts, self.mt
-            active = []
-            if mt.is_bw and self.first_layer in mt.parents:
-                self.seen_first = True
-                active.append("first")
-            if mt.is_bw and self.last_layer in mt.parents:
-                self.seen_last = True
-            if self.seen_last:
-                active.append("last")
-            if not self.seen_first and not self.seen_last:
-                active.append("head")
-            for w in active:
-                wp = self.windows[w]
-                if grads + acts > wp.grads_and_acts:
-                    wp.grads_and_acts = grads + acts
-                    wp.grads_at_peak = grads
-                if acts > wp.acts:
-                    wp.acts = acts
-                if acts - self.copies > wp.acts_no_copies:
-                    wp.acts_no_copies = acts - self.copies
-
-        # -- every op ----------------------------------------------------------------------------------
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            res = func(*args, **(kwargs or {}))
-            storages = self.storages
-            for t in tree_leaves(res):
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    if id(st) not in storages:
-                        self._add(st, "act")
-            # autocast's low-precision copies of parameters: FSDP2 has all-gathered params instead
-            if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.nn.Parameter):
-                nbytes = res.untyped_storage().nbytes()
-                self.copies += nbytes
-                weakref.finalize(res.untyped_storage(), self._drop_copy, nbytes)
-            self._update_peaks()
-            return res
-
-        def _drop_copy(self, nbytes: int) -> None:
-            self.copies -= nbytes
-
-        def __enter__(self) -> Any:
-            self.mt.register_user_hooks(self._pre_fw, self._post_fw)
-            self.mt.__enter__()
-            return super().__enter__()
-
-        def __exit__(self, *exc: Any) -> None:
-            super().__exit__(*exc)
-            self.mt.clear_user_hooks()
-            self.mt.__exit__(*exc)
-            for h in self.hooks:
-                h.remove()
-
-    return Tracker()
 
 
 _CACHE: dict[Any, ActivationProfile] = {}
@@ -431,7 +282,9 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         else:
             batch_dict["attention_mask"] = torch.ones_like(ids)
         layers = decoder_layer_names(model)
-        tracker = _window_tracker(type(model).__name__, layers, model)
+        from finetune.plan.tracker import WindowTracker
+
+        tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
         kernels = _attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
         with tracker, kernels, _mask_checks(spec):
             if autocast:

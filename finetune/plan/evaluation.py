@@ -19,7 +19,14 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from finetune.plan.activations import TraceSpec, _attention_kernels, _disk_path, _fakeify, _window_tracker
+from finetune.plan.activations import (
+    WINDOWS,
+    TraceSpec,
+    WindowPeaks,
+    _attention_kernels,
+    _disk_path,
+    _fakeify,
+)
 from finetune.plan.shapes import decoder_layer_names
 
 #: The largest eval batch ``eval.batch_size: auto`` picks (more rarely speeds up a small eval set).
@@ -59,6 +66,7 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
     from finetune.generation import greedy_tokens
     from finetune.loss import causal_lm_loss
     from finetune.plan.activations import build_meta_model
+    from finetune.plan.tracker import WindowTracker
 
     model, compute, autocast = build_meta_model(config, replace(spec, checkpointing=False), num_layers)
     model.eval()
@@ -71,14 +79,14 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
         layers = decoder_layer_names(model)
         ids = torch.zeros(batch, spec.seq_len, dtype=torch.long)
         mask = torch.ones_like(ids)
-        tracker = _window_tracker(type(model).__name__, layers, model)
+        tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
         with tracker, _attention_kernels(spec.attn_implementation), ac():
             causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask})
         loss = tracker.windows["head"].acts
 
         # One peak per call of the model: prefill, then each decode step.
         peaks: list[int] = []
-        tracker = _window_tracker(type(model).__name__, layers, model)
+        tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
 
         def next_call(_module: Any, _args: Any) -> None:
             peaks.append(tracker.windows["head"].acts)  # the peak since the previous call (first: the setup)
