@@ -128,7 +128,6 @@ def _worker(rank: int, store: str, recipe: str, plan_dict: dict, result: str) ->
             out["loss"] = float(model(input_ids=ids, labels=ids).loss)
         out["frames_compiled"] = counters["frames"]["ok"]
         out["graphs"] = counters["stats"]["unique_graphs"]
-        trainer.cleanup()
         torch.save(out, f"{result}.{rank}")
     finally:
         dist.destroy_process_group()

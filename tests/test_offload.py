@@ -292,7 +292,6 @@ def _worker(rank: int, store: str, recipe: str, plan_dict: dict, result: str) ->
         params = local_bytes(list(model.parameters()))
         state = local_bytes([v for s in trainer.optimizer.state.values() for v in s.values()
                              if isinstance(v, torch.Tensor) and v.dim() > 0])
-        trainer.cleanup()
         torch.save({"policies": policies, "pinned": pinned, "params": params, "grads": grads, "state": state},
                    f"{result}.{rank}")
     finally:

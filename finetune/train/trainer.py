@@ -1,4 +1,4 @@
-"""One rank's run, in named phases: setup -> train (train_step ..., evaluate) -> save -> cleanup.
+"""One rank's run, in named phases: setup -> train (train_step ..., evaluate) -> save.
 
 Read top to bottom, this is everything ``finetune run`` does on a rank once the Plan exists:
 
@@ -14,7 +14,8 @@ Read top to bottom, this is everything ``finetune run`` does on a rank once the 
                 :class:`~finetune.train.schedule.EvalSchedule`
     evaluate    eval loss and exact match (collective-safe: every rank runs the same forwards)
     save        the final model or adapter, and the tokenizer (rank 0 writes; every rank gathers)
-    cleanup     nothing to release today but the process group, which the worker owns
+
+The process group is the worker's (finetune.train.worker): it joins it before the trainer starts and leaves it after.
 
 A global batch is split into ``grad_accum_steps`` micro-batches on each of ``world_size`` ranks. Every
 micro-batch's summed token loss is divided by the number of target tokens in the *whole global batch*
@@ -295,9 +296,6 @@ class Trainer:
             adapters=self.spec.method.adapters, max_shard_bytes=parse_bytes(self.loaded.recipe.output.max_shard_size),
         )
 
-    def cleanup(self) -> None:
-        """Release what setup acquired beyond memory (nothing today: the worker owns the process group)."""
-
     def _result(self, last_eval: EvalResult | None, exit_code: int = 0) -> RunResult:
         history = self.state.history
         return RunResult(
@@ -327,7 +325,7 @@ def train_rank(
     loaded: LoadedRecipe, plan: Plan, *, measure_memory: bool = False, ctx: DistContext | None = None,
     resume: str | None = None, debug_memory: bool = False,
 ) -> RunResult:
-    """Run the whole training of this rank as ``plan`` says (setup, train, cleanup).
+    """Run the whole training of this rank as ``plan`` says (setup, then train, which saves).
 
     Before anything is loaded, the preflight checks that this rank can hold the plan; running out of memory
     later raises :class:`~finetune.train.preflight.OutOfMemory` naming the phase, the step and what to run
@@ -348,8 +346,6 @@ def train_rank(
         snapshot = pf.dump_debug_memory(debug_memory, ctx.device, trainer.out_dir, ctx.rank)
         where, allocated, text = copy.copy(trainer.phase), pf.allocated_now(ctx.device), str(err)
         err.__traceback__ = None  # let go of the frames (and their tensors) before planning an alternative
-    finally:
-        trainer.cleanup()
     del trainer  # the model, optimizer and activations: the planner below needs the room
     import gc
 
