@@ -1,8 +1,10 @@
-"""Streaming access to a safetensors checkpoint: its shard map, and shards written tensor by tensor.
+"""Streaming access to a safetensors checkpoint: its headers, and shards written tensor by tensor.
 
-Used by ``finetune merge`` so that a checkpoint is processed one tensor at a time: reading goes through
-``safetensors.safe_open`` (memory-mapped, one shard open at a time); writing uses :class:`ShardWriter`,
-because safetensors' own ``save_file`` needs every tensor of a file in memory at once.
+:func:`read_header` is the one reader of a checkpoint's layout (which file holds which tensor, its shape and
+dtype), for ``finetune merge`` and the trainer's sharded load alike. A checkpoint is processed one tensor
+at a time: reading goes through ``safetensors.safe_open`` (memory-mapped, one shard open at a time);
+writing uses :class:`ShardWriter`, because safetensors' own ``save_file`` needs every tensor of a file in
+memory at once.
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Container
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from finetune.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -20,27 +26,75 @@ SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 
 
-def shard_map(base: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """Shard file name -> tensor names in the base checkpoint's order, and each name -> its key in the file.
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a safetensors checkpoint as its file's header describes it (no data read)."""
+
+    file: str  #: the file holding it, relative to the checkpoint directory
+    key: str  #: its name in that file
+    shape: tuple[int, ...]
+    dtype: str  #: safetensors' name of its dtype (``F32``, ``BF16``, ...; :data:`ST_DTYPES`)
+
+
+def read_header(model_dir: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a Hugging Face safetensors directory, by its stored name, in the checkpoint's order.
+
+    The files are those ``from_pretrained`` reads: the ones ``model.safetensors.index.json`` names, else
+    ``model.safetensors``; a directory with neither (written by another tool) is read from all its
+    ``*.safetensors`` files, as torch.distributed.checkpoint's reader does. Only the headers are read.
+    """
+    from safetensors import safe_open
+
+    if (model_dir / SAFE_INDEX).is_file():
+        file_of: dict[str, str] | None = json.loads((model_dir / SAFE_INDEX).read_text())["weight_map"]
+        files = list(dict.fromkeys(file_of.values()))
+    else:
+        single = model_dir / SAFE_SINGLE
+        files = [SAFE_SINGLE] if single.is_file() else [f.name for f in sorted(model_dir.glob("*.safetensors"))]
+        file_of = None
+    headers: dict[str, dict[str, StoredTensor]] = {}
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            headers[file] = {}
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                part = f.get_slice(key)
+                headers[file][key] = StoredTensor(file, key, tuple(part.get_shape()), part.get_dtype())
+    if file_of is None:
+        return {key: stored for header in headers.values() for key, stored in header.items()}
+    missing = next((k for k, file in file_of.items() if k not in headers[file]), None)
+    if missing is not None:
+        raise UserError(
+            f"{model_dir / SAFE_INDEX} places {missing} in {file_of[missing]}, which does not hold it: "
+            "the checkpoint is incomplete; download or save it again"
+        )
+    return {key: headers[file][key] for key, file in file_of.items()}
+
+
+def stored_name(name: str, keys: Container[str], prefix: str) -> str | None:
+    """The name a checkpoint stores model tensor ``name`` under: ``name`` itself, or, in older checkpoints
+    that save the base model without its prefix (GPT-2's ``h.0...`` for ``transformer.h.0...``), ``name``
+    without ``prefix`` (the model's ``base_model_prefix``). None when the checkpoint has neither."""
+    if name in keys:
+        return name
+    if prefix and name.startswith(prefix + ".") and name[len(prefix) + 1 :] in keys:
+        return name[len(prefix) + 1 :]
+    return None
+
+
+def shard_map(base: Path) -> tuple[dict[str, list[str]], dict[str, StoredTensor]]:
+    """Shard file name -> tensor names in the base checkpoint's order, and each name -> its stored tensor.
 
     A base saved from a model with peft's layers injected stores ``X.base_layer.weight`` and the adapter's
     own tensors; it is read as the plain model (``X.weight``) and the adapter tensors are left out.
     """
-    from safetensors import safe_open
-
-    if (base / SAFE_INDEX).is_file():
-        weight_map: dict[str, str] = json.loads((base / SAFE_INDEX).read_text())["weight_map"]
-    else:
-        with safe_open(str(base / SAFE_SINGLE), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), SAFE_SINGLE)
     shards: dict[str, list[str]] = {}
-    source: dict[str, str] = {}
-    for key, shard in weight_map.items():
+    source: dict[str, StoredTensor] = {}
+    for key, stored in read_header(base).items():
         if re.search(r"\.(lora_[A-Za-z_]+|lora_embedding_[AB])\.", key):
             continue
         name = key.replace(".base_layer.", ".")
-        shards.setdefault(shard, []).append(name)
-        source[name] = key
+        shards.setdefault(stored.file, []).append(name)
+        source[name] = stored
     return shards, source
 
 

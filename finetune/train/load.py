@@ -23,16 +23,17 @@ and fill them:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from finetune import flex
+from finetune.adapters import base_model_of
 from finetune.errors import UserError
 from finetune.methods import training_of
 from finetune.recipe import LoadedRecipe
+from finetune.safetensors_stream import SAFE_SINGLE, ShardWriter, StoredTensor, read_header, stored_name
 from finetune.spec import ExecSpec
 from finetune.train.model import (
     add_adapters,
@@ -118,9 +119,10 @@ def materialize(
         fill_seeded(targets, quantized, loaded, spec, base_dir)
     else:
         path = Path(resolve_model_path(loaded))
-        load_pretrained_shards(targets, path)
+        prefix = getattr(base_model_of(model), "base_model_prefix", "")
+        load_pretrained_shards(targets, path, prefix)
         if quantized:
-            with torch.no_grad(), _CheckpointTensors(path) as files:
+            with torch.no_grad(), _CheckpointTensors(path, prefix) as files:
                 for key, (module, conv1d) in quantized.items():
                     _quantize_into(module, files.get(key), spec, conv1d)
                     release_free_heap()
@@ -267,8 +269,6 @@ def fill_seeded(
     def start_base(meta: torch.nn.Module) -> None:
         if base_dir is None:
             return
-        from finetune.safetensors_stream import SAFE_SINGLE, ShardWriter
-
         base_dir.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(base_dir)
         if getattr(meta, "generation_config", None) is not None:  # as save_pretrained writes it
@@ -340,25 +340,20 @@ def _quantize_into(module: torch.nn.Module, full: torch.Tensor, spec: ExecSpec, 
 
 
 class _CheckpointTensors:
-    """Whole tensors read one at a time from a safetensors directory (memory-mapped, by their file)."""
+    """Whole tensors read one at a time from a safetensors directory (memory-mapped, by their file);
+    ``prefix``: the model's ``base_model_prefix``, which older checkpoints leave out."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, prefix: str) -> None:
         self.path = path
+        self.prefix = prefix
         self.handles: dict[str, object] = {}
-        self.where: dict[str, str] = {}
+        self.stored: dict[str, StoredTensor] = {}
 
     def __enter__(self) -> _CheckpointTensors:
         from safetensors import safe_open
 
-        from finetune.safetensors_stream import SAFE_INDEX
-
-        if (self.path / SAFE_INDEX).is_file():
-            self.where = json.loads((self.path / SAFE_INDEX).read_text())["weight_map"]
-        else:
-            for f in sorted(self.path.glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as st:
-                    self.where.update(dict.fromkeys(st.keys(), f.name))
-        for name in sorted(set(self.where.values())):
+        self.stored = read_header(self.path)
+        for name in sorted({t.file for t in self.stored.values()}):
             self.handles[name] = safe_open(str(self.path / name), framework="pt")
         return self
 
@@ -366,13 +361,13 @@ class _CheckpointTensors:
         self.handles.clear()
 
     def get(self, key: str) -> torch.Tensor:
-        """The whole tensor ``key`` (or its unprefixed name in an older checkpoint)."""
-        found = key if key in self.where else _unprefixed(key, set(self.where))
+        """The whole tensor ``key`` (or its name without the prefix in an older checkpoint)."""
+        found = stored_name(key, self.stored, self.prefix)
         if found is None:
             raise UserError(
                 f"model.path: {self.path} has no tensor {key}; is it a checkpoint of this architecture?"
             )
-        return self.handles[self.where[found]].get_tensor(found)  # type: ignore[attr-defined]
+        return self.handles[self.stored[found].file].get_tensor(found)  # type: ignore[attr-defined]
 
 
 def _seeded_args(loaded: LoadedRecipe, spec: ExecSpec) -> tuple[Any, torch.dtype, dict[str, Any]]:
@@ -445,39 +440,19 @@ def _is_injected(name: str) -> bool:
     return ".lora_" in name or name.startswith("prompt_encoder.") or is_bottleneck_key(name)
 
 
-def checkpoint_keys(path: Path) -> set[str]:
-    """The tensor names of a Hugging Face safetensors directory (header only)."""
-    from safetensors import safe_open
-
-    from finetune.safetensors_stream import SAFE_INDEX
-
-    if (path / SAFE_INDEX).is_file():
-        return set(json.loads((path / SAFE_INDEX).read_text())["weight_map"])
-    keys: set[str] = set()
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            keys.update(st.keys())
-    return keys
-
-
-def load_pretrained_shards(targets: dict[str, torch.Tensor], path: Path) -> None:
+def load_pretrained_shards(targets: dict[str, torch.Tensor], path: Path, prefix: str) -> None:
     """Fill ``targets`` (DTensor shards or whole tensors) from the safetensors files in ``path``; each rank
-    reads its own slices (torch.distributed.checkpoint's Hugging Face reader), cast by ``copy_``."""
+    reads its own slices (torch.distributed.checkpoint's Hugging Face reader), cast by ``copy_``.
+    ``prefix``: the model's ``base_model_prefix``, which older checkpoints leave out."""
     import torch.distributed.checkpoint as dcp
 
-    have = checkpoint_keys(path)
+    have = read_header(path)
     wanted: dict[str, torch.Tensor] = {}
     for key, t in targets.items():
-        found = key if key in have else _unprefixed(key, have)
+        found = stored_name(key, have, prefix)
         if found is None:
             raise UserError(
                 f"model.path: {path} has no tensor {key}; is it a checkpoint of this architecture?"
             )
         wanted[found] = t
     dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-
-
-def _unprefixed(key: str, have: set[str]) -> str | None:
-    """Older checkpoints store the base model without its prefix (GPT-2's ``h.0...`` for ``transformer.h.0``)."""
-    _, _, tail = key.partition(".")
-    return tail if tail in have else None
