@@ -35,8 +35,17 @@ from finetune.errors import UserError
 from finetune.locate import locate_model
 from finetune.methods import METHOD_TYPES, BottleneckAdapters, FullFineTuning, PrefixTuning
 from finetune.recipe import QuantizationConfig
-from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, ST_DTYPES, ShardWriter, shard_map
+from finetune.safetensors_stream import (
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    ST_DTYPES,
+    ShardWriter,
+    StoredTensor,
+    shard_map,
+    stored_name,
+)
 from finetune.spec import Method
+from finetune.swap import swap_in
 from finetune.train.quantize import dequantized_weight, quantized_modules
 from finetune.units import DTYPE_NAMES
 
@@ -323,15 +332,6 @@ def _meta_model(config_dir: Path, trust_remote_code: bool) -> Any:
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def _checkpoint_key(name: str, keys: set[str], prefix: str) -> str | None:
-    """The checkpoint's name for a model parameter (older checkpoints omit the base-model prefix)."""
-    if name in keys:
-        return name
-    if prefix and name.startswith(prefix + ".") and name[len(prefix) + 1 :] in keys:
-        return name[len(prefix) + 1 :]
-    return None
-
-
 def _compute_dtype_of_run(recipe: dict[str, Any], run: Path) -> str:
     """The compute dtype name a QLoRA run dequantized to (quantization.compute_dtype, precision, plan)."""
     q = (recipe.get("quantization") or {}).get("compute_dtype", "auto")
@@ -386,33 +386,6 @@ class Fold:
         return w.to(target)
 
 
-def _write_shards(
-    base_dir: Path, shards: dict[str, list[str]], source_of: dict[str, str],
-    extra: dict[str, list[tuple[str, str]]], shapes: dict[str, list[int]], fold: Fold, out: Path,
-) -> tuple[dict[str, str], int]:
-    """Fold and write every shard of ``base_dir`` into ``out``, one tensor at a time; (weight map, bytes)."""
-    import torch
-    from safetensors import safe_open
-
-    st_to_torch = {v: getattr(torch, k) for k, v in ST_DTYPES.items()}
-    weight_map: dict[str, str] = {}
-    total = 0
-    for shard, names in shards.items():
-        with safe_open(str(base_dir / shard), framework="pt") as f:
-            items = [(k, source_of[k]) for k in names] + [(k, source_of[src]) for k, src in extra.get(shard, [])]
-            specs = [(k, shapes[k], fold.dtype_of(st_to_torch[f.get_slice(src).get_dtype()])) for k, src in items]
-            # largest itemsize first keeps every tensor aligned to its dtype, as safetensors does
-            order = sorted(range(len(items)), key=lambda i: (-specs[i][2].itemsize, specs[i][0]))
-            writer = ShardWriter(out / shard, [specs[i] for i in order])
-            for i in order:
-                key, src = items[i]
-                writer.write(key, fold(key, f.get_tensor(src)))
-                weight_map[key] = shard
-            writer.close()
-            total += writer.total
-    return weight_map, total
-
-
 def _check_out_apart(out: Path, inp: Path, what: str) -> None:
     """Refuse an ``--out`` that is, contains or lies inside an input: replacing it would delete the input."""
     o, i = out.resolve(), inp.resolve()
@@ -463,15 +436,70 @@ def merge(
         return _merge(Path(run_dir), Path(out), dtype, base, force, into_dequantized, Path(scratch))
 
 
+@dataclass
+class _Inputs:
+    """What a merge starts from, every input checked: the adapter, the run's recipe and the base."""
+
+    run: Path
+    recipe: dict[str, Any] | None
+    base_dir: Path
+    trust_remote_code: bool
+    deltas: dict[str, LoraDelta]  # module name -> its low-rank update
+    replacements: dict[str, torch.Tensor]  # modules_to_save: parameter name -> its trained value
+
+
+@dataclass
+class _Layout:
+    """Where the base checkpoint keeps each tensor, and which tied parameters it stores once."""
+
+    shards: dict[str, list[str]]  # shard file -> tensor names
+    source_of: dict[str, StoredTensor]  # tensor name -> where it is stored
+    shapes: dict[str, list[int]]  # also of the tied parameters the checkpoint leaves out
+    aliases: dict[str, str]  # tied parameter missing from the checkpoint -> the key holding its value
+    tied: list[list[str]]  # each tied group, as the keys the merged checkpoint would use
+    prefix: str  # the model's base_model_prefix (older checkpoints omit it)
+
+    def locate(self, name: str) -> str | None:
+        """The checkpoint key of model parameter ``name`` (the parameter's own name for a tied one that the
+        checkpoint leaves out); None when the base has no such parameter."""
+        return stored_name(name, self.source_of, self.prefix) or (name if name in self.aliases else None)
+
+
 def _merge(
     run: Path, out_path: Path, dtype: str | None, base: str | None, force: bool, into_dequantized: bool,
     scratch: Path,
 ) -> MergeResult:
-    import torch
-    from safetensors import safe_open
-
-
+    """:func:`merge` with a scratch directory: read and check the inputs, locate every key the adapter
+    changes in the base checkpoint, plan the fold, then write the merged directory and swap it in."""
     start = time.perf_counter()
+    inputs = _read_inputs(run, out_path, dtype, base, force, scratch)
+    qcfg, compute_dtype = _dequantization(inputs, into_dequantized)
+    meta = _meta_model(inputs.base_dir, inputs.trust_remote_code)
+    layout = _locate_keys(inputs.base_dir, meta)
+    out_dtype = _torch_dtype(dtype)
+    fold = _plan_fold(inputs, layout, meta, into_dequantized, out_dtype, qcfg, compute_dtype)
+    extra, untied = _untie(layout, fold)
+    total = _write_and_swap_in(inputs, layout, fold, extra, untied, dtype, into_dequantized, out_path)
+    rebuilt = inputs.base_dir.is_relative_to(scratch)
+    return MergeResult(
+        out=out_path,
+        base="its seeded random init (rebuilt)" if rebuilt else str(inputs.base_dir),
+        merged_modules=len(inputs.deltas),
+        replaced_tensors=len(inputs.replacements),
+        shards=len(layout.shards),
+        bytes_written=total,
+        dtype=dtype or "as base",
+        untied=sorted(set(untied)),
+        into_dequantized=into_dequantized,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _read_inputs(
+    run: Path, out_path: Path, dtype: str | None, base: str | None, force: bool, scratch: Path
+) -> _Inputs:
+    """Check the flags and ``--out``, read the adapter and the run's recipe, find the base. A bad flag or
+    input is refused here, before anything is written."""
     if dtype is not None and dtype not in DTYPE_FLAGS:
         raise UserError(f"--dtype {dtype} is not one of bf16, fp16, fp32")
     if out_path.exists() and not force:
@@ -484,42 +512,55 @@ def _merge(
     _check_replaceable(out_path)
     trust = bool(((recipe or {}).get("model") or {}).get("trust_remote_code", False))
     deltas, replacements = _deltas(adapter_config, adapter)
+    return _Inputs(run, recipe, base_dir, trust, deltas, replacements)
 
-    qcfg, compute_dtype = None, None
-    if into_dequantized:
+
+def _dequantization(
+    inputs: _Inputs, into_dequantized: bool
+) -> tuple[QuantizationConfig | None, torch.dtype | None]:
+    """``--into-dequantized``: the run's quantization settings and the compute dtype it dequantized to, or
+    a clear error for a run that did not train on a quantized base. (None, None) without the flag."""
+    if not into_dequantized:
+        return None, None
+    import torch
+
+    recipe = inputs.recipe
+    if not _quantized_base(recipe):
         method = (recipe or {}).get("method")
-        if not _quantized_base(recipe):
-            raise UserError(
-                f"--into-dequantized needs a qlora run; {run} is "
-                + (f"a {method} run" if method else "not a finetune run (no recipe.yaml)")
-            )
-        qcfg = QuantizationConfig.model_validate(recipe.get("quantization") or {})
-        compute_dtype = getattr(torch, DTYPE_FLAGS[_compute_dtype_of_run(recipe, run)])
+        raise UserError(
+            f"--into-dequantized needs a qlora run; {inputs.run} is "
+            + (f"a {method} run" if method else "not a finetune run (no recipe.yaml)")
+        )
+    assert recipe is not None
+    qcfg = QuantizationConfig.model_validate(recipe.get("quantization") or {})
+    return qcfg, getattr(torch, DTYPE_FLAGS[_compute_dtype_of_run(recipe, inputs.run)])
 
-    meta = _meta_model(base_dir, trust)
-    modules = dict(meta.named_modules())
+
+def _torch_dtype(dtype: str | None) -> torch.dtype | None:
+    """The torch dtype of a ``--dtype`` flag (None: each tensor keeps the base's dtype)."""
+    if dtype is None:
+        return None
+    import torch
+
+    return getattr(torch, DTYPE_FLAGS[dtype])
+
+
+def _locate_keys(base_dir: Path, meta: Any) -> _Layout:
+    """The base checkpoint's shards and the shape of each tensor, from the headers; and the model's tied
+    parameters (e.g. lm_head <- embed_tokens), which a checkpoint stores once: a member missing from it is
+    an alias of the stored one."""
     prefix = getattr(meta, "base_model_prefix", "")
     shards, source_of = shard_map(base_dir)
-    keys = {k for names in shards.values() for k in names}
-    shard_of = {k: s for s, names in shards.items() for k in names}
-    shapes: dict[str, list[int]] = {}
-    for shard, names in shards.items():
-        with safe_open(str(base_dir / shard), framework="pt") as f:
-            for k in names:
-                shapes[k] = list(f.get_slice(source_of[k]).get_shape())
-
-    # Tied parameters (e.g. lm_head <- embed_tokens) are stored once. A member missing from the checkpoint
-    # is an alias of the stored one; if the adapter changes any member they stop being equal, so then
-    # every member is written and the config unties them.
+    shapes = {name: list(stored.shape) for name, stored in source_of.items()}
     groups: dict[int, list[str]] = {}
     for name, p in meta.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
-    aliases: dict[str, str] = {}  # missing tied parameter -> the checkpoint key holding its value
-    tied: list[list[str]] = []  # each group as the keys the merged checkpoint would use
+    aliases: dict[str, str] = {}
+    tied: list[list[str]] = []
     for names in groups.values():
         if len(names) < 2:
             continue
-        ck = {n: _checkpoint_key(n, keys, prefix) for n in names}
+        ck = {n: stored_name(n, source_of, prefix) for n in names}
         source = next((k for k in ck.values() if k), None)
         if source is None:
             continue
@@ -528,15 +569,23 @@ def _merge(
                 aliases[n] = source
                 shapes[n] = shapes[source]
         tied.append([k or n for n, k in ck.items()])
+    return _Layout(shards, source_of, shapes, aliases, tied, prefix)
 
-    def locate(name: str) -> str | None:
-        return _checkpoint_key(name, keys, prefix) or (name if name in aliases else None)
 
-    # Checkpoint key -> what to do with it; checked completely before anything is written.
+def _plan_fold(
+    inputs: _Inputs, layout: _Layout, meta: Any, into_dequantized: bool, out_dtype: torch.dtype | None,
+    qcfg: QuantizationConfig | None, compute_dtype: torch.dtype | None,
+) -> Fold:
+    """What to do with each checkpoint key: add a LoRA update to a weight or a bias, replace a tensor
+    (modules_to_save), re-quantize it (``--into-dequantized``). Every delta is checked against the base's
+    shapes here, so an adapter of another model is refused before anything is written."""
+    base_dir = inputs.base_dir
+    modules = dict(meta.named_modules())
+    shapes = layout.shapes
     weight_delta: dict[str, tuple[LoraDelta, bool]] = {}
     bias_delta: dict[str, LoraDelta] = {}
-    for mod_name, d in deltas.items():
-        key = locate(f"{mod_name}.weight")
+    for mod_name, d in inputs.deltas.items():
+        key = layout.locate(f"{mod_name}.weight")
         module = modules.get(mod_name)
         if key is None or module is None:
             raise UserError(
@@ -558,13 +607,13 @@ def _merge(
             )
         weight_delta[key] = (d, conv1d)
         if d.b_bias is not None:
-            bkey = locate(f"{mod_name}.bias")
+            bkey = layout.locate(f"{mod_name}.bias")
             if bkey is None:
                 raise UserError(f"the adapter has a lora_B bias for `{mod_name}` but the base has no bias there")
             bias_delta[bkey] = d
     replace: dict[str, torch.Tensor] = {}
-    for name, tensor in replacements.items():
-        key = locate(name)
+    for name, tensor in inputs.replacements.items():
+        key = layout.locate(name)
         if key is None or shapes[key] != list(tensor.shape):
             raise UserError(
                 f"the adapter's saved module tensor `{name}` {list(tensor.shape)} has no match in the base "
@@ -574,69 +623,104 @@ def _merge(
     quantized: dict[str, bool] = {}
     if into_dequantized:
         for mod_name, conv1d in quantized_modules(meta.config).items():
-            key = locate(f"{mod_name}.weight")
+            key = layout.locate(f"{mod_name}.weight")
             if key is not None:
                 quantized[key] = conv1d
+    return Fold(weight_delta, bias_delta, replace, quantized, out_dtype, qcfg, compute_dtype)
 
-    touched = set(weight_delta) | set(bias_delta) | set(replace)
-    extra: dict[str, list[tuple[str, str]]] = {}  # shard -> [(key to add, checkpoint key it starts from)]
+
+def _untie(layout: _Layout, fold: Fold) -> tuple[dict[str, list[tuple[str, str]]], list[str]]:
+    """Tied parameters stop being equal when the adapter changes any of them: then every member is written
+    (the ones the checkpoint left out, from the stored one) and the config unties them. Returns the keys to
+    add per shard (key, the checkpoint key it starts from) and the untied keys."""
+    touched = set(fold.weight_delta) | set(fold.bias_delta) | set(fold.replace)
+    shard_of = {k: s for s, names in layout.shards.items() for k in names}
+    extra: dict[str, list[tuple[str, str]]] = {}
     untied: list[str] = []
-    for members in tied:
+    for members in layout.tied:
         if any(m in touched for m in members):
             untied.extend(members)
             for m in members:
-                if m in aliases:
-                    extra.setdefault(shard_of[aliases[m]], []).append((m, aliases[m]))
+                if m in layout.aliases:
+                    extra.setdefault(shard_of[layout.aliases[m]], []).append((m, layout.aliases[m]))
+    return extra, untied
 
-    out_dtype = getattr(torch, DTYPE_FLAGS[dtype]) if dtype else None
 
+def _write_and_swap_in(
+    inputs: _Inputs, layout: _Layout, fold: Fold, extra: dict[str, list[tuple[str, str]]], untied: list[str],
+    dtype: str | None, into_dequantized: bool, out_path: Path,
+) -> int:
+    """Write the merged directory into a hidden sibling of ``out_path``, then swap it into place; a failure
+    leaves nothing behind. Returns the bytes of weights written."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.merging-", dir=out_path.parent))
     try:
-        fold = Fold(weight_delta, bias_delta, replace, quantized, out_dtype, qcfg, compute_dtype)
-        weight_map, total = _write_shards(base_dir, shards, source_of, extra, shapes, fold, tmp)
-        if (base_dir / SAFE_INDEX).is_file() or len(shards) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        config = json.loads((base_dir / "config.json").read_text())
-        if out_dtype is not None:
-            config["dtype"] = DTYPE_FLAGS[dtype]
-            config.pop("torch_dtype", None)
-        if untied:
-            config["tie_word_embeddings"] = False
-            if isinstance(config.get("text_config"), dict):
-                config["text_config"]["tie_word_embeddings"] = False
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for name in MODEL_FILES:
-            src = run / name if name in TOKENIZER_FILES and (run / name).is_file() else base_dir / name
-            if src.is_file():
-                shutil.copyfile(src, tmp / name)
+        total = _write_shards(inputs.base_dir, layout, extra, fold, tmp)
+        _write_config(inputs.base_dir, dtype, bool(untied), tmp)
+        _copy_model_files(inputs.run, inputs.base_dir, tmp)
         marker = {
-            "adapter": str(run.resolve()),
-            "base": str(base_dir.resolve()),
+            "adapter": str(inputs.run.resolve()),
+            "base": str(inputs.base_dir.resolve()),
             "dtype": dtype or "as base",
             "into_dequantized": into_dequantized,
         }
         (tmp / MERGE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        if out_path.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.old-", dir=out_path.parent))
-            out_path.rename(trash / "old")
-            tmp.rename(out_path)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            tmp.rename(out_path)
+        swap_in(tmp, out_path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return MergeResult(
-        out=out_path,
-        base=str(base_dir) if not base_dir.is_relative_to(scratch) else "its seeded random init (rebuilt)",
-        merged_modules=len(deltas),
-        replaced_tensors=len(replacements),
-        shards=len(shards),
-        bytes_written=total,
-        dtype=dtype or "as base",
-        untied=sorted(set(untied)),
-        into_dequantized=into_dequantized,
-        seconds=time.perf_counter() - start,
-    )
+    return total
+
+
+def _write_shards(
+    base_dir: Path, layout: _Layout, extra: dict[str, list[tuple[str, str]]], fold: Fold, out: Path
+) -> int:
+    """Fold and write every shard of ``base_dir`` into ``out``, one tensor at a time (``extra``: the tied
+    members to add to each shard), and the index when the base has one or there are several shards;
+    returns the bytes of weights written."""
+    import torch
+    from safetensors import safe_open
+
+    st_to_torch = {v: getattr(torch, k) for k, v in ST_DTYPES.items()}
+    source_of = layout.source_of
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard, names in layout.shards.items():
+        with safe_open(str(base_dir / shard), framework="pt") as f:
+            items = [(k, source_of[k]) for k in names] + [(k, source_of[src]) for k, src in extra.get(shard, [])]
+            specs = [(k, layout.shapes[k], fold.dtype_of(st_to_torch[stored.dtype])) for k, stored in items]
+            # largest itemsize first keeps every tensor aligned to its dtype, as safetensors does
+            order = sorted(range(len(items)), key=lambda i: (-specs[i][2].itemsize, specs[i][0]))
+            writer = ShardWriter(out / shard, [specs[i] for i in order])
+            for i in order:
+                key, stored = items[i]
+                writer.write(key, fold(key, f.get_tensor(stored.key)))
+                weight_map[key] = shard
+            writer.close()
+            total += writer.total
+    if (base_dir / SAFE_INDEX).is_file() or len(layout.shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def _write_config(base_dir: Path, dtype: str | None, untied: bool, out: Path) -> None:
+    """The base's config.json with the output dtype (``--dtype``) and tied embeddings untied when they are."""
+    config = json.loads((base_dir / "config.json").read_text())
+    if dtype is not None:
+        config["dtype"] = DTYPE_FLAGS[dtype]
+        config.pop("torch_dtype", None)
+    if untied:
+        config["tie_word_embeddings"] = False
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"]["tie_word_embeddings"] = False
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _copy_model_files(run: Path, base_dir: Path, out: Path) -> None:
+    """The generation config and the tokenizer files: the run's own tokenizer files where it saved them,
+    else the base's."""
+    for name in MODEL_FILES:
+        src = run / name if name in TOKENIZER_FILES and (run / name).is_file() else base_dir / name
+        if src.is_file():
+            shutil.copyfile(src, out / name)

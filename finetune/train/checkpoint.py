@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.errors import UserError
 from finetune.methods import method_type
+from finetune.swap import swap_in
 
 if TYPE_CHECKING:  # torch is imported where it is used: finding and checking checkpoints needs none of it
     import torch
@@ -594,15 +595,10 @@ class Checkpointer:
                 _fsync_file(p)
         _fsync_dir(tmp / STATE_DIR)
         _fsync_dir(tmp)
-        root = tmp.parent
-        if final.exists():  # re-saving a step after resuming from an older checkpoint
-            old = root / f".old-step-{step}-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
+        # a step saved again after resuming from an older checkpoint replaces it; a replacement cut short
+        # leaves a ".old-" directory, which the next save removes
+        swap_in(tmp, final, aside_prefix=f".old-step-{step}-")
+        _fsync_dir(tmp.parent)
         prune(self.out_dir, f.keep)
 
     def _barrier(self) -> None:
