@@ -41,7 +41,12 @@ EMBED_NAME = "bottleneck_embed"
 DECOMPOSING_INITS = ("pissa", "olora")
 #: Attribute of a pissa/olora peft model holding its initial adapter ({parameter name: tensor}).
 LORA_INIT_ATTR = "_finetune_initial_lora"
-ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
+
+
+def base_model_of(model: Any) -> Any:
+    """The transformers model that a peft model wraps (its ``get_base_model()``); ``model`` itself when it is
+    not a peft model (a plain model, or one with bottleneck adapters, which are its own children)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def lora_targets(target_modules: Any, model_type: str) -> list[str] | str:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from finetune import attention
+from finetune.adapters import base_model_of
 
 IGNORE_INDEX = -100
 
@@ -84,9 +85,7 @@ FUSED_HEAD = os.environ.get("FINETUNE_FUSED_HEAD", "1") != "0"
 def fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The output head of ``model`` (through DDP and peft wrappers) when the fused loss can stand in for
     it: a plain ``nn.Linear`` without bias, on a model that does not post-process its logits."""
-    inner = getattr(model, "module", model)  # DDP
-    if hasattr(inner, "get_base_model"):  # peft
-        inner = inner.get_base_model()
+    inner = base_model_of(getattr(model, "module", model))  # through DDP, then peft
     get = getattr(inner, "get_output_embeddings", None)
     head = get() if get is not None else None
     if type(head) is not torch.nn.Linear or head.bias is not None:
