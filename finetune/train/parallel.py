@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from finetune.adapters import base_model_of
 from finetune.errors import UserError
 from finetune.spec import ExecSpec
 from finetune.train.distributed import DistContext
@@ -90,7 +91,7 @@ def tensor_parallel_plan(model: torch.nn.Module) -> dict[str, str]:
     rowwise, from transformers' ``config.base_model_tp_plan`` (one clear sentence when there is none)."""
     import re
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model_of(model)
     arch = type(base).__name__
     tp_plan = getattr(base.config, "base_model_tp_plan", None)
     if not tp_plan:
@@ -129,7 +130,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model_of(model)
     decoder = getattr(base, base.base_model_prefix, base)
     styles: dict[str, Any] = {}
     for name, kind in tensor_parallel_plan(model).items():
@@ -153,7 +154,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each decoder block in backward (non-reentrant torch.utils.checkpoint)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model_of(model)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(base, "enable_input_require_grads"):
         # With a frozen embedding, the checkpointed blocks' inputs must require grad for backward to reach them.
@@ -213,7 +214,7 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     Qwen2DecoderLayer, GPT2Block, ...), which is exactly the unit FSDP should shard and gather as one. A
     model without it falls back to the children of its longest ``nn.ModuleList``.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model_of(model)
     names = set(getattr(base, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if blocks:
