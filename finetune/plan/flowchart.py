@@ -884,6 +884,10 @@ def _communication(s: Setting, chosen: Candidate, table: list[Candidate]) -> lis
         ))
     by = {c.strategy: c for c in table if c.method == chosen.method and c.micro_batch_size == 1 and c.tp == 1}
     ddp, z2, fs = by.get("ddp"), by.get("zero2"), by.get("fsdp")
+    zero1 = by.get("zero1")
+    if zero1 is not None and chosen.method == "full" and s.precision in ("bf16", "fp16"):
+        trainable = s.inv.storage(s.exec_spec("full", "zero1", False)).trainable
+        out.append(w.ZeroOneAccounting(trainable, zero1.dp, s.precision))
     if ddp and z2 and fs:
         def link_of(c: Candidate) -> w.Link:
             return w.Link(c.comm_bytes_per_step, c.comm_seconds_per_step or 0.0)

@@ -380,6 +380,21 @@ class Communication(Step):
 
 
 @dataclass(frozen=True)
+class ZeroOneAccounting(Step):
+    """How the ZeRO-1 row's model states differ from the ZeRO paper's accounting."""
+
+    trainable: int
+    world: int
+    compute_dtype: str
+
+    def render(self) -> str:
+        """The sentence (finetune/plan/memory.py: zero1_accounting_note)."""
+        from finetune.plan.memory import zero1_accounting_note
+
+        return zero1_accounting_note(self.trainable, self.world, self.compute_dtype)
+
+
+@dataclass(frozen=True)
 class TensorParallelCommunication(Step):
     """TP's all-reduces of the chosen configuration."""
 
