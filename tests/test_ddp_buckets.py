@@ -9,9 +9,9 @@ peak against the plan for the ddp and zero1 rows of scripts/plan_accuracy.py (sl
 
 from __future__ import annotations
 
+import importlib
 import json
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
@@ -58,22 +58,21 @@ def test_one_process_has_no_buckets() -> None:
     assert mem.buffers == 0
 
 
-def _script(name: str):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
+@pytest.fixture
+def scripts(monkeypatch: pytest.MonkeyPatch):
+    """scripts/ on sys.path for the test (spawned ranks import scripts/ddp_bucket_memory.py by its name)."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    return importlib.import_module
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_bucket_views_remove_the_second_copy_at_every_step() -> None:
+def test_bucket_views_remove_the_second_copy_at_every_step(scripts) -> None:
     """Two gloo ranks, 43 MiB of fp32 gradients, micro-batches of 32 tokens (activations small next to the
     gradients). With the buckets as a copy each backward adds the gradients' bytes to the resident set; as
     views it adds nothing, at every step after the first (which allocates AdamW's state), and the steady
     peak is lower by most of the gradients' bytes. The losses are the same to the last bit."""
-    ddp = _script("ddp_bucket_memory")
+    ddp = scripts("ddp_bucket_memory")
     copy, view = ddp.measure("copy", accum=1), ddp.measure("view", accum=1)
     g = copy["grad_bytes"]
     for c, v in zip(copy["steps"][1:], view["steps"][1:], strict=True):
@@ -86,10 +85,10 @@ def test_bucket_views_remove_the_second_copy_at_every_step() -> None:
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_under_accumulation_the_views_save_nothing_at_the_peak() -> None:
+def test_under_accumulation_the_views_save_nothing_at_the_peak(scripts) -> None:
     """What the planner counts for gradient accumulation: zero_grad(set_to_none=True) detached the views, so
     the first micro-batch's gradients are a copy beside the buckets and the peak is the copy mode's."""
-    ddp = _script("ddp_bucket_memory")
+    ddp = scripts("ddp_bucket_memory")
     s = ddp.summary(ddp.measure("copy", accum=2), ddp.measure("view", accum=2))
     assert abs(s["peak_drop"]) < 0.15 * s["grad_bytes"]
 
@@ -101,10 +100,10 @@ def test_under_accumulation_the_views_save_nothing_at_the_peak() -> None:
     ["llama full fp32 ddp x2", "llama full fp32 ddp x2 accum2", "llama full fp32 ddp x2 seq32",
      "llama full fp32 zero1 x2", "llama full bf16 zero1 x2"],
 )
-def test_prediction_matches_the_measured_peak(name: str) -> None:
+def test_prediction_matches_the_measured_peak(name: str, scripts) -> None:
     """scripts/plan_accuracy.py's ddp and zero1 rows: the trainer's peak (MemTracker, rank 0) against the
     planner's prediction, within 5%."""
-    pa = _script("plan_accuracy")
+    pa = scripts("plan_accuracy")
     _, arch, change, nproc = next(c for c in pa.CONFIGS if c[0] == name)
     with tempfile.TemporaryDirectory() as tmp:
         r = pa.run_one(name, arch, change, nproc, Path(tmp))
