@@ -48,7 +48,7 @@ def install() -> None:
 
     def mask(*args: Any, device: Any = "cpu", **kwargs: Any) -> Any:
         if _device_type(device) == "cpu":
-            return _eager_block_mask(*args, device=device, **kwargs)
+            return _eager_block_mask(*args, device=device, **kwargs)  # type: ignore[misc]  # transformers passes the rest by keyword
         return gpu_mask(*args, device=device, **kwargs)
 
     def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
@@ -112,6 +112,7 @@ def _eager_block_mask(
         mask_function = mu.causal_mask_function
     if attention_mask is not None and not mu.fast_all(attention_mask):
         padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        assert padding is not None, "a mask gives a padding mask"
         mask_function = mu.and_masks(mask_function, mu.padding_mask_function(padding))
     mask_function = mu.add_offsets_to_mask_function(mask_function, q_offset, kv_offset)
     return create_block_mask(mask_function, batch_size, None, q_length, kv_length, device=device)

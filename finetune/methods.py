@@ -23,7 +23,7 @@ Pure Python at import: torch and peft are imported inside the methods that need 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from finetune.adapters import DECOMPOSING_INITS
 from finetune.spec import AdapterSpec, ExecSpec, Method, QuantSpec
@@ -171,10 +171,10 @@ class LoRA(TrainingMethod):
         assert spec is not None
         init = "default" if stand_in and self.decomposes else spec.init
         return PeftLoraConfig(
-            r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+            r=spec.r, lora_alpha=cast(Any, spec.alpha), lora_dropout=spec.dropout,  # peft takes a float alpha too
             target_modules=lora_targets(spec.target_modules, model_config.model_type),
             use_dora=spec.use_dora, use_rslora=spec.use_rslora,
-            init_lora_weights=True if init == "default" else init, bias="none", task_type="CAUSAL_LM",
+            init_lora_weights=True if init == "default" else cast(Any, init), bias="none", task_type="CAUSAL_LM",
         )
 
     def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:

@@ -11,6 +11,7 @@ import base64
 import html
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -194,7 +195,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
     """Draw ``run_dirs`` into ``out`` (``.png`` or ``.html``; default: report.png in the only run's directory,
     else in the current directory) and return its path."""
     if not run_dirs:

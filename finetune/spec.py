@@ -47,7 +47,7 @@ class Method(_Name):
     # checkpointing keeps its behaviour (not for prefix tuning: transformers drops the KV cache, which holds
     # the trained prefix, in checkpointed decoder layers).
     @property
-    def title(self) -> str:
+    def title(self) -> str:  # type: ignore[override]  # the enum's display name, not str.title()
         """The name people use."""
         return _METHOD_FACTS[self.value][0]
 
@@ -122,7 +122,7 @@ class Strategy(_Name):
         return self is Strategy.FSDP
 
     @property
-    def title(self) -> str:
+    def title(self) -> str:  # type: ignore[override]  # the enum's display name, not str.title()
         """The name people use."""
         return {"single": "one process", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}[
             self.value

@@ -260,7 +260,7 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
                 prm.data = prm.data.to(compute)
     if spec.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model, torch_dtype(spec.autocast_dtype) if autocast else None, autocast
+    return model, torch_dtype(spec.autocast_dtype) if autocast and spec.autocast_dtype else None, autocast
 
 
 def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> TraceResult:
@@ -288,13 +288,14 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         kernels = _attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
         with tracker, kernels, _mask_checks(spec):
             if autocast:
-                with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype)):
+                with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype or "fp32")):
                     loss, _ = causal_lm_loss(model, batch_dict)
             else:
                 loss, _ = causal_lm_loss(model, batch_dict)
             loss.backward()
         layer = model.get_submodule(layers[-1])
         grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
+        assert tracker.layer_in is not None and tracker.layer_out is not None, "the first layer ran"
         (a_in, c_in), (a_out, c_out) = tracker.layer_in, tracker.layer_out
         return TraceResult(tracker.windows, a_out - a_in, c_out - c_in, grads)
 
@@ -388,7 +389,7 @@ def _emulate_kbit_preparation(model: Any) -> None:
         p.requires_grad_(False)
     for m in model.modules():
         if (type(m) is nn.Linear or isinstance(m, Conv1D)) and m is not out_emb:
-            m.forward = functools.partial(_four_bit_forward, m)
+            m.forward = functools.partial(_four_bit_forward, m)  # type: ignore[method-assign]
 
 
 def _four_bit_forward(module: Any, x: Any) -> Any:

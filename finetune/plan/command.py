@@ -7,7 +7,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from finetune.errors import UserError
 from finetune.plan.types import Plan
@@ -94,7 +94,7 @@ def check_flags(opts: PlanOptions) -> None:
         info = getattr(schema, cls).model_fields[field]
         try:
             kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
-            pydantic.TypeAdapter(kind).validate_python(value)
+            pydantic.TypeAdapter(cast(Any, kind)).validate_python(value)
         except pydantic.ValidationError as err:
             name = "--" + flag.replace("_", "-")
             choices = [a for a in get_args(info.annotation) if isinstance(a, str)]

@@ -153,7 +153,7 @@ class Setting:
     tp: int
     tp_auto: tuple[int, ...]
     lora: Any
-    adapter: AdapterSpec
+    adapter: AdapterSpec | None  # what is trained on the frozen base (None: full fine-tuning pinned)
     inv: Inventory
     cell: Cell
     # memo of traces and per-TP inventories: (tp, TraceSpec) -> profile, tp -> inventory (pure caches)
@@ -733,8 +733,9 @@ def _shorter_sequences(s: Setting, tried: list[Candidate]) -> tuple[int, Candida
     c = max(options, key=lambda o: room(o.memory) / o.memory.activations)
     over = [(seq_len, c.memory.total - cap)]  # (length, bytes over the cap), longest first
     best: tuple[int, Candidate, float] | None = None  # the longest length that fits
-    t = max(64, seq_len // 2 // 64 * 64)
+    t: float = max(64, seq_len // 2 // 64 * 64)
     for _ in range(8):
+        t = int(t)
         found = evaluate(s.at_seq_len(t), c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing,
                          tp=c.tp, optimizer=c.optimizer, offload=c.offload)
         excess = found.memory.total - cap
@@ -883,8 +884,8 @@ def _communication(s: Setting, chosen: Candidate, table: list[Candidate]) -> lis
             chosen.tp_comm_bytes_per_step / s.intra_node_bandwidth, link,
         ))
     by = {c.strategy: c for c in table if c.method == chosen.method and c.micro_batch_size == 1 and c.tp == 1}
-    ddp, z2, fs = by.get("ddp"), by.get("zero2"), by.get("fsdp")
-    zero1 = by.get("zero1")
+    ddp, z2, fs = by.get(Strategy.DDP), by.get(Strategy.ZERO2), by.get(Strategy.FSDP)
+    zero1 = by.get(Strategy.ZERO1)
     if zero1 is not None and chosen.method == "full" and s.precision in ("bf16", "fp16"):
         trainable = s.inv.storage(s.exec_spec("full", "zero1", False)).trainable
         out.append(w.ZeroOneAccounting(trainable, zero1.dp, s.precision))
@@ -918,7 +919,8 @@ def _check_host_memory(s: Setting, rows: list[Candidate]) -> tuple[list[Candidat
     node exceeds ``hw.host_memory`` do not fit, with the reason in the walk."""
     from finetune.plan.job import host_peak_phase, job_figures
 
-    out, steps = [], []
+    out: list[Candidate] = []
+    steps: list[w.Step] = []
     chosen_job: dict[str, Any] = {}
     for i, c in enumerate(rows):
         world = 1 if c.strategy == "single" else s.world

@@ -9,6 +9,7 @@ keeps only running totals instead of per-module snapshots: a trace costs about h
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -68,7 +69,7 @@ class WindowTracker(TorchDispatchMode):
     def _add(self, st: Any, kind: Kind) -> _Storage:
         key = id(st)
         entry = _Storage(st.nbytes(), kind)
-        entry.ref = weakref.ref(st, lambda _ref, key=key: self._dead(key))
+        entry.ref = weakref.ref(st, functools.partial(self._dead, key))
         self.storages[key] = entry
         if kind == "grad":
             self.grads += entry.nbytes
@@ -76,7 +77,7 @@ class WindowTracker(TorchDispatchMode):
             self.acts += entry.nbytes
         return entry
 
-    def _dead(self, key: int) -> None:
+    def _dead(self, key: int, _ref: Any = None) -> None:
         entry = self.storages.pop(key, None)
         if entry is not None:
             if entry.kind == "grad":
@@ -138,7 +139,7 @@ class WindowTracker(TorchDispatchMode):
                 wp.acts_no_copies = acts - self.copies
 
     # -- every op ------------------------------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         res = func(*args, **(kwargs or {}))
         storages = self.storages
         for t in tree_leaves(res):
