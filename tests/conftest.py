@@ -1,4 +1,4 @@
-"""Shared fixtures: the repo's paths, a tiny, fast recipe for end-to-end runs, and a private planner cache."""
+"""Shared fixtures: a private planner cache and the CLI command (helpers the tests import live in support.py)."""
 
 from __future__ import annotations
 
@@ -7,45 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ROOT / "recipes"
-TINY_MODEL = RECIPES / "models" / "tiny-llama"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Fault injection (failure, NaN, kill, slow steps) lives with the tests; every run of the suite installs it.
 os.environ.setdefault("FINETUNE_HOOKS", f"{Path(__file__).resolve().parent / 'fault_hooks.py'}:FaultHooks")
-
-
-def tiny_recipe(out_dir: Path, **sections: dict) -> dict:
-    """A recipe dict for a few fast steps of the tiny model (override sections by keyword)."""
-    recipe = {
-        "model": {"path": str(TINY_MODEL), "init": "random"},
-        "method": "full",
-        "data": {
-            "train": str(RECIPES / "data/reverse/train.jsonl"),
-            "eval": str(RECIPES / "data/reverse/eval.jsonl"),
-            "max_seq_len": 48,
-        },
-        "train": {"max_steps": 4, "global_batch_size": 8, "micro_batch_size": 4, "lr": 1e-3, "seed": 0},
-        "precision": "fp32",
-        "distributed": {"strategy": "single"},
-        "eval": {"max_samples": 8, "max_new_tokens": 4, "batch_size": 8},
-        "output": {"dir": str(out_dir), "log_every": 1},
-    }
-    for key, value in sections.items():
-        if isinstance(value, dict):
-            recipe.setdefault(key, {}).update(value)
-        else:
-            recipe[key] = value
-    return recipe
-
-
-def write_recipe(path: Path, recipe: dict) -> Path:
-    """Write a recipe dict as YAML and return its path."""
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -64,16 +29,3 @@ def finetune_cmd() -> list[str]:
     return [sys.executable, "-m", "finetune"]
 
 
-def micro_model_dir(d: Path, **config: object) -> Path:
-    """tiny-llama's tokenizer and config in ``d``, with the config keys in ``config`` changed (small test models)."""
-    import json
-    import shutil
-
-    d.mkdir(parents=True, exist_ok=True)
-    for f in TINY_MODEL.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, d / f.name)
-    cfg = json.loads((TINY_MODEL / "config.json").read_text())
-    cfg.update(config)
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d

@@ -1,0 +1,153 @@
+"""train.compile on the sharded load path (zero2/fsdp on 2 gloo processes: built on meta, sharded, then
+materialised): every decoder block is compiled, and training matches the same run without compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.support import RECIPES, micro_model_dir, write_recipe
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+STEPS = 3
+HEADER = "compile: 2 decoder blocks compiled (torch.compile)"
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-llama's tokenizer with a 2-block, 64-wide config (random weights from the seed)."""
+    return micro_model_dir(
+        tmp_path_factory.mktemp("micro-llama"),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+
+
+def _recipe(model_dir: Path, out: Path, strategy: str, compiled: bool) -> dict:
+    return {
+        "model": {"path": str(model_dir), "init": "random"},
+        "method": "full",
+        "data": {"train": str(RECIPES / "data/reverse/train.jsonl"), "max_seq_len": 48},
+        "train": {
+            "max_steps": STEPS,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "lr": 1e-3,
+            "seed": 0,
+            "compile": compiled,
+        },
+        "precision": "fp32",
+        "distributed": {"strategy": strategy},
+        "output": {"dir": str(out), "log_every": 1},
+    }
+
+
+def _run(recipe: Path, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "run", str(recipe), "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=full_env,
+    )
+
+
+def _losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_compiled_sharded_run_matches_eager(tmp_path: Path, micro: Path, strategy: str) -> None:
+    """The same 2-process run with and without train.compile: every step's loss within 1e-4 (as
+    tests/train/test_compile.py), the header says the blocks were compiled, and dynamo really traced them."""
+    losses, procs = {}, {}
+    for compiled in (False, True):
+        out = tmp_path / f"{strategy}-{int(compiled)}"
+        recipe = write_recipe(tmp_path / f"{out.name}.yaml", _recipe(micro, out, strategy, compiled))
+        # dynamo's INFO log names every frame it traces (rank 0's stderr reaches the launcher's)
+        proc = _run(recipe, **({"TORCH_LOGS": "dynamo"} if compiled else {}))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        losses[compiled], procs[compiled] = _losses(out), proc
+    assert len(losses[True]) == len(losses[False]) == STEPS
+    for eager, comp in zip(losses[False], losses[True], strict=True):
+        assert comp == pytest.approx(eager, abs=1e-4)
+    assert HEADER in procs[True].stdout
+    assert "compile:" not in procs[False].stdout
+    traced = re.findall(r"torchdynamo start tracing (\S+) (\S+):", procs[True].stderr)
+    assert traced, "no frame was compiled: the run was eager"
+    assert any("modeling_" in path for _, path in traced), traced  # a decoder block's forward
+
+
+def _worker(rank: int, store: str, recipe: str, plan_dict: dict, result: str) -> None:
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from finetune.plan.types import Plan
+    from finetune.recipe import load_recipe
+    from finetune.train.distributed import DistContext
+    from finetune.train.load import loads_sharded
+    from finetune.train.parallel import decoder_blocks, is_compiled, is_sharded, unwrap
+    from finetune.train.trainer import Trainer
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        plan = Plan.from_dict(plan_dict)
+        assert plan.execution is not None and plan.execution.compile
+        assert loads_sharded(plan.execution, 2), "fsdp on 2 processes takes the sharded load path"
+        trainer = Trainer(load_recipe(recipe), plan, DistContext(rank, 2, rank, torch.device("cpu")))
+        trainer.setup()
+        model = trainer.model
+        blocks = decoder_blocks(unwrap(model))
+        out = {
+            "sharded": is_sharded(model),
+            "blocks": len(blocks),
+            "compiled": [is_compiled(b) for b in blocks],
+            "block_types": sorted({type(b).__name__ for b in blocks}),
+        }
+        counters.clear()
+        ids = torch.arange(2 * 16).reshape(2, 16) % 200 + 3
+        with torch.no_grad():
+            out["loss"] = float(model(input_ids=ids, labels=ids).loss)
+        out["frames_compiled"] = counters["frames"]["ok"]
+        out["graphs"] = counters["stats"]["unique_graphs"]
+        torch.save(out, f"{result}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_trainer_compiles_every_block_on_the_sharded_load_path(tmp_path: Path, micro: Path) -> None:
+    """Through the trainer's own setup on 2 gloo processes (fsdp: built on meta, sharded, materialised):
+    every decoder block has torch.compile applied, and a forward traces graphs with dynamo."""
+    from finetune.plan.flowchart import plan_for_run
+    from finetune.recipe import load_recipe
+
+    recipe = write_recipe(tmp_path / "r.yaml", _recipe(micro, tmp_path / "out", "fsdp", True))
+    plan = plan_for_run(load_recipe(str(recipe)), nproc=2, nnodes=1, device="cpu")
+    result = str(tmp_path / "result")
+    mp.spawn(_worker, args=(tempfile.mktemp(dir=tmp_path), str(recipe), plan.to_dict(), result), nprocs=2)
+    for rank in range(2):
+        got = torch.load(f"{result}.{rank}", weights_only=False)
+        assert got["sharded"] and got["blocks"] == 2, got
+        assert got["compiled"] == [True, True], f"rank {rank}: blocks not compiled on the sharded path: {got}"
+        assert got["frames_compiled"] > 0 and got["graphs"] > 0, (
+            f"rank {rank}: dynamo compiled nothing: {got}"
+        )
+        assert torch.isfinite(torch.tensor(got["loss"]))

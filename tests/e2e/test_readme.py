@@ -1,0 +1,134 @@
+"""README.md's commands run as written, so the README cannot drift from the tool.
+
+Every line of a ```bash block is a command. The install and test commands (``pip``, ``pytest``) are what the
+environment running this suite already did, and the several-node lines (``--nnodes``) need several launchers
+(tests/distributed/test_nodes.py runs two on one host); every other command runs here, in a temporary directory holding a
+link to the shipped ``recipes/`` (the README's commands run from the repository's root, and write ``runs/`` and
+``models/`` into the current directory). Trainings get a few more ``--set`` overrides so that they take two
+steps. The plan printed in the README's ```text blocks is compared with what ``finetune plan`` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+#: What makes a README training short: two steps, a small evaluation at the end only.
+SHORT_RUN = [
+    "--set", "train.max_steps=2",
+    "--set", "eval.at_start=false",
+    "--set", "eval.max_samples=4",
+    "--set", "eval.max_new_tokens=2",
+]  # fmt: skip
+
+
+def fenced_blocks(text: str, language: str) -> list[str]:
+    """The contents of the ```language blocks of a Markdown text, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```$", text, re.S | re.M)
+
+
+def readme_commands() -> list[list[str]]:
+    """Every command of README.md's bash blocks, as argv (comments stripped), in order."""
+    commands = []
+    for block in fenced_blocks(README.read_text(), "bash"):
+        for line in block.splitlines():
+            argv = shlex.split(line, comments=True)
+            if argv:
+                commands.append(argv)
+    return commands
+
+
+def skipped(argv: list[str]) -> bool:
+    """Install and test commands, and one node's half of a several-node run."""
+    return argv[0] in ("pip", "pytest") or "--nnodes" in argv
+
+
+def workdir(tmp_path: Path) -> Path:
+    """A directory like the repository's root for the README's commands: ``recipes`` and nothing else."""
+    (tmp_path / "recipes").symlink_to(ROOT / "recipes")
+    return tmp_path
+
+
+def test_the_readme_has_the_commands_a_newcomer_needs() -> None:
+    commands = readme_commands()
+    verbs = [argv[1] for argv in commands if argv[0] == "finetune"]
+    assert {"run", "plan", "merge", "validate", "recipes", "report"} <= set(verbs), verbs
+    assert ["pytest"] in commands and ["pytest", "-m", "slow or dist or memory or gpu"] in commands
+    assert all(argv[0] in ("finetune", "pip", "pytest") for argv in commands), commands
+    # The test tiers README gives are the ones CI runs.
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "check pytest\n" in ci and 'check pytest -m "slow or dist or memory or gpu"' in ci
+    # Every recipe a command names is shipped.
+    named = {a for argv in commands for a in argv if a.startswith("recipes/") and a.endswith(".yaml")}
+    assert named and all((ROOT / name).is_file() for name in named), named
+
+
+def test_validate_and_recipes_commands_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The install-free commands that load nothing: in-process, through the CLI's own app."""
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    monkeypatch.chdir(workdir(tmp_path))
+    ran = []
+    for argv in readme_commands():
+        if argv[0] == "finetune" and argv[1] in ("validate", "recipes"):
+            result = CliRunner().invoke(app, argv[1:])
+            assert result.exit_code == 0, (argv, result.output)
+            ran.append(argv[1:])
+    assert ["validate", "recipes/quickstart.yaml"] in ran and ["recipes", "ls"] in ran, ran
+    assert "quickstart" in CliRunner().invoke(app, ["recipes", "ls"]).output
+    copied = [argv[-1] for argv in ran if argv[:2] == ["recipes", "cp"]]
+    assert copied and all((tmp_path / name).is_file() for name in copied), copied
+    assert (tmp_path / copied[0]).read_text() == (ROOT / "recipes" / "quickstart.yaml").read_text()
+
+
+def printed_plan() -> tuple[list[str], str]:
+    """The plan README prints in its first two ```text blocks (the table, then the walk), and its command."""
+    text = README.read_text()
+    table, walk = fenced_blocks(text, "text")[:2]
+    command = re.search(r"\(`(finetune plan [^`]+)`\):\n\n```text", text)
+    assert command, "README's first plan has no command before it"
+    return (table + walk).splitlines(), command.group(1)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_every_readme_command_runs_in_order(tmp_path: Path) -> None:
+    """Every command, in the README's order (the quickstart's run is the base of the LoRA run that merge
+    folds), each exiting 0; the plan's output equals the README's copy of it."""
+    cwd = workdir(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    printed, plan_command = printed_plan()
+    outputs: dict[str, str] = {}
+    for argv in readme_commands():
+        if skipped(argv):
+            continue
+        assert argv[0] == "finetune", argv
+        args = [*argv[1:], *SHORT_RUN] if argv[1] == "run" else argv[1:]
+        proc = subprocess.run(
+            [sys.executable, "-m", "finetune", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+        )
+        assert proc.returncode == 0, (argv, proc.stdout[-3000:], proc.stderr[-3000:])
+        outputs[shlex.join(argv)] = proc.stdout
+
+    assert plan_command in outputs, f"README shows the output of {plan_command!r} but never runs it"
+    assert outputs[plan_command].splitlines() == printed, (
+        f"README's plan is not what `{plan_command}` prints: paste its output again"
+    )
+    as_json = next(out for cmd, out in outputs.items() if cmd.startswith("finetune plan") and "--json" in cmd)
+    assert json.loads(as_json)["chosen"]
+    assert (cwd / "runs" / "quickstart" / "report.png").is_file()
+    merged = cwd / "models" / "merged"
+    assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
+    assert not (merged / "adapter_config.json").exists()

@@ -1,0 +1,141 @@
+"""`finetune plan` through the real CLI: the JSON contract, user errors, and a fast accuracy subset."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "buffers", "overhead", "total"}
+CHOSEN_KEYS = {"method", "strategy", "precision", "micro_batch_size", "grad_accum_steps", "activation_checkpointing",
+               "nproc", "memory", "comm_bytes_per_step", "fits"}
+
+
+def plan(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
+    import os
+
+    env = dict(os.environ, FINETUNE_CACHE=str(env_cache))
+    return subprocess.run([sys.executable, "-m", "finetune", "plan", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+
+
+@pytest.mark.slow  # a CLI subprocess
+def test_json_schema_for_a_catalog_model_on_8_gpus(tmp_path):
+    out = plan("--model", "qwen2.5-0.5b", "--gpus", "8", "--gpu-memory", "24GiB", "--seq-len", "1024",
+               "--global-batch-size", "64", "--json", env_cache=tmp_path)
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    c = p["chosen"]
+    assert set(c) >= CHOSEN_KEYS
+    assert set(c["memory"]) == MEMORY_KEYS and all(isinstance(v, int) for v in c["memory"].values())
+    assert c["memory"]["total"] == sum(v for k, v in c["memory"].items() if k != "total")
+    assert c["memory"]["total"] <= 24 * 2**30 and c["fits"] is True
+    assert (c["method"], c["strategy"], c["precision"]) == ("full", "ddp", "bf16")  # 0.5B fits under DDP
+    assert c["micro_batch_size"] * c["grad_accum_steps"] * 8 == 64
+    assert isinstance(c["comm_bytes_per_step"], int) and c["comm_bytes_per_step"] > 0
+    # DDP all-reduce of fp32 gradients: 2 (N-1)/N x 4 bytes x parameters
+    assert c["comm_bytes_per_step"] == int(2 * 7 / 8 * 4 * 494_032_768)
+    assert p["model"]["parameters"] == 494_032_768
+    assert {(x["method"], x["strategy"]) for x in p["candidates"]} >= {("full", s) for s in ("ddp", "zero1", "zero2", "fsdp")}
+    assert all(set(x["memory"]) == MEMORY_KEYS and isinstance(x["fits"], bool) for x in p["candidates"])
+    assert p["walk"][1].startswith("Full fine-tuning under DDP needs") and ": fits" in p["walk"][1]
+
+
+@pytest.mark.slow  # a CLI subprocess
+def test_recipe_plan_and_user_errors(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))
+    monkeypatch.chdir(ROOT)
+    runner = CliRunner()
+    out = runner.invoke(app, ["plan", "recipes/llama-3.1-8b-lora.yaml", "--json"])
+    assert out.exit_code == 0, out.output
+    c = json.loads(out.stdout)["chosen"]
+    assert (c["method"], c["strategy"], c["precision"]) == ("lora", "single", "bf16") and c["fits"]
+    bad = runner.invoke(app, ["plan", "--model", "no-such-model"])
+    assert bad.exit_code == 2 and "is not a local model directory, a catalog model" in bad.output
+    assert "Traceback" not in bad.output
+    bad = runner.invoke(app, ["plan", "--model", "llama-3.2-1b", "--gpu-memory", "lots"])
+    assert bad.exit_code == 2 and "cannot read `lots` as a memory size" in bad.output
+
+
+@pytest.mark.slow
+def test_fast_accuracy_subset_within_10_percent():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import plan_accuracy
+    finally:
+        sys.path.pop(0)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, arch, change, nproc in plan_accuracy.CONFIGS:
+            if name in plan_accuracy.FAST[:1]:
+                r = plan_accuracy.run_one(name, arch, change, nproc, Path(tmp))
+                assert "predicted" in r, r
+                assert abs(r["error"]) <= 0.10, r
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--method", "lorra"], "--method: `lorra` is not one of full, lora, qlora, prefix, adapter, auto; did you mean `lora`?"),
+        (["--strategy", "fsdpp"], "--strategy: `fsdpp` is not one of auto, single, ddp, zero1, zero2, fsdp; did you "
+                                  "mean `fsdp`?"),
+        (["--precision", "fp8"], "--precision: `fp8` is not one of auto, fp32, bf16, fp16, bf16-pure"),
+        (["--seq-len", "0"], "--seq-len: 0 is not allowed: it must be greater than or equal to 8"),
+        (["--micro-batch-size", "0"], "--micro-batch-size: 0 is not allowed: it must be greater than 0"),
+        (["--gpus", "0"], "--gpus: 0 is not allowed: it must be greater than 0"),
+        (["--gpu-memory", "0GiB"], "--gpu-memory: 0GiB is no memory; write e.g. 80GiB or 24GB"),
+    ],
+)
+def test_bad_flags_get_one_sentence(flags, message):
+    """Each flag is checked by the rule of the recipe key it stands for; these were tracebacks (KeyError,
+    ZeroDivisionError, a reshape error) or silent nonsense plans."""
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    out = CliRunner().invoke(app, ["plan", "--model", "llama-3.2-1b", *flags])
+    assert out.exit_code == 2, out.output
+    assert f"error: {message}" in " ".join(out.output.split()), out.output
+    assert "Traceback" not in out.output
+
+
+def test_model_flag_applies_every_set_as_a_recipe_does(tmp_path, monkeypatch):
+    """`plan --model M --set train.activation_checkpointing=true` once planned with checkpointing off: the
+    overrides were dropped without a recipe file. They now apply (and are checked) as in a recipe."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    runner = CliRunner()
+    flags = ["--method", "lora", "--seq-len", "64", "--micro-batch-size", "2", "--global-batch-size", "2"]
+    sets = ["--set", "train.activation_checkpointing=true", "--set", "lora.r=4"]
+    by_model = runner.invoke(app, ["plan", "--model", "tiny-llama", *flags, *sets, "--gpus", "1", "--json"])
+    assert by_model.exit_code == 0, by_model.output
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"path": "tiny-llama"}, "method": "lora", "lora": {"r": 4},
+        "data": {"train": "unused.jsonl", "max_seq_len": 64, "packing": True},
+        "train": {"micro_batch_size": 2, "global_batch_size": 2, "activation_checkpointing": True},
+    }))
+    by_recipe = runner.invoke(app, ["plan", str(recipe), "--gpus", "1", "--json"])
+    assert by_recipe.exit_code == 0, by_recipe.output
+    model_plan, recipe_plan = json.loads(by_model.stdout), json.loads(by_recipe.stdout)
+    assert model_plan["chosen"]["activation_checkpointing"] is True
+    assert model_plan["chosen"] == recipe_plan["chosen"]
+    assert model_plan["model"]["trainable"] == recipe_plan["model"]["trainable"]  # lora.r=4 applied
+    bad = runner.invoke(app, ["plan", "--model", "tiny-llama", "--set", "train.activation_checkpointing=maybe"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+    assert "--set train.activation_checkpointing" in bad.output
+    bad = runner.invoke(app, ["plan", "--model", "tiny-llama", "--set", "train.checkpointing=true"])
+    assert bad.exit_code == 2 and "unknown key `checkpointing`" in bad.output

@@ -1,0 +1,159 @@
+"""What the tests share: the repository's paths, recipes for a few fast steps of the tiny model, small model
+directories, the distributed parity runs' helpers, and data-file helpers. Fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+RECIPES = ROOT / "recipes"
+
+
+TINY_MODEL = RECIPES / "models" / "tiny-llama"
+
+
+def tiny_recipe(out_dir: Path, **sections: dict) -> dict:
+    """A recipe dict for a few fast steps of the tiny model (override sections by keyword)."""
+    recipe = {
+        "model": {"path": str(TINY_MODEL), "init": "random"},
+        "method": "full",
+        "data": {
+            "train": str(RECIPES / "data/reverse/train.jsonl"),
+            "eval": str(RECIPES / "data/reverse/eval.jsonl"),
+            "max_seq_len": 48,
+        },
+        "train": {"max_steps": 4, "global_batch_size": 8, "micro_batch_size": 4, "lr": 1e-3, "seed": 0},
+        "precision": "fp32",
+        "distributed": {"strategy": "single"},
+        "eval": {"max_samples": 8, "max_new_tokens": 4, "batch_size": 8},
+        "output": {"dir": str(out_dir), "log_every": 1},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            recipe.setdefault(key, {}).update(value)
+        else:
+            recipe[key] = value
+    return recipe
+
+
+def write_recipe(path: Path, recipe: dict) -> Path:
+    """Write a recipe dict as YAML and return its path."""
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def micro_model_dir(d: Path, **config: object) -> Path:
+    """tiny-llama's tokenizer and config in ``d``, with the config keys in ``config`` changed (small test models)."""
+    d.mkdir(parents=True, exist_ok=True)
+    for f in TINY_MODEL.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, d / f.name)
+    cfg = json.loads((TINY_MODEL / "config.json").read_text())
+    cfg.update(config)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+STEPS = 10
+
+
+LOSS_RTOL = 1e-4
+
+
+WEIGHT_ATOL = 1e-4
+
+
+def parity_recipe(model_dir: Path, out: Path, method: str, strategy: str) -> dict:
+    """fp32, global batch 8 in micro-batches of 2 (accumulation 4 on 1 process, 2 on 2), eval off.
+    ``method`` pissa or olora: LoRA with that ``lora.init``."""
+    init = method if method in ("pissa", "olora") else "default"
+    return {
+        "model": {"path": str(model_dir), "init": "random"},
+        "method": "lora" if init != "default" else method,
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "init": init},
+        "prefix": {"num_virtual_tokens": 4, "projection": True, "projection_hidden": 16},
+        "adapter": {"size": 8, "embeddings": True},  # the embeddings' bottleneck sits in FSDP's root unit
+        "data": {"train": str(RECIPES / "data/reverse/train.jsonl"), "max_seq_len": 48},
+        "train": {"max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3,
+                  "warmup_steps": 2, "max_grad_norm": 1.0, "seed": 0},
+        "precision": "fp32",
+        "distributed": {"strategy": strategy},
+        # pissa/olora runs also checkpoint at step 5 (the fsdp pissa run's resume starts there)
+        "output": {"dir": str(out), "log_every": 1, **({"save_every": 5} if init != "default" else {})},
+    }
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    env.update(extra)
+    return env
+
+
+def finetune_run(recipe: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`finetune run RECIPE ARGS` as a subprocess (the real CLI)."""
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "run", str(recipe), *args],
+        capture_output=True, text=True, timeout=600, env=env or clean_env(),
+    )
+
+
+def step_rows(out: Path) -> list[dict]:
+    """metrics.jsonl rows of optimizer steps."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    """Largest relative difference of two equally long series."""
+    assert len(a) == len(b)
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def max_weight_diff(a: Path, b: Path) -> float:
+    """Largest absolute difference between two safetensors files with the same keys."""
+    wa, wb = load_file(a), load_file(b)
+    assert sorted(wa) == sorted(wb)
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def load(tmp_path: Path, tok, **data):
+    """load_data on a recipe whose data section is ``data`` (cache in tmp_path)."""
+    from finetune.recipe import recipe_from_dict
+    from finetune.train.data import load_data
+
+    data.setdefault("cache_dir", str(tmp_path / "cache"))
+    raw = {"model": {"path": str(TINY_MODEL)}, "data": data, "train": {"seed": 0}}
+    return load_data(recipe_from_dict(raw, base_dir=tmp_path), tok)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Rev: abc"},
+    {"role": "assistant", "content": "cba"},
+    {"role": "user", "content": "x"},
+    {"role": "assistant", "content": "y"},
+]

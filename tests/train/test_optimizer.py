@@ -1,0 +1,111 @@
+"""train.optimizer: torch's AdamW (fused on CPU too), bitsandbytes' 8-bit AdamW, and the planner's state bytes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from finetune.recipe import load_recipe
+from finetune.spec import Strategy
+from finetune.train.optimizer import build_optimizer
+from tests.support import RECIPES, tiny_recipe, write_recipe
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "paged_adamw8bit"])
+def test_each_optimizer_trains_on_cpu(tmp_path, name):
+    """Ten steps on a regression task lower the loss; the 8-bit ones keep uint8 moments for large tensors
+    (64 x 128 = 8192 values) and fp32 ones for small tensors (the norm)."""
+    loaded = load_recipe(
+        write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, train={"optimizer": name, "lr": 1e-2}))
+    )
+    model = _model()
+    opt = build_optimizer(model, loaded.recipe.train, Strategy.SINGLE)
+    x, y = torch.randn(32, 128), torch.randn(32, 8)
+    losses = []
+    for _ in range(10):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    big, norm = opt.state[model[0].weight], opt.state[model[1].weight]
+    if name == "adamw":
+        assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
+        assert big["exp_avg"].dtype == torch.float32
+    else:
+        assert big["state1"].dtype == torch.uint8 and big["state2"].dtype == torch.uint8
+        assert norm["state1"].dtype == torch.float32
+
+
+def test_fused_adamw_step_holds_no_temporaries(tmp_path):
+    """What the planner assumes (plan/memory.py: no step temporaries for AdamW): during ``step()`` the
+    optimizer's tensors never exceed its two moments (MemTracker's peak), where foreach would add a
+    state-sized temporary and the per-parameter loop two of the largest tensor."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    loaded = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path)))
+    model = _model()
+    opt = build_optimizer(model, loaded.recipe.train, Strategy.SINGLE)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # the moments now exist
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        opt.step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    moments = 2 * sum(p.numel() * 4 for p in model.parameters())
+    steps = len(opt.state) * 4  # the per-tensor step counters (fp32 scalars)
+    opt_bytes = sum(v for k, v in peak.items() if str(k).endswith("OPT"))
+    assert opt_bytes == moments + steps, (opt_bytes, moments, steps)
+
+
+def test_unknown_optimizer_is_one_sentence(tmp_path, finetune_cmd):
+    path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, train={"optimizer": "adam8"}))
+    proc = subprocess.run([*finetune_cmd, "validate", str(path)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "train.optimizer" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow  # a CLI subprocess
+def test_planner_counts_eight_bit_state(finetune_cmd):
+    """Full fine-tuning of the quickstart model: AdamW keeps 2 x 4 bytes per value; the 8-bit one 2 bytes
+    plus an fp32 scale per 256 values and a code book per large tensor, fp32 moments for small ones."""
+    from finetune.plan.memory import optimizer_state_bytes
+    from finetune.plan.shapes import Inventory, Tensor
+
+    inv = Inventory(
+        "x",
+        "llama",
+        2,
+        "Block",
+        base=[Tensor("w", 65536, True, True, False), Tensor("n", 100, True, False, False)],
+    )
+    assert optimizer_state_bytes(inv, False, "adamw", 4) == 2 * (2 * 65536 * 4 + 2 * 100 * 4)
+    assert optimizer_state_bytes(inv, False, "adamw8bit", 4) == 2 * (
+        2 * (65536 + 4 * 256 + 4 * 256) + 2 * 100 * 4
+    )
+
+    def plan(opt: str) -> dict:
+        cmd = [
+            *finetune_cmd,
+            "plan",
+            str(RECIPES / "quickstart.yaml"),
+            "--json",
+            "--set",
+            f"train.optimizer={opt}",
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        return json.loads(out)["chosen"]["memory"]
+
+    a, b = plan("adamw"), plan("adamw8bit")
+    assert 0.25 < b["optimizer"] / a["optimizer"] < 0.3 and b["total"] < a["total"]

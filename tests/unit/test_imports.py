@@ -1,0 +1,119 @@
+"""The package's imports point one way: shared modules <- plan <- train <- launch, merge <- cli.
+
+Every import is counted, also those inside functions (a lazy import still couples two modules); only imports
+under ``if TYPE_CHECKING:`` (never executed) are left out. A lower layer importing a higher one fails, and
+so does any cycle between modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
+
+#: Layer of each module, by its dotted name's prefix (longest match wins).
+LAYERS = {
+    "finetune": 0,  # shared: errors, units, recipe, locate, catalog, spec, loss, safetensors_stream
+    "finetune.plan": 1,
+    "finetune.train": 2,
+    "finetune.launch": 3,
+    "finetune.merge": 3,
+    "finetune.cli": 4,
+    "finetune.__main__": 4,
+}
+
+
+def module_name(path: Path) -> str:
+    """Dotted name of a file of the package."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int:
+    """The layer of a module of the package."""
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[best]
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def imports_of(path: Path) -> set[str]:
+    """Modules of the package that ``path`` imports anywhere (module level or inside functions)."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_lines(tree)
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("finetune"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")
+                base = ".".join(parent[: len(parent) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("finetune"):
+                continue
+            for alias in node.names:  # `from finetune.train import checkpoint` imports a module
+                sub = f"{base}.{alias.name}"
+                found.add(sub if (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").is_file() else base)
+    found.discard(me)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports."""
+    return {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_imports_point_one_way() -> None:
+    upward = sorted(
+        f"{mod} (layer {layer(mod)}) imports {dep} (layer {layer(dep)})"
+        for mod, deps in graph().items()
+        for dep in deps
+        if layer(dep) > layer(mod)
+    )
+    assert upward == []
+
+
+def test_no_import_cycles() -> None:
+    g = graph()
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for dep in sorted(g.get(m, ())):
+            if dep not in g:
+                continue
+            if state.get(dep) == 1:
+                cycles.append([*stack[stack.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+    assert cycles == []
+
+
+def test_the_checker_sees_function_local_and_relative_imports(tmp_path: Path) -> None:
+    """The walk would catch an upward import hidden in a function."""
+    assert layer("finetune.plan.flowchart") == 1 and layer("finetune.recipe") == 0 and layer("finetune.cli") == 4
+    deps = imports_of(PACKAGE / "train" / "trainer.py")
+    assert "finetune.train.gradients" in deps and "finetune.plan.types" in deps
+    assert "finetune.launch" in imports_of(PACKAGE / "cli.py")  # imported inside the `run` command

@@ -1,0 +1,196 @@
+"""The dependency floors in pyproject.toml are true: the installed versions satisfy them, and the APIs the code
+relies on, each introduced at or below its floor, exist (a failing assertion names the API and the floor).
+
+Where a floor comes from (checked against the released packages):
+
+- torch 2.13: ``DistributedDataParallel(forward_sync_buffers=...)`` (finetune.train.parallel); 2.12 has no
+  such keyword.
+- transformers 5.24: the KV cache is the ``cache`` argument and output field (finetune.generation,
+  finetune.adapters); 5.23 still calls it ``past_key_values``.
+- peft 0.19: prefix tuning moves the caller's ``position_ids`` past its virtual tokens (greedy generation
+  relies on it); 0.18 drops them.
+- bitsandbytes 0.50: CPU kernels for the 8-bit optimizers (``train.optimizer: adamw8bit`` on CPU).
+- datasets 4.0: the ``datasets.List`` feature of the tokenized cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+PINNED = ("torch", "transformers", "peft", "bitsandbytes", "datasets")
+
+
+def floors() -> dict[str, Requirement]:
+    """pyproject.toml's requirement of each of the pinned libraries, by name."""
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    reqs = {r.name: r for r in map(Requirement, deps)}
+    return {name: reqs[name] for name in PINNED}
+
+
+def floor(name: str) -> str:
+    """``name>=X`` as pyproject.toml writes it (for assertion messages)."""
+    return str(floors()[name])
+
+
+def _tiny_llama(vocab: int = 64) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("name", PINNED)
+def test_installed_version_satisfies_the_floor(name: str) -> None:
+    req = floors()[name]
+    installed = Version(version(name))
+    assert req.specifier, f"pyproject.toml names {name} without a floor"
+    assert req.specifier.contains(installed, prereleases=True), (
+        f"{name} {installed} is installed; {req} is required"
+    )
+
+
+def test_torch_apis() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    assert "forward_sync_buffers" in params, (
+        f"DistributedDataParallel(forward_sync_buffers=) needs {floor('torch')}"
+    )
+    # FSDP2 and DTensor under their public names, and the distributed state-dict helpers
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: F401
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: F401
+    from torch.distributed.tensor import DTensor  # noqa: F401
+
+    for method in (
+        "set_modules_to_forward_prefetch",
+        "set_modules_to_backward_prefetch",
+        "set_requires_gradient_sync",
+    ):
+        assert hasattr(FSDPModule, method), f"FSDPModule.{method} needs {floor('torch')}"
+    block = torch.nn.Linear(2, 2)
+    block.compile()
+    assert block._compiled_call_impl is not None, f"nn.Module.compile() in place needs {floor('torch')}"
+
+
+def test_transformers_cache_is_named_cache() -> None:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    need = floor("transformers")
+    assert "cache" in inspect.signature(LlamaModel.forward).parameters, f"model(cache=...) needs {need}"
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    assert "cache" in fields, f"CausalLMOutputWithPast.cache needs {need}"
+    model = _tiny_llama().eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        first = model(input_ids=ids, use_cache=True)
+        layer = first.cache.layers[0]  # what finetune.adapters reads for prefix.init: text
+        assert layer.keys.shape == layer.values.shape == (1, 1, 4, 16), f"cache.layers[i].keys needs {need}"
+        step = model(input_ids=torch.tensor([[5]]), cache=first.cache, use_cache=True)
+    assert step.cache.get_seq_length() == 5, f"passing the cache back as `cache=` needs {need}"
+    from transformers.initialization import guard_torch_init_functions, no_tie_weights  # noqa: F401
+
+
+def test_peft_lora_inits_and_prefix_config() -> None:
+    from peft import LoraConfig, PrefixTuningConfig
+
+    need = floor("peft")
+    for init in ("pissa", "olora", "gaussian"):
+        cfg = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=init, task_type="CAUSAL_LM")
+        assert cfg.init_lora_weights == init, f"LoraConfig(init_lora_weights={init!r}) needs {need}"
+    LoraConfig(r=2, target_modules=["q_proj"], use_dora=True, use_rslora=True)
+    cfg = PrefixTuningConfig(
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=3,
+        prefix_projection=True,
+        encoder_hidden_size=8,
+        num_layers=2,
+    )
+    assert cfg.encoder_hidden_size == 8, f"PrefixTuningConfig(encoder_hidden_size=) needs {need}"
+
+
+def test_peft_prefix_offsets_position_ids_by_its_virtual_tokens() -> None:
+    """finetune.generation passes the tokens' own positions; peft puts them after the prefix."""
+    from peft import PrefixTuningConfig, get_peft_model
+
+    virtual = 3
+    model = get_peft_model(
+        _tiny_llama(), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=virtual)
+    )
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(_module: torch.nn.Module, _args: tuple, kwargs: dict) -> None:
+        seen["position_ids"] = kwargs.get("position_ids")
+
+    model.get_base_model().model.register_forward_pre_hook(record, with_kwargs=True)
+    positions = torch.tensor([[0, 1, 2, 3]])
+    with torch.no_grad():
+        model(
+            input_ids=torch.tensor([[1, 2, 3, 4]]),
+            attention_mask=torch.ones(1, 4, dtype=torch.long),
+            position_ids=positions,
+        )
+    got = seen.get("position_ids")
+    assert got is not None and torch.equal(got, positions + virtual), (
+        f"prefix tuning offsetting position_ids by num_virtual_tokens needs {floor('peft')} (got {got})"
+    )
+
+
+def test_bitsandbytes_cpu_layers_and_8bit_adamw() -> None:
+    import bitsandbytes as bnb
+
+    need = floor("bitsandbytes")
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)
+    lin4 = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    lin4.load_state_dict(torch.nn.Linear(64, 64, bias=False).state_dict())
+    lin4 = lin4.to("cpu")
+    assert torch.isfinite(lin4(x)).all(), f"bitsandbytes Linear4bit on CPU needs {need}"
+    lin8 = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
+    lin8.load_state_dict(torch.nn.Linear(64, 64, bias=False).state_dict())
+    lin8 = lin8.to("cpu")
+    assert torch.isfinite(lin8(x.half())).all(), f"bitsandbytes Linear8bitLt on CPU needs {need}"
+    # big enough for 8-bit state (min_8bit_size 4096) and a small one (32-bit state): both update on CPU
+    big, small = torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(8))
+    opt = bnb.optim.AdamW8bit([big, small], lr=1e-2)
+    before = big.detach().clone()
+    (big.sum() + small.sum()).backward()
+    try:
+        opt.step()
+    except Exception as exc:  # older releases have no CPU kernel and raise from inside the step
+        pytest.fail(f"8-bit AdamW on CPU needs {need}: {type(exc).__name__}: {exc}"[:500])
+    assert opt.state[big]["state1"].dtype == torch.uint8, f"8-bit AdamW state needs {need}"
+    assert not torch.equal(big.detach(), before), f"8-bit AdamW updates on CPU with {need}"
+
+
+def test_datasets_list_feature() -> None:
+    import datasets
+
+    assert hasattr(datasets, "List"), f"datasets.List needs {floor('datasets')}"
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int64"))})
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}, features=features)
+    assert ds.features["input_ids"] == datasets.List(datasets.Value("int64"))
