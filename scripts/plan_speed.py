@@ -4,8 +4,8 @@
 
 Each run is a fresh `finetune plan --model llama-3.1-405b --gpus 64 --gpu-memory 80GiB` process (imports
 included, as a user waits for them). Cold: an empty $FINETUNE_CACHE (activations traced, inventories and FLOPs
-counted from a built model); warm: the same cache again. Prints wall and CPU seconds of each, and the machine's
-load average beside them (a busy machine stretches both).
+counted from a built model); warm: the same cache again. Prints wall and CPU seconds of each (run it on an idle
+machine: other work stretches both).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as cache:
             cold.append(run_once(cache, args.extra))
             warm.append(run_once(cache, args.extra))
-    print(f"finetune {' '.join(COMMAND)}  (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    print(f"finetune {' '.join(COMMAND)}  ({os.cpu_count()} cores)")
     for name, rows in (("cold cache", cold), ("warm cache", warm)):
         wall, cpu = min(rows)
         print(f"  {name}: {wall:5.2f} s wall, {cpu:5.2f} s CPU (best of {len(rows)}; all walls: "

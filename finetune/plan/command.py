@@ -85,7 +85,7 @@ def check_flags(opts: PlanOptions) -> None:
     import pydantic
 
     from finetune import recipe as schema
-    from finetune.plan.hardware import parse_bytes
+    from finetune.units import parse_bytes
 
     for flag, (cls, field) in FLAG_FIELDS.items():
         value = getattr(opts, flag)
@@ -156,8 +156,8 @@ def build_plan(opts: PlanOptions) -> Plan:
         nodes=pick(opts.nodes, "nodes"),
         interconnect=pick(opts.interconnect, "interconnect"),
     )
-    from finetune.plan.hardware import parse_bytes
     from finetune.plan.job import this_machine_memory
+    from finetune.units import parse_bytes
 
     if opts.host_memory is not None:
         host = parse_bytes(opts.host_memory)

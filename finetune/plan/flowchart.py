@@ -619,7 +619,9 @@ def _try_tensor_parallel(wk: _Walk, method: str, mbs1: int, acs: list[bool]) -> 
 
 def _next_method_step(s: Setting, method: str, nxt: str, mbs1: int) -> w.NextMethod:
     sb = s.inv.storage(s.exec_spec(nxt, "single", False))
-    targets = lora_targets(s.lora, s.req.config.model_type)
+    # the modules the inventory's adapters sit on (peft's default for the architecture when the recipe names none)
+    injected = sorted({t.name.split(".lora_")[0].rsplit(".", 1)[-1] for t in s.inv.adapters if ".lora_" in t.name})
+    targets = injected if s.lora.target_modules is None and injected else lora_targets(s.lora, s.req.config.model_type)
     targets = targets if isinstance(targets, str) else ", ".join(targets)
     base = ""
     if Method(nxt).quantized:  # 4-bit NF4 on the ladder; 8-bit only when quantization.bits pins it
