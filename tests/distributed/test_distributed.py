@@ -30,13 +30,13 @@ from tests.support import (
     LOSS_RTOL,
     RECIPES,
     STEPS,
-    TINY_MODEL,
     WEIGHT_ATOL,
     clean_env,
     finetune_run,
     free_port,
     max_rel,
     max_weight_diff,
+    micro_model_dir,
     parity_recipe,
     step_rows,
     write_recipe,
@@ -45,33 +45,13 @@ from tests.support import (
 pytestmark = pytest.mark.dist
 
 
-
 @pytest.fixture(scope="module")
 def micro_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-llama's tokenizer with a 2-block, 64-wide config (random weights from the seed)."""
-    d = tmp_path_factory.mktemp("micro-llama")
-    for f in TINY_MODEL.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, d / f.name)
-    config = json.loads((TINY_MODEL / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=32)
-    (d / "config.json").write_text(json.dumps(config))
-    return d
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+    return micro_model_dir(
+        tmp_path_factory.mktemp("micro-llama"), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    )
 
 
 class Runs:
