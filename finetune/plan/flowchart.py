@@ -404,7 +404,10 @@ def _time(s: Setting, c: Candidate) -> Any:
         from finetune.plan.timing import step_time
     except ImportError:
         return None
-    return step_time(c, s.req.config, s.hw, seq_len=s.req.seq_len, adapter=s.adapter, steps=s.req.steps)
+    adapter = s.adapter
+    if adapter is None and c.method.adapters:  # a pinned full run's advice prices QLoRA: LoRA's adapters
+        adapter = adapter_spec(str(c.method), s.lora, s.req.prefix, s.req.adapter)
+    return step_time(c, s.req.config, s.hw, seq_len=s.req.seq_len, adapter=adapter, steps=s.req.steps)
 
 
 def _step_seconds(c: Candidate) -> float:

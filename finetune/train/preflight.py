@@ -123,21 +123,24 @@ def _refusal(rank: int, need: int, have: int, source: str) -> str:
 
 def next_config(loaded: Any, plan: Any, budget: int, device: str) -> tuple[Any | None, list[str]]:
     """The planner's choice for ``budget`` bytes per process, releasing pins in turn (micro-batch and
-    checkpointing, then strategy, then method and precision), and the ``--set`` overrides that select it."""
+    checkpointing, then strategy, then method and precision, then the optimizer state's size and place, as
+    the flowchart orders them), and the ``--set`` overrides that select it."""
     from finetune.plan.flowchart import make_plan, request_from_recipe
     from finetune.plan.hardware import detect_hardware
 
     c = plan.chosen
     base = replace(request_from_recipe(loaded), for_run=True)
-    freer = replace(base, micro_batch_size=None, checkpointing=None)
-    attempts = [freer, replace(freer, strategy="auto"), replace(freer, strategy="auto", method="auto")]
+    freer = replace(base, micro_batch_size=None, checkpointing=None, optimizer=c.optimizer, offload=c.offload)
+    released = replace(freer, strategy="auto", method="auto")
+    attempts = [freer, replace(freer, strategy="auto"), released,
+                replace(released, optimizer=base.optimizer, offload=base.offload)]
     for req in attempts:
         if c.world_size == 1 and req.strategy == "auto":
             req = replace(req, strategy="single")
-        hw = detect_hardware(
-            device=device, gpus=c.nproc, nodes=c.nnodes, nproc=c.nproc, gpu_memory=max(budget, 1)
+        hw = replace(
+            detect_hardware(device=device, gpus=c.nproc, nodes=c.nnodes, nproc=c.nproc, gpu_memory=max(budget, 1)),
+            gpus_per_node=c.nproc,
         )
-        hw.gpus_per_node = c.nproc
         try:
             alt = make_plan(req, hw).chosen
         except UserError:
@@ -159,6 +162,10 @@ def _overrides(old: Any, new: Any) -> list[str]:
         out.append(f"train.micro_batch_size={new.micro_batch_size}")
     if new.activation_checkpointing != old.activation_checkpointing:
         out.append(f"train.activation_checkpointing={str(new.activation_checkpointing).lower()}")
+    if new.optimizer != old.optimizer:
+        out.append(f"train.optimizer={new.optimizer}")
+    if new.offload != old.offload:
+        out.append(f"train.offload={new.offload}")
     return out
 
 
