@@ -255,7 +255,7 @@ def candidate_memory(
     fb_total = params + fb_grads + opt_fb + buffers_fb + fb_acts
 
     # optimizer step peak
-    if s.optimizer == "adamw" and spec.tensor_parallel:  # per-parameter loop (train/loop.py: build_optimizer)
+    if s.optimizer == "adamw" and spec.tensor_parallel:  # per-parameter loop (train/optimizer.py: build_optimizer)
         step_temps = FOR_LOOP_ADAM_TEMPORARIES * largest
     else:
         step_temps = 0  # fused AdamW and bitsandbytes' 8-bit AdamW update each tensor in place

@@ -431,7 +431,7 @@ class OptimizerState:
         # How this run's optimizer computes is its own, not the checkpoint's: a tensor-parallel run needs the
         # per-parameter loop (foreach cannot mix DTensors and plain tensors), a run saved without TP had foreach.
         kernels = [{k: g[k] for k in IMPLEMENTATION_OPTIONS if k in g} for g in local.param_groups]
-        # 8-bit AdamW on shards (finetune/train/optim.py) saves its moments under AdamW's names, not its own
+        # 8-bit AdamW on shards (finetune/train/optimizer.py) saves its moments under AdamW's names, not its own
         as_saved = getattr(local, "keys_as_saved", contextlib.nullcontext)
         with as_saved():
             set_optimizer_state_dict(self.model, local, state, options=opts)

@@ -4,7 +4,7 @@ Every strategy is torch's own:
 
 - ``ddp``: ``DistributedDataParallel`` (gradients all-reduced and averaged in buckets during backward; the
   gradients are views into those buckets, see :func:`data_parallel`).
-- ``zero1``: the same DDP wrapper; the optimizer is a ``ZeroRedundancyOptimizer`` (loop.build_optimizer), so
+- ``zero1``: the same DDP wrapper; the optimizer is a ``ZeroRedundancyOptimizer`` (optimizer.build_optimizer), so
   each rank keeps the AdamW state of its share of the parameters and broadcasts its updated share.
 - ``zero2``: FSDP2 ``fully_shard(block, reshard_after_forward=False)`` on every decoder block, then on the
   root: gradients and optimizer state are sharded, parameters stay gathered from forward to backward.
