@@ -122,7 +122,7 @@ class fused_head:
             with torch.autocast(device, enabled=False):
                 return _FusedLinearCrossEntropy.apply(h, head.weight, targets.reshape(-1), rows, dtype)
 
-        head.forward = forward
+        head.forward = forward  # type: ignore[method-assign,assignment]  # this instance only, undone in __exit__
         return self
 
     def __exit__(self, *exc: Any) -> None:

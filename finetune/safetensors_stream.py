@@ -46,8 +46,9 @@ def read_header(model_dir: Path) -> dict[str, StoredTensor]:
     from safetensors import safe_open
 
     if (model_dir / SAFE_INDEX).is_file():
-        file_of: dict[str, str] | None = json.loads((model_dir / SAFE_INDEX).read_text())["weight_map"]
-        files = list(dict.fromkeys(file_of.values()))
+        weight_map: dict[str, str] = json.loads((model_dir / SAFE_INDEX).read_text())["weight_map"]
+        file_of: dict[str, str] | None = weight_map
+        files = list(dict.fromkeys(weight_map.values()))
     else:
         single = model_dir / SAFE_SINGLE
         files = [SAFE_SINGLE] if single.is_file() else [f.name for f in sorted(model_dir.glob("*.safetensors"))]
@@ -151,7 +152,7 @@ class ShardWriter:
         assert self.order[self.next] == name, f"{name} written out of order"
         assert list(tensor.shape) == shape and tensor.dtype == dtype, f"{name}: {tensor.shape} {tensor.dtype}"
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        self.file.write(memoryview(data))
+        self.file.write(data.data)  # the array's buffer as a memoryview
         self.next += 1
 
     def write_at(self, name: str, tensor: torch.Tensor) -> None:
@@ -162,7 +163,7 @@ class ShardWriter:
         assert list(tensor.shape) == shape and tensor.dtype == dtype, f"{name}: {tensor.shape} {tensor.dtype}"
         assert name not in self.written, f"{name} written twice"
         self.file.seek(self.data_start + offset)
-        self.file.write(memoryview(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
+        self.file.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
         self.written.add(name)
 
     def close_any_order(self) -> None:

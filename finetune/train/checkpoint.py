@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from finetune.errors import UserError
 from finetune.methods import method_type
@@ -322,7 +322,9 @@ def rng_state() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    # numpy's stubs type the argument-less call as the dict form; the legacy default returns this tuple
+    legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    kind, keys, pos, has_gauss, gauss = legacy
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
@@ -683,12 +685,13 @@ def read_weights(ckpt: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The saved weights of a checkpoint as whole tensors, read in this process (no process group needed)."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     state_dir = str(Path(ckpt) / STATE_DIR)
     metadata = dcp.FileSystemReader(state_dir).read_metadata()
     weights: dict[str, torch.Tensor] = {}
     for key, md in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(md, "size"):
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata):  # not the bytes entries
             weights[key[len("model.") :]] = torch.empty(md.size, dtype=md.properties.dtype)
     dcp.load({"model": weights}, checkpoint_id=state_dir, no_dist=True, planner=_SafeLoadPlanner())
     return weights

@@ -158,6 +158,7 @@ class RunCheckpoints:
         self.ctx.barrier()
 
     def _check_disk(self) -> None:
+        assert self.plan.execution is not None, "a plan for a run carries its execution spec"
         full = training_of(self.plan.execution).saves_frozen()  # every weight is saved, not only the trained
         weights = trainable = 0
         for p in self.inner.parameters():
