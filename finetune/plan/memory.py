@@ -163,6 +163,21 @@ def offload_bytes_per_step(inv: Inventory, s: Setup) -> int:
     return down + up
 
 
+@dataclass
+class _States:
+    """One rank's model states under the strategy, with the strategy's buffers and its communication."""
+
+    params: int
+    grads: int
+    opt: int
+    buffers: dict[str, int]  # alive in each window of the forward/backward (see activations.WINDOWS)
+    buffers_step: int  # ... and during the optimizer step
+    comm: int  # bytes each rank sends per optimizer step
+    sharded: bool  # FSDP2 (zero2/fsdp)
+    ddp: bool  # a DDP wrapper (not over a single TP replica)
+    largest: int  # bytes of the largest trainable tensor
+
+
 def candidate_memory(
     inv: Inventory,
     profile: ActivationProfile | None,
@@ -176,9 +191,30 @@ def candidate_memory(
     Without one (activations not traced) only the model states are filled in. Under tensor parallelism
     ``inv`` and ``profile`` are one TP rank's (finetune/plan/tensor_parallel.py: the block at heads / tp,
     kv_heads / tp, intermediate / tp), and the strategy shards that over ``s.world`` data-parallel ranks;
-    TP's own all-reduces are counted by the planner, not here. The prediction is for a steady-state step; ``first_step=True`` predicts the very first one, whose forward and backward run
-    before AdamW has allocated its state (what a probe around step 0 measures).
+    TP's own all-reduces are counted by the planner, not here. The prediction is for a steady-state step;
+    ``first_step=True`` predicts the very first one, whose forward and backward run before AdamW has
+    allocated its state (what a probe around step 0 measures).
+
+    The peak is the larger of the forward/backward's (:func:`_forward_backward_peak`) and the optimizer
+    step's (:func:`_step_peak`); the breakdown is the one at that moment.
     """
+    st = _model_states(inv, s)
+    fb = _forward_backward_peak(inv, profile, s, st, first_step)
+    step = _step_peak(s, st)
+    if profile is None:  # model states alone: activations not traced
+        parts = (st.params, st.grads, st.opt, 0, st.buffers["head"])
+    else:
+        parts = fb if sum(fb) >= sum(step) else step
+    tensor_total = sum(parts)
+    overhead = 0 if s.device != "cuda" else CUDA_CONTEXT_BYTES + int(FRAGMENTATION * tensor_total)
+    mem = MemoryBreakdown(
+        params=parts[0], grads=parts[1], optimizer=parts[2], activations=parts[3], buffers=parts[4], overhead=overhead
+    )
+    return mem, st.comm
+
+
+def _model_states(inv: Inventory, s: Setup) -> _States:
+    """Parameters, gradients and optimizer state one rank keeps under the strategy, its buffers and traffic."""
     spec = s.spec
     sb = inv.storage(spec)
     n = max(1, s.world) if spec.strategy.distributed else 1
@@ -190,90 +226,77 @@ def candidate_memory(
     f = (n - 1) / n
     sharded = spec.strategy.uses_fsdp
     ddp = not sharded and spec.strategy.distributed and n > 1  # no DDP wrapper over a single TP replica
-
-    # strategy buffers alive in each window of the forward/backward (see activations.WINDOWS)
     buffers: dict[str, int] = {"head": 0, "first": 0, "last": 0}
-    buffers_step = 0  # ... and during the optimizer step
     if not sharded:
-        params, grads = sb.param_bytes, grads_full
         opt = opt_full if spec.strategy is not Strategy.ZERO1 else max(opt_full // n, 2 * largest)
         if ddp and s.grad_accum_steps > 1:  # no_sync's gradients beside the buckets (module docstring)
             buffers = dict.fromkeys(buffers, grads_full)
-        comm = int(2 * f * sb.trainable * gbytes)
-    else:
-        params = -(-sb.param_bytes // n)
-        grads = -(-grads_full // n)
-        opt = -(-opt_full // n)
-        all_gathered = unsharded_bytes(inv, spec)
-        unit = unsharded_bytes(inv, spec, block_only=True)
-        root = unsharded_bytes(inv, spec, root_only=True)
-        reduce_scatter = sb.block_trainable * reduce_bytes  # a unit's gradients, copied for reduce-scatter
-        if not spec.reshard_after_forward:  # ZeRO-2: every unit stays gathered from its forward until its backward is done
-            buffers = {"head": all_gathered, "first": all_gathered + reduce_scatter,
-                       "last": root + unit + reduce_scatter}
-            gathers = all_gathered
-        else:  # the root stays gathered; one unit computes while the next is prefetched
-            buffers = {"head": root, "first": root + 2 * unit + reduce_scatter, "last": root + unit + reduce_scatter}
-            gathers = all_gathered + (all_gathered - root)
-        comm = int(f * (sb.trainable * reduce_bytes + gathers))
-        if offloads_to_host(s):  # FSDP2's CPU offload: the shards live on the host (offloaded_bytes)
-            params = grads = opt = 0
-            staged = -(-sb.block_param_bytes // n)  # a unit's shard copied to the device for its all-gather
-            buffers = {k: v + staged for k, v in buffers.items()}
+        return _States(sb.param_bytes, grads_full, opt, buffers, 0, int(2 * f * sb.trainable * gbytes), sharded,
+                       ddp, largest)
+    params, grads, opt = -(-sb.param_bytes // n), -(-grads_full // n), -(-opt_full // n)
+    all_gathered = unsharded_bytes(inv, spec)
+    unit = unsharded_bytes(inv, spec, block_only=True)
+    root = unsharded_bytes(inv, spec, root_only=True)
+    reduce_scatter = sb.block_trainable * reduce_bytes  # a unit's gradients, copied for reduce-scatter
+    if not spec.reshard_after_forward:  # ZeRO-2: every unit stays gathered from its forward until its backward is done
+        buffers = {"head": all_gathered, "first": all_gathered + reduce_scatter, "last": root + unit + reduce_scatter}
+        gathers = all_gathered
+    else:  # the root stays gathered; one unit computes while the next is prefetched
+        buffers = {"head": root, "first": root + 2 * unit + reduce_scatter, "last": root + unit + reduce_scatter}
+        gathers = all_gathered + (all_gathered - root)
+    comm = int(f * (sb.trainable * reduce_bytes + gathers))
+    if offloads_to_host(s):  # FSDP2's CPU offload: the shards live on the host (offloaded_bytes)
+        params = grads = opt = 0
+        staged = -(-sb.block_param_bytes // n)  # a unit's shard copied to the device for its all-gather
+        buffers = {k: v + staged for k, v in buffers.items()}
+    return _States(params, grads, opt, buffers, 0, comm, sharded, ddp, largest)
 
-    # forward/backward peak: (gradients present, activations and temporaries, buffers) at the worst moment
+
+def _forward_backward_peak(
+    inv: Inventory, profile: ActivationProfile | None, s: Setup, st: _States, first_step: bool
+) -> tuple[int, int, int, int, int]:
+    """(params, gradients, optimizer state, activations and temporaries, buffers) at the forward/backward's
+    worst moment, over the traced windows."""
+    spec = s.spec
     # the first step's forward and backward run before AdamW allocates its state; a paged optimizer's state is
     # evicted to the host while the forward and backward need the room, and paged back in for the step
     paged = s.optimizer == "paged_adamw8bit" and s.device == "cuda"
-    opt_fb = 0 if first_step or paged else opt
+    opt_fb = 0 if first_step or paged else st.opt
     if profile is None:
-        fb = (grads, 0, buffers["head"])
-    else:
-        layers = inv.num_layers
-        windows = profile.at(layers, s.micro_batch_size)
-        # one layer's gradients in the traced dtype (any micro-batch's: at() has traced this one)
-        layer_grads = profile.point(min(s.micro_batch_size, 2)).layer_grads
+        return st.params, st.grads, opt_fb, 0, st.buffers["head"]
+    sb = inv.storage(spec)
+    n = max(1, s.world) if spec.strategy.distributed else 1
+    layers = inv.num_layers
+    windows = profile.at(layers, s.micro_batch_size)
+    # one layer's gradients in the traced dtype (any micro-batch's: at() has traced this one)
+    layer_grads = profile.point(min(s.micro_batch_size, 2)).layer_grads
 
-        def at_peak(name: str, w: WindowPeaks) -> tuple[int, int, int]:
-            acts = w.grads_and_acts - w.grads_at_peak
-            if s.grad_accum_steps > 1 or ddp:  # later micro-batches, DDP's buckets: every gradient exists from the start
-                return grads, max(w.acts, acts) + largest, buffers[name]
-            if not sharded:  # gradients appear during backward (set to None after every step)
-                return w.grads_at_peak, acts, buffers[name]
-            # FSDP2: the root's and the current unit's gradients stay unsharded; finished units' are 1/n
-            done = (layers - 1) * layer_grads if name == "last" else 0
-            finished = (layers - 1) * sb.block_trainable * gbytes // n if name == "last" else 0
-            if offloads_to_host(s):  # finished units' gradient shards were copied to the host
-                finished = 0
-            return w.grads_at_peak - done + finished, acts, buffers[name]
+    def at_peak(name: str, w: WindowPeaks) -> tuple[int, int, int]:
+        acts = w.grads_and_acts - w.grads_at_peak
+        if s.grad_accum_steps > 1 or st.ddp:  # later micro-batches, DDP's buckets: every gradient exists from the start
+            return st.grads, max(w.acts, acts) + st.largest, st.buffers[name]
+        if not st.sharded:  # gradients appear during backward (set to None after every step)
+            return w.grads_at_peak, acts, st.buffers[name]
+        # FSDP2: the root's and the current unit's gradients stay unsharded; finished units' are 1/n
+        done = (layers - 1) * layer_grads if name == "last" else 0
+        finished = (layers - 1) * sb.block_trainable * sb.param_dtype_bytes // n if name == "last" else 0
+        if offloads_to_host(s):  # finished units' gradient shards were copied to the host
+            finished = 0
+        return w.grads_at_peak - done + finished, acts, st.buffers[name]
 
-        fb = max((at_peak(k, w) for k, w in windows.items()), key=sum)
-    fb_grads, fb_acts, buffers_fb = fb
-    if profile is not None and spec.quant is not None:
-        # bitsandbytes dequantizes one quantized weight at a time into the compute dtype
+    fb_grads, fb_acts, buffers_fb = max((at_peak(k, w) for k, w in windows.items()), key=sum)
+    if spec.quant is not None:  # bitsandbytes dequantizes one quantized weight at a time into the compute dtype
         fb_acts += inv.largest_base_numel(quantizable_only=True) * DTYPE_BYTES[spec.quant.compute_dtype]
-    fb_total = params + fb_grads + opt_fb + buffers_fb + fb_acts
+    return st.params, fb_grads, opt_fb, fb_acts, buffers_fb
 
-    # optimizer step peak
-    if s.optimizer == "adamw" and spec.tensor_parallel:  # per-parameter loop (train/optimizer.py: build_optimizer)
-        step_temps = FOR_LOOP_ADAM_TEMPORARIES * largest
+
+def _step_peak(s: Setup, st: _States) -> tuple[int, int, int, int, int]:
+    """(params, gradients, optimizer state, the update's temporaries, buffers) during the optimizer step."""
+    if s.optimizer == "adamw" and s.spec.tensor_parallel:  # per-parameter loop (train/optimizer.py)
+        step_temps = FOR_LOOP_ADAM_TEMPORARIES * st.largest
     else:
         step_temps = 0  # fused AdamW and bitsandbytes' 8-bit AdamW update each tensor in place
-    step_total = params + grads + opt + buffers_step + step_temps
-
-    # The breakdown is the one at the peak moment (model states alone when activations were not traced).
-    if profile is None:
-        parts = (params, grads, opt, 0, buffers_fb)
-    elif fb_total >= step_total:
-        parts = (params, fb_grads, opt_fb, fb_acts, buffers_fb)
-    else:
-        parts = (params, grads, opt, step_temps, buffers_step)
-    tensor_total = sum(parts)
-    overhead = 0 if s.device != "cuda" else CUDA_CONTEXT_BYTES + int(FRAGMENTATION * tensor_total)
-    mem = MemoryBreakdown(
-        params=parts[0], grads=parts[1], optimizer=parts[2], activations=parts[3], buffers=parts[4], overhead=overhead
-    )
-    return mem, comm
+    return st.params, st.grads, st.opt, step_temps, st.buffers_step
 
 
 def zero1_accounting_note(trainable: int, world: int, compute_dtype: str = "bf16") -> str:
