@@ -397,37 +397,16 @@ class RecipeError(Exception):
 # --------------------------------------------------------------------------------------------------
 
 
-def _line_map(text: str) -> dict[tuple[str, ...], int]:
-    """Map each key path in a YAML document to the 1-based line where its key is written."""
+def _yaml_layout(text: str, file: str) -> tuple[dict[tuple[str, ...], int], list[Problem]]:
+    """One walk of the YAML document: the 1-based line where each key path is written (the last, when a key
+    is written twice), and one problem per key written twice in the same mapping (YAML keeps the last
+    silently, so a stray line could replace a whole section)."""
     lines: dict[tuple[str, ...], int] = {}
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return lines
-
-    def walk(node: Any, path: tuple[str, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = (*path, str(k.value))
-                lines[key] = k.start_mark.line + 1
-                walk(v, key)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                lines[(*path, str(i))] = v.start_mark.line + 1
-                walk(v, (*path, str(i)))
-
-    walk(root, ())
-    return lines
-
-
-def _duplicate_keys(text: str, file: str) -> list[Problem]:
-    """One problem per key written twice in the same mapping (YAML keeps the last silently, so a stray line
-    could replace a whole section)."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return []
     problems: list[Problem] = []
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines, problems
 
     def walk(node: Any, path: tuple[str, ...]) -> None:
         if isinstance(node, yaml.MappingNode):
@@ -441,13 +420,15 @@ def _duplicate_keys(text: str, file: str) -> list[Problem]:
                         file, line,
                     ))
                 first.setdefault(key, line)
+                lines[(*path, key)] = line
                 walk(v, (*path, key))
         elif isinstance(node, yaml.SequenceNode):
             for i, v in enumerate(node.value):
+                lines[(*path, str(i))] = v.start_mark.line + 1
                 walk(v, (*path, str(i)))
 
     walk(root, ())
-    return problems
+    return lines, problems
 
 
 def _section_fields(path: tuple[str, ...]) -> list[str]:
@@ -638,10 +619,9 @@ def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None
         raise RecipeError([Problem("(yaml)", f"not valid YAML: {getattr(exc, 'problem', exc)}", str(p), line)]) from None
     if raw is None:
         raw = {}
-    duplicates = _duplicate_keys(text, str(p))
+    lines, duplicates = _yaml_layout(text, str(p))
     if duplicates:
         raise RecipeError(duplicates)
-    lines = _line_map(text)
     problems = apply_overrides(raw, overrides) if isinstance(raw, dict) else []
     try:
         recipe = _validate(raw, str(p), lines, overrides)
