@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import tiny_recipe, write_recipe  # noqa: E402
-from tests.test_sharded_memory import BIG, HOOKS, RECIPES, make_model  # noqa: E402
+from tests.distributed.test_sharded_memory import BIG, HOOKS, RECIPES, make_model  # noqa: E402
+from tests.support import tiny_recipe, write_recipe  # noqa: E402
 
 MiB = 2**20
 
