@@ -168,6 +168,7 @@ def _bottleneck_class() -> Any:
 
         def scale_input(self, h: torch.Tensor) -> torch.Tensor:
             """The sublayer's input times the trained gain (in the gain's dtype, returned in ``h``'s)."""
+            assert self.gain is not None, "called only on modules built with a gain"
             return (h.to(self.gain.dtype) * (1 + self.gain)).to(h.dtype)
 
     class Gain(nn.Module):
@@ -192,7 +193,10 @@ def _decoder_layers(model: Any) -> list[Any]:
     if layers:
         return layers
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    if not lists:
+        return []
+    longest: nn.ModuleList = max(lists, key=len)
+    return list(longest)
 
 
 def _child(layer: Any, names: tuple[str, ...]) -> tuple[str, Any] | None:

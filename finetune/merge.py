@@ -184,7 +184,8 @@ def _rebuild_random_base(recipe: dict[str, Any], run: Path, scratch: Path) -> Pa
         loaded = recipe_from_dict(recipe, base_dir=run)
     except RecipeError as err:
         raise UserError(f"{run / 'recipe.yaml'} is not a valid recipe ({err}); pass --base DIR") from None
-    build_random_base(loaded, str(config_dir)).save_pretrained(scratch / "base", safe_serialization=True)
+    random_base: Any = build_random_base(loaded, str(config_dir))  # a transformers PreTrainedModel
+    random_base.save_pretrained(scratch / "base", safe_serialization=True)
     return scratch / "base"
 
 
@@ -304,12 +305,14 @@ def _deltas(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[d
 
 def _delta_shape(d: LoraDelta, conv1d: bool) -> list[int]:
     """Shape of :func:`_delta_weight` without computing it."""
+    assert d.a is not None and d.b is not None, "an incomplete adapter is refused when it is read"
     out, inp = d.b.shape[0], d.a.shape[-1]
     return [inp, out] if (d.embedding or conv1d) else [out, inp]
 
 
 def _delta_weight(d: LoraDelta, conv1d: bool) -> torch.Tensor:
     """``s·B·A`` in fp32, in the layout the base stores the weight in."""
+    assert d.a is not None and d.b is not None, "an incomplete adapter is refused when it is read"
     a, b = d.a.float(), d.b.float()
     if d.embedding:  # peft: A [r, num_embeddings], B [dim, r]; the embedding stores [num_embeddings, dim]
         return (b @ a).t() * d.scaling
@@ -368,6 +371,7 @@ class Fold:
             return tensor
         w = tensor.float()
         if key in self.quantized:
+            assert self.qcfg is not None and self.compute_dtype is not None, "set with --into-dequantized"
             w = dequantized_weight(tensor, self.qcfg, self.compute_dtype, conv1d=self.quantized[key])
         elif self.compute_dtype is not None:
             w = tensor.to(self.compute_dtype).float()  # loaded in the compute dtype, then upcast for training
@@ -382,6 +386,7 @@ class Fold:
                 w = w * (d.magnitude.float().reshape(norm.shape) / norm)
         if key in self.bias_delta:
             d = self.bias_delta[key]
+            assert d.b_bias is not None, "bias_delta holds the deltas that have a bias"
             w = w + d.b_bias.float() * d.scaling
         return w.to(target)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ class DistContext:
             dist.destroy_process_group()
 
 
-def _restart_store(rank: int, world: int) -> dict[str, object]:
+def _restart_store(rank: int, world: int) -> dict[str, Any]:
     """After a torchrun restart, a store namespace of this attempt for the process group ({} otherwise).
 
     torchrun's workers share the agent's store, which lives across restarts: the process group's keys of the

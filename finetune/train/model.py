@@ -106,7 +106,8 @@ def build_model(
     if seeded is not None:
         init_adapters(model, loaded.recipe.train.seed, gaussian=seeded == "gaussian")
     if hasattr(model, "config"):
-        model.config.use_cache = False
+        config: Any = model.config  # a transformers PretrainedConfig (nn.Module types attributes as tensors)
+        config.use_cache = False
     return model
 
 
@@ -128,7 +129,8 @@ def broadcast_decomposed(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict):
-                dist.broadcast(module.get_base_layer().weight.data, src=0)
+                layer: Any = module  # a peft LoRA layer (it has lora_A)
+                dist.broadcast(layer.get_base_layer().weight.data, src=0)
         for name, p in model.named_parameters():
             if name in initial:
                 dist.broadcast(p.data, src=0)
@@ -187,7 +189,8 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 def save_pretrained_base(model: torch.nn.Module, out: Path) -> None:
     """Save a (random-init) base model as a HF directory, so an adapter run is reproducible and mergeable."""
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    hf: Any = model  # a transformers PreTrainedModel
+    hf.save_pretrained(out, safe_serialization=True)
 
 
 def copy_slice(dest: torch.Tensor, full: torch.Tensor) -> None:

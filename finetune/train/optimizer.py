@@ -40,7 +40,8 @@ def is_sharded(params: list[torch.Tensor]) -> bool:
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Trainable parameters, with weight decay on matrices only (not norms, biases)."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -138,7 +139,8 @@ class LocalShardOptimizer(torch.optim.Optimizer):
                     mine.append(local)
             inner_groups.append({**g, "params": mine})
         self._inner_groups = inner_groups
-        self.inner: torch.optim.Optimizer = _by_whole_size(inner_class)(
+        # a subclass of bitsandbytes' optimizer (init_state, and whole_numel from _by_whole_size)
+        self.inner: Any = _by_whole_size(inner_class)(
             [g for g in inner_groups if g["params"]] or [{"params": [torch.zeros(1)]}], **options
         )
         super().__init__(outer, self.inner.defaults)
@@ -251,7 +253,7 @@ class LocalShardOptimizer(torch.optim.Optimizer):
         self._alias_state()
 
 
-def _by_whole_size(inner_class: type) -> type:
+def _by_whole_size(inner_class: type[Any]) -> type[Any]:
     """``inner_class`` choosing 8-bit or fp32 moments by the whole parameter's size, not its shard's: a
     tensor keeps the moments it has on one process (and that the planner counts), however it is sharded."""
 
