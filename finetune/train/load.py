@@ -106,8 +106,15 @@ def materialize(
     """
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
+    # FSDP2's CPU offload (train.offload) keeps the parameter shards in host memory: it refuses parameters
+    # materialized on the GPU; the buffers (rotary frequencies, masks) are computed with on the device.
+    offloaded = spec.offload != "none" and device.type != "cpu"
+    model.to_empty(device=torch.device("cpu") if offloaded else device)
     with torch.no_grad():
+        for module in model.modules():
+            for key, b in list(module._buffers.items()):
+                if b is not None and offloaded:
+                    module._buffers[key] = b.to(device)
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
     r = loaded.recipe
