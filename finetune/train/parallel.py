@@ -221,7 +221,8 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         return blocks
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     if lists:
-        return list(max(lists, key=len))
+        longest: torch.nn.ModuleList = max(lists, key=len)
+        return list(longest)
     raise UserError(
         f"distributed.strategy: cannot find the decoder blocks of {type(base).__name__} to shard "
         "(no _no_split_modules and no ModuleList); use ddp or zero1"
@@ -272,9 +273,10 @@ def _fully_shard(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext, mesh:
     _check_quantized_storage(model, policy.param_dtype)
     offload = offload_policy(spec, ctx.device)
     reshard = spec.reshard_after_forward
-    blocks = decoder_blocks(model)
-    for block in blocks:
+    blocks = [  # fully_shard returns the module it sharded in place, typed as an FSDPModule
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+        for block in decoder_blocks(model)
+    ]
     # The root (embeddings, final norm, head) is needed again as soon as backward starts: never reshard it.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     # Explicit prefetch: gather block i+1's parameters while block i computes (i-1 in backward).
@@ -298,8 +300,10 @@ def _check_quantized_storage(model: torch.nn.Module, param_dtype: torch.dtype | 
         return
     for name, module in model.named_modules():
         w = getattr(module, "weight", None)
+        if w is None or type(w).__name__ != "Params4bit":
+            continue
         # a pinned quantization.compute_dtype other than the run's is refused by the capability table
-        assert not (type(w).__name__ == "Params4bit" and w.dtype.is_floating_point and w.dtype != param_dtype), (
+        assert not (w.dtype.is_floating_point and w.dtype != param_dtype), (
             f"the 4-bit weights of {name} are stored as {w.dtype} but FSDP computes in {param_dtype}"
         )
 
@@ -330,11 +334,12 @@ def no_sync(model: torch.nn.Module, enabled: bool) -> Any:
     context exits: the flag is set here and stays set until the next call, and the loop calls this for every
     micro-batch (``enabled=False`` on the last), so the final backward always reduces.
     """
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(not enabled)
+    wrapped: Any = model  # an FSDPModule or a DistributedDataParallel, told apart by their methods
+    if hasattr(wrapped, "set_requires_gradient_sync"):
+        wrapped.set_requires_gradient_sync(not enabled)
         return contextlib.nullcontext()
-    if enabled and hasattr(model, "no_sync"):
-        return model.no_sync()
+    if enabled and hasattr(wrapped, "no_sync"):
+        return wrapped.no_sync()
     return contextlib.nullcontext()
 
 

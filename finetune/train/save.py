@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe, recipe_to_yaml
 from finetune.train.distributed import DistContext
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 def _save_plain_lora(inner: Any, out_dir: Path, state: dict[str, Any]) -> None:
@@ -55,7 +58,8 @@ def save_final(
     # the root's parameters on every rank for the save (a collective), and shard them again after.
     gather_root = ctx.distributed and is_sharded(model) and prefix_tokens(inner) > 0
     if gather_root:
-        model.unshard()
+        cast("FSDPModule", model).unshard()  # is_sharded(model) said so
+    hf: Any = inner  # a transformers PreTrainedModel or a peft model
     if adapters:  # the trained parameters only, each gathered whole (the frozen base is never gathered)
         state = {name: _whole(p) for name, p in inner.named_parameters() if p.requires_grad}
         if ctx.is_main:
@@ -64,18 +68,18 @@ def save_final(
             elif getattr(inner, LORA_INIT_ATTR, None) is not None:
                 _save_plain_lora(inner, out_dir, state)
             else:
-                inner.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+                hf.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
     else:
         write_model_streamed(inner, out_dir, ctx, max_shard_bytes)
         if ctx.is_main:
-            inner.config.save_pretrained(out_dir)
+            hf.config.save_pretrained(out_dir)
             if getattr(inner, "generation_config", None) is not None:
-                inner.generation_config.save_pretrained(out_dir)
+                hf.generation_config.save_pretrained(out_dir)
     if ctx.is_main:
         tokenizer.save_pretrained(out_dir)
     ctx.barrier()
     if gather_root:
-        model.reshard()
+        cast("FSDPModule", model).reshard()
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -97,7 +101,7 @@ def write_model_streamed(inner: torch.nn.Module, out_dir: Path, ctx: DistContext
 
     named: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    tensors = dict(inner.named_parameters(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = dict(inner.named_parameters(remove_duplicate=False))
     tensors.update(inner.named_buffers(remove_duplicate=False))
     for name in inner.state_dict(keep_vars=True):
         t = tensors[name]

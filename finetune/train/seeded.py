@@ -238,6 +238,7 @@ def replay_seeded_init(
 def _materialize(slot: tuple[torch.nn.Module, str]) -> None:
     owner, attr = slot
     p = owner._parameters[attr]
+    assert p is not None, "slots name parameters from named_parameters()"
     if p.is_meta:
         owner._parameters[attr] = torch.nn.Parameter(
             torch.empty(p.shape, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad
@@ -249,6 +250,7 @@ def _hand_over(
 ) -> None:
     owner, attr = slot
     p = owner._parameters[attr]
+    assert p is not None, "slots name parameters from named_parameters()"
     keep(name, p.detach())
     owner._parameters[attr] = torch.nn.Parameter(
         torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
