@@ -89,7 +89,8 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
     # adapters continue from.
     with torch.random.fork_rng(devices=[]):
         model = add_adapters(model, loaded, spec, on_meta=True)
-    model.config.use_cache = False
+    model_config: Any = model.config  # a transformers PretrainedConfig (nn.Module types attributes as tensors)
+    model_config.use_cache = False
     return model
 
 
@@ -166,8 +167,9 @@ def redraw_injected(model: torch.nn.Module, device: torch.device) -> None:
                 module.gain.detach().zero_()
         encoders = getattr(module, "prompt_encoder", None)
         if isinstance(encoders, torch.nn.ModuleDict) and module is model:
+            peft_config: Any = module.peft_config  # the peft model's adapter configs, by adapter name
             for name, encoder in encoders.items():
-                twin = type(encoder)(module.peft_config[name])
+                twin = type(encoder)(peft_config[name])
                 _copy_module(encoder, twin.to(device))
 
 
@@ -188,6 +190,7 @@ def init_dora_magnitudes(model: torch.nn.Module) -> None:
     """DoRA's magnitudes, as peft computes them when it injects: the norm of each row of the base weight plus
     the (zero) LoRA update. One base weight at a time is gathered whole (every rank calls), its norms taken
     with peft's own function, and each rank keeps its slice of the magnitude vector."""
+    module: Any  # peft LoRA layers (nn.Module's type does not know their attributes)
     for module in model.modules():
         magnitudes = getattr(module, "lora_magnitude_vector", None)
         if not magnitudes:
@@ -221,6 +224,7 @@ def init_decomposed(model: torch.nn.Module, init: str) -> None:
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     initial: dict[str, torch.Tensor] = {}
     names = {id(p): n for n, p in model.named_parameters()}
+    module: Any  # peft LoRA layers (nn.Module's type does not know their attributes)
     for module in model.modules():
         adapters = getattr(module, "lora_A", None)
         if not isinstance(adapters, torch.nn.ModuleDict) or not hasattr(module, "get_base_layer"):
@@ -279,7 +283,8 @@ def fill_seeded(
         base_dir.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(base_dir)
         if getattr(meta, "generation_config", None) is not None:  # as save_pretrained writes it
-            meta.generation_config.save_pretrained(base_dir)
+            generation_config: Any = meta.generation_config
+            generation_config.save_pretrained(base_dir)
         specs = [
             (n, list(p.shape), p.dtype) for n, p in meta.named_parameters() if n in targets or n in quantized
         ]
@@ -339,11 +344,12 @@ def _quantize_into(module: torch.nn.Module, full: torch.Tensor, spec: ExecSpec, 
     from finetune.train.quantize import quantize_weight
 
     assert spec.quant is not None
-    device = module.weight.device
+    linear4bit: Any = module  # bitsandbytes' Linear4bit (nn.Module types attributes as tensors)
+    device = linear4bit.weight.device
     # On the run's device, as the quantizing loader does (bitsandbytes' CUDA and CPU kernels may round apart).
     packed, state = quantize_weight(full.to(device), spec.quant, conv1d)
-    copy_slice(module.weight.detach(), packed)
-    module.quant_state = state
+    copy_slice(linear4bit.weight.detach(), packed)
+    linear4bit.quant_state = state
 
 
 class _CheckpointTensors:
@@ -432,7 +438,8 @@ def _peft_prefix(model: torch.nn.Module) -> str:
     ``base_model.`` for prompt learning (prefix tuning), nothing for a plain model."""
     if not hasattr(model, "peft_config"):
         return ""
-    return "base_model." if model.active_peft_config.is_prompt_learning else "base_model.model."
+    peft_model: Any = model  # a peft PeftModel (it has peft_config)
+    return "base_model." if peft_model.active_peft_config.is_prompt_learning else "base_model.model."
 
 
 def _checkpoint_key(name: str, prefix: str) -> str:

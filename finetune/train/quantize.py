@@ -16,11 +16,11 @@ from __future__ import annotations
 import tempfile
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
-    from transformers import BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig, PreTrainedModel
 
     from finetune.recipe import LoadedRecipe, QuantizationConfig, Recipe
     from finetune.spec import ExecSpec, QuantSpec
@@ -131,7 +131,8 @@ def _save_unquantized(model: torch.nn.Module, directory: Path) -> None:
     """
     from safetensors.torch import save_model
 
-    model.config.save_pretrained(directory)
+    config: Any = model.config  # a transformers PretrainedConfig
+    config.save_pretrained(directory)
     save_model(model, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -144,7 +145,8 @@ def disable_cpu_packed_inference(model: torch.nn.Module) -> torch.nn.Module:
     """
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+            linear4bit: Any = module  # bitsandbytes' Linear4bit (nn.Module types attributes as tensors)
+            linear4bit.support_avx512bf16_for_cpu = False
     return model
 
 
@@ -168,7 +170,7 @@ def int8_frozen_matmuls(model: torch.nn.Module) -> torch.nn.Module:
 
     for module in model.modules():
         if isinstance(module, Linear8bitLt) and not module.state.has_fp16_weights:
-            module.forward = _int8_forward.__get__(module)
+            module.forward = _int8_forward.__get__(module)  # type: ignore[method-assign]  # this instance only
     return model
 
 
@@ -305,13 +307,14 @@ def quantize_on_meta(model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpe
     assert spec.quant is not None and spec.quant.bits == 4, "only 4-bit weights are quantized on meta"
     storage = torch_dtype(spec.quant.storage_dtype)
     config = bnb_config(loaded.recipe, torch_dtype(spec.quant.compute_dtype), storage)
-    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
+    hf = cast("PreTrainedModel", model)  # a transformers model built from its config
+    skip = HfQuantizer.get_modules_to_not_convert(hf, None, getattr(model, "_keep_in_fp32_modules", None))
     replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=config)
     out: dict[str, bool] = {}
     for name, module in model.named_modules():
         if not isinstance(module, bnb.nn.Linear4bit):
             continue
-        w = module.weight
+        w = cast(bnb.nn.Params4bit, module.weight)  # Linear4bit's weight; nn.Linear's type says Tensor
         n = w.numel()
         packed = torch.empty(((n + 1) // (storage.itemsize * 2), 1), dtype=storage, device="meta")
         module.weight = bnb.nn.Params4bit(
@@ -324,9 +327,11 @@ def quantize_on_meta(model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpe
             module=module,
             bnb_quantized=True,
         )
-        out[name] = issubclass(module.source_cls, Conv1D)
+        source_cls: Any = module.source_cls  # the class replace_with_bnb_linear replaced
+        out[name] = issubclass(source_cls, Conv1D)
     # What transformers' quantizer marks after loading; peft's LoRA reads it to wrap Linear4bit layers.
-    model.is_loaded_in_4bit = True
+    marked: Any = model  # (nn.Module types attributes as tensors)
+    marked.is_loaded_in_4bit = True
     return out
 
 

@@ -111,7 +111,7 @@ class Trainer:
         self.scheduler = lr_scheduler(self.optimizer, r.train, self.total)
         self.scaler = grad_scaler(self.spec, ctx.device)
         self.autocast = autocast_factory(self.spec, ctx.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
         self.reporter.start(
             self.plan, self.trainable, self.total_params, self.total, self.data.stats, ctx.world_size,
             getattr(self.data, "notes", []),
@@ -166,6 +166,8 @@ class Trainer:
             # prefix.init: text: the base's own keys/values of the text, before any wrapper (every rank alike)
             if text is not None:
                 from finetune.adapters import init_prefix_from_text, prefix_text_ids
+
+                assert spec.adapter is not None  # the text is the adapter's
 
                 ids = prefix_text_ids(text, self.tokenizer, spec.adapter.num_virtual_tokens)
                 init_prefix_from_text(model, ids)
@@ -253,7 +255,7 @@ class Trainer:
                 result = self.train_step()
                 seconds = time.perf_counter() - started
                 ev = self._evaluate_and_show(state.step) if self.eval_schedule.due(state.step) else None
-                lr = self.scheduler.get_last_lr()[0]
+                lr = float(self.scheduler.get_last_lr()[0])  # a float: the recipe's LR is one
                 tokens_per_s = self.metrics.log_step(state.step, result, seconds, lr=lr, tokens=state.tokens, ev=ev)
                 advance(loss=result.loss, lr=lr, tokens_per_s=tokens_per_s)
                 self.hooks.after_step(state.step)
@@ -265,12 +267,12 @@ class Trainer:
         self.metrics.log_eval(state.step, last_eval)
         self.metrics.close()
         self.save()
-        result = self._result(last_eval)
-        result.tokens_per_s, result.utilisation = self.metrics.steady()
-        self.reporter.summary(result, self.plan.chosen, state.skipped_steps, gpu=self.ctx.device.type == "cuda")
+        run = self._result(last_eval)
+        run.tokens_per_s, run.utilisation = self.metrics.steady()
+        self.reporter.summary(run, self.plan.chosen, state.skipped_steps, gpu=self.ctx.device.type == "cuda")
         if self.loaded.recipe.output.push_to_hub and self.ctx.is_main:
             self.push(self.loaded.recipe.output.push_to_hub)
-        return result
+        return run
 
     def _evaluate_and_show(self, step: int) -> EvalResult | None:
         """:meth:`evaluate`, with its line on the console (step 0: before training)."""
