@@ -168,7 +168,6 @@ class Trainer:
                 from finetune.adapters import init_prefix_from_text, prefix_text_ids
 
                 assert spec.adapter is not None  # the text is the adapter's
-
                 ids = prefix_text_ids(text, self.tokenizer, spec.adapter.num_virtual_tokens)
                 init_prefix_from_text(model, ids)
             check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
