@@ -182,52 +182,31 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
 
 
 def _disk_path(key: Any) -> Any:
-    import hashlib
-    import os
-    from importlib.metadata import version
-    from pathlib import Path
+    """``$FINETUNE_CACHE/traces/<digest>.json`` for a trace (keyed also by the loss's chunking, which changes
+    what a trace records), or None when there is no cache directory."""
+    from finetune import loss
+    from finetune.plan.cache import cache_file
 
-    try:
-        from finetune import loss
-
-        # Versions from the installed metadata: importing peft (and through it bitsandbytes) only for its
-        # version cost every full fine-tuning run seconds at start.
-        versions = (
-            version("torch"), version("transformers"), version("peft"), TRACE_VERSION, loss.LOSS_CHUNK_BYTES,
-            loss.FUSED_CHUNK_BYTES, loss.FUSED_HEAD,
-        )
-        digest = hashlib.sha256(repr((key, versions)).encode()).hexdigest()[:32]
-        root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "traces"
-        return root / f"{digest}.json"
-    except Exception:  # no home, odd environment: no disk cache
-        return None
+    return cache_file("traces", key, TRACE_VERSION, loss.LOSS_CHUNK_BYTES, loss.FUSED_CHUNK_BYTES, loss.FUSED_HEAD)
 
 
 def _load(path: Any) -> TraceResult | None:
-    import json
+    from finetune.plan.cache import read_json
 
+    r = read_json(path)
     try:
-        r = json.loads(path.read_text())
         windows = {w: WindowPeaks(**v) for w, v in r["windows"].items()}
         return TraceResult(windows, r["layer_acts"], r["layer_copies"], r["layer_grads"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError):
         return None
 
 
 def _save(path: Any, result: TraceResult) -> None:
-    import json
-    import os
     from dataclasses import asdict
 
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(result)))
-        os.replace(tmp, path)  # atomic: concurrent planners never read half a file
-    except OSError:
-        pass
+    from finetune.plan.cache import write_json
+
+    write_json(path, asdict(result))
 
 
 def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any, Any, bool]:

@@ -15,7 +15,6 @@ The eval batch ``auto`` is the largest (up to :data:`MAX_AUTO_EVAL_BATCH`) whose
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -111,17 +110,17 @@ def _traced(config: Any, spec: TraceSpec, layers: int, batch: int) -> EvalTrace:
     key = (config.to_json_string(use_diff=False), spec, layers, batch, "eval", EVAL_TRACE_VERSION)
     if key in _CACHE:
         return _CACHE[key]
+    from finetune.plan.cache import read_json, write_json
+
     path = _disk_path(key)
+    stored = read_json(path)
     found = None
-    if path is not None and path.is_file():
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            found = EvalTrace(**json.loads(path.read_text()))
+    if isinstance(stored, dict):
+        with contextlib.suppress(TypeError):
+            found = EvalTrace(**stored)
     if found is None:
         found = trace_eval(config, spec, layers, batch)
-        if path is not None:
-            with contextlib.suppress(OSError):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(asdict(found)))
+        write_json(path, asdict(found))
     _CACHE[key] = found
     return found
 

@@ -172,45 +172,27 @@ FLOPS_SHAPE_VERSION = 1
 def _shape_path(key: Any) -> Any:
     """``$FINETUNE_CACHE/flops/<digest>.json`` (keyed by the config, the adapter and the library versions that
     build the model, as the planner's inventories are), or None when there is no cache directory."""
-    import hashlib
-    import os
-    from importlib.metadata import version
-    from pathlib import Path
+    from finetune.plan.cache import cache_file
 
-    try:
-        versions = (version("torch"), version("transformers"), version("peft"), FLOPS_SHAPE_VERSION)
-        digest = hashlib.sha256(repr((key, versions)).encode()).hexdigest()[:32]
-        root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "flops"
-        return root / f"{digest}.json"
-    except Exception:  # no home, odd environment: no disk cache
-        return None
+    return cache_file("flops", key, FLOPS_SHAPE_VERSION)
 
 
 def _load_shape(path: Any) -> FlopsShape | None:
-    import json
+    from finetune.plan.cache import read_json
 
-    if path is None:
-        return None
+    d = read_json(path)
     try:
-        return FlopsShape(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        return FlopsShape(**d) if isinstance(d, dict) else None
+    except TypeError:
         return None
 
 
 def _save_shape(path: Any, shape: FlopsShape) -> None:
-    import json
-    import os
     from dataclasses import asdict
 
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(shape)))
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache directory: count without it
-        pass
+    from finetune.plan.cache import write_json
+
+    write_json(path, asdict(shape))
 
 
 def _build_shape(config: Any, adapter: Any) -> FlopsShape:

@@ -228,45 +228,28 @@ def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec |
 def _inventory_path(key: Any) -> Any:
     """``$FINETUNE_CACHE/inventories/<digest>.json`` (keyed by the config, the adapter and the library
     versions that build the model), or None when there is no cache directory."""
-    import hashlib
-    import os
-    from importlib.metadata import version
-    from pathlib import Path
+    from finetune.plan.cache import cache_file
 
-    try:
-        versions = (version("torch"), version("transformers"), version("peft"), INVENTORY_VERSION)
-        digest = hashlib.sha256(repr((key, versions)).encode()).hexdigest()[:32]
-        root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "inventories"
-        return root / f"{digest}.json"
-    except Exception:  # no home, odd environment: no disk cache
-        return None
+    return cache_file("inventories", key, INVENTORY_VERSION)
 
 
 def _load_inventory(path: Any) -> Inventory | None:
-    import json
+    from finetune.plan.cache import read_json
 
+    d = read_json(path)
     try:
-        d = json.loads(path.read_text())
         base, adapters = d.pop("base"), d.pop("adapters")
         return Inventory(**d, base=[Tensor(**t) for t in base], adapters=[Tensor(**t) for t in adapters])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError):
         return None
 
 
 def _save_inventory(path: Any, inv: Inventory) -> None:
-    import json
-    import os
     from dataclasses import asdict
 
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(inv)))
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache directory: plan without it
-        pass
+    from finetune.plan.cache import write_json
+
+    write_json(path, asdict(inv))
 
 
 def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> Inventory:
