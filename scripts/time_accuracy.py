@@ -114,8 +114,8 @@ def predicted(run_dir: Path) -> tuple[Any, str, dict[str, Any]]:
 
 def own_step_time(run_dir: Path, plan: Any) -> Any:
     """``step_time`` of ``plan.chosen`` for the run's own recipe and hardware."""
-    from finetune.plan.flowchart import request_from_recipe
     from finetune.plan.hardware import Hardware
+    from finetune.plan.request import request_from_recipe
     from finetune.plan.timing import step_time
     from finetune.recipe import load_recipe
     from finetune.spec import adapter_spec

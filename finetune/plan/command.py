@@ -112,8 +112,9 @@ def build_plan(opts: PlanOptions) -> Plan:
     """The plan for ``opts``: a recipe (with --set overrides and its hardware section) and/or flags."""
     check_flags(opts)
     from finetune.locate import resolve_model_config
-    from finetune.plan.flowchart import make_plan, request_from_recipe
+    from finetune.plan.flowchart import make_plan
     from finetune.plan.hardware import detect_hardware
+    from finetune.plan.request import request_from_recipe
     from finetune.recipe import load_recipe, recipe_with_overrides
 
     if opts.recipe:

@@ -17,21 +17,20 @@ Everything the recipe pins is respected and checked. Every step is recorded as a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from finetune.capabilities import Cell, check, first_refusal
-from finetune.errors import UserError
 from finetune.methods import method_type
 from finetune.plan import walk as w
-from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
-from finetune.plan.hardware import GPU_TYPES, INTERCONNECTS, Hardware, detect_hardware
-from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Setup, candidate_memory
-from finetune.plan.shapes import Inventory, build_inventory, lora_targets
-from finetune.plan.tensor_parallel import degrees, tp_comm_bytes, tp_config, tp_problem
+from finetune.plan.candidates import evaluate, plan_evaluation, step_seconds
+from finetune.plan.hardware import INTERCONNECTS, Hardware, detect_hardware
+from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION
+from finetune.plan.request import Request, request_from_recipe
+from finetune.plan.setting import Setting, settle
+from finetune.plan.shapes import lora_targets
 from finetune.plan.types import Candidate, MemoryBreakdown, Plan, Status
 from finetune.recipe import LoadedRecipe
-from finetune.spec import AdapterSpec, ExecSpec, Method, Precision, Strategy, adapter_spec, execution_spec
+from finetune.spec import ExecSpec, Method, Precision, Strategy
 
 #: The ways the walk shrinks or moves the optimizer state when nothing fits, in order (optimizer, offload).
 STATE_STAGES: tuple[tuple[str, str], ...] = (
@@ -46,70 +45,8 @@ STATE_STAGES: tuple[tuple[str, str], ...] = (
 TIME_MARGIN = 0.2
 
 
-@dataclass
-class Request:
-    """What to plan: the recipe's choices ("auto" = let the planner pick) and the model's config."""
-
-    config: Any
-    source: str
-    method: str = "auto"
-    strategy: str = "auto"
-    precision: str = "auto"
-    micro_batch_size: int | None = None
-    checkpointing: bool | None = None
-    global_batch_size: int = 8
-    seq_len: int = 512
-    packed: bool = False
-    lora: Any = None
-    prefix: Any = None  # the recipe's prefix section (method prefix)
-    adapter: Any = None  # the recipe's adapter section (method adapter)
-    model_dtype: str = "auto"  # model.dtype: the frozen base's storage (lora)
-    quantization: Any = None  # the recipe's quantization section (qlora); None: its defaults
-    attn_implementation: str = "sdpa"
-    optimizer: str = "auto"  # train.optimizer (auto: adamw unless nothing fits without 8-bit state)
-    offload: str = "auto"  # train.offload (auto: none unless nothing fits without it)
-    compile: bool = False  # train.compile: every decoder block compiled
-    tp: int | str = 1  # distributed.tp: a degree, or auto (the walk tries TP when FSDP alone does not fit)
-    for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
-    eval_batch_size: int | None = None  # None: auto (the largest that fits)
-    eval_max_new_tokens: int = 32
-    steps: int | None = None  # optimizer steps of the job when known (train.max_steps), for its time
 
 
-def request_from_recipe(loaded: LoadedRecipe) -> Request:
-    """A :class:`Request` from a validated recipe (model config from its path, the catalog or the cache)."""
-    from finetune.locate import model_config
-
-    r = loaded.recipe
-    assert loaded.inputs is not None, "load_recipe resolves the inputs"
-    config, source = model_config(loaded.inputs.model, r.model.trust_remote_code)
-    mbs = r.train.micro_batch_size
-    ac = r.train.activation_checkpointing
-    return Request(
-        config=config,
-        source=source,
-        method=r.method,
-        strategy=r.distributed.strategy,
-        precision=r.precision,
-        micro_batch_size=None if mbs == "auto" else int(mbs),
-        checkpointing=None if ac == "auto" else bool(ac),
-        global_batch_size=r.train.global_batch_size,
-        seq_len=r.data.max_seq_len,
-        packed=r.data.packing,
-        lora=r.lora,
-        prefix=r.prefix,
-        adapter=r.adapter,
-        model_dtype=r.model.dtype,
-        quantization=r.quantization,
-        attn_implementation=r.model.attn_implementation,
-        eval_batch_size=None if r.eval.batch_size == "auto" else int(r.eval.batch_size),
-        eval_max_new_tokens=r.eval.max_new_tokens,
-        optimizer=r.train.optimizer,
-        offload=r.train.offload,
-        tp=r.distributed.tp,
-        compile=r.train.compile,
-        steps=r.train.max_steps,
-    )
 
 
 def plan_for_run(loaded: LoadedRecipe, *, nproc: int, nnodes: int, device: str) -> Plan:
@@ -138,280 +75,24 @@ def chosen_memory(
     ).memory
 
 
-# -- the settled request ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Setting:
-    """The request and hardware with everything the walk decides before it tries configurations: the
-    process count, precision, global batch, the pinned TP degree (or the degrees to try), the inventory.
-    Never changed once made; a variant (another sequence length, more GPUs) is a new one."""
-
-    req: Request
-    hw: Hardware
-    world: int
-    precision: str
-    global_batch: int
-    tp: int
-    tp_auto: tuple[int, ...]
-    lora: Any
-    adapter: AdapterSpec | None  # what is trained on the frozen base (None: full fine-tuning pinned)
-    inv: Inventory
-    cell: Cell
-    # memo of traces and per-TP inventories: (tp, TraceSpec) -> profile, tp -> inventory (pure caches)
-    profiles: dict[tuple[int, TraceSpec], ActivationProfile] = field(default_factory=dict, compare=False, repr=False)
-    inventories: dict[int, Inventory] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def capacity(self) -> int:
-        """Bytes of memory per GPU (per process on CPU)."""
-        return self.hw.memory_bytes
-
-    @property
-    def intra_node_bandwidth(self) -> float:
-        """Bytes/s of the link inside a node, which TP's all-reduces use (NVLink when several nodes are given)."""
-        if self.hw.nodes == 1 or self.hw.device != "cuda":
-            return self.hw.bandwidth
-        return INTERCONNECTS["nvlink"]
-
-    def at_seq_len(self, seq: int) -> Setting:
-        """This setting at ``seq`` tokens per sample (the traces are shared: they are keyed by length)."""
-        return replace(self, req=replace(self.req, seq_len=seq))
-
-    def on_gpus(self, k: int) -> Setting:
-        """This setting on ``k`` GPUs over the same nodes."""
-        return replace(self, world=k, hw=replace(self.hw, gpus_per_node=k // self.hw.nodes or 1))
-
-    def inventory(self, tp: int) -> Inventory:
-        """One TP rank's parameters (the whole model's at tp 1)."""
-        if tp == 1:
-            return self.inv
-        if tp not in self.inventories:
-            self.inventories[tp] = build_inventory(tp_config(self.req.config, tp), self.req.source, self.adapter)
-        return self.inventories[tp]
-
-    def exec_spec(
-        self, method: str, strategy: str, ac: bool, world: int | None = None, tp: int = 1,
-        optimizer: str | None = None, offload: str | None = None,
-    ) -> ExecSpec:
-        """How ``method`` under ``strategy`` stores and computes each tensor (what the trainer will build)."""
-        r = self.req
-        return execution_spec(
-            method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
-            model_dtype=r.model_dtype, quantization=r.quantization, lora=self.lora, prefix=r.prefix,
-            adapter=r.adapter, tp=tp, compile=r.compile, optimizer=optimizer or r.optimizer,
-            offload=offload or r.offload,
-        )
-
-    def profile(self, spec: ExecSpec) -> ActivationProfile:
-        """The traced activations of ``spec`` at this setting's sequence length (one TP rank's)."""
-        trace = TraceSpec.of(
-            spec, seq_len=self.req.seq_len, packed=self.req.packed,
-            attn_implementation=self.req.attn_implementation, device=self.hw.device,
-        )
-        key = (spec.tp, trace)
-        if key not in self.profiles:
-            self.profiles[key] = activation_profile(tp_config(self.req.config, spec.tp), trace)
-        return self.profiles[key]
-
-    def refusal(
-        self, method: str, strategy: str, tp: int = 1, ac: bool | None = None, optimizer: str | None = None,
-        offload: str | None = None,
-    ) -> str | None:
-        """The capability table's sentence when this configuration cannot run with the recipe's other
-        settings (None: it can)."""
-        cell = self.cell.with_(
-            method=method, strategy=strategy, tp=tp, processes=1 if strategy == "single" else self.cell.processes,
-            checkpointing=self.cell.checkpointing if ac is None else ac, precision=self.precision,
-            optimizer=optimizer or self.cell.optimizer, offload=offload or self.cell.offload,
-        )
-        found = first_refusal(cell)
-        return None if found is None else str(found)
 
 
-def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setting:
-    """The :class:`Setting` of ``req`` on ``hw``: the capability table checked, the TP degree, attention,
-    precision and global batch resolved, each decision appended to ``log``."""
-    log = [] if log is None else log
-    if req.strategy == "single" and hw.world > 1 and not req.for_run:  # a run: the launcher decides
-        log.append(w.OneProcess(hw.world))
-        hw = replace(hw, gpus_per_node=1, nodes=1)
-    world = hw.world
-    lora = req.lora
-    if lora is None:
-        from finetune.recipe import LoraConfig
-
-        lora = LoraConfig()
-    # What the recipe pins, checked against the capability table before anything is traced. A preview on
-    # one GPU leaves the process count open (a sharded strategy is planned as it would run on more).
-    cell = Cell.of(
-        method=req.method, strategy=req.strategy, processes=world if req.for_run or world > 1 else None,
-        tp=req.tp, precision=req.precision, optimizer=req.optimizer, offload=req.offload, compile=req.compile,
-        attention=req.attn_implementation, packing=req.packed, checkpointing=req.checkpointing,
-        lora=lora, prefix=req.prefix, quantization=req.quantization,
-    )
-    check(cell)
-    # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:
-    adapter = adapter_spec("lora" if req.method == "auto" else req.method, lora, req.prefix, req.adapter)
-    inv = build_inventory(req.config, req.source, adapter)
-    tp, tp_auto = _resolve_tp(req, hw, world, cell, log)
-    req = _resolve_attention(req, inv, log)
-    precision = _resolve_precision(req, hw, log)
-    global_batch = _resolve_batch(req, world // tp, tp, log)
-    return Setting(
-        req=req, hw=hw, world=world, precision=precision, global_batch=global_batch, tp=tp, tp_auto=tp_auto,
-        lora=lora, adapter=adapter, inv=inv, cell=cell,
-    )
 
 
-def _resolve_tp(req: Request, hw: Hardware, world: int, cell: Cell, log: list[w.Step]) -> tuple[int, tuple[int, ...]]:
-    """The pinned TP degree (checked, one sentence with the numbers when it cannot run), and the degrees the
-    walk may try when FSDP alone does not fit (``distributed.tp: auto``)."""
-    per_node = hw.gpus_per_node
-    if req.tp == "auto":
-        if req.strategy in ("auto", "zero2", "fsdp") and world > 1:
-            return 1, tuple(degrees(req.config, per_node))
-        return 1, ()
-    tp = int(req.tp)
-    if tp == 1:
-        return 1, ()
-    what = "processes" if hw.device == "cpu" or req.for_run else "GPUs"
-    if tp > per_node:
-        raise UserError(
-            f"distributed.tp: {tp} is more than the {per_node} {what} of a node (--nproc); tensor parallelism "
-            f"stays inside a node: use a tp of at most {per_node}"
-        )
-    if per_node % tp:
-        raise UserError(
-            f"distributed.tp: {tp} does not divide the {per_node} {what} of a node (--nproc); use a divisor "
-            f"of {per_node}"
-        )
-    problem = tp_problem(req.config, tp)
-    if problem:
-        raise UserError(problem)
-    check(cell.with_(processes=world))  # ddp/zero1 cannot replicate TP over several replicas
-    cfg = req.config
-    log.append(w.PinnedTensorParallel(
-        tp=tp, what=what, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
-        mlp=cfg.intermediate_size, replicas=world // tp,
-    ))
-    return tp, ()
 
 
-def _resolve_attention(req: Request, inv: Inventory, log: list[w.Step]) -> Request:
-    """The request with the attention kernel the architecture has in transformers (``inv`` knows)."""
-    arch = type(req.config).__name__.replace("Config", "")
-    if req.attn_implementation == "sdpa" and not inv.sdpa:
-        log.append(w.Note(
-            f"{arch} has no sdpa attention in transformers: planned with eager attention (set "
-            "model.attn_implementation: eager in the recipe to train it)."
-        ))
-        return replace(req, attn_implementation="eager")
-    if req.attn_implementation == "flex_attention" and not inv.flex:
-        raise UserError(
-            f"model.attn_implementation: {arch} has no flex attention in transformers; use sdpa (packed rows then "
-            "carry a T x T mask)"
-        )
-    return req
 
 
-def _resolve_precision(req: Request, hw: Hardware, log: list[w.Step]) -> str:
-    """Step 1: the precision, pinned or chosen for the hardware."""
-    if req.precision != "auto":
-        no_bf16 = hw.device == "cuda" and req.precision.startswith("bf16") and not hw.bf16
-        log.append(w.PrecisionChosen(req.precision, "pinned", hw.name, no_bf16))
-        return req.precision
-    if hw.device == "cpu":
-        log.append(w.PrecisionChosen("fp32", "cpu"))
-        return "fp32"
-    if hw.bf16:
-        known = hw.detected or hw.name in GPU_TYPES
-        log.append(w.PrecisionChosen("bf16", "bf16" if known else "assumed", hw.name))
-        return "bf16"
-    log.append(w.PrecisionChosen("fp16", "fp16", hw.name))
-    return "fp16"
 
 
-def _resolve_batch(req: Request, ranks: int, tp: int, log: list[w.Step]) -> int:
-    """The global batch over ``ranks`` data-parallel ranks (the ranks of a TP group share a slice)."""
-    g = req.global_batch_size
-    if g % ranks:
-        if req.for_run:
-            raise UserError(
-                f"train.global_batch_size ({g}) must be a multiple of the number of processes ({ranks}); "
-                f"use e.g. {ranks * max(1, round(g / ranks))}"
-            )
-        new = ranks * (-(-g // ranks))
-        log.append(w.BatchRounded(g, ranks, new))
-        g = new
-    mbs = req.micro_batch_size
-    if mbs is not None and g % (mbs * ranks):
-        raise UserError(
-            f"train.global_batch_size ({g}) must be divisible by micro_batch_size x "
-            f"{'data-parallel replicas' if tp > 1 else 'processes'} ({mbs} x {ranks} = {mbs * ranks})"
-        )
-    return g
 
 
-# -- one candidate --------------------------------------------------------------------------------------------
-def evaluate(
-    s: Setting, method: str, strategy: str, mbs: int, ac: bool, *, tp: int = 1, first_step: bool = False,
-    traced: frozenset[tuple[str, bool, int]] | None = None, optimizer: str | None = None,
-    offload: str | None = None,
-) -> Candidate:
-    """One configuration's per-GPU memory, communication and time. ``traced``: trace activations only for
-    the (method, checkpointing, tp) the walk traced (the table's other rows are marked not traced)."""
-    world = 1 if strategy == "single" else s.world
-    dp = world // tp
-    accum = max(1, s.global_batch // (mbs * dp))
-    spec = s.exec_spec(method, strategy, ac, world, tp, optimizer, offload)
-    inv = s.inventory(tp)
-    setup = Setup(spec, mbs, accum, dp, s.hw.device, spec.optimizer)
-    mem, comm = candidate_memory(inv, None, setup)
-    if mem.total > s.capacity:
-        status = Status.STATES_OVER
-    elif traced is not None and (method, ac, tp) not in traced:
-        status = Status.NOT_TRACED
-    else:
-        mem, comm = candidate_memory(inv, s.profile(spec), setup, first_step)
-        status = Status.FITS if mem.total <= s.capacity else Status.OVER
-    tp_comm = tp_comm_bytes(
-        s.req.config, tp, seq_len=s.req.seq_len, micro_batch_size=mbs, grad_accum_steps=accum,
-        compute_bytes=spec.compute_bytes, checkpointing=ac,
-    )
-    secs = (comm / s.hw.bandwidth if comm else 0.0) + tp_comm / s.intra_node_bandwidth
-    c = Candidate(
-        method=Method(method), strategy=Strategy(strategy), precision=Precision(s.precision),
-        micro_batch_size=mbs, grad_accum_steps=accum, activation_checkpointing=ac, nproc=s.hw.gpus_per_node,
-        nnodes=s.hw.nodes, memory=mem, comm_bytes_per_step=comm, comm_seconds_per_step=secs, status=status,
-        tp=tp, tp_comm_bytes_per_step=tp_comm, optimizer=spec.optimizer, offload=spec.offload,
-        offload_bytes_per_step=_offload_bytes(inv, setup),
-    )
-    return replace(c, time=_time(s, c))
 
 
-def _offload_bytes(inv: Inventory, setup: Setup) -> int:
-    """Bytes over the host link per step for what ``setup`` offloads (0 when nothing is)."""
-    if setup.spec.offload == "none":
-        return 0
-    from finetune.plan import memory
-
-    fn = getattr(memory, "offload_bytes_per_step", None)
-    return int(fn(inv, setup)) if fn is not None else 0
 
 
-def _time(s: Setting, c: Candidate) -> Any:
-    """The predicted :class:`~finetune.plan.types.StepTime` of ``c`` (None until the time model applies)."""
-    try:
-        from finetune.plan.timing import step_time
-    except ImportError:
-        return None
-    adapter = s.adapter
-    if adapter is None and c.method.adapters:  # a pinned full run's advice prices QLoRA: LoRA's adapters
-        adapter = adapter_spec(str(c.method), s.lora, s.req.prefix, s.req.adapter)
-    return step_time(c, s.req.config, s.hw, seq_len=s.req.seq_len, adapter=adapter, steps=s.req.steps)
 
 
-def _step_seconds(c: Candidate) -> float:
-    return c.time.step if c.time is not None else 0.0
 
 
 # -- the walk -----------------------------------------------------------------------------------------------
@@ -509,9 +190,9 @@ class _Walk:
             ))
         if not fitting:
             return None
-        first, best = fitting[0], min(fitting, key=_step_seconds)
-        if best is not first and _step_seconds(best) < (1 - TIME_MARGIN) * _step_seconds(first):
-            self.log.append(w.FasterChoice(_label(best), _step_seconds(best), _label(first), _step_seconds(first)))
+        first, best = fitting[0], min(fitting, key=step_seconds)
+        if best is not first and step_seconds(best) < (1 - TIME_MARGIN) * step_seconds(first):
+            self.log.append(w.FasterChoice(_label(best), step_seconds(best), _label(first), step_seconds(first)))
             return best
         return first
 
@@ -843,37 +524,6 @@ def _pinned_keys(r: Request) -> tuple[str, ...]:
     return tuple(key for key, pinned in given if pinned)
 
 
-def plan_evaluation(s: Setting, c: Candidate) -> tuple[Candidate, w.EvaluationPlanned]:
-    """The evaluation's peak at eval.batch_size (or the largest batch that fits, for auto) on ``c``: the
-    candidate with its evaluation figures, and the step that says them."""
-    from finetune.plan.evaluation import MAX_AUTO_EVAL_BATCH, eval_memory
-
-    world = 1 if c.strategy == "single" else s.world
-    execution = s.exec_spec(c.method, c.strategy, False, world, c.tp, c.optimizer, c.offload)
-    spec = TraceSpec.of(execution, seq_len=s.req.seq_len, packed=False, attn_implementation=s.req.attn_implementation)
-    setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, s.hw.device, execution.optimizer)
-    # one TP rank's model; a single TP replica has no data-parallel wrapper (no DDP buckets)
-    inv, config = s.inventory(c.tp), tp_config(s.req.config, c.tp)
-    strategy = "single" if c.tp > 1 and c.dp == 1 else str(c.strategy)
-
-    def at(batch: int) -> tuple[int, Any]:
-        return eval_memory(inv, config, spec, strategy, setup, batch, s.req.eval_max_new_tokens)
-
-    pinned = s.req.eval_batch_size
-    if pinned is not None:
-        total, peak = at(pinned)
-    else:  # arithmetic on four cached traces: trying every batch costs nothing
-        batch = next((b for b in range(MAX_AUTO_EVAL_BATCH, 0, -1) if at(b)[0] <= s.capacity), 1)
-        total, peak = at(batch)
-    fix = ""
-    if total > s.capacity:
-        fix = "set eval.batch_size: auto" if pinned is not None and at(1)[0] <= s.capacity else (
-            "lower eval.max_new_tokens or data.max_seq_len")
-    step = w.EvaluationPlanned(
-        s.req.seq_len, pinned is not None, peak.batch_size, total, peak.loss, peak.generation,
-        s.req.eval_max_new_tokens, s.capacity, fix,
-    )
-    return replace(c, eval_batch_size=peak.batch_size, eval_memory=total), step
 
 
 def _communication(s: Setting, chosen: Candidate, table: list[Candidate]) -> list[w.Step]:

@@ -125,8 +125,9 @@ def next_config(loaded: Any, plan: Any, budget: int, device: str) -> tuple[Any |
     """The planner's choice for ``budget`` bytes per process, releasing pins in turn (micro-batch and
     checkpointing, then strategy, then method and precision, then the optimizer state's size and place, as
     the flowchart orders them), and the ``--set`` overrides that select it."""
-    from finetune.plan.flowchart import make_plan, request_from_recipe
+    from finetune.plan.flowchart import make_plan
     from finetune.plan.hardware import detect_hardware
+    from finetune.plan.request import request_from_recipe
 
     c = plan.chosen
     base = replace(request_from_recipe(loaded), for_run=True)

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from finetune.plan.flowchart import Request, evaluate, settle
+from finetune.plan.candidates import evaluate
 from finetune.plan.hardware import Hardware
+from finetune.plan.request import Request
+from finetune.plan.setting import settle
 from tests.support import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]

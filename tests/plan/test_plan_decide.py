@@ -8,8 +8,9 @@ from dataclasses import replace
 
 from transformers import AutoConfig
 
-from finetune.plan.flowchart import Request, decide
+from finetune.plan.flowchart import decide
 from finetune.plan.hardware import Hardware
+from finetune.plan.request import Request
 from finetune.plan.types import Candidate, Plan, Status
 from finetune.recipe import LoraConfig, QuantizationConfig
 from tests.support import TINY_MODEL

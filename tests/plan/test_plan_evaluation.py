@@ -14,8 +14,9 @@ from finetune.generation import greedy_tokens
 from finetune.loss import causal_lm_loss
 from finetune.plan.activations import TraceSpec
 from finetune.plan.evaluation import eval_peak
-from finetune.plan.flowchart import Request, make_plan
+from finetune.plan.flowchart import make_plan
 from finetune.plan.hardware import Hardware
+from finetune.plan.request import Request
 from finetune.train.memory import PeakMemory
 from tests.support import TINY_MODEL
 
@@ -60,7 +61,8 @@ def test_auto_eval_batch_is_the_largest_that_fits_and_a_pinned_one_is_checked() 
     roomy = make_plan(req, _hw(2**40)).chosen
     assert roomy.eval_batch_size == 64
     # memory for training and an evaluation of 6 rows, not 7
-    from finetune.plan.flowchart import evaluate, plan_evaluation, settle
+    from finetune.plan.candidates import evaluate, plan_evaluation
+    from finetune.plan.setting import settle
 
     p = settle(req, _hw(2**40))
     c, _ = plan_evaluation(p, evaluate(p, "lora", "single", 1, False))

@@ -9,8 +9,11 @@ import pytest
 from transformers import AutoConfig
 
 from finetune.errors import UserError
-from finetune.plan.flowchart import Request, evaluate, make_plan, settle
+from finetune.plan.candidates import evaluate
+from finetune.plan.flowchart import make_plan
 from finetune.plan.hardware import Hardware
+from finetune.plan.request import Request
+from finetune.plan.setting import settle
 from finetune.recipe import LoraConfig
 from finetune.units import fmt_bytes as gib
 from tests.support import TINY_MODEL

@@ -11,8 +11,11 @@ import pytest
 from transformers import AutoConfig
 
 from finetune.errors import UserError
-from finetune.plan.flowchart import Request, Setting, evaluate, make_plan, settle
+from finetune.plan.candidates import evaluate
+from finetune.plan.flowchart import make_plan
 from finetune.plan.hardware import Hardware
+from finetune.plan.request import Request
+from finetune.plan.setting import Setting, settle
 from finetune.plan.shapes import build_inventory
 from finetune.plan.tensor_parallel import tp_config
 from finetune.recipe import LoraConfig

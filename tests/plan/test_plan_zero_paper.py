@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from finetune.plan.flowchart import Request, make_plan
+from finetune.plan.flowchart import make_plan
 from finetune.plan.hardware import Hardware
 from finetune.plan.memory import zero1_accounting_note
+from finetune.plan.request import Request
 from finetune.plan.types import Plan
 
 GB = 10**9

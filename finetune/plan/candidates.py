@@ -1,0 +1,113 @@
+"""One configuration's figures: per-GPU memory (finetune/plan/memory.py), communication, host traffic and
+predicted time, as a :class:`~finetune.plan.types.Candidate` with its status; and the evaluation's peak on it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from finetune.plan import walk as w
+from finetune.plan.activations import TraceSpec
+from finetune.plan.memory import Setup, candidate_memory
+from finetune.plan.setting import Setting
+from finetune.plan.shapes import Inventory
+from finetune.plan.tensor_parallel import tp_comm_bytes, tp_config
+from finetune.plan.types import Candidate, Status
+from finetune.spec import Method, Precision, Strategy, adapter_spec
+
+
+# -- one candidate --------------------------------------------------------------------------------------------
+def evaluate(
+    s: Setting, method: str, strategy: str, mbs: int, ac: bool, *, tp: int = 1, first_step: bool = False,
+    traced: frozenset[tuple[str, bool, int]] | None = None, optimizer: str | None = None,
+    offload: str | None = None,
+) -> Candidate:
+    """One configuration's per-GPU memory, communication and time. ``traced``: trace activations only for
+    the (method, checkpointing, tp) the walk traced (the table's other rows are marked not traced)."""
+    world = 1 if strategy == "single" else s.world
+    dp = world // tp
+    accum = max(1, s.global_batch // (mbs * dp))
+    spec = s.exec_spec(method, strategy, ac, world, tp, optimizer, offload)
+    inv = s.inventory(tp)
+    setup = Setup(spec, mbs, accum, dp, s.hw.device, spec.optimizer)
+    mem, comm = candidate_memory(inv, None, setup)
+    if mem.total > s.capacity:
+        status = Status.STATES_OVER
+    elif traced is not None and (method, ac, tp) not in traced:
+        status = Status.NOT_TRACED
+    else:
+        mem, comm = candidate_memory(inv, s.profile(spec), setup, first_step)
+        status = Status.FITS if mem.total <= s.capacity else Status.OVER
+    tp_comm = tp_comm_bytes(
+        s.req.config, tp, seq_len=s.req.seq_len, micro_batch_size=mbs, grad_accum_steps=accum,
+        compute_bytes=spec.compute_bytes, checkpointing=ac,
+    )
+    secs = (comm / s.hw.bandwidth if comm else 0.0) + tp_comm / s.intra_node_bandwidth
+    c = Candidate(
+        method=Method(method), strategy=Strategy(strategy), precision=Precision(s.precision),
+        micro_batch_size=mbs, grad_accum_steps=accum, activation_checkpointing=ac, nproc=s.hw.gpus_per_node,
+        nnodes=s.hw.nodes, memory=mem, comm_bytes_per_step=comm, comm_seconds_per_step=secs, status=status,
+        tp=tp, tp_comm_bytes_per_step=tp_comm, optimizer=spec.optimizer, offload=spec.offload,
+        offload_bytes_per_step=_offload_bytes(inv, setup),
+    )
+    return replace(c, time=_time(s, c))
+
+
+def _offload_bytes(inv: Inventory, setup: Setup) -> int:
+    """Bytes over the host link per step for what ``setup`` offloads (0 when nothing is)."""
+    if setup.spec.offload == "none":
+        return 0
+    from finetune.plan import memory
+
+    fn = getattr(memory, "offload_bytes_per_step", None)
+    return int(fn(inv, setup)) if fn is not None else 0
+
+
+def _time(s: Setting, c: Candidate) -> Any:
+    """The predicted :class:`~finetune.plan.types.StepTime` of ``c`` (None until the time model applies)."""
+    try:
+        from finetune.plan.timing import step_time
+    except ImportError:
+        return None
+    adapter = s.adapter
+    if adapter is None and c.method.adapters:  # a pinned full run's advice prices QLoRA: LoRA's adapters
+        adapter = adapter_spec(str(c.method), s.lora, s.req.prefix, s.req.adapter)
+    return step_time(c, s.req.config, s.hw, seq_len=s.req.seq_len, adapter=adapter, steps=s.req.steps)
+
+
+def step_seconds(c: Candidate) -> float:
+    """Predicted seconds per step of ``c`` (0 when the time model does not apply)."""
+    return c.time.step if c.time is not None else 0.0
+
+
+def plan_evaluation(s: Setting, c: Candidate) -> tuple[Candidate, w.EvaluationPlanned]:
+    """The evaluation's peak at eval.batch_size (or the largest batch that fits, for auto) on ``c``: the
+    candidate with its evaluation figures, and the step that says them."""
+    from finetune.plan.evaluation import MAX_AUTO_EVAL_BATCH, eval_memory
+
+    world = 1 if c.strategy == "single" else s.world
+    execution = s.exec_spec(c.method, c.strategy, False, world, c.tp, c.optimizer, c.offload)
+    spec = TraceSpec.of(execution, seq_len=s.req.seq_len, packed=False, attn_implementation=s.req.attn_implementation)
+    setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, s.hw.device, execution.optimizer)
+    # one TP rank's model; a single TP replica has no data-parallel wrapper (no DDP buckets)
+    inv, config = s.inventory(c.tp), tp_config(s.req.config, c.tp)
+    strategy = "single" if c.tp > 1 and c.dp == 1 else str(c.strategy)
+
+    def at(batch: int) -> tuple[int, Any]:
+        return eval_memory(inv, config, spec, strategy, setup, batch, s.req.eval_max_new_tokens)
+
+    pinned = s.req.eval_batch_size
+    if pinned is not None:
+        total, peak = at(pinned)
+    else:  # arithmetic on four cached traces: trying every batch costs nothing
+        batch = next((b for b in range(MAX_AUTO_EVAL_BATCH, 0, -1) if at(b)[0] <= s.capacity), 1)
+        total, peak = at(batch)
+    fix = ""
+    if total > s.capacity:
+        fix = "set eval.batch_size: auto" if pinned is not None and at(1)[0] <= s.capacity else (
+            "lower eval.max_new_tokens or data.max_seq_len")
+    step = w.EvaluationPlanned(
+        s.req.seq_len, pinned is not None, peak.batch_size, total, peak.loss, peak.generation,
+        s.req.eval_max_new_tokens, s.capacity, fix,
+    )
+    return replace(c, eval_batch_size=peak.batch_size, eval_memory=total), step

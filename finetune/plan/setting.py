@@ -1,0 +1,230 @@
+"""The request settled for the hardware: the capability table checked, the process count, tensor-parallel
+degree, attention kernel, precision and global batch resolved, the inventory built. Never changed once made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from finetune.capabilities import Cell, check, first_refusal
+from finetune.errors import UserError
+from finetune.plan import walk as w
+from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
+from finetune.plan.hardware import GPU_TYPES, INTERCONNECTS, Hardware
+from finetune.plan.request import Request
+from finetune.plan.shapes import Inventory, build_inventory
+from finetune.plan.tensor_parallel import degrees, tp_config, tp_problem
+from finetune.spec import AdapterSpec, ExecSpec, adapter_spec, execution_spec
+
+
+# -- the settled request ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """The request and hardware with everything the walk decides before it tries configurations: the
+    process count, precision, global batch, the pinned TP degree (or the degrees to try), the inventory.
+    Never changed once made; a variant (another sequence length, more GPUs) is a new one."""
+
+    req: Request
+    hw: Hardware
+    world: int
+    precision: str
+    global_batch: int
+    tp: int
+    tp_auto: tuple[int, ...]
+    lora: Any
+    adapter: AdapterSpec | None  # what is trained on the frozen base (None: full fine-tuning pinned)
+    inv: Inventory
+    cell: Cell
+    # memo of traces and per-TP inventories: (tp, TraceSpec) -> profile, tp -> inventory (pure caches)
+    profiles: dict[tuple[int, TraceSpec], ActivationProfile] = field(default_factory=dict, compare=False, repr=False)
+    inventories: dict[int, Inventory] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of memory per GPU (per process on CPU)."""
+        return self.hw.memory_bytes
+
+    @property
+    def intra_node_bandwidth(self) -> float:
+        """Bytes/s of the link inside a node, which TP's all-reduces use (NVLink when several nodes are given)."""
+        if self.hw.nodes == 1 or self.hw.device != "cuda":
+            return self.hw.bandwidth
+        return INTERCONNECTS["nvlink"]
+
+    def at_seq_len(self, seq: int) -> Setting:
+        """This setting at ``seq`` tokens per sample (the traces are shared: they are keyed by length)."""
+        return replace(self, req=replace(self.req, seq_len=seq))
+
+    def on_gpus(self, k: int) -> Setting:
+        """This setting on ``k`` GPUs over the same nodes."""
+        return replace(self, world=k, hw=replace(self.hw, gpus_per_node=k // self.hw.nodes or 1))
+
+    def inventory(self, tp: int) -> Inventory:
+        """One TP rank's parameters (the whole model's at tp 1)."""
+        if tp == 1:
+            return self.inv
+        if tp not in self.inventories:
+            self.inventories[tp] = build_inventory(tp_config(self.req.config, tp), self.req.source, self.adapter)
+        return self.inventories[tp]
+
+    def exec_spec(
+        self, method: str, strategy: str, ac: bool, world: int | None = None, tp: int = 1,
+        optimizer: str | None = None, offload: str | None = None,
+    ) -> ExecSpec:
+        """How ``method`` under ``strategy`` stores and computes each tensor (what the trainer will build)."""
+        r = self.req
+        return execution_spec(
+            method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
+            model_dtype=r.model_dtype, quantization=r.quantization, lora=self.lora, prefix=r.prefix,
+            adapter=r.adapter, tp=tp, compile=r.compile, optimizer=optimizer or r.optimizer,
+            offload=offload or r.offload,
+        )
+
+    def profile(self, spec: ExecSpec) -> ActivationProfile:
+        """The traced activations of ``spec`` at this setting's sequence length (one TP rank's)."""
+        trace = TraceSpec.of(
+            spec, seq_len=self.req.seq_len, packed=self.req.packed,
+            attn_implementation=self.req.attn_implementation, device=self.hw.device,
+        )
+        key = (spec.tp, trace)
+        if key not in self.profiles:
+            self.profiles[key] = activation_profile(tp_config(self.req.config, spec.tp), trace)
+        return self.profiles[key]
+
+    def refusal(
+        self, method: str, strategy: str, tp: int = 1, ac: bool | None = None, optimizer: str | None = None,
+        offload: str | None = None,
+    ) -> str | None:
+        """The capability table's sentence when this configuration cannot run with the recipe's other
+        settings (None: it can)."""
+        cell = self.cell.with_(
+            method=method, strategy=strategy, tp=tp, processes=1 if strategy == "single" else self.cell.processes,
+            checkpointing=self.cell.checkpointing if ac is None else ac, precision=self.precision,
+            optimizer=optimizer or self.cell.optimizer, offload=offload or self.cell.offload,
+        )
+        found = first_refusal(cell)
+        return None if found is None else str(found)
+
+
+def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setting:
+    """The :class:`Setting` of ``req`` on ``hw``: the capability table checked, the TP degree, attention,
+    precision and global batch resolved, each decision appended to ``log``."""
+    log = [] if log is None else log
+    if req.strategy == "single" and hw.world > 1 and not req.for_run:  # a run: the launcher decides
+        log.append(w.OneProcess(hw.world))
+        hw = replace(hw, gpus_per_node=1, nodes=1)
+    world = hw.world
+    lora = req.lora
+    if lora is None:
+        from finetune.recipe import LoraConfig
+
+        lora = LoraConfig()
+    # What the recipe pins, checked against the capability table before anything is traced. A preview on
+    # one GPU leaves the process count open (a sharded strategy is planned as it would run on more).
+    cell = Cell.of(
+        method=req.method, strategy=req.strategy, processes=world if req.for_run or world > 1 else None,
+        tp=req.tp, precision=req.precision, optimizer=req.optimizer, offload=req.offload, compile=req.compile,
+        attention=req.attn_implementation, packing=req.packed, checkpointing=req.checkpointing,
+        lora=lora, prefix=req.prefix, quantization=req.quantization,
+    )
+    check(cell)
+    # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:
+    adapter = adapter_spec("lora" if req.method == "auto" else req.method, lora, req.prefix, req.adapter)
+    inv = build_inventory(req.config, req.source, adapter)
+    tp, tp_auto = _resolve_tp(req, hw, world, cell, log)
+    req = _resolve_attention(req, inv, log)
+    precision = _resolve_precision(req, hw, log)
+    global_batch = _resolve_batch(req, world // tp, tp, log)
+    return Setting(
+        req=req, hw=hw, world=world, precision=precision, global_batch=global_batch, tp=tp, tp_auto=tp_auto,
+        lora=lora, adapter=adapter, inv=inv, cell=cell,
+    )
+
+
+def _resolve_tp(req: Request, hw: Hardware, world: int, cell: Cell, log: list[w.Step]) -> tuple[int, tuple[int, ...]]:
+    """The pinned TP degree (checked, one sentence with the numbers when it cannot run), and the degrees the
+    walk may try when FSDP alone does not fit (``distributed.tp: auto``)."""
+    per_node = hw.gpus_per_node
+    if req.tp == "auto":
+        if req.strategy in ("auto", "zero2", "fsdp") and world > 1:
+            return 1, tuple(degrees(req.config, per_node))
+        return 1, ()
+    tp = int(req.tp)
+    if tp == 1:
+        return 1, ()
+    what = "processes" if hw.device == "cpu" or req.for_run else "GPUs"
+    if tp > per_node:
+        raise UserError(
+            f"distributed.tp: {tp} is more than the {per_node} {what} of a node (--nproc); tensor parallelism "
+            f"stays inside a node: use a tp of at most {per_node}"
+        )
+    if per_node % tp:
+        raise UserError(
+            f"distributed.tp: {tp} does not divide the {per_node} {what} of a node (--nproc); use a divisor "
+            f"of {per_node}"
+        )
+    problem = tp_problem(req.config, tp)
+    if problem:
+        raise UserError(problem)
+    check(cell.with_(processes=world))  # ddp/zero1 cannot replicate TP over several replicas
+    cfg = req.config
+    log.append(w.PinnedTensorParallel(
+        tp=tp, what=what, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+        mlp=cfg.intermediate_size, replicas=world // tp,
+    ))
+    return tp, ()
+
+
+def _resolve_attention(req: Request, inv: Inventory, log: list[w.Step]) -> Request:
+    """The request with the attention kernel the architecture has in transformers (``inv`` knows)."""
+    arch = type(req.config).__name__.replace("Config", "")
+    if req.attn_implementation == "sdpa" and not inv.sdpa:
+        log.append(w.Note(
+            f"{arch} has no sdpa attention in transformers: planned with eager attention (set "
+            "model.attn_implementation: eager in the recipe to train it)."
+        ))
+        return replace(req, attn_implementation="eager")
+    if req.attn_implementation == "flex_attention" and not inv.flex:
+        raise UserError(
+            f"model.attn_implementation: {arch} has no flex attention in transformers; use sdpa (packed rows then "
+            "carry a T x T mask)"
+        )
+    return req
+
+
+def _resolve_precision(req: Request, hw: Hardware, log: list[w.Step]) -> str:
+    """Step 1: the precision, pinned or chosen for the hardware."""
+    if req.precision != "auto":
+        no_bf16 = hw.device == "cuda" and req.precision.startswith("bf16") and not hw.bf16
+        log.append(w.PrecisionChosen(req.precision, "pinned", hw.name, no_bf16))
+        return req.precision
+    if hw.device == "cpu":
+        log.append(w.PrecisionChosen("fp32", "cpu"))
+        return "fp32"
+    if hw.bf16:
+        known = hw.detected or hw.name in GPU_TYPES
+        log.append(w.PrecisionChosen("bf16", "bf16" if known else "assumed", hw.name))
+        return "bf16"
+    log.append(w.PrecisionChosen("fp16", "fp16", hw.name))
+    return "fp16"
+
+
+def _resolve_batch(req: Request, ranks: int, tp: int, log: list[w.Step]) -> int:
+    """The global batch over ``ranks`` data-parallel ranks (the ranks of a TP group share a slice)."""
+    g = req.global_batch_size
+    if g % ranks:
+        if req.for_run:
+            raise UserError(
+                f"train.global_batch_size ({g}) must be a multiple of the number of processes ({ranks}); "
+                f"use e.g. {ranks * max(1, round(g / ranks))}"
+            )
+        new = ranks * (-(-g // ranks))
+        log.append(w.BatchRounded(g, ranks, new))
+        g = new
+    mbs = req.micro_batch_size
+    if mbs is not None and g % (mbs * ranks):
+        raise UserError(
+            f"train.global_batch_size ({g}) must be divisible by micro_batch_size x "
+            f"{'data-parallel replicas' if tp > 1 else 'processes'} ({mbs} x {ranks} = {mbs * ranks})"
+        )
+    return g
