@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -120,10 +121,6 @@ EIGHT_BIT_RTOL = 1e-3
 def test_8bit_adamw_through_the_cli_follows_the_plain_run(tmp_path):
     """`finetune run` with train.optimizer adamw8bit: the plan records it, and each step's loss stays within
     EIGHT_BIT_RTOL of the same run with torch's AdamW."""
-    import json
-    import subprocess
-    import sys
-
     losses = {}
     for name in ("adamw", "adamw8bit"):
         out = tmp_path / name
