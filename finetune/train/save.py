@@ -57,6 +57,15 @@ def save_final(
     # peft saves a prefix by running its prompt encoder, which FSDP2 keeps sharded in the root unit: gather
     # the root's parameters on every rank for the save (a collective), and shard them again after.
     gather_root = ctx.distributed and is_sharded(model) and prefix_tokens(inner) > 0
+    if is_sharded(model):
+        # An evaluation leaves FSDP2's root unit gathered (it never reshards after forward): its parameters are
+        # then the gathered copies, which the optimizer step did not update. Back to the sharded parameters,
+        # which hold the trained values, before anything reads them.
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
     if gather_root:
         cast("FSDPModule", model).unshard()  # is_sharded(model) said so
     hf: Any = inner  # a transformers PreTrainedModel or a peft model

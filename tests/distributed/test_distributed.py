@@ -39,6 +39,7 @@ from tests.support import (
     micro_model_dir,
     parity_recipe,
     step_rows,
+    tiny_recipe,
     write_recipe,
 )
 
@@ -406,3 +407,18 @@ def test_single_strategy_on_two_processes_is_refused(tmp_path: Path, micro_model
     with pytest.raises(UserError, match=r"distributed.strategy: `single` trains one process but 2 were asked"):
         launch(str(recipe), [], LaunchOptions(nproc=2))
     assert not (tmp_path / "out").exists()
+
+
+def test_fsdp_saves_the_trained_weights_after_an_evaluation(tmp_path: Path, micro_model: Path) -> None:
+    """The final evaluation's forward leaves FSDP2's root unit (embeddings, final norm, head) gathered, in copies
+    the optimizer never updated; the saved model still holds the trained weights, equal to one process's."""
+    saved = {}
+    for strategy, nproc in (("single", "1"), ("fsdp", "2")):
+        out = tmp_path / strategy
+        recipe = tiny_recipe(out, model={"path": str(micro_model), "init": "random"}, distributed={"strategy": strategy})
+        recipe["train"]["max_steps"] = 2
+        proc = finetune_run(write_recipe(tmp_path / f"{strategy}.yaml", recipe), "--nproc", nproc)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "final eval" in proc.stdout
+        saved[strategy] = out / "model.safetensors"
+    assert max_weight_diff(saved["single"], saved["fsdp"]) <= WEIGHT_ATOL
