@@ -58,9 +58,10 @@ def save_final(
     # the root's parameters on every rank for the save (a collective), and shard them again after.
     gather_root = ctx.distributed and is_sharded(model) and prefix_tokens(inner) > 0
     if is_sharded(model):
-        # An evaluation leaves FSDP2's root unit gathered (it never reshards after forward): its parameters are
-        # then the gathered copies, which the optimizer step did not update. Back to the sharded parameters,
-        # which hold the trained values, before anything reads them.
+        # An evaluation leaves FSDP2's root unit gathered (it never reshards after forward): its registered
+        # parameters are then the all-gather's views, whose values a save read as garbage (measured: the final
+        # norm's weights at 1e-22, the embeddings NaN). Back to the sharded parameters, which hold the trained
+        # values, before anything reads them.
         from torch.distributed.fsdp import FSDPModule
 
         for module in model.modules():

@@ -410,8 +410,8 @@ def test_single_strategy_on_two_processes_is_refused(tmp_path: Path, micro_model
 
 
 def test_fsdp_saves_the_trained_weights_after_an_evaluation(tmp_path: Path, micro_model: Path) -> None:
-    """The final evaluation's forward leaves FSDP2's root unit (embeddings, final norm, head) gathered, in copies
-    the optimizer never updated; the saved model still holds the trained weights, equal to one process's."""
+    """The final evaluation's forward leaves FSDP2's root unit (embeddings, final norm, head) gathered; the saved
+    model still holds the trained weights, equal to one process's."""
     saved = {}
     for strategy, nproc in (("single", "1"), ("fsdp", "2")):
         out = tmp_path / strategy
