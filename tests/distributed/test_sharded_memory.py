@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
+from tests.support import RECIPES, micro_model_dir, tiny_recipe, write_recipe
 
 pytestmark = [pytest.mark.dist, pytest.mark.memory]
 
@@ -42,13 +41,7 @@ def make_model(d: Path, sizes: dict[str, int]) -> tuple[int, int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    d.mkdir(parents=True, exist_ok=True)
-    for f in TINY_MODEL.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, d / f.name)
-    config = json.loads((TINY_MODEL / "config.json").read_text())
-    config.update(sizes)
-    (d / "config.json").write_text(json.dumps(config))
+    micro_model_dir(d, **sizes)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=torch.float32)
     model.to(torch.bfloat16).save_pretrained(d)

@@ -1,5 +1,5 @@
 """The repository speaks of the product, not of how it was made: no issue numbers, work sessions, rounds of
-work, earlier results or load averages in the README, the docs, the recipes, the code, the tests, the scripts
+work, earlier results or machine-load readings in the README, the docs, the recipes, the code, the tests, the scripts
 or CI. Measurements belong in docs/benchmarks.md with their command, machine and date."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PATTERNS: list[tuple[str, str]] = [
     (r"\bissues? #?\d+\b", "an issue number"),
     (r"\bissue \"", "an issue's title"),
-    (r"\bsession \d+\b|\bthis session\b|\b(previous|last|earlier) session\b", "a work session"),
+    (r"\bsession\s+\d+\b|\bthis\s+session\b|\b(previous|last|earlier)\s+session\b", "a work session"),
     (r"\brounds? of work\b|\bround \d+ of\b", "a round of work"),
-    (r"\bload average", "a load average"),
+    (r"\bload\s+average", "a machine-load reading"),
     (r"\b(in|from) an earlier (run|trial|one)\b|\bthe earlier (run|trial|\d)", "an earlier result"),
     (r"\bearlier (trial|results?|figures?|measurements?)\b", "an earlier result"),
     (r"\(it was [^)]*\bbefore\)|\bwas [-+]?\d[\d.]*%? before\b", "a figure from before a change"),
@@ -65,9 +65,9 @@ def test_patterns_catch_history_and_spare_the_product() -> None:
         "see issue 15 for why",
         "as in issue #3",
         "(issue \"One way through the code\")",
-        "decided in this session",
+        "decided in this " "session",
         "from the second round of work",
-        "a load average of 3.1",
+        "a load " "average of 3.1",
         "88% in an earlier one, cause unknown",
         "so what made the earlier 88% is not known",
         "(it was -9.2% before)",
