@@ -16,49 +16,81 @@ from finetune.units import parse_bytes
 
 GiB = 1024**3
 
-# name -> (memory in GiB, bf16 support): bf16 needs compute capability >= 8.0 (Ampere and later)
+# name -> (memory in GiB, bf16 support): bf16 needs compute capability >= 8.0 (Ampere and later; CDNA2 and later).
+# Memory as the datasheet gives it per device (an MI250X is two devices to torch, 64 GB each).
 GPU_TYPES: dict[str, tuple[float, bool]] = {
-    "h200": (141, True), "h100": (80, True), "a100": (80, True), "a100-40gb": (40, True),
-    "l40s": (48, True), "a6000": (48, True), "a10g": (24, True), "l4": (24, True), "rtx4090": (24, True),
-    "rtx3090": (24, True), "v100": (32, False), "v100-16gb": (16, False), "t4": (16, False),
-    "h100-pcie": (80, True),
+    "h200": (141, True), "h200-nvl": (141, True), "h100": (80, True), "h100-pcie": (80, True),
+    "h100-nvl": (94, True), "h800": (80, True), "h800-pcie": (80, True), "h20": (96, True),
+    "a100": (80, True), "a100-40gb": (40, True), "a800": (80, True), "a800-40gb": (40, True),
+    "b200": (180, True), "b100": (180, True), "gb200": (186, True),
+    "l40s": (48, True), "l40": (48, True), "l4": (24, True), "a10": (24, True), "a10g": (24, True),
+    "a6000": (48, True), "rtx6000ada": (48, True), "rtx4090": (24, True), "rtx3090": (24, True),
+    "v100": (32, False), "v100-16gb": (16, False), "t4": (16, False),
+    "mi300x": (192, True), "mi250x": (64, True),
 }
 
 # name -> dense peak TFLOPS (no structured sparsity) per matmul dtype, from the vendor's datasheet or
-# architecture whitepaper (sparse figures halved where only those are printed). bf16/fp16: tensor cores with
-# fp32 accumulation (what training uses; GeForce cards run fp16 accumulation twice as fast). tf32: tensor
-# cores on fp32 tensors, which torch uses only when torch.backends.cuda.matmul.allow_tf32 is set; finetune
-# leaves it off, so an fp32 run is measured against the plain fp32 (CUDA core) peak.
+# architecture whitepaper named beside each (sparse figures halved where only those are printed). bf16/fp16:
+# tensor cores with fp32 accumulation (what training uses; GeForce cards run fp16 accumulation twice as fast).
+# tf32: tensor cores on fp32 tensors, which torch uses only when torch.backends.cuda.matmul.allow_tf32 is set;
+# finetune leaves it off, so an fp32 run is measured against the plain fp32 (CUDA core) peak.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    # H200 SXM datasheet (same GH100 compute as the H100 SXM); H100 whitepaper, SXM5 / PCIe
-    "h200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    # NVIDIA H100 Tensor Core GPU datasheet and Hopper whitepaper: SXM5, PCIe, NVL (BF16 1,671 sparse)
     "h100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
     "h100-pcie": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
-    # A100 datasheet (SXM and PCIe, 40 and 80 GB alike)
+    "h100-nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    # NVIDIA H200 Tensor Core GPU datasheet: SXM (the H100 SXM's GH100 compute), NVL (BF16 1,671 sparse)
+    "h200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "h200-nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    # NVIDIA H800 SXM5 / PCIe datasheets: the H100's tensor throughput (FP64 and NVLink reduced)
+    "h800": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "h800-pcie": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    # NVIDIA H20 datasheet (BF16 148 dense, TF32 74)
+    "h20": {"bf16": 148.0, "fp16": 148.0, "tf32": 74.0, "fp32": 44.0},
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM and PCIe, 40 and 80 GB alike); the A800 datasheet gives the
+    # same compute (NVLink reduced)
     "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
     "a100-40gb": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    # L40S, RTX A6000, L4 datasheets
+    "a800": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "a800-40gb": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    # NVIDIA HGX B200 / HGX B100 datasheets (per GPU: BF16 4.5 / 3.5 PFLOPS sparse); GB200 NVL72 datasheet
+    # (per superchip of two GPUs: BF16 10 PFLOPS sparse, FP32 180 TFLOPS)
+    "b200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},
+    "b100": {"bf16": 1750.0, "fp16": 1750.0, "tf32": 875.0, "fp32": 60.0},
+    "gb200": {"bf16": 2500.0, "fp16": 2500.0, "tf32": 1250.0, "fp32": 90.0},
+    # NVIDIA L40S, L40, L4 datasheets
     "l40s": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
-    "a6000": {"bf16": 154.8, "fp16": 154.8, "tf32": 77.4, "fp32": 38.7},
+    "l40": {"bf16": 181.05, "fp16": 181.05, "tf32": 90.5, "fp32": 90.5},
     "l4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
-    # AWS publishes no A10G datasheet: the A10's (the same GA102 board class) is an approximation
+    # NVIDIA A10 datasheet; AWS publishes no A10G datasheet: the A10's (the same GA102 board class) stands in
+    "a10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
     "a10g": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
-    # Ada (RTX 4090) and GA102 (RTX 3090) whitepapers, fp32 accumulation
+    # NVIDIA RTX A6000 datasheet; Ada Lovelace whitepaper (RTX 6000 Ada, RTX 4090) and GA102 whitepaper
+    # (RTX 3090), fp32 accumulation
+    "a6000": {"bf16": 154.8, "fp16": 154.8, "tf32": 77.4, "fp32": 38.7},
+    "rtx6000ada": {"bf16": 364.2, "fp16": 364.2, "tf32": 182.1, "fp32": 91.1},
     "rtx4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
     "rtx3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
-    # V100 SXM2 and T4 datasheets: fp16 tensor cores, no bf16, no tf32
+    # NVIDIA V100 (SXM2) and T4 datasheets: fp16 tensor cores, no bf16, no tf32
     "v100": {"fp16": 125.0, "fp32": 15.7},
     "v100-16gb": {"fp16": 125.0, "fp32": 15.7},
     "t4": {"fp16": 65.0, "fp32": 8.1},
+    # AMD Instinct MI300X datasheet (matrix cores; FP32 matrix 163.4). AMD Instinct MI250X datasheet: 383 BF16
+    # and 95.7 FP32 matrix TFLOPS for the module's two dies, each of which torch sees as one device; no TF32
+    "mi300x": {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4},
+    "mi250x": {"bf16": 191.5, "fp16": 191.5, "fp32": 47.9},
 }
 
 # name -> effective host <-> device bandwidth of one GPU's link, GB/s: what a pinned-memory copy achieves in
-# one direction, about 80% of the link's peak. PCIe 5.0 x16 (64 GB/s peak): H100/H200; PCIe 4.0 x16
-# (32 GB/s): A100, L40S, A6000, A10G, L4, RTX 4090/3090; PCIe 3.0 x16 (16 GB/s): V100, T4.
+# one direction, about 80% of the link's peak. PCIe 5.0 x16 (64 GB/s peak): Hopper, B200/B100, MI300X; PCIe 4.0
+# x16 (32 GB/s): Ampere, Ada, MI250X; PCIe 3.0 x16 (16 GB/s): V100, T4. GB200: NVLink-C2C to the Grace CPU
+# (900 GB/s both ways for the superchip's two GPUs: 225 GB/s per GPU and direction).
 HOST_LINK_GBPS: dict[str, float] = {
-    "h200": 50.0, "h100": 50.0, "h100-pcie": 50.0, "a100": 25.0, "a100-40gb": 25.0, "l40s": 25.0,
-    "a6000": 25.0, "a10g": 25.0, "l4": 25.0, "rtx4090": 25.0, "rtx3090": 25.0, "v100": 12.5,
-    "v100-16gb": 12.5, "t4": 12.5,
+    "h200": 50.0, "h200-nvl": 50.0, "h100": 50.0, "h100-pcie": 50.0, "h100-nvl": 50.0, "h800": 50.0,
+    "h800-pcie": 50.0, "h20": 50.0, "a100": 25.0, "a100-40gb": 25.0, "a800": 25.0, "a800-40gb": 25.0,
+    "b200": 50.0, "b100": 50.0, "gb200": 180.0, "l40s": 25.0, "l40": 25.0, "l4": 25.0, "a10": 25.0,
+    "a10g": 25.0, "a6000": 25.0, "rtx6000ada": 25.0, "rtx4090": 25.0, "rtx3090": 25.0, "v100": 12.5,
+    "v100-16gb": 12.5, "t4": 12.5, "mi300x": 50.0, "mi250x": 25.0,
 }
 #: A GPU whose link is not known: PCIe 4.0 x16.
 DEFAULT_HOST_LINK = 25e9
@@ -158,23 +190,38 @@ def detect_hardware(
     )
 
 
+#: (GPU_TYPES key, pattern on the lower-cased device name), most specific first: the first match names the GPU.
+#: An A100/A800 or V100 is then told apart by its memory (:func:`gpu_type_of`).
+_DEVICE_NAMES: tuple[tuple[str, str], ...] = (
+    ("gb200", r"\bgb200\b"), ("b200", r"\bb200\b"), ("b100", r"\bb100\b"),
+    ("h200-nvl", r"\bh200 nvl\b"), ("h200", r"\bh200\b"),
+    ("h100-nvl", r"\bh100 nvl\b"), ("h100-pcie", r"\bh100\b.*\bpcie\b"), ("h100", r"\bh100\b"),
+    ("h800-pcie", r"\bh800\b.*\bpcie\b"), ("h800", r"\bh800\b"), ("h20", r"\bh20\b"),
+    ("a100", r"\ba100\b"), ("a800", r"\ba800\b"),
+    ("l40s", r"\bl40s\b"), ("l40", r"\bl40\b"), ("l4", r"\bl4\b"),
+    ("a10g", r"\ba10g\b"), ("a10", r"\ba10\b"),
+    ("rtx6000ada", r"\brtx 6000 ada\b"), ("a6000", r"\ba6000\b"),
+    ("rtx4090", r"\b4090\b(?! ?(ti|d)\b)"), ("rtx3090", r"\b3090\b(?! ?ti\b)"),
+    ("v100", r"\bv100\b"), ("t4", r"\bt4\b"),
+    ("mi300x", r"\bmi300x\b"), ("mi250x", r"\bmi250x\b"),
+)
+
+
 def gpu_type_of(device_name: str, memory_bytes: int | None = None) -> str | None:
     """The GPU_TYPES key of a device name as ``torch.cuda.get_device_name()`` reports it ("NVIDIA H100 80GB
-    HBM3" -> "h100"), the memory telling 40 from 80 GB A100s and 16 from 32 GB V100s; None when unknown."""
+    HBM3" -> "h100", "NVIDIA H100 NVL" -> "h100-nvl", "AMD Instinct MI300X" -> "mi300x"), the memory telling 40
+    from 80 GB A100s/A800s and 16 from 32 GB V100s; None when unknown (a GeForce RTX 4090 D or 3090 Ti, whose
+    peaks differ from the cards the table holds, included)."""
     name = device_name.lower()
     mem_gib = (memory_bytes or 0) / GiB
-    if "h200" in name:
-        return "h200"
-    if "h100" in name:
-        return "h100-pcie" if "pcie" in name else "h100"
-    if "a100" in name:
-        return "a100-40gb" if 0 < mem_gib <= 48 else "a100"
-    if "v100" in name:
-        return "v100-16gb" if 0 < mem_gib <= 20 else "v100"
-    for key, pattern in (("l40s", r"\bl40s\b"), ("a6000", r"a6000"), ("a10g", r"\ba10g\b"), ("l4", r"\bl4\b"),
-                         ("rtx4090", r"\b4090\b"), ("rtx3090", r"\b3090\b"), ("t4", r"\bt4\b")):
-        if re.search(pattern, name):
-            return key
+    for key, pattern in _DEVICE_NAMES:
+        if not re.search(pattern, name):
+            continue
+        if key in ("a100", "a800") and (0 < mem_gib <= 48 or re.search(r"\b40gb\b", name)):
+            return f"{key}-40gb"
+        if key == "v100" and (0 < mem_gib <= 20 or re.search(r"\b16gb\b", name)):
+            return "v100-16gb"
+        return key
     return None
 
 
