@@ -1,0 +1,169 @@
+"""dpo's reference policy on a rank: what the preference loss compares the policy with (finetune/preference.py).
+
+The execution spec names it (``ExecSpec.reference``):
+
+    base         an adapter method's base: the policy itself with its adapters switched off for the reference's
+                 forward (peft's ``disable_adapter``; bottlenecks shadowed, finetune/methods.py): no memory
+    model        full fine-tuning: a frozen copy of the starting weights, built and loaded like the policy, stored
+                 in the compute dtype (as an adapter method's frozen base is), without gradients or optimizer
+                 state, sharded like the policy under zero2/fsdp (resharded after each forward: it has no
+                 backward), split like it under tensor parallelism, replicated under single/ddp/zero1
+    precomputed  the reference's log-probabilities of every train and eval pair, computed in one pass before the
+                 first step (with the starting weights, or the base for an adapter method) and kept with the
+                 pairs: no reference in memory while training
+    none         simpo and orpo, which need none
+
+The reference's forward runs under the same autocast as the policy's and through the same
+:func:`~finetune.preference.sequence_logps`, so both log-probabilities take the same precision path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from finetune.methods import training_of
+from finetune.preference import PreferenceObjective, PreferenceSettings, reference_logps, sequence_logps
+from finetune.recipe import LoadedRecipe
+from finetune.spec import ExecSpec
+from finetune.train.data.preference import PreferenceExample, collate_pairs
+from finetune.train.distributed import DistContext
+from finetune.train.load import build_on_meta, loads_sharded, materialize
+from finetune.train.model import build_model
+from finetune.train.parallel import parallelize, unwrap
+from finetune.units import torch_dtype
+
+
+def build_reference_model(loaded: LoadedRecipe, spec: ExecSpec, ctx: DistContext) -> torch.nn.Module:
+    """The frozen copy of the starting weights (``reference: model`` under full fine-tuning), placed as the
+    policy is: sharded under zero2/fsdp, split under tensor parallelism, whole elsewhere (no DDP: nothing of
+    it is trained)."""
+    ref_spec = replace(
+        spec, trainable_dtype=spec.reference_dtype, checkpointing=False, compile=False, offload="none",
+        reshard_after_forward=True,
+    )
+    if loads_sharded(spec, ctx.world_size):
+        model = build_on_meta(loaded, ref_spec)
+        model.requires_grad_(False)
+        model = parallelize(model, ref_spec, ctx)
+        materialize(model, loaded, ref_spec, ctx.device)
+    else:
+        # built as the policy is (the same seed and dtype, so the same values), then cast to the frozen dtype
+        model = build_model(loaded, spec, ctx.device).to(torch_dtype(spec.reference_dtype))
+        model.requires_grad_(False)
+        if spec.strategy.uses_fsdp or spec.tensor_parallel:
+            model = parallelize(model, ref_spec, ctx)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def reference_forward(
+    spec: ExecSpec, policy: torch.nn.Module, reference: torch.nn.Module | None
+) -> Callable[[dict[str, Any]], tuple[torch.Tensor, torch.Tensor]]:
+    """``batch -> (log-probs, counts)`` of the reference policy: the frozen copy, or the policy's base."""
+    if reference is not None:
+        frozen = reference
+        return lambda batch: sequence_logps(frozen, batch)
+    training = training_of(spec)
+
+    def base(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        with training.base_only(unwrap(policy)):
+            return sequence_logps(policy, batch)
+
+    return base
+
+
+def setup_objective(
+    loaded: LoadedRecipe, spec: ExecSpec, model: torch.nn.Module, data: Any, ctx: DistContext,
+    autocast: Callable[[], Any], pad_id: int, batch_size: int,
+) -> tuple[PreferenceObjective | None, torch.nn.Module | None]:
+    """The preference objective of the run (None for sft) and the frozen reference model when it holds one.
+
+    ``precomputed``: the reference's log-probs of every pair are computed here, with the starting weights,
+    before any step (and before a resumed checkpoint is loaded: the reference is the run's start).
+    """
+    if not spec.preference:
+        return None, None
+    r = loaded.recipe
+    settings = PreferenceSettings.of(spec.objective, r.dpo)
+    if spec.reference == "none":
+        return PreferenceObjective(settings), None
+    reference = build_reference_model(loaded, spec, ctx) if spec.reference == "model" else None
+    forward = reference_forward(spec, model, reference)
+    if spec.reference == "precomputed":
+        precompute(forward, [*data.train, *data.eval], ctx, autocast, pad_id, batch_size, model)
+        return PreferenceObjective(settings), None
+    return PreferenceObjective(settings, lambda batch: reference_logps(forward, batch)), reference
+
+
+@torch.no_grad()
+def precompute(
+    forward: Callable[[dict[str, Any]], tuple[torch.Tensor, torch.Tensor]], pairs: list[PreferenceExample],
+    ctx: DistContext, autocast: Callable[[], Any], pad_id: int, batch_size: int, model: torch.nn.Module,
+) -> None:
+    """Every pair's reference log-probs (chosen, rejected) into ``pair.ref_logps``: each data-parallel rank
+    computes a strided share in batches of ``batch_size`` pairs (every rank runs the same number of forwards,
+    which are collectives under FSDP), then the shares are summed over the ranks."""
+    if not pairs:
+        return
+    mine = list(range(ctx.dp_rank, len(pairs), ctx.dp_size))
+    n_batches = math.ceil(math.ceil(len(pairs) / ctx.dp_size) / batch_size)
+    values = torch.zeros((len(pairs), 2), dtype=torch.float64, device=ctx.device)
+    was_training = model.training
+    model.eval()
+    try:
+        for b in range(n_batches):
+            idx = mine[b * batch_size : (b + 1) * batch_size]
+            chunk = [pairs[i] for i in idx] or pairs[:1]  # a dummy batch keeps the ranks in step
+            batch = {k: v.to(ctx.device) for k, v in collate_pairs(chunk, pad_id).items()}
+            with autocast():
+                logps = reference_logps(forward, batch)
+            if idx:
+                values[torch.tensor(idx, device=ctx.device)] = logps.double()
+    finally:
+        model.train(was_training)
+    total = ctx.data_sum(values, on_device=True).cpu().tolist()
+    for pair, (c, r) in zip(pairs, total, strict=True):
+        pair.ref_logps = (float(c), float(r))
+
+
+def preference_figures(objective: PreferenceObjective, ctx: DistContext, pairs: float) -> dict[str, float]:
+    """The figures the objective summed since the last call, over every data-parallel rank, as means over
+    ``pairs`` (the global batch's): metrics.jsonl's ``rewards/*`` and ``logps/*`` columns."""
+    sums = objective.take()
+    if not sums:
+        return {}
+    keys = sorted(sums)
+    total = ctx.data_sum(torch.stack([sums[k] for k in keys]), on_device=True).cpu().tolist()
+    return {k: v / max(pairs, 1.0) for k, v in zip(keys, total, strict=True)}
+
+
+@torch.no_grad()
+def preference_eval(
+    model: torch.nn.Module, pairs: list[PreferenceExample], ctx: DistContext, batch_size: int, pad_id: int,
+    autocast: Callable[[], Any], objective: PreferenceObjective,
+) -> tuple[float | None, dict[str, float]]:
+    """The objective's mean loss over the eval pairs and its figures (reward accuracy, margin, ...), every rank
+    running the same number of forwards (a strided share each, dummy batches where it has none left)."""
+    if not pairs:
+        return None, {}
+    mine = pairs[ctx.dp_rank :: ctx.dp_size]
+    n_batches = math.ceil(math.ceil(len(pairs) / ctx.dp_size) / batch_size)
+    objective.take()  # nothing of the training steps' figures is left to count here
+    loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    for b in range(n_batches):
+        chunk = mine[b * batch_size : (b + 1) * batch_size]
+        batch = {k: v.to(ctx.device) for k, v in collate_pairs(chunk or pairs[:1], pad_id).items()}
+        with autocast():
+            s, _ = objective(model, batch)
+        if chunk:
+            loss += s.double()
+        else:
+            objective.take()  # the dummy batch counts nothing
+    figures = preference_figures(objective, ctx, float(len(pairs)))
+    total = float(ctx.data_sum(loss, on_device=True).cpu())
+    return total / len(pairs), figures
