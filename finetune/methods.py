@@ -23,6 +23,7 @@ Pure Python at import: torch and peft are imported inside the methods that need 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from finetune.adapters import DECOMPOSING_INITS
@@ -121,6 +122,13 @@ class TrainingMethod:
         """Why ``finetune merge`` cannot fold this method into the base (None: it can)."""
         return None
 
+    # -- preference tuning --------------------------------------------------------------------------------
+    def base_only(self, model: Any) -> AbstractContextManager[Any]:
+        """Within this context ``model`` (the adapted model, unwrapped from DDP) computes as its frozen base:
+        dpo's reference policy for an adapter method, at no memory cost. Full fine-tuning has no base to switch
+        to (its reference is a frozen copy, finetune/train/reference.py)."""
+        raise AssertionError(f"{self.title} trains every weight: its dpo reference is a frozen copy")
+
 
 class FullFineTuning(TrainingMethod):
     """Every weight trained, in the master dtype."""
@@ -211,6 +219,9 @@ class LoRA(TrainingMethod):
             f"or fold it in: finetune merge {out} --out {out}-merged"
         )
 
+    def base_only(self, model: Any) -> AbstractContextManager[Any]:
+        return cast(AbstractContextManager[Any], model.disable_adapter())  # peft's: the LoRA layers pass through
+
 
 class QLoRA(LoRA):
     """LoRA on a quantized base (4-bit NF4/FP4, or 8-bit LLM.int8): the same adapters, the same interface."""
@@ -259,6 +270,9 @@ class PrefixTuning(TrainingMethod):
     def saved_message(self, out: str) -> str:
         return f"prefix saved to {out}/  load it with: PeftModel.from_pretrained(base, '{out}')"
 
+    def base_only(self, model: Any) -> AbstractContextManager[Any]:
+        return cast(AbstractContextManager[Any], model.disable_adapter())  # peft's: the base's own forward
+
     def merge_refusal(self) -> str | None:
         return (
             "its trained keys and values are extra attention positions, not a change of any weight, so there is "
@@ -294,12 +308,37 @@ class BottleneckAdapters(TrainingMethod):
             f"finetune.adapters.load_bottlenecks(base, '{out}')"
         )
 
+    def base_only(self, model: Any) -> AbstractContextManager[Any]:
+        return _bottlenecks_off(model)
+
     def merge_refusal(self) -> str | None:
         return (
             "they add a non-linear module after attention and MLP, not a linear update of a weight, so they "
             "cannot be folded into the base; load the base with them instead "
             "(finetune.adapters.load_bottlenecks(base, dir))"
         )
+
+
+@contextmanager
+def _bottlenecks_off(model: Any) -> Any:
+    """Every bottleneck of ``model`` passes its input through unchanged and every trained gain is 1, for the
+    context's duration (their hooks stay; each module's own forward and gain are shadowed on the instance)."""
+    from finetune.adapters import EMBED_NAME, HEAD_GAIN_NAME, SLOT_NAMES
+
+    names = (*SLOT_NAMES.values(), EMBED_NAME, HEAD_GAIN_NAME)
+    shadowed = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names]
+
+    def same(h: Any) -> Any:
+        return h
+
+    try:
+        for m in shadowed:
+            m.forward = same
+            m.scale_input = same
+        yield model
+    finally:
+        for m in shadowed:
+            del m.forward, m.scale_input
 
 
 #: The class of each method name.

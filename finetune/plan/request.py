@@ -37,6 +37,8 @@ class Request:
     eval_batch_size: int | None = None  # None: auto (the largest that fits)
     eval_max_new_tokens: int = 32
     steps: int | None = None  # optimizer steps of the job when known (train.max_steps), for its time
+    objective: str = "sft"  # train.objective: dpo/simpo/orpo run every micro-batch's pairs (2 rows a sample)
+    reference: str = "model"  # dpo.reference: model (a frozen copy under full fine-tuning) or precomputed
 
 
 def request_from_recipe(loaded: LoadedRecipe) -> Request:
@@ -72,4 +74,6 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         tp=r.distributed.tp,
         compile=r.train.compile,
         steps=r.train.max_steps,
+        objective=r.train.objective,
+        reference=r.dpo.reference,
     )
