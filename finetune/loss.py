@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,8 +31,60 @@ def shifted_labels(batch: dict[str, Any]) -> torch.Tensor:
 
 
 def count_target_tokens(batch: dict[str, Any]) -> int:
-    """How many tokens of ``batch`` count in the loss (the normaliser, known before the forward pass)."""
+    """How many tokens of ``batch`` count in the loss (the normaliser, known before the forward pass).
+
+    The trainer counts on the host copy of the batch, before it moves to the device: no device sync."""
     return int((shifted_labels(batch) != IGNORE_INDEX).sum())
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Which document each position of packed rows belongs to (0, 1, 2, ... along a row: a new document
+    where the position does not follow the previous one), or None when every row holds one document: the
+    answer transformers computes from ``position_ids`` when there is no attention mask. The trainer computes
+    it on the host copy of a packed micro-batch and sends it with the batch (key ``document_ids``; an empty
+    tensor for None)."""
+    restarts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    ids = restarts.cumsum(-1)
+    return None if bool((ids[:, -1] == 0).all()) else ids
+
+
+@contextlib.contextmanager
+def known_documents(batch: dict[str, Any]) -> Iterator[None]:
+    """Within this context transformers' mask code takes the documents of ``batch``'s rows from the host
+    instead of reading them on the device.
+
+    Without an attention mask transformers looks for packed documents in the position ids, one value read on
+    the host per forward (a device sync: the host stops running ahead of the kernels). What it would find is
+    known before the batch moves: none for unpacked right-padded rows (no mask, no position ids: the trainer
+    drops the mask of such rows), ``document_ids`` for packed ones. Other batches (evaluation's, the planner's
+    trace) are left to transformers. Correctness never depends on this: it gives the answer transformers
+    would compute.
+    """
+    from transformers import masking_utils
+
+    name = "find_packed_sequence_indices"
+    unpacked = batch.get("attention_mask") is None and batch.get("position_ids") is None
+    if not hasattr(masking_utils, name) or not (unpacked or "document_ids" in batch):
+        yield
+        return
+    ids = None if unpacked else batch["document_ids"]
+    known = ids if ids is not None and ids.numel() else None  # empty: one document per row
+    original = getattr(masking_utils, name)
+    setattr(masking_utils, name, lambda position_ids: known)
+    try:
+        yield
+    finally:
+        setattr(masking_utils, name, original)
+
+
+def target_rows(batch: dict[str, Any]) -> torch.Tensor | None:
+    """The flat indices (into the (B*T,) shifted labels) of the positions that have a target, or None when
+    every position has one: what the fused head selects. The trainer computes them on the host copy of the
+    micro-batch and sends them with it (key ``target_rows``), so the forward needs no device-to-host sync to
+    learn how many rows there are."""
+    keep = (shifted_labels(batch) != IGNORE_INDEX).reshape(-1)
+    index = keep.nonzero().squeeze(1)
+    return None if index.numel() == keep.numel() else index
 
 
 # Cross-entropy runs over chunks of about this many bytes of fp32 logits, in one autograd node that keeps
@@ -63,10 +117,11 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
         attention.enable(model)
     head = fusable_head(model)
     if head is not None and FUSED_HEAD:
-        with fused_head(head, shifted):
+        with fused_head(head, shifted, batch.get("target_rows")), known_documents(batch):
             loss_sum = model(**kwargs).logits
         return loss_sum, (shifted != IGNORE_INDEX).sum()
-    logits = model(**kwargs).logits
+    with known_documents(batch):
+        logits = model(**kwargs).logits
     rows = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1]))
     loss_sum = _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), rows)
     return loss_sum, (shifted != IGNORE_INDEX).sum()
@@ -105,11 +160,11 @@ class fused_head:
     root unit's parameters (the head, or the tied embedding) gathered, DDP's reducer sees the weight used.
     """
 
-    def __init__(self, head: torch.nn.Linear, targets: torch.Tensor) -> None:
-        self.head, self.targets = head, targets
+    def __init__(self, head: torch.nn.Linear, targets: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        self.head, self.targets, self.rows = head, targets, rows  # rows: target_rows(batch), when known
 
     def __enter__(self) -> fused_head:
-        head, targets = self.head, self.targets
+        head, targets, index = self.head, self.targets, self.rows
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             device = hidden.device.type
@@ -120,7 +175,7 @@ class fused_head:
             h = hidden.reshape(-1, hidden.shape[-1])
             rows = max(1, FUSED_CHUNK_BYTES // (4 * head.weight.shape[0]))
             with torch.autocast(device, enabled=False):
-                return _FusedLinearCrossEntropy.apply(h, head.weight, targets.reshape(-1), rows, dtype)
+                return _FusedLinearCrossEntropy.apply(h, head.weight, targets.reshape(-1), rows, dtype, index)
 
         head.forward = forward  # type: ignore[method-assign,assignment]  # this instance only, undone in __exit__
         return self
@@ -133,7 +188,8 @@ def _target_rows(targets: torch.Tensor) -> torch.Tensor | None:
     """Indices of the rows that have a target, or None to keep every row: when all have one (no copy
     needed), and in the planner's fake-tensor trace, which has no values and plans the worst case.
 
-    One host sync on an accelerator (the number of rows); the trainer syncs once per micro-batch anyway.
+    One host sync on an accelerator (the number of rows): the trainer sends :func:`target_rows` with the
+    batch instead, so only evaluation and direct callers pay it.
     """
     from torch._subclasses.fake_tensor import is_fake
 
@@ -153,9 +209,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, rows: int, dtype: torch.dtype
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, rows: int, dtype: torch.dtype,
+        known_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        index = _target_rows(targets)
+        index = known_rows if known_rows is not None else _target_rows(targets)
         hk, yk = (h, targets) if index is None else (h.index_select(0, index), targets.index_select(0, index))
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         lse = torch.empty(hk.shape[0], dtype=torch.float32, device=h.device)
@@ -203,7 +260,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_hk.new_zeros(ctx.h_shape).index_copy_(0, index, grad_hk)
         if grad_w is not None:
             grad_w = grad_w.to(w.dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

@@ -24,22 +24,30 @@ if TYPE_CHECKING:
 
 
 def accumulate(
-    model: torch.nn.Module, micro: list[dict[str, torch.Tensor]], global_tokens: float, ctx: DistContext,
-    autocast: Callable[[], Any], scaler: Any, phase: RunPhase,
+    model: torch.nn.Module, micro: list[dict[str, torch.Tensor]], global_tokens: float | torch.Tensor,
+    ctx: DistContext, autocast: Callable[[], Any], scaler: Any, phase: RunPhase,
+    loss_fn: Callable[[torch.nn.Module, dict[str, Any]], tuple[torch.Tensor, Any]] = causal_lm_loss,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch (``phase`` follows: forward, backward); gradients are synchronised
-    on the last one only. Returns this rank's summed token loss."""
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    scale = ctx.dp_size / max(global_tokens, 1.0)  # data parallelism averages over replicas, TP does not
+    on the last one only. Returns this rank's summed token loss, a float64 tensor on the device.
+
+    Nothing here reads a device value on the host: ``global_tokens`` may be a device tensor (the all-reduced
+    count), and the summed loss stays on the device, so the host runs ahead of the kernels through every
+    micro-batch (FSDP's prefetch included); the trainer reads the step's figures once, after the last one.
+    """
+    device = micro[0]["input_ids"].device if micro else ctx.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    # data parallelism averages over replicas, TP does not
+    scale = ctx.dp_size / torch.as_tensor(global_tokens, dtype=torch.float64, device=device).clamp(min=1.0)
     for i, mb in enumerate(micro):
         last = i == len(micro) - 1
         phase.at("forward")
         with no_sync(model, enabled=not last), autocast():
-            s, _ = causal_lm_loss(model, mb)
+            s, _ = loss_fn(model, mb)  # the objective's summed loss (sft: tokens; dpo, simpo, orpo: pairs)
         phase.at("backward")
-        loss = s * scale
+        loss = s * scale.to(s.dtype)
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += s.detach().double().cpu()
+        loss_sum += s.detach().double()
     return loss_sum
 
 
@@ -47,15 +55,23 @@ def clip_gradients(
     params: list[torch.Tensor], optimizer: torch.optim.Optimizer, scaler: Any, max_norm: float | None
 ) -> float:
     """Unscale (fp16) and clip the global gradient norm; return the norm before clipping."""
+    return float(clip_grad_norm(params, optimizer, scaler, max_norm))
+
+
+def clip_grad_norm(
+    params: list[torch.Tensor], optimizer: torch.optim.Optimizer, scaler: Any, max_norm: float | None
+) -> torch.Tensor:
+    """:func:`clip_gradients`, returning the norm as a 0-d tensor where the gradients are (no host sync when
+    every gradient has one layout; gradients on several meshes, as under tensor parallelism, read it once)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     groups = _grads_by_layout(params)
     if len(groups) > 1:
-        return _clip_mixed_layouts(groups, max_norm)
+        return torch.tensor(_clip_mixed_layouts(groups, max_norm), dtype=torch.float64)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
 
 
 def _grads_by_layout(params: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
@@ -77,13 +93,14 @@ def _clip_mixed_layouts(groups: dict[Any, list[torch.Tensor]], max_norm: float |
     (a TP or FSDP shard's norm is reduced over its mesh), then combined and applied as one coefficient."""
     from torch.distributed.tensor import DTensor
 
-    squares = 0.0
+    squares: torch.Tensor | None = None
     for grads in groups.values():
         n = torch.nn.utils.get_total_norm(grads, 2.0)
         if isinstance(n, DTensor):
             n = n.full_tensor()
-        squares += float(n) ** 2
-    norm = math.sqrt(squares)
+        sq = n.double() ** 2
+        squares = sq if squares is None else squares + sq.to(squares.device)
+    norm = math.sqrt(float(squares)) if squares is not None else 0.0  # the one host sync of the clipping
     if max_norm and math.isfinite(norm):
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
