@@ -7,11 +7,12 @@ address space ``RLIMIT_AS`` leaves) with the plan's total per process. A rank th
 in seconds: one sentence per failing rank, with the configuration the planner picks for that much memory.
 
 Out of memory: the trainer names its phase (load, forward, backward, optimizer, evaluation, save) and step in
-its :class:`RunPhase`; ``torch.OutOfMemoryError`` (CUDA) or a failed CPU allocation (``MemoryError``, or torch's
-``DefaultCPUAllocator: can't allocate memory``) anywhere in a run becomes :class:`OutOfMemory`: the phase, the
-step, the plan's breakdown beside what was allocated, and the plan's next configuration that needs less, as a
-command line. With ``--debug-memory`` on CUDA, the allocator's history is recorded from the start and dumped
-as a snapshot file (``torch.cuda.memory._dump_snapshot``; open it at pytorch.org/memory_viz) named there.
+its :class:`RunPhase`; an allocation failure anywhere in a run (``torch.OutOfMemoryError``, a failed CPU
+allocation, cuBLAS's, cuDNN's or NCCL's out-of-memory errors: :func:`is_oom`) becomes :class:`OutOfMemory`: the
+phase, the step, the plan's breakdown beside what was allocated, and the plan's next configuration that needs
+less, as a command line. With ``--debug-memory`` on CUDA, the allocator's history (with Python stacks) is
+recorded from the start and dumped as a snapshot file (``torch.cuda.memory._dump_snapshot``; open it at
+pytorch.org/memory_viz) named there.
 """
 
 from __future__ import annotations
@@ -50,15 +51,79 @@ class RunPhase:
             self.step = step
 
 
+#: Texts of allocation failures that reach Python as a RuntimeError (or a subclass: torch.AcceleratorError,
+#: torch.distributed.DistBackendError) rather than torch.OutOfMemoryError, as each library writes them.
+OOM_TEXTS: tuple[str, ...] = (
+    "CUDA out of memory",  # torch's CUDA caching allocator (torch.OutOfMemoryError's own text)
+    "HIP out of memory",  # the same on ROCm
+    "CUDA error: out of memory",  # C10_CUDA_CHECK on cudaErrorMemoryAllocation (a context, a library's workspace)
+    "DefaultCPUAllocator: can't allocate memory",  # torch's CPU allocator
+    "DefaultCPUAllocator: not enough memory",  # the same on Windows
+    # cuBLAS through TORCH_CUDABLAS_CHECK: "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    # cuDNN through AT_CUDNN_CHECK ("cuDNN error: ..."): cuDNN 8's status, then cuDNN 9's two
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
+)
+
+#: NCCL's own allocation failures, in the "Last error:" part of torch's "NCCL error in: ..." DistBackendError
+#: (ncclUnhandledCudaError or ncclSystemError): alloc.h's "Failed to CUDA calloc|malloc|host alloc N bytes" and
+#: "Failed to malloc N bytes", and checks.h's "Cuda failure 'out of memory'" ("Cuda failure 2 'out of memory'"
+#: before NCCL 2.19).
+NCCL_OOM_TEXTS: tuple[str, ...] = (
+    "Failed to CUDA calloc", "Failed to CUDA malloc", "Failed to CUDA host alloc", "Failed to malloc",
+    "'out of memory'",
+)
+
+
 def is_oom(err: BaseException) -> bool:
-    """Whether ``err`` is an allocation failure (CUDA or CPU)."""
+    """Whether ``err``, or an exception it was raised from or while handling, is an allocation failure: CUDA's
+    or the CPU's, cuBLAS's, cuDNN's or NCCL's (:data:`OOM_TEXTS`, :data:`NCCL_OOM_TEXTS`).
+
+    bitsandbytes allocates its tensors through torch (a failure is torch's OutOfMemoryError); its paged buffers
+    (``cudaMallocManaged``) end the process from C when they fail, which no exception reports. NCCL's failures
+    inside its watchdog abort the process the same way."""
     import torch
 
-    if isinstance(err, torch.OutOfMemoryError | MemoryError):
-        return True
-    return isinstance(err, RuntimeError) and (
-        "DefaultCPUAllocator: can't allocate memory" in str(err) or "CUDA out of memory" in str(err)
+    seen: set[int] = set()
+    at: BaseException | None = err
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        if isinstance(at, torch.OutOfMemoryError | MemoryError):
+            return True
+        if isinstance(at, RuntimeError):
+            text = str(at)
+            if any(t in text for t in OOM_TEXTS):
+                return True
+            if "NCCL" in text and any(t in text for t in NCCL_OOM_TEXTS):
+                return True
+        at = at.__cause__ or at.__context__
+    return False
+
+
+def failed_allocation(err: str) -> str:
+    """What the allocator's message ``err`` says failed, for the out-of-memory sentence: " (an allocation of
+    6.0 MiB in NCCL)", " (in cuBLAS)", or "" when it says neither size nor library."""
+    import re
+
+    library = next(
+        (name for name, marks in (("NCCL", ("NCCL",)), ("cuBLAS", ("CUBLAS_STATUS",)), ("cuDNN", ("CUDNN_STATUS",)))
+         if any(m in err for m in marks)),
+        None,
     )
+    size = ""
+    tried = (
+        re.search(r"tried to allocate (\d+) bytes", err)
+        or re.search(r"Failed to (?:CUDA calloc|CUDA malloc|CUDA host alloc|malloc)(?: async)? (\d+) bytes", err)
+        or re.search(r"Tried to allocate ([0-9.]+ [KMGT]iB)", err)
+    )
+    if tried:
+        got = tried.group(1)
+        size = f"an allocation of {fmt_bytes(int(got)) if got.isdigit() else got}"
+    where = f"in {library}" if library else ""
+    said = " ".join(p for p in (size, where) if p)
+    return f" ({said})" if said else ""
 
 
 def obtainable_bytes(device: Any, local_world_size: int = 1) -> tuple[int, str]:
@@ -191,12 +256,17 @@ def next_config_command(loaded: Any, plan: Any, budget: int, device: str) -> str
     )
 
 
+#: ``torch.cuda.memory._record_memory_history``'s arguments under ``--debug-memory``: every allocation and free
+#: with its Python stack only (C++ frames make a snapshot many times slower to write), the newest 200,000.
+DEBUG_MEMORY_HISTORY: dict[str, Any] = {"enabled": "all", "context": "all", "stacks": "python", "max_entries": 200_000}
+
+
 def start_debug_memory(enabled: bool, device: Any) -> None:
-    """``--debug-memory``: record the CUDA allocator's history (stack traces of every allocation) from now on."""
+    """``--debug-memory``: record the CUDA allocator's history (the Python stack of every allocation) from now on."""
     if enabled and device.type == "cuda":
         import torch
 
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        torch.cuda.memory._record_memory_history(**DEBUG_MEMORY_HISTORY)
 
 
 def dump_debug_memory(enabled: bool, device: Any, out_dir: Path, rank: int) -> Path | None:
@@ -241,17 +311,9 @@ def oom_message(
 ) -> str:
     """The phase and step (``where``, when the allocation failed), the plan's breakdown beside what was
     allocated (``allocated``, taken then), and what to run instead. ``err`` is the allocator's message."""
-    import re
-
     phase, step = where.phase, where.step
     when = f"in the {phase} phase of step {step}" if phase != "load" else "while loading the model and data"
-    tried = re.search(r"tried to allocate (\d+) bytes", err) or re.search(
-        r"Tried to allocate ([0-9.]+ [KMG]iB)", err
-    )
-    asked = ""
-    if tried:
-        size = tried.group(1)
-        asked = f" (an allocation of {fmt_bytes(int(size)) if size.isdigit() else size})"
+    asked = failed_allocation(err)
     m = plan.chosen.memory
     breakdown = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m.to_dict().items() if v and k != "total")
     text = (
