@@ -55,6 +55,16 @@ class TraceSpec:
     # flex attention on CPU: finetune.flex's fallback (a dense mask per layer, sdpa). Out of the repr, which keys
     # the disk cache: every other trace keeps its cached file (activation_profile adds it to a CPU flex key).
     dense_flex: bool = field(default=False, repr=False)
+    # train.objective (dpo, simpo, orpo: 2 rows a sample, the logits materialised, finetune/preference.py) and
+    # the dpo reference's kind (base and model run a forward without gradients first). Out of the repr, as
+    # dense_flex: the disk key names them for the preference objectives only (preference_key).
+    objective: str = field(default="sft", repr=False)
+    reference: str = field(default="none", repr=False)
+
+    @property
+    def preference_key(self) -> tuple[str, ...]:
+        """What a preference trace adds to its disk cache key (nothing for sft)."""
+        return () if self.objective == "sft" else ("objective", self.objective, self.reference)
 
     @classmethod
     def of(
@@ -79,6 +89,8 @@ class TraceSpec:
             autocast_dtype=spec.compute_dtype if spec.autocast else None,
             fsdp_compute_dtype=spec.fsdp_param_dtype,
             dense_flex=attn_implementation == FLEX and device == "cpu",
+            objective=spec.objective,
+            reference=spec.reference,
         )
 
 
@@ -170,7 +182,7 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
     if key not in _CACHE:
 
         def trace(batch: int) -> TraceResult:
-            path = _disk_path((*key, batch, "dense_flex") if spec.dense_flex else (*key, batch))
+            path = _disk_path(((*key, batch, "dense_flex") if spec.dense_flex else (*key, batch)) + spec.preference_key)
             result = _load(path) if path else None
             if result is None:
                 result = trace_windows(config, spec, TRACE_LAYERS, batch)
@@ -258,25 +270,47 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
             pass  # flex: a block-sparse document mask, no (B, 1, T, T) tensor (see _traced_kernel)
         elif spec.packed:
             batch_dict["position_ids"] = torch.arange(spec.seq_len).repeat(batch, 1)
-        else:
-            batch_dict["attention_mask"] = torch.ones_like(ids)
+        # unpacked rows: no attention mask, as the trainer sends them (right-padded rows need none; see
+        # finetune.train.trainer._to_device), so neither builds a (B, 1, T, T) mask
         layers = decoder_layer_names(model)
         from finetune.plan.tracker import WindowTracker
 
         tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
         kernels = _attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
+        step = causal_lm_loss if spec.objective == "sft" else _preference_step(spec, batch_dict)
         with tracker, kernels, _mask_checks(spec):
             if autocast:
                 with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype or "fp32")):
-                    loss, _ = causal_lm_loss(model, batch_dict)
+                    loss, _ = step(model, batch_dict)
             else:
-                loss, _ = causal_lm_loss(model, batch_dict)
+                loss, _ = step(model, batch_dict)
             loss.backward()
         layer = model.get_submodule(layers[-1])
         grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
         assert tracker.layer_in is not None and tracker.layer_out is not None, "the first layer ran"
         (a_in, c_in), (a_out, c_out) = tracker.layer_in, tracker.layer_out
         return TraceResult(tracker.windows, a_out - a_in, c_out - c_in, grads)
+
+
+def _preference_step(spec: TraceSpec, batch: dict[str, Any]) -> Callable[[Any, dict[str, Any]], Any]:
+    """The preference objective's micro-step on ``batch``'s rows as chosen and rejected (2 rows a sample):
+    dpo's reference forward without gradients first (base or model: the traced model stands in for the frozen
+    copy, whose activations are transients of the same shapes), then the policy's log-probs and backward."""
+    import torch
+
+    from finetune.preference import sequence_logps
+
+    for k in list(batch):
+        batch[k] = torch.cat([batch[k], batch[k]])
+
+    def step(model: Any, rows: dict[str, Any]) -> Any:
+        if spec.reference in ("base", "model"):
+            with torch.no_grad():
+                sequence_logps(model, rows)
+        logps, counts = sequence_logps(model, rows)
+        return logps.sum(), counts
+
+    return step
 
 
 def _traced_kernel(spec: TraceSpec) -> str:
