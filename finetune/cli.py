@@ -192,12 +192,65 @@ def merged_card(run_dir: Path, out: Path) -> str:
 
 
 @app.command()
+def chat(
+    target: Annotated[
+        Optional[str],
+        typer.Argument(
+            metavar="RUN_OR_MODEL",
+            help="A run's output.dir (its model, or its adapter over the base), a merged or any HF model directory; "
+            "with --adapter, the base model.",
+        ),
+    ] = None,
+    adapter: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--adapter", "-a", metavar="[NAME=]DIR",
+            help="A run or adapter directory to load onto the shared base (repeatable; /adapter NAME switches).",
+        ),
+    ] = None,
+    use: Annotated[
+        Optional[str], typer.Option(help="The adapter to start with (default: the first; `base`: none).")
+    ] = None,
+    base: Annotated[
+        Optional[str], typer.Option(help="Base model directory (default: the one the adapters' run trained on).")
+    ] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Answer this one prompt and exit.")] = None,
+    input_: Annotated[
+        Optional[Path], typer.Option("--input", help="A .jsonl file of prompts to answer (with --output).")
+    ] = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", help="Write each --input row with its answer here (.jsonl).")
+    ] = None,
+    system: Annotated[Optional[str], typer.Option(help="System prompt (chat templates).")] = None,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy (as the run's eval); above: sampled.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: the smallest set of tokens with this mass.")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="At most this many tokens per answer.")] = 256,
+    seed: Annotated[int, typer.Option(help="Seed of the sampling.")] = 0,
+    batch_size: Annotated[int, typer.Option(min=1, help="--input rows per generation batch.")] = 8,
+    device: Annotated[Optional[str], typer.Option(help="cpu, cuda, cuda:1... (default: cuda when there is one).")] = None,
+) -> None:
+    """Talk to a trained model in the terminal (streamed, with history), or answer --prompt / --input."""
+    from finetune.chat import ChatOptions, run_chat
+
+    options = ChatOptions(
+        target=target, adapters=list(adapter or []), base=base, use=use, prompt=prompt, input=input_,
+        output=output, system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+        seed=seed, batch_size=batch_size, device=device,
+    )
+    try:
+        code = run_chat(options)
+    except UserError as err:
+        _fail(err)
+    raise typer.Exit(code)
+
+
+@app.command()
 def plan(
     recipe: Annotated[Optional[str], typer.Argument(help="Recipe YAML file (or use --model).")] = None,
     set_: SetOpt = None,
     model: Annotated[Optional[str], typer.Option(help="Model: catalog name (llama-3.1-8b...), local dir or cached hub id.")] = None,
     method: Annotated[Optional[str], typer.Option(help="auto | full | lora | qlora.")] = None,
-    strategy: Annotated[Optional[str], typer.Option(help="auto | single | ddp | zero1 | zero2 | fsdp.")] = None,
+    strategy: Annotated[Optional[str], typer.Option(help="auto | single | ddp | zero1 | zero2 | fsdp | hsdp.")] = None,
     tp: Annotated[
         Optional[str], typer.Option(help="Tensor-parallel degree inside a node, or auto (default with --model).")
     ] = None,
@@ -256,6 +309,53 @@ def report(
     typer.echo(f"report written to {path}")
 
 
+@app.command("eval")
+def eval_(
+    target: Annotated[
+        str,
+        typer.Argument(
+            metavar="RUN_OR_MODEL",
+            help="A run's output.dir (a full model or an adapter over its base), an adapter or a model directory.",
+        ),
+    ],
+    tasks: Annotated[
+        list[str],
+        typer.Option(
+            "--tasks", "-t",
+            help="Comma-separated, repeatable: run (the run's own eval prompts, exact match), retain (its "
+            "eval.retain rows with answers), a YAML task file over local data, or any lm-eval task whose data "
+            "is in the local datasets cache.",
+        ),
+    ],
+    baseline: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Also evaluate this model and show the difference per task; `--baseline` alone (or `base`): "
+            "the model the run started from."
+        ),
+    ] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the results as JSON here.")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Prompts per forward pass.")] = 16,
+    limit: Annotated[
+        Optional[int], typer.Option(min=1, help="At most this many documents per task (a quick look).")
+    ] = None,
+) -> None:
+    """Evaluate a run or model with lm-evaluation-harness (and its base with --baseline): table and JSON."""
+    from finetune.harness import print_report, run_eval
+
+    console = Console(highlight=False, soft_wrap=True)
+    try:
+        report = run_eval(
+            target, tasks, baseline=baseline, output=output, batch_size=batch_size, limit=limit,
+            say=lambda text: console.print(text, markup=False),
+        )
+    except UserError as err:
+        _fail(err)
+    print_report(report, console)
+    if output is not None:
+        typer.echo(f"results written to {output}")
+
+
 @recipes_app.callback(invoke_without_command=True)
 def recipes_default(ctx: typer.Context) -> None:
     """List the shipped recipes (same as `finetune recipes ls`)."""
@@ -294,15 +394,18 @@ def bare_resume(argv: list[str]) -> list[str]:
     """``--resume`` with no value means ``--resume latest`` (click options cannot take an optional value).
 
     The value is missing when ``--resume`` is last, or followed by another option or by the recipe file.
+    ``finetune eval``'s ``--baseline`` alone, last or followed by another option, means ``--baseline base``.
     """
     out = list(argv)
     for i, arg in enumerate(out):
         if arg == "--":
             break
+        nxt = out[i + 1] if i + 1 < len(out) else None
         if arg == "--resume":
-            nxt = out[i + 1] if i + 1 < len(out) else None
             if nxt is None or nxt.startswith("-") or nxt.endswith((".yaml", ".yml")) or Path(nxt).is_file():
                 out[i] = "--resume=latest"
+        elif arg == "--baseline" and (nxt is None or nxt.startswith("-")):
+            out[i] = "--baseline=base"
     return out
 
 

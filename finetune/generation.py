@@ -1,11 +1,18 @@
-"""Greedy generation with a KV cache: what evaluation runs for exact match, and what the planner traces for
-the memory of evaluation (a shared module, so the planner never imports the trainer)."""
+"""Generation with a KV cache: the greedy loop evaluation runs for exact match and the planner traces for the
+memory of evaluation (a shared module, so the planner never imports the trainer); ``finetune chat`` runs the
+same loop with a sampling rule and a per-step callback for streaming and stopping at end of sequence."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+#: Chooses the next token of each row from the last position's logits: (B, V) -> (B, 1).
+Pick = Callable[[torch.Tensor], torch.Tensor]
+#: Called with each step's new tokens (B, 1); returning True ends generation after that step.
+OnStep = Callable[[torch.Tensor], bool]
 
 
 def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,11 +28,16 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 @torch.no_grad()
 def greedy_tokens(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, autocast: Any
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, autocast: Any,
+    *, pick: Pick | None = None, on_step: OnStep | None = None,
 ) -> torch.Tensor:
     """The (B, max_new_tokens) greedy continuation of a left-padded batch, with a KV cache.
 
     The planner traces this function (``finetune.plan.evaluation``) for the memory of generation.
+    Evaluation passes neither ``pick`` nor ``on_step``: the argmax, for exactly ``max_new_tokens`` steps (under
+    FSDP every forward is a collective, so no rank may stop early). ``pick`` replaces the argmax (sampling,
+    :func:`sampler`); ``on_step`` sees each step's tokens and may end the loop early (streaming, stopping
+    once every row has ended), so the result then has fewer columns.
 
     A prefix-tuned peft model puts its prefix into the cache on every call, so it runs without a KV cache
     across steps (each step sees the whole sequence). Its positions are the tokens' own: peft (0.21) adds the
@@ -48,8 +60,9 @@ def greedy_tokens(
             else:
                 out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache, use_cache=True)
         cache = None if virtual else out.cache
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        del out  # the prompt's (B, T, V) logits must not outlive the step that needs them
+        logits = out.logits[:, -1]
+        nxt = logits.argmax(-1, keepdim=True) if pick is None else pick(logits)
+        del out, logits  # the prompt's (B, T, V) logits must not outlive the step that needs them
         out_tokens = torch.cat([out_tokens, nxt], dim=1)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
         if virtual:
@@ -58,4 +71,26 @@ def greedy_tokens(
         else:
             step_ids = nxt
             step_pos = step_pos[:, -1:] + 1
+        if on_step is not None and on_step(nxt):
+            break
     return out_tokens
+
+
+def sampler(temperature: float, top_p: float, generator: torch.Generator) -> Pick | None:
+    """The next-token rule of ``finetune chat``: None (the argmax, as evaluation) at temperature 0, else a
+    draw from the softmax of logits / temperature, restricted to the smallest set of most likely tokens whose
+    probabilities reach ``top_p`` (nucleus sampling; 1.0 keeps every token), from ``generator``."""
+    if temperature <= 0:
+        return None
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the more likely tokens
+            sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the most likely one always stays
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        draw = torch.multinomial(probs.cpu(), 1, generator=generator)
+        return draw.to(logits.device)
+
+    return pick

@@ -19,6 +19,7 @@ LAYERS = {
     "finetune.train": 2,
     "finetune.launch": 3,
     "finetune.merge": 3,
+    "finetune.chat": 3,
     "finetune.cli": 4,
     "finetune.__main__": 4,
 }
