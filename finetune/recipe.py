@@ -288,6 +288,14 @@ class EvalConfig(Section):
         description="Rows per eval forward pass and per generation batch; auto: the largest (up to 64) whose "
         "logits and KV cache fit beside the model states (the planner traces both).",
     )
+    retain: Union[str, None] = Field(
+        None,
+        description="Data the model should keep doing well on (a .jsonl/.json/.csv/.parquet file, glob or "
+        "directory): its loss, and its exact match where the rows have answers, are measured before training "
+        "and at every evaluation, so a rise shows forgetting. Rows of the text (text), instruction "
+        "(instruction, input, output) or chat (messages) format, told apart by their fields (data.columns); "
+        "instruction and chat rows have answers. Shipped: recipes/data/retain/.",
+    )
 
 
 class OutputConfig(Section):
@@ -511,6 +519,7 @@ class Inputs:
     model: ModelLocation
     train: list[DataLocation]
     eval: DataLocation | None
+    retain: DataLocation | None = None  # eval.retain
 
 
 @dataclass
@@ -671,7 +680,11 @@ def resolve_inputs(loaded: LoadedRecipe) -> LoadedRecipe:
     if r.data.eval:
         held = locate_data(r.data.eval, base, split_of=train[0] if len(train) == 1 else None)
         r.data.eval = held.target if held.kind == "files" else held.value
-    loaded.inputs = Inputs(model, train, held)
+    retain = None
+    if r.eval.retain:
+        retain = locate_data(r.eval.retain, base)
+        r.eval.retain = retain.target if retain.kind == "files" else retain.value
+    loaded.inputs = Inputs(model, train, held, retain)
     return loaded
 
 
@@ -690,6 +703,11 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
             problems.append(loaded.problem(key, f"no data found at `{t.value}` (looked next to the recipe and in the current directory)"))
     if inputs.eval is not None and inputs.eval.kind == "missing" and not _later_from_hub(loaded, inputs.eval.value):
         problems.append(loaded.problem("data.eval", f"no data found at `{inputs.eval.value}`"))
+    if inputs.retain is not None and inputs.retain.kind == "missing":
+        problems.append(loaded.problem(
+            "eval.retain", f"no data found at `{inputs.retain.value}` (looked next to the recipe and in the "
+            "current directory); give a local .jsonl/.json/.csv/.parquet file, e.g. one of recipes/data/retain/"
+        ))
     problems += check_method(loaded, inputs)
     template = r.data.chat_template
     if template and "{" not in template and not loaded.resolve_input(template).is_file():

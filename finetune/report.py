@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 #: The panels of the figure, in order (a test finds the axes by these titles).
 PANELS = ("loss", "eval exact match", "learning rate", "tokens/s", "memory per process (MiB)")
+#: The sixth panel, drawn when a run measured a retain set (eval.retain): its loss, beside the task's curves.
+RETAIN_PANEL = "retain loss (forgetting)"
 
 #: The plan's memory categories, bottom to top of the stacked bar.
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "overhead")
@@ -86,7 +88,6 @@ def build_figure(runs: list[RunData]) -> Figure:
     ax_loss, ax_em, ax_lr, ax_tps, ax_mem, ax_spare = axes
     for ax, title in zip(axes, PANELS, strict=False):
         ax.set_title(title)
-    ax_spare.set_axis_off()
     colors = [f"C{i}" for i in range(10)]
     for i, run in enumerate(runs):
         c, label = colors[i % 10], run.name if len(runs) > 1 else None
@@ -107,14 +108,26 @@ def build_figure(runs: list[RunData]) -> Figure:
         x, y = run.series("eval_exact_match")
         if x:
             ax_em.plot(x, [100 * v for v in y], color=c, marker="o", ms=4, label=label)
+        x, y = run.series("retain_exact_match")
+        if x:
+            ax_em.plot(x, [100 * v for v in y], color=c, ls="--", marker="s", ms=4,
+                       label=f"{run.name} retain" if label else "retain")
+        x, y = run.series("retain_loss")
+        if x:
+            ax_spare.plot(x, y, color=c, marker="s", ms=4, label=run.name if label else "retain")
         x, y = run.series("lr")
         ax_lr.plot(x, y, color=c, label=label)
         x, y = run.series("tokens_per_s")
         ax_tps.plot(x, y, color=c, label=label)
-    for ax in (ax_loss, ax_em, ax_lr, ax_tps):
+    if ax_spare.lines:
+        ax_spare.set_title(RETAIN_PANEL)
+    else:
+        ax_spare.set_axis_off()
+    for ax in (ax_loss, ax_em, ax_lr, ax_tps, ax_spare):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if ax.lines and (len(runs) > 1 or ax is ax_loss):
+        labelled = [ln for ln in ax.lines if not str(ln.get_label()).startswith("_")]
+        if labelled and (len(runs) > 1 or ax in (ax_loss, ax_em, ax_spare)):
             ax.legend(fontsize=8)
     ax_em.set_ylabel("%")
     _memory_panel(ax_mem, runs)

@@ -112,9 +112,13 @@ class Reporter:
             when = "before training" if step == 0 else f"@ step {step}"
             self.print(f"eval {when}: {_eval_text(ev)}")
 
-    def summary(self, result: RunResult, chosen: Candidate, skipped: int, gpu: bool = False) -> None:
+    def summary(
+        self, result: RunResult, chosen: Candidate, skipped: int, gpu: bool = False,
+        retain_before: EvalResult | None = None,
+    ) -> None:
         """What was trained, the final eval, where the outputs are and how to load them; on a GPU (``gpu``) also
-        tokens/s and the model FLOPs utilisation (a CPU has no peak to compare with: nothing is printed)."""
+        tokens/s and the model FLOPs utilisation (a CPU has no peak to compare with: nothing is printed). With
+        ``eval.retain``, the retain set's figures before training (``retain_before``) and after."""
         out = result.output_dir
         self.print(
             f"[bold green]done[/]: {result.steps} steps in {result.seconds:.1f}s, final loss "
@@ -128,6 +132,9 @@ class Reporter:
             self.print(f"final eval: {_eval_text(result.eval)}")
             for want, got in result.eval.samples:
                 self.print(f"  expected {want!r:>14} generated {got!r}")
+        retain = retain_change(retain_before, result.eval)
+        if retain:
+            self.plain(retain)
         self.print(method_type(chosen.method)().saved_message(str(out)))  # where it is and how to load it
         self.plain(f"plots: finetune report {out} (--out report.html for a page with the recipe and plan)")
 
@@ -138,4 +145,23 @@ def _eval_text(ev: EvalResult) -> str:
         parts.append(f"loss {ev.loss:.4f}")
     if ev.exact_match is not None:
         parts.append(f"exact match {100 * ev.exact_match:.1f}% of {ev.n_prompts}")
-    return ", ".join(parts)
+    text = ", ".join(parts)
+    if ev.retain_loss is not None:
+        retain = f"retain loss {ev.retain_loss:.4f}"
+        if ev.retain_exact_match is not None:
+            retain += f", retain exact match {100 * ev.retain_exact_match:.1f}% of {ev.retain_prompts}"
+        text = f"{text} | {retain}" if text else retain
+    return text
+
+
+def retain_change(before: EvalResult | None, after: EvalResult | None) -> str | None:
+    """The summary's forgetting line, e.g. ``retain: loss 2.31 -> 2.45 (+0.14)``, with the exact match where the
+    retain rows have answers; None without both measurements."""
+    if before is None or after is None or before.retain_loss is None or after.retain_loss is None:
+        return None
+    a, b = before.retain_loss, after.retain_loss
+    text = f"retain: loss {a:.2f} -> {b:.2f} ({b - a:+.2f})"
+    if before.retain_exact_match is not None and after.retain_exact_match is not None:
+        x, y = 100 * before.retain_exact_match, 100 * after.retain_exact_match
+        text += f", exact match {x:.1f}% -> {y:.1f}% ({y - x:+.1f} points)"
+    return text

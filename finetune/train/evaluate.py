@@ -16,17 +16,22 @@ import torch
 from finetune.generation import greedy_tokens, left_padded
 from finetune.loss import causal_lm_loss
 from finetune.train.data import EvalPrompt, Example, collate
+from finetune.train.data.retain import RetainData
 from finetune.train.distributed import DistContext
 
 
 @dataclass
 class EvalResult:
-    """Eval loss (mean over target tokens) and exact-match accuracy over the eval prompts."""
+    """Eval loss (mean over target tokens) and exact-match accuracy over the eval prompts, and the same two
+    figures over the retain set (``eval.retain``) when the recipe names one."""
 
     loss: float | None
     exact_match: float | None
     n_prompts: int
     samples: list[tuple[str, str]]  # (expected, generated) for a few prompts, rank 0's
+    retain_loss: float | None = None
+    retain_exact_match: float | None = None
+    retain_prompts: int = 0
 
 
 def _shard(items: list[Any], ctx: DistContext, batch_size: int) -> tuple[list[Any], int]:
@@ -103,14 +108,27 @@ def exact_match(
 
 def evaluate(
     model: torch.nn.Module, eval_examples: list[Example], eval_prompts: list[EvalPrompt], tokenizer: Any,
-    ctx: DistContext, *, batch_size: int, max_new_tokens: int, autocast: Any,
+    ctx: DistContext, *, batch_size: int, max_new_tokens: int, autocast: Any, retain: RetainData | None = None,
+    task: bool = True,
 ) -> EvalResult:
-    """Eval loss and exact match, with the model in eval mode (restored to train mode after)."""
+    """Eval loss and exact match, with the model in eval mode (restored to train mode after); with ``retain``,
+    also the retain set's loss and exact match. ``task=False``: the retain set only (the run's measurement
+    before training when ``eval.at_start`` is off)."""
     was_training = model.training
     model.eval()
+    loss = em = None
+    samples: list[tuple[str, str]] = []
     try:
-        loss = eval_loss(model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast)
-        em, samples = exact_match(model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast)
+        if task:
+            loss = eval_loss(model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast)
+            em, samples = exact_match(model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast)
+        result = EvalResult(loss, em, len(eval_prompts) if task else 0, samples)
+        if retain is not None:
+            result.retain_loss = eval_loss(model, retain.examples, ctx, batch_size, tokenizer.pad_token_id, autocast)
+            result.retain_exact_match, _ = exact_match(
+                model, retain.prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast
+            )
+            result.retain_prompts = len(retain.prompts)
     finally:
         model.train(was_training)
-    return EvalResult(loss, em, len(eval_prompts), samples)
+    return result

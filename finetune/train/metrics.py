@@ -20,7 +20,27 @@ def eval_fields(ev: EvalResult | None) -> dict[str, Any]:
     """An evaluation's columns of a metrics row (none when there was no evaluation)."""
     if ev is None:
         return {}
-    return {"eval_loss": ev.loss, "eval_exact_match": ev.exact_match}
+    row = {"eval_loss": ev.loss, "eval_exact_match": ev.exact_match} if ev.n_prompts or ev.loss is not None else {}
+    if ev.retain_loss is not None:  # eval.retain
+        row["retain_loss"] = ev.retain_loss
+        if ev.retain_exact_match is not None:
+            row["retain_exact_match"] = ev.retain_exact_match
+    return row
+
+
+def first_retain(path: Path) -> EvalResult | None:
+    """The retain figures measured before training, from a run's metrics.jsonl (a resumed run's summary
+    compares with them); None when there are none."""
+    if not path.is_file():
+        return None
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step") == 0 and row.get("retain_loss") is not None:
+            return EvalResult(None, None, 0, [], row["retain_loss"], row.get("retain_exact_match"))
+    return None
 
 
 class MetricsWriter:
@@ -86,7 +106,7 @@ class MetricsProcessor:
         row: dict[str, Any] = {"step": step, "loss": result.loss, "lr": lr, **eval_fields(ev)}
         now = time.perf_counter()
         tokens_per_s = self.window.tokens / max(now - self.window_start, 1e-9)
-        if step % self.log_every == 0 or step == self.total_steps or "eval_loss" in row:
+        if step % self.log_every == 0 or step == self.total_steps or "eval_loss" in row or "retain_loss" in row:
             row.update(tokens=tokens, tokens_per_s=tokens_per_s, grad_norm=result.grad_norm, epoch=result.epoch)
             utilisation = self.meter(tokens_per_s, self.window.mean_width)
             if utilisation is not None:

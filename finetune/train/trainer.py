@@ -40,13 +40,14 @@ from finetune.recipe import LoadedRecipe
 from finetune.train.checkpoint import ModelState, OptimizerState, RNGState
 from finetune.train.console import Reporter
 from finetune.train.data import BatchStream, TaskData, load_data
+from finetune.train.data.retain import RetainData, load_retain
 from finetune.train.determinism import seed_everything
 from finetune.train.distributed import DistContext
 from finetune.train.evaluate import EvalResult, evaluate
 from finetune.train.gradients import accumulate, clip_gradients
 from finetune.train.hooks import TrainerHooks, load_hooks
 from finetune.train.load import build_on_meta, loads_sharded, materialize
-from finetune.train.metrics import MetricsProcessor, MetricsWriter
+from finetune.train.metrics import MetricsProcessor, MetricsWriter, first_retain
 from finetune.train.model import (
     broadcast_decomposed,
     build_model,
@@ -101,6 +102,9 @@ class Trainer:
         seed_everything(r.train.seed)
         self.tokenizer = load_tokenizer(self.loaded)
         self.data: TaskData = load_data(self.loaded, self.tokenizer)
+        self.retain: RetainData | None = load_retain(self.loaded, self.tokenizer)  # eval.retain
+        if self.retain is not None:
+            self.data.notes.append(self.retain.describe())
         self.model = self._setup_model()
         self.optimizer = build_optimizer(
             self.model, r.train, self.spec.strategy, tensor_parallel=self.spec.tensor_parallel,
@@ -228,24 +232,37 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     # -- evaluation -------------------------------------------------------------------------------------------
-    def evaluate(self) -> EvalResult | None:
-        """Eval loss and exact match on the held-out data (None when the recipe has none)."""
+    def evaluate(self, task: bool = True) -> EvalResult | None:
+        """Eval loss and exact match on the held-out data and on the retain set (``eval.retain``); None when the
+        recipe has neither. ``task=False``: the retain set only."""
         r = self.loaded.recipe
-        if not self.data.eval and not self.data.eval_prompts:
+        task = task and bool(self.data.eval or self.data.eval_prompts)
+        if not task and self.retain is None:
             return None
         self.phase.at("evaluation")
         return evaluate(
             self.model, self.data.eval, self.data.eval_prompts, self.tokenizer, self.ctx,
             batch_size=eval_batch_size(r, self.plan.chosen), max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
+            retain=self.retain, task=task,
         )
+
+    def _evaluate_at_start(self) -> EvalResult | None:
+        """The evaluation before the first step (``eval.at_start``); the retain set is measured there whatever
+        ``eval.at_start`` says, since forgetting is its change from the start. A resumed run reads the figures
+        measured before training from metrics.jsonl."""
+        state = self.state
+        if self.eval_schedule.before_training(state.step) or (self.retain is not None and state.step == 0):
+            ev = self._evaluate_and_show(0, task=self.eval_schedule.before_training(state.step))
+            self.metrics.log_eval(0, ev)
+            return ev
+        return first_retain(self.out_dir / "metrics.jsonl") if self.retain is not None else None
 
     # -- the whole run ----------------------------------------------------------------------------------------
     def train(self) -> RunResult:
         """Every step of the run; returns early (after a checkpoint) when SIGTERM or Ctrl-C asks to stop."""
         state, stop = self.state, StopRequest(self.reporter.plain)
         self.model.train()
-        if self.eval_schedule.before_training(state.step):
-            self.metrics.log_eval(0, self._evaluate_and_show(0))
+        at_start = self._evaluate_at_start()
         self.metrics.start()
         self.checkpoints.restore_rng()  # last thing before the first step: the resumed run draws what the first would
         with stop, self.reporter.progress(self.total, start=state.step) as advance:
@@ -268,14 +285,16 @@ class Trainer:
         self.save()
         run = self._result(last_eval)
         run.tokens_per_s, run.utilisation = self.metrics.steady()
-        self.reporter.summary(run, self.plan.chosen, state.skipped_steps, gpu=self.ctx.device.type == "cuda")
+        self.reporter.summary(
+            run, self.plan.chosen, state.skipped_steps, gpu=self.ctx.device.type == "cuda", retain_before=at_start
+        )
         if self.loaded.recipe.output.push_to_hub and self.ctx.is_main:
             self.push(self.loaded.recipe.output.push_to_hub)
         return run
 
-    def _evaluate_and_show(self, step: int) -> EvalResult | None:
+    def _evaluate_and_show(self, step: int, task: bool = True) -> EvalResult | None:
         """:meth:`evaluate`, with its line on the console (step 0: before training)."""
-        ev = self.evaluate()
+        ev = self.evaluate(task)
         self.reporter.eval_line(step, ev)
         return ev
 
