@@ -20,6 +20,8 @@ LAYERS = {
     "finetune.launch": 3,
     "finetune.merge": 3,
     "finetune.chat": 3,
+    "finetune.loading": 3,
+    "finetune.harness": 3,
     "finetune.cli": 4,
     "finetune.__main__": 4,
 }
