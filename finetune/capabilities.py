@@ -25,8 +25,8 @@ from typing import Any
 #: The recipe's methods (``method``), without ``auto``.
 METHODS = ("full", "lora", "qlora", "prefix", "adapter")
 #: The data-parallel strategies (``distributed.strategy``), without ``auto``.
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")
-SHARDED = ("zero2", "fsdp")  # FSDP2 fully_shard: parameters become DTensors
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp")
+SHARDED = ("zero2", "fsdp", "hsdp")  # FSDP2 fully_shard: parameters become DTensors
 EIGHT_BIT_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
 OFFLOADS = ("optimizer", "parameters")  # train.offload values that move state to the host
 
@@ -47,6 +47,7 @@ class Cell:
     prefix_projection: bool = False
     strategy: str | None = None
     processes: int | None = None  # every process of the run (nodes x per node)
+    nodes: int | None = None  # the run's nodes (None: not known, as in `finetune validate`)
     tp: int | None = 1
     optimizer: str | None = "adamw"
     offload: str | None = "none"  # none | optimizer | parameters
@@ -61,7 +62,7 @@ class Cell:
         cls, *, method: str, strategy: str, processes: int | None, tp: int | str, precision: str,
         optimizer: str = "adamw", compile: bool = False, attention: str = "sdpa", packing: bool = False,
         checkpointing: bool | None = None, lora: Any = None, prefix: Any = None, quantization: Any = None,
-        offload: str = "none",
+        offload: str = "none", nodes: int | None = None,
     ) -> Cell:
         """A cell from the recipe's values (``auto``: unknown) and its ``lora`` / ``prefix`` /
         ``quantization`` sections (None: their defaults)."""
@@ -77,6 +78,7 @@ class Cell:
             prefix_projection=bool(getattr(prefix, "projection", False)),
             strategy=None if strategy == "auto" else strategy,
             processes=processes,
+            nodes=nodes,
             tp=None if tp == "auto" else int(tp),
             optimizer=None if optimizer == "auto" else optimizer,
             offload=None if offload == "auto" else offload,
@@ -197,9 +199,15 @@ TABLE: tuple[Rule, ...] = (
     # -- processes and strategy --------------------------------------------------------------------------
     Rule(
         "sharding-one-process", ("distributed.strategy", "distributed.nproc"),
-        lambda c: c.strategy in ("zero1", "zero2", "fsdp") and c.processes == 1,
+        lambda c: c.strategy in ("zero1", "zero2", "fsdp", "hsdp") and c.processes == 1,
         lambda c: f"`{c.strategy}` shards over several processes but this run has one; use --nproc N (N >= 2), "
         "or strategy single or auto",
+    ),
+    Rule(
+        "hsdp-one-node", ("distributed.strategy", "hardware.nodes"),
+        lambda c: c.strategy == "hsdp" and c.nodes == 1,
+        lambda c: "hsdp shards inside each node and replicates across nodes, but this run has one node; use fsdp "
+        "(it shards over every process of the node), or run on 2 or more nodes (--nnodes)",
     ),
     # -- tensor parallelism ------------------------------------------------------------------------------
     Rule(
@@ -268,6 +276,12 @@ TABLE: tuple[Rule, ...] = (
         "torch's AdamW); set train.optimizer: adamw, or distributed.tp: 1",
         topic="optimizer",
     ),
+    Rule(
+        "hsdp-tp", ("distributed.tp", "distributed.strategy"),
+        lambda c: c.split and c.strategy == "hsdp",
+        lambda c: f"{_tp(c)} with hsdp is not supported (a replicate x shard x tp mesh is not built by finetune); "
+        "use fsdp with tensor parallelism, or distributed.tp: 1",
+    ),
     # -- offload (FSDP2's CPUOffloadPolicy: finetune/train/parallel.py) -----------------------------------
     Rule(
         "offload-unsharded", ("train.offload", "distributed.strategy"),
@@ -292,6 +306,14 @@ TABLE: tuple[Rule, ...] = (
         lambda c: "parameters frees each unit's gathered parameters after use, but zero2 keeps every unit "
         "gathered on the GPU from its forward to its backward; write train.offload: optimizer with zero2, or "
         "distributed.strategy: fsdp",
+        topic="offload",
+    ),
+    Rule(
+        "offload-hsdp", ("train.offload", "distributed.strategy"),
+        lambda c: c.offload in OFFLOADS and c.strategy == "hsdp",
+        lambda c: f"{c.offload} with hsdp is not supported (finetune runs FSDP2's CPU offload over one flat mesh, "
+        "not over hsdp's replicas); use strategy "
+        f"{'zero2' if c.offload == 'optimizer' else 'fsdp'} with train.offload: {c.offload}, or train.offload: none",
         topic="offload",
     ),
     Rule(
@@ -427,6 +449,7 @@ MATRIX_COLUMNS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("zero2", {"strategy": "zero2", "processes": 2}),
     ("fsdp", {"strategy": "fsdp", "processes": 2}),
     ("tp 2 (+fsdp)", {"strategy": "fsdp", "processes": 4, "tp": 2}),
+    ("hsdp (2 nodes)", {"strategy": "hsdp", "processes": 4, "nodes": 2}),
 )
 
 
@@ -499,6 +522,8 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"strategy": "single", "processes": 2},
     {"strategy": "ddp", "processes": 4, "tp": 2},
     {"strategy": "zero1", "processes": 2, "tp": 2},
+    {"nodes": 1},  # the hsdp column on one node
+    {"tp": 2},
 )
 
 

@@ -264,9 +264,19 @@ class TrainConfig(Section):
     )
 
 
+#: Seconds a collective of the training process group may wait (distributed.timeout): NCCL's own default is 600.
+DEFAULT_TIMEOUT_S = 1800
+#: Seconds the other ranks may wait while one rank tokenises or finishes a checkpoint (distributed.wait_timeout).
+DEFAULT_WAIT_TIMEOUT_S = 6 * 3600
+
+
 class DistributedConfig(Section):
-    strategy: Literal["auto", "single", "ddp", "zero1", "zero2", "fsdp"] = Field(
-        "auto", description="auto: the planner picks; single: one process; ddp/zero1/zero2/fsdp: data parallel."
+    strategy: Literal["auto", "single", "ddp", "zero1", "zero2", "fsdp", "hsdp"] = Field(
+        "auto",
+        description="auto: the planner picks; single: one process; ddp/zero1/zero2/fsdp: data parallel; hsdp: "
+        "FSDP's sharding inside each node and replicas across nodes (a 2-D mesh: the parameters' all-gathers and "
+        "the gradients' reduce-scatters stay on the fast link inside a node, and only a gradient all-reduce of "
+        "each node's shard crosses the network; 2 or more nodes).",
     )
     nproc: Union[PositiveInt, Literal["auto"]] = Field(
         "auto", description="Processes per node; auto: one per visible GPU, 1 on CPU."
@@ -275,6 +285,20 @@ class DistributedConfig(Section):
         1,
         description="Tensor-parallel degree inside a node (each block's linears split over tp ranks; the "
         "strategy shards over the rest); auto: the planner uses TP only when FSDP alone does not fit.",
+    )
+    timeout: float = Field(
+        DEFAULT_TIMEOUT_S,
+        gt=0,
+        description="Seconds one collective of the training step (all-reduce, all-gather, barrier) may wait for "
+        "the other ranks before the run stops with an error (NCCL's watchdog on GPUs); torch's NCCL default "
+        "is 600.",
+    )
+    wait_timeout: float = Field(
+        DEFAULT_WAIT_TIMEOUT_S,
+        gt=0,
+        description="Seconds the other ranks may wait while one rank works alone: local rank 0 tokenising the "
+        "data, rank 0 finishing a checkpoint (fsync, rename, prune) or writing the final model. They wait in "
+        "a gloo group of their own, which NCCL's watchdog does not watch.",
     )
 
 

@@ -90,6 +90,7 @@ class Strategy(_Name):
     ZERO1 = "zero1"
     ZERO2 = "zero2"
     FSDP = "fsdp"
+    HSDP = "hsdp"
 
     @property
     def distributed(self) -> bool:
@@ -98,8 +99,9 @@ class Strategy(_Name):
 
     @property
     def uses_fsdp(self) -> bool:
-        """Wrapped by FSDP2 ``fully_shard`` (ZeRO-2 and ZeRO-3): its mixed-precision policy replaces autocast."""
-        return self in (Strategy.ZERO2, Strategy.FSDP)
+        """Wrapped by FSDP2 ``fully_shard`` (ZeRO-2, ZeRO-3 and hybrid ZeRO-3): its mixed-precision policy
+        replaces autocast."""
+        return self in (Strategy.ZERO2, Strategy.FSDP, Strategy.HSDP)
 
     @property
     def replicates(self) -> bool:
@@ -114,19 +116,24 @@ class Strategy(_Name):
     @property
     def shards_optimizer(self) -> bool:
         """AdamW's state is split over the ranks (ZeRO-1 and up)."""
-        return self in (Strategy.ZERO1, Strategy.ZERO2, Strategy.FSDP)
+        return self in (Strategy.ZERO1, Strategy.ZERO2, Strategy.FSDP, Strategy.HSDP)
 
     @property
     def reshards_after_forward(self) -> bool:
         """Each unit's parameters are freed after its forward and gathered again for backward (ZeRO-3)."""
-        return self is Strategy.FSDP
+        return self in (Strategy.FSDP, Strategy.HSDP)
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded inside each node and replicated across nodes (HSDP: a 2-D ("replicate", "shard") mesh)."""
+        return self is Strategy.HSDP
 
     @property
     def title(self) -> str:  # type: ignore[override]  # the enum's display name, not str.title()
         """The name people use."""
-        return {"single": "one process", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}[
-            self.value
-        ]
+        return {
+            "single": "one process", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP", "hsdp": "HSDP",
+        }[self.value]
 
 
 class Precision(_Name):
@@ -279,11 +286,17 @@ class ExecSpec:
     compile: bool = False  # torch.compile each decoder block (train.compile), on every load path
     optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit (the optimizer state's storage)
     offload: str = "none"  # none | optimizer | parameters: what lives in host memory instead of the device
+    nodes: int = 1  # hsdp: the replicas, one per node (each node's ranks shard the model); 1 otherwise
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks (``world_size // tp``): the strategy shards or replicates over these."""
         return self.world_size // self.tp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks one parameter is split over: the data-parallel ranks, or under hsdp those of one node."""
+        return self.dp // self.nodes if self.strategy.hybrid else self.dp
 
     @property
     def tensor_parallel(self) -> bool:
@@ -353,6 +366,7 @@ def execution_spec(
     compile: bool = False,
     optimizer: str = "adamw",
     offload: str = "none",
+    nodes: int = 1,
 ) -> ExecSpec:
     """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
 
@@ -368,6 +382,7 @@ def execution_spec(
     ``tp``: tensor-parallel degree; ``world_size`` counts every process, the strategy applies over the
     ``world_size // tp`` data-parallel ranks. ``optimizer``: the optimizer whose state the run keeps;
     ``offload``: what lives in host memory (``auto`` is ``adamw`` / ``none``: the planner resolves both).
+    ``nodes``: the run's nodes, which hsdp replicates over (recorded for hsdp only).
     """
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
     compute = p.compute
@@ -396,6 +411,8 @@ def execution_spec(
     world = world_size if s.distributed else 1
     tp = max(1, int(tp)) if s.distributed else 1
     assert world % tp == 0, f"tp {tp} does not divide {world} processes"
+    replicas = max(1, int(nodes)) if s.hybrid else 1
+    assert world % replicas == 0, f"{replicas} nodes do not divide {world} processes"
     return ExecSpec(
         method=m,
         strategy=s,
@@ -416,4 +433,5 @@ def execution_spec(
         compile=bool(compile),
         optimizer="adamw" if optimizer in ("auto", None) else optimizer,
         offload="none" if offload in ("auto", None) else offload,
+        nodes=replicas,
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 from finetune.plan import walk as w
 from finetune.plan.activations import TraceSpec
-from finetune.plan.memory import Setup, candidate_memory
+from finetune.plan.memory import Setup, candidate_memory, hybrid_traffic
 from finetune.plan.setting import Setting
 from finetune.plan.shapes import Inventory
 from finetune.plan.tensor_parallel import tp_comm_bytes, tp_config
@@ -42,15 +42,31 @@ def evaluate(
         s.req.config, tp, seq_len=s.req.seq_len, micro_batch_size=mbs, grad_accum_steps=accum,
         compute_bytes=spec.compute_bytes, checkpointing=ac,
     )
-    secs = (comm / s.hw.bandwidth if comm else 0.0) + tp_comm / s.intra_node_bandwidth
+    intra, inter = _links(s, inv, setup, comm)
+    intra_secs, inter_secs = intra / s.intra_node_bandwidth, inter / s.hw.bandwidth
+    secs = intra_secs + inter_secs + tp_comm / s.intra_node_bandwidth
     c = Candidate(
         method=Method(method), strategy=Strategy(strategy), precision=Precision(s.precision),
         micro_batch_size=mbs, grad_accum_steps=accum, activation_checkpointing=ac, nproc=s.hw.gpus_per_node,
         nnodes=s.hw.nodes, memory=mem, comm_bytes_per_step=comm, comm_seconds_per_step=secs, status=status,
+        comm_intra_node_bytes_per_step=intra, comm_inter_node_bytes_per_step=inter,
+        comm_intra_node_seconds_per_step=intra_secs, comm_inter_node_seconds_per_step=inter_secs,
         tp=tp, tp_comm_bytes_per_step=tp_comm, optimizer=spec.optimizer, offload=spec.offload,
         offload_bytes_per_step=_offload_bytes(inv, setup),
     )
     return replace(c, time=_time(s, c))
+
+
+def _links(s: Setting, inv: Inventory, setup: Setup, comm: int) -> tuple[int, int]:
+    """A rank's data-parallel bytes per step (``comm``) split into (inside a node, across nodes): on one node
+    all inside; hsdp's all-gathers and reduce-scatters inside, its all-reduce across
+    (finetune/plan/memory.py: hybrid_traffic); any other strategy's rings span every node, so all of it
+    crosses the slowest link."""
+    if setup.spec.strategy.hybrid:
+        return hybrid_traffic(inv, setup)
+    if s.hw.nodes == 1:
+        return comm, 0
+    return 0, comm
 
 
 def _offload_bytes(inv: Inventory, setup: Setup) -> int:

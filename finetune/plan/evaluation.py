@@ -152,6 +152,7 @@ def eval_memory(
         FRAGMENTATION,
         offloads_to_host,
         optimizer_state_bytes,
+        shard_ranks,
         unsharded_bytes,
     )
     from finetune.spec import DTYPE_BYTES
@@ -159,7 +160,8 @@ def eval_memory(
     sb = inv.storage(setup.spec)
     n = max(1, setup.world) if strategy != "single" else 1
     opt = optimizer_state_bytes(inv, setup.spec.method.adapters, setup.optimizer, sb.param_dtype_bytes)
-    if strategy in ("zero2", "fsdp"):
+    if strategy in ("zero2", "fsdp", "hsdp"):
+        n = shard_ranks(setup)  # hsdp: the GPUs of one node
         params, opt = -(-sb.param_bytes // n), -(-opt // n)
         if offloads_to_host(setup):  # the shards and the state live in host memory
             params = opt = 0

@@ -238,7 +238,12 @@ def _host_peak(s: Setting, c: Candidate) -> tuple[int, str]:
 def _strategies(s: Setting) -> list[str]:
     if s.req.strategy != "auto":
         return [s.req.strategy]
-    return ["single"] if s.world == 1 else ["ddp", "zero2", "fsdp"]
+    return ["single"] if s.world == 1 else ["ddp", "zero2", "fsdp", *_hybrid(s)]
+
+
+def _hybrid(s: Setting) -> list[str]:
+    """hsdp on several nodes (after fsdp: it holds more per GPU, and is chosen when predicted faster)."""
+    return ["hsdp"] if s.hw.nodes > 1 else []
 
 
 def _tp_strategies(s: Setting, tp: int) -> list[str]:
@@ -251,7 +256,7 @@ def _tp_strategies(s: Setting, tp: int) -> list[str]:
 def _table_strategies(s: Setting) -> list[str]:
     if s.world == 1:
         return ["single"] if s.req.strategy in ("auto", "single") else [s.req.strategy]
-    return ["ddp", "zero1", "zero2", "fsdp"]
+    return ["ddp", "zero1", "zero2", "fsdp", *_hybrid(s)]
 
 
 def _methods(s: Setting) -> list[str]:
@@ -464,7 +469,7 @@ def _nothing_fits(wk: _Walk) -> Candidate:
                       f"{w.fmt_bytes(least.memory.total)} per GPU.")
     smallest = "fsdp" if s.req.strategy == "auto" else s.req.strategy
     method = best.method if s.req.method != "auto" else "qlora"
-    if smallest in ("zero1", "zero2", "fsdp") or s.world == 1:  # sharded strategies shrink with the world
+    if smallest in ("zero1", "zero2", "fsdp", "hsdp") or s.world == 1:  # sharded strategies shrink with the world
         strat = smallest if smallest != "single" else "fsdp"
         ac = Method(method).recomputable if s.req.checkpointing is None else s.req.checkpointing
         for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
@@ -549,6 +554,14 @@ def _communication(s: Setting, chosen: Candidate, table: list[Candidate]) -> lis
             return w.Link(c.comm_bytes_per_step, c.comm_seconds_per_step or 0.0)
 
         out.append(w.Communication(chosen.method, s.hw.interconnect, link_of(ddp), link_of(z2), link_of(fs)))
+    hs = by.get(Strategy.HSDP)
+    if hs is not None:
+        out.append(w.HybridCommunication(
+            chosen.method, s.hw.nodes, s.hw.gpus_per_node, "nvlink" if s.hw.device == "cuda" else s.hw.interconnect,
+            s.hw.interconnect, w.Link(hs.comm_intra_node_bytes_per_step, hs.comm_intra_node_seconds_per_step),
+            w.Link(hs.comm_inter_node_bytes_per_step, hs.comm_inter_node_seconds_per_step),
+            w.Link(fs.comm_bytes_per_step, fs.comm_seconds_per_step or 0.0) if fs is not None else None,
+        ))
     return out
 
 

@@ -80,6 +80,8 @@ def job_figures(inv: Any, spec: ExecSpec, world: int, per_node: int, device: str
     sb = inv.storage(spec)
     largest = max((inv.base_bytes(spec, t) for t in inv.base), default=0)
     shards = world if spec.strategy.shards_params and world > 1 else 1
+    if spec.strategy.hybrid:  # hsdp: each node's ranks hold one replica between them
+        shards = max(1, world // spec.nodes)
     g = per_node
     resident = sb.param_bytes // shards + largest
     base = g * HOST_PER_PROCESS

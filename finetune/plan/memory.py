@@ -13,6 +13,10 @@ Model states follow what the trainer builds (see finetune/train):
           backward, so a full unsharded copy (in the compute dtype) is alive at the peak.
   fsdp    the same with reshard_after_forward=True: only the unit being computed and the one prefetched
           are all-gathered, plus the root unit (embeddings, final norm, lm_head), which FSDP2 never reshards.
+  hsdp    fsdp over a (nodes, GPUs per node) mesh: parameters, gradients and optimizer state are sharded over
+          the GPUs of one node only (each node holds a replica); the all-gathers and reduce-scatters stay inside
+          the node, and each rank's gradient shard is all-reduced with its replicas on the other nodes
+          (:func:`hybrid_traffic`).
 FSDP2's mixed precision (param_dtype 16-bit, reduce_dtype fp32) replaces autocast, so its traced
 activations leave out autocast's weight copies; DDP and single processes keep them.
 
@@ -163,6 +167,34 @@ def offload_bytes_per_step(inv: Inventory, s: Setup) -> int:
     return down + up
 
 
+def shard_ranks(s: Setup) -> int:
+    """Ranks the strategy splits the model states over: the data-parallel ranks, or under hsdp those of one
+    node (``s.world`` over ``spec.nodes`` replicas)."""
+    n = max(1, s.world) if s.spec.strategy.distributed else 1
+    return max(1, n // s.spec.nodes) if s.spec.strategy.hybrid else n
+
+
+def hybrid_traffic(inv: Inventory, s: Setup) -> tuple[int, int]:
+    """Bytes one rank sends per optimizer step under hsdp: (inside its node, across nodes).
+
+    Inside the node, as fsdp over the node's ``n`` GPUs: the reduce-scatter of the gradients (in the reduce
+    dtype) and the all-gathers of every unit for forward and again for backward (the root once), each a ring
+    moving ``(n - 1) / n`` of the data. Across nodes: the ring all-reduce of the rank's gradient shard with
+    its ``R`` replicas, ``2 (R - 1) / R`` of ``1 / n`` of the gradients.
+    """
+    spec = s.spec
+    sb = inv.storage(spec)
+    n, replicas = shard_ranks(s), max(1, spec.nodes)
+    reduce_bytes = DTYPE_BYTES[spec.reduce_dtype] if spec.reduce_dtype else sb.param_dtype_bytes
+    grads = sb.trainable * reduce_bytes
+    all_gathered = unsharded_bytes(inv, spec)
+    root = unsharded_bytes(inv, spec, root_only=True)
+    gathers = all_gathered + (all_gathered - root) if spec.reshard_after_forward else all_gathered
+    intra = int((n - 1) / n * (grads + gathers))
+    inter = int(2 * (replicas - 1) / replicas * -(-grads // n))
+    return intra, inter
+
+
 @dataclass
 class _States:
     """One rank's model states under the strategy, with the strategy's buffers and its communication."""
@@ -217,7 +249,7 @@ def _model_states(inv: Inventory, s: Setup) -> _States:
     """Parameters, gradients and optimizer state one rank keeps under the strategy, its buffers and traffic."""
     spec = s.spec
     sb = inv.storage(spec)
-    n = max(1, s.world) if spec.strategy.distributed else 1
+    n = shard_ranks(s)
     gbytes = sb.param_dtype_bytes
     grads_full = sb.trainable * gbytes
     opt_full = optimizer_state_bytes(inv, spec.method.adapters, s.optimizer, gbytes)
@@ -245,6 +277,8 @@ def _model_states(inv: Inventory, s: Setup) -> _States:
         buffers = {"head": root, "first": root + 2 * unit + reduce_scatter, "last": root + unit + reduce_scatter}
         gathers = all_gathered + (all_gathered - root)
     comm = int(f * (sb.trainable * reduce_bytes + gathers))
+    if spec.strategy.hybrid:  # inside the node as above (n is the node's GPUs), plus the all-reduce across nodes
+        comm = sum(hybrid_traffic(inv, s))
     if offloads_to_host(s):  # FSDP2's CPU offload: the shards live on the host (offloaded_bytes)
         params = grads = opt = 0
         staged = -(-sb.block_param_bytes // n)  # a unit's shard copied to the device for its all-gather
@@ -265,7 +299,7 @@ def _forward_backward_peak(
     if profile is None:
         return st.params, st.grads, opt_fb, 0, st.buffers["head"]
     sb = inv.storage(spec)
-    n = max(1, s.world) if spec.strategy.distributed else 1
+    n = shard_ranks(s)
     layers = inv.num_layers
     windows = profile.at(layers, s.micro_batch_size)
     # one layer's gradients in the traced dtype (any micro-batch's: at() has traced this one)

@@ -40,6 +40,9 @@ def print_plan(plan: Plan, console: Any = None) -> None:
     for i, c in enumerate(plan.candidates):
         m = c.memory
         comm = f"{c.comm_bytes_per_step / 1e9:.1f}GB" if c.comm_bytes_per_step else "-"
+        if c.strategy.hybrid:  # inside a node + across nodes
+            comm = (f"{c.comm_intra_node_bytes_per_step / 1e9:.1f}GB + x-node "
+                    f"{c.comm_inter_node_bytes_per_step / 1e9:.1f}GB")
         if with_tp and c.tp > 1:  # data-parallel bytes over the slowest link + TP's all-reduces inside the node
             comm = f"{comm} + tp {c.tp_comm_bytes_per_step / 1e9:.1f}GB"
         if c.comm_seconds_per_step:
@@ -62,6 +65,8 @@ def print_plan(plan: Plan, console: Any = None) -> None:
         "inside the node)" if with_tp else ""
     state_note = "; state: the optimizer (8-bit: bitsandbytes) and what lives in host memory" if with_state else ""
     time_note = "; s/step: predicted seconds per optimizer step" if with_time else ""
+    if any(c.strategy.hybrid for c in plan.candidates):
+        time_note += "; hsdp: bytes inside a node (NVLink on GPUs) + bytes across nodes"
     console.print("[dim]- activations not traced: model states alone exceed the memory, or the walk stopped before "
                   "this method; comm: bytes each GPU sends per optimizer step, and the time over "
                   f"{hw.get('interconnect')}{tp_note}{state_note}{time_note}.[/]")

@@ -18,7 +18,9 @@ compute
     matmul rate x the threads a process gets (hardware.cpu_process_flops), at :data:`CPU_UTILISATION`.
 
 communication
-    the strategy's collectives (``comm_bytes_per_step`` over the hardware's bandwidth) less what they hide
+    the strategy's collectives (``comm_bytes_per_step``: the part inside a node over the intra-node link, NVLink on
+    a GPU machine of several nodes, and the part across nodes over the hardware's bandwidth; HSDP has both, a
+    flat strategy on several nodes only the latter) less what they hide
     behind: exposed = max(0, comm - overlap x window). Gradients are synchronised on the last micro-batch of
     a step only. DDP and ZeRO-1 all-reduce gradient buckets while that micro-batch's backward runs (window:
     its backward); ZeRO-2 and FSDP prefetch the next unit's all-gather during forward and backward and
@@ -128,7 +130,11 @@ def step_time(
 
     # collectives, less what hides behind the last micro-batch (its backward: input + weight gradients and
     # the recomputed forward; the whole micro-batch under ZeRO-2/FSDP)
-    dp_seconds = c.comm_bytes_per_step / hw.bandwidth if c.comm_bytes_per_step else 0.0
+    intra = hw.bandwidth if hw.nodes == 1 or hw.device != "cuda" else INTERCONNECTS["nvlink"]
+    if c.comm_intra_node_bytes_per_step or c.comm_inter_node_bytes_per_step:  # each part over its own link
+        dp_seconds = c.comm_intra_node_bytes_per_step / intra + c.comm_inter_node_bytes_per_step / hw.bandwidth
+    else:  # a plan made before the split: everything over the slowest link
+        dp_seconds = c.comm_bytes_per_step / hw.bandwidth if c.comm_bytes_per_step else 0.0
     if c.strategy.uses_fsdp:
         window = micro
     elif c.strategy is Strategy.SINGLE:
@@ -137,7 +143,6 @@ def step_time(
         backward = per_token.input_gradients + per_token.weight_gradients + recompute
         window = micro * backward / (per_token.per_token + recompute)
     overlap = GPU_OVERLAP if hw.device == "cuda" else CPU_OVERLAP
-    intra = hw.bandwidth if hw.nodes == 1 or hw.device != "cuda" else INTERCONNECTS["nvlink"]
     tp_seconds = c.tp_comm_bytes_per_step / intra if c.tp_comm_bytes_per_step else 0.0
     communication = max(0.0, dp_seconds - overlap * window) + tp_seconds
 

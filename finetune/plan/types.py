@@ -106,6 +106,12 @@ class Candidate:
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
     comm_bytes_per_step: int = 0
     comm_seconds_per_step: float | None = None
+    # comm_bytes_per_step split by link: inside a node, and across nodes (a flat strategy on several nodes counts
+    # all of it across nodes: its rings cross the slowest link); the seconds of each over its link
+    comm_intra_node_bytes_per_step: int = 0
+    comm_inter_node_bytes_per_step: int = 0
+    comm_intra_node_seconds_per_step: float = 0.0
+    comm_inter_node_seconds_per_step: float = 0.0
     fits: bool = True  # status is FITS (kept in the JSON)
     note: str = ""  # the status's note (kept in the JSON)
     eval_batch_size: int = 0  # rows per evaluation batch (eval.batch_size, or the largest that fits); 0: not planned

@@ -380,6 +380,34 @@ class Communication(Step):
 
 
 @dataclass(frozen=True)
+class HybridCommunication(Step):
+    """What HSDP sends per step, inside a node and across nodes, beside flat FSDP over every GPU."""
+
+    method: str
+    nodes: int
+    per_node: int
+    intra_link: str
+    inter_link: str
+    intra: Link
+    inter: Link
+    fsdp: Link | None = None
+
+    def render(self) -> str:
+        """The sentence."""
+        flat = ""
+        if self.fsdp is not None:
+            flat = (f"; FSDP over all {self.nodes * self.per_node} GPUs sends {self.fsdp.bytes / 1e9:.2f} GB, all of "
+                    f"it over {self.inter_link} ({self.fsdp.seconds:.2f} s)")
+        return (
+            f"HSDP ({method_name(self.method)}) shards over the {self.per_node} GPUs of each node and replicates "
+            f"over {self.nodes} nodes: its all-gathers and reduce-scatters stay inside a node "
+            f"({self.intra.bytes / 1e9:.2f} GB per GPU per step, {self.intra.seconds:.2f} s over {self.intra_link}) "
+            f"and only the all-reduce of each GPU's gradient shard crosses nodes ({self.inter.bytes / 1e9:.2f} GB, "
+            f"{self.inter.seconds:.2f} s over {self.inter_link}){flat}."
+        )
+
+
+@dataclass(frozen=True)
 class ZeroOneAccounting(Step):
     """How the ZeRO-1 row's model states differ from the ZeRO paper's accounting."""
 

@@ -523,14 +523,14 @@ class Checkpointer:
         self.states, self.files, self.half_written = states, files, half_written
 
     def _agree(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank."""
+        """Rank 0's ``value`` on every rank, through the wait group: the others wait here while rank 0 removes
+        leftovers or finishes a checkpoint (fsync of every file), which may take longer than the training
+        group's timeout (finetune/train/distributed.py)."""
         if self.world_size == 1:
             return value
-        import torch.distributed as dist
+        from finetune.train.distributed import wait_broadcast
 
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return wait_broadcast(value)
 
     def save(self, step: int) -> Path:
         """Write ``checkpoints/step-<step>`` atomically and prune to ``output.keep``; returns its path.
@@ -542,6 +542,8 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
+        from finetune.train.distributed import wait_group
+
         root = checkpoints_dir(self.out_dir)
         final = root / f"step-{step}"
         error: str | None = None
@@ -551,9 +553,11 @@ class Checkpointer:
         tmp = root / self._agree(f".tmp-step-{step}-{os.getpid()}")
         small = {k: self.states[k].state_dict() for k in TORCH_PARTS if self.states.get(k) is not None}
         try:
+            # DCP's own coordination (plans, the gather of every rank's write results) in the wait group: a
+            # rank whose shards are written waits there for the slowest storage, unseen by NCCL's watchdog
             dcp.save(
                 {k: self.states[k] for k in SHARDED_PARTS}, checkpoint_id=str(tmp / STATE_DIR),
-                no_dist=self.world_size == 1,
+                no_dist=self.world_size == 1, process_group=wait_group(),
             )
         except (Exception, CheckpointException) as exc:  # DCP reports every rank's failure on every rank
             error = _first_error(exc)
@@ -605,9 +609,9 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if self.world_size > 1:
-            import torch.distributed as dist
+            from finetune.train.distributed import wait_barrier
 
-            dist.barrier()
+            wait_barrier()
 
     def load(self, path: Path) -> dict[str, Any]:
         """Load every part from the checkpoint ``path`` (resharding as needed); returns its meta.json.
@@ -617,6 +621,8 @@ class Checkpointer:
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
+
+        from finetune.train.distributed import wait_group
 
         meta = read_meta(path)
         if meta.get("format") != FORMAT_VERSION:
@@ -629,7 +635,7 @@ class Checkpointer:
         try:
             dcp.load(
                 {k: self.states[k] for k in SHARDED_PARTS}, checkpoint_id=str(path / STATE_DIR),
-                planner=_SafeLoadPlanner(), no_dist=self.world_size == 1,
+                planner=_SafeLoadPlanner(), no_dist=self.world_size == 1, process_group=wait_group(),
             )
         except (Exception, CheckpointException) as exc:
             raise UserError(

@@ -1,13 +1,29 @@
-"""Who this process is: rank, world size, device; process-group setup and small collectives."""
+"""Who this process is: rank, world size, device; process-group setup and small collectives.
+
+Two process groups join every rank of a multi-process run:
+
+- the training group (nccl on GPUs, gloo on CPU) for the step's collectives, whose timeout is
+  ``distributed.timeout``: a collective that waits longer stops the run (NCCL's watchdog aborts the process);
+- the wait group (gloo, created beside it), whose timeout is ``distributed.wait_timeout``, for the phases
+  where one rank works alone while the others wait: local rank 0 tokenising the data, rank 0 finishing a
+  checkpoint (fsync of every file, rename, prune) and writing the final model. A rank waiting there sits in
+  a gloo collective on the CPU, which NCCL's watchdog never sees, however long rank 0 takes.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from finetune.recipe import DEFAULT_TIMEOUT_S, DEFAULT_WAIT_TIMEOUT_S
+
+#: The wait group of this process (None before a multi-process DistContext exists, and after it closes).
+_WAIT_GROUP: Any = None
 
 
 @dataclass
@@ -41,8 +57,16 @@ class DistContext:
         return self.world_size > 1
 
     @classmethod
-    def from_env(cls) -> DistContext:
-        """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and join the process group."""
+    def from_env(
+        cls, timeout: float = DEFAULT_TIMEOUT_S, wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S
+    ) -> DistContext:
+        """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and join the process groups.
+
+        ``timeout``: seconds a collective of the training group may wait (``distributed.timeout``);
+        ``wait_timeout``: seconds a rank may wait in the wait group for one rank's long phase
+        (``distributed.wait_timeout``).
+        """
+        global _WAIT_GROUP
         rank = int(os.environ.get("RANK", 0))
         world = int(os.environ.get("WORLD_SIZE", 1))
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -54,26 +78,31 @@ class DistContext:
         if world > 1 and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(
-                backend=backend, device_id=device if device.type == "cuda" else None, **_restart_store(rank, world)
+                backend=backend, device_id=device if device.type == "cuda" else None,
+                timeout=timedelta(seconds=timeout), **_restart_store(rank, world),
             )
+            # every rank creates it, in the same order, right after the training group
+            _WAIT_GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_timeout))
         return cls(rank, world, local, device)
 
-    def all_reduce_sum(self, value: float | torch.Tensor) -> torch.Tensor:
-        """Sum a scalar over all ranks (a float64 tensor on CPU for gloo, on the device for nccl)."""
+    def all_reduce_sum(self, value: float | torch.Tensor, *, on_device: bool = False) -> torch.Tensor:
+        """Sum a scalar (or a small vector) over all ranks: a float64 tensor on the CPU, or with ``on_device``
+        left where the collective ran (the GPU under nccl), so that reading it is the caller's one host sync."""
         t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
         if not self.distributed:
             return t
         dev = self.device if self.device.type == "cuda" else torch.device("cpu")
         t = t.to(dev)
         dist.all_reduce(t)
-        return t.cpu()
+        return t if on_device else t.cpu()
 
-    def data_sum(self, value: float | torch.Tensor) -> torch.Tensor:
-        """Sum a per-replica value (tokens, summed losses) over the data-parallel replicas.
+    def data_sum(self, value: float | torch.Tensor, *, on_device: bool = False) -> torch.Tensor:
+        """Sum a per-replica value (tokens, summed losses) over the data-parallel replicas (``on_device``: as
+        :meth:`all_reduce_sum`).
 
         The ranks of a TP group hold the same value, so the sum over every rank counts it ``tp`` times.
         """
-        total = self.all_reduce_sum(value)
+        total = self.all_reduce_sum(value, on_device=on_device)
         return total / self.tp if self.tp > 1 else total
 
     def barrier(self) -> None:
@@ -81,10 +110,46 @@ class DistContext:
         if self.distributed:
             dist.barrier()
 
+    def wait_barrier(self) -> None:
+        """Wait for every rank where one rank may work for hours (the wait group; no-op for one process)."""
+        wait_barrier()
+
     def close(self) -> None:
-        """Leave the process group."""
+        """Leave the process groups."""
+        global _WAIT_GROUP
         if dist.is_initialized():
             dist.destroy_process_group()
+        _WAIT_GROUP = None
+
+
+def _several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def wait_group() -> Any:
+    """The wait group (gloo, ``distributed.wait_timeout``) of this process; None without one (then
+    torch.distributed's default group serves)."""
+    return _WAIT_GROUP
+
+
+def wait_barrier() -> None:
+    """Barrier over the wait group, after (or before) one rank's long phase; no-op without other ranks.
+
+    gloo's barrier on a CPU group: the waiting ranks hold no collective of the training group, so a long
+    phase of one rank (tokenising, fsync of a checkpoint) never meets its timeout nor NCCL's watchdog. A
+    process group made without :meth:`DistContext.from_env` (no wait group) waits in its default group.
+    """
+    if _several_ranks():
+        dist.barrier(group=_WAIT_GROUP)
+
+
+def wait_broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank through the wait group (``value`` itself without other ranks)."""
+    if not _several_ranks():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=_WAIT_GROUP)
+    return box[0]
 
 
 def _restart_store(rank: int, world: int) -> dict[str, Any]:

@@ -10,6 +10,9 @@ Every strategy is torch's own:
   root: gradients and optimizer state are sharded, parameters stay gathered from forward to backward.
 - ``fsdp``: the same with ``reshard_after_forward=True`` on the blocks (ZeRO-3): each block's parameters are
   all-gathered for its forward, freed, and gathered again for its backward.
+- ``hsdp``: fsdp over a 2-D ``("replicate", "shard")`` device mesh of (nodes, processes per node): each node's
+  ranks shard the model among themselves (the all-gathers and reduce-scatters stay inside the node) and the
+  nodes hold replicas, whose gradient shards are all-reduced across nodes after each reduce-scatter.
 - ``train.offload`` (zero2/fsdp): FSDP2's ``CPUOffloadPolicy`` on every unit: shards, gradients, optimizer
   state and step in host memory (:func:`offload_policy`).
 
@@ -29,6 +32,7 @@ materialised after sharding). Everything is read from the execution spec (finetu
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -74,6 +78,8 @@ def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> tor
     assert spec.offload == "none" or spec.strategy.uses_fsdp, "train.offload without zero2/fsdp"
     if not ctx.distributed:
         return model
+    if spec.strategy.hybrid:
+        return _fully_shard(model, spec, ctx, hybrid_mesh(spec, ctx))
     if spec.strategy.uses_fsdp:
         return _fully_shard(model, spec, ctx, dp_mesh)
     if spec.tensor_parallel:  # one data-parallel replica (checked before launch): nothing to replicate over
@@ -258,11 +264,28 @@ def offload_policy(spec: ExecSpec, device: torch.device) -> Any:
     return CPUOffloadPolicy(pin_memory=device.type != "cpu")
 
 
+def hybrid_mesh(spec: ExecSpec, ctx: DistContext) -> Any:
+    """HSDP's 2-D device mesh: ``("replicate", "shard")`` of (nodes, processes per node).
+
+    torchrun numbers the ranks node by node, so the ranks of one node are consecutive: a row of the mesh,
+    which FSDP2 shards over, while each column (one rank per node) holds the replicas of the same shard.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert ctx.world_size == spec.world_size and ctx.world_size % spec.nodes == 0, "the launcher starts the plan's"
+    per_node = ctx.world_size // spec.nodes
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", per_node))
+    assert local == per_node, f"hsdp over {spec.nodes} nodes of {per_node} processes, but this node runs {local}"
+    return init_device_mesh(ctx.device.type, (spec.nodes, per_node), mesh_dim_names=("replicate", "shard"))
+
+
 def _fully_shard(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext, mesh: Any = None) -> torch.nn.Module:
     """FSDP2 per decoder block and at the root; ZeRO-2 keeps parameters gathered after forward;
     ``spec.offload`` keeps the shards and the optimizer step in host memory (:func:`offload_policy`).
 
-    ``mesh``: the data-parallel dimension of a 2-D mesh (tensor parallelism); else every rank.
+    ``mesh``: the data-parallel dimension of a 2-D mesh (tensor parallelism), or hsdp's 2-D
+    ``("replicate", "shard")`` mesh, on which FSDP2 shards over the second dimension and replicates over the
+    first; else every rank.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

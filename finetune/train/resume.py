@@ -132,7 +132,7 @@ class RunCheckpoints:
                 # failed first attempt of this run (torchrun restarted it before any checkpoint).
                 ck.clear_checkpoints(out)
                 metrics.unlink(missing_ok=True)
-            self.ctx.barrier()
+            self.ctx.wait_barrier()  # rank 0 may be removing a large earlier run's checkpoints
             return
         path = ck.resolve_resume(resume, out)
         ck.check_resume_matches(path, identity_for(self.loaded, self.plan))
@@ -155,7 +155,7 @@ class RunCheckpoints:
                 f"resumed from {path} at step {state.step} of {self.total_steps} "
                 f"(epoch {epoch}, batch {in_epoch}){note}"
             )
-        self.ctx.barrier()
+        self.ctx.wait_barrier()  # rank 0 may be removing newer checkpoints
 
     def _check_disk(self) -> None:
         assert self.plan.execution is not None, "a plan for a run carries its execution spec"

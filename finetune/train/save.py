@@ -87,7 +87,7 @@ def save_final(
                 hf.generation_config.save_pretrained(out_dir)
     if ctx.is_main:
         tokenizer.save_pretrained(out_dir)
-    ctx.barrier()
+    ctx.wait_barrier()  # rank 0 writes the files while the others wait (the wait group's timeout)
     if gather_root:
         cast("FSDPModule", model).reshard()
 

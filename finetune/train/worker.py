@@ -113,7 +113,8 @@ def run_worker(request_path: str) -> None:
 
     request = RunRequest.read(request_path)
     loaded = request.loaded_recipe()
-    ctx = DistContext.from_env()
+    d = loaded.recipe.distributed
+    ctx = DistContext.from_env(timeout=d.timeout, wait_timeout=d.wait_timeout)
     try:
         # Every node planned on its own hardware; all of them run node 0's plan (and the same recipe).
         plan_dict = agree_with_node0(request.recipe, request.plan, ctx)
