@@ -47,6 +47,18 @@ CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces ou
 FRAGMENTATION = 0.05  # caching-allocator slack, as a fraction of tensor memory
 
 
+def overhead_parts(overhead: int) -> tuple[int, int]:
+    """A breakdown's runtime ``overhead`` as its two terms: (the caching allocator's slack, reserved beyond the
+    tensors: :data:`FRAGMENTATION` of them; what the device holds outside the allocator: the CUDA context,
+    cuBLAS/cuDNN workspaces and NCCL's buffers, :data:`CUDA_CONTEXT_BYTES`). A run measures the first as
+    ``max_memory_reserved - max_memory_allocated`` and the second as the device's used memory less the reserved;
+    (0, 0) off CUDA."""
+    if overhead <= 0:
+        return 0, 0
+    outside = min(overhead, CUDA_CONTEXT_BYTES)
+    return overhead - outside, outside
+
+
 @dataclass(frozen=True)
 class Setup:
     """Everything but the strategy's wrapping that decides memory: the execution spec and the batch."""

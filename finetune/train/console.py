@@ -126,7 +126,7 @@ class Reporter:
         )
         if gpu and result.tokens_per_s:
             u = result.utilisation
-            mfu = u.text() if u is not None else "MFU: n/a (no peak FLOPS known for this GPU; set hardware.gpu_type)"
+            mfu = u.text() if u is not None else _no_peak()
             self.plain(f"throughput: {result.tokens_per_s:,.0f} tokens/s (training steps after the first) | {mfu}")
         if result.eval is not None:
             self.print(f"final eval: {_eval_text(result.eval)}")
@@ -137,6 +137,16 @@ class Reporter:
             self.plain(retain)
         self.print(method_type(chosen.method)().saved_message(str(out)))  # where it is and how to load it
         self.plain(f"plots: finetune report {out} (--out report.html for a page with the recipe and plan)")
+
+
+def _no_peak() -> str:
+    """The MFU part of the throughput line on a GPU the peak table does not hold, naming the device."""
+    import torch
+
+    from finetune.plan.hardware import GPU_TYPES
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "this GPU"
+    return f"MFU: n/a (no peak FLOPS known for {name}; set hardware.gpu_type to one of {', '.join(GPU_TYPES)})"
 
 
 def _eval_text(ev: EvalResult) -> str:

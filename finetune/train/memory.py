@@ -1,8 +1,17 @@
-"""Measuring peak memory during training, to compare with the planner's prediction.
+"""Measuring peak memory during training, per rank, as the planner models it, to compare with its prediction.
 
-On CUDA the peak is ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. On CPU (with
-``--measure-memory``) it is the peak of tensor memory seen by ``MemTracker`` (parameters, buffers, gradients,
-optimizer state, activations, temporaries), which is what the planner predicts without its runtime overhead.
+The planner predicts a rank's tensors (parameters, gradients, optimizer state, activations, buffers) plus a
+runtime overhead of two terms (``finetune.plan.memory.overhead_parts``): the caching allocator's slack and what the
+device holds outside the allocator (CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers). On CUDA a rank
+measures each: ``torch.cuda.max_memory_allocated`` (the tensors), ``max_memory_reserved`` (the allocator's hold at
+its peak) and the device's used memory at that peak (``torch.cuda.mem_get_info``'s total - free, taken after the
+block, less what the allocator reserves then, plus its peak: the allocator never returns memory by itself, so
+what lies outside it is the same then as at the peak; other processes on the device count there too). On CPU (with
+``--measure-memory``) a rank measures the peak of tensor memory seen by ``MemTracker``, the planner's figure
+without its runtime overhead, which a CPU run does not have.
+
+Every rank measures; :func:`memory_report` takes all ranks' :meth:`PeakMemory.figures` (gathered to rank 0) and
+compares the plan with the worst rank, the one whose tensors peaked highest.
 
 Usage (the trainer wraps its first optimizer steps; entering several times keeps the maximum)::
 
@@ -10,7 +19,8 @@ Usage (the trainer wraps its first optimizer steps; entering several times keeps
     for step in ...:
         with peak if step < 2 else contextlib.nullcontext():
             ...  # forward + backward of every micro-batch, optimizer.step(), zero_grad()
-    report = peak.report(plan.chosen.memory)   # {"predicted", "measured_peak", "by_category", ...}
+    report = memory_report(device, plan.chosen.memory, [peak.figures(rank)], peak.steps)
+    print(summary_line(report))   # memory: predicted X, measured Y (Z% off)
 """
 
 from __future__ import annotations
@@ -35,10 +45,12 @@ _CATEGORY_NAMES = {
 
 
 class PeakMemory:
-    """Context manager that records the peak tensor memory of the code it wraps (on this rank).
+    """Context manager that records the peak memory of the code it wraps (on this rank).
 
-    ``measured_peak_bytes`` is the maximum over every ``with`` block; ``by_category`` is the breakdown
-    at that peak (CPU: MemTracker categories; CUDA: only ``allocated_before`` and ``peak``).
+    ``measured_peak_bytes`` is the maximum of tensor memory over every ``with`` block; ``by_category`` is the
+    breakdown at that peak (CPU: MemTracker categories; CUDA: only ``allocated_before`` and ``peak``). On CUDA,
+    ``reserved_peak_bytes`` and ``device_used_peak_bytes`` are the allocator's and the device's peaks (see the
+    module docstring), ``device_total_bytes`` the device's memory; None on CPU.
     """
 
     def __init__(
@@ -55,6 +67,9 @@ class PeakMemory:
         self.optimizer = optimizer
         self.tensors = tuple(tensors)
         self.measured_peak_bytes = 0
+        self.reserved_peak_bytes: int | None = None
+        self.device_used_peak_bytes: int | None = None
+        self.device_total_bytes: int | None = None
         self.by_category: dict[str, int] = {}
         self.steps = 0  # how many blocks were measured (1: the first step only, no optimizer state before it)
         self._tracker: Any = None
@@ -94,9 +109,16 @@ class PeakMemory:
         if self.device == "cuda":
             torch.cuda.synchronize()
             peak = int(torch.cuda.max_memory_allocated())
+            reserved = int(torch.cuda.max_memory_reserved())
+            free, total = torch.cuda.mem_get_info()
+            # outside the allocator now (context, libraries' workspaces, NCCL) + the allocator at its peak
+            used = int(total - free) - int(torch.cuda.memory_reserved()) + reserved
             if peak > self.measured_peak_bytes:
                 self.measured_peak_bytes = peak
                 self.by_category = {"allocated_before": int(self._cuda_before), "peak": peak}
+            self.reserved_peak_bytes = max(self.reserved_peak_bytes or 0, reserved)
+            self.device_used_peak_bytes = max(self.device_used_peak_bytes or 0, used)
+            self.device_total_bytes = int(total)
             return
         tracker = self._tracker
         tracker.__exit__(*exc)
@@ -115,65 +137,111 @@ class PeakMemory:
                     if str(getattr(k, "value", k)) != "Total"
                 }
 
-    # -- reporting ------------------------------------------------------------------------------------
-    def report(
-        self, predicted: MemoryBreakdown, at_rows: MemoryBreakdown | None = None, rows: tuple[int, int] | None = None
-    ) -> dict[str, Any]:
-        """The memory.json content: prediction (tensor memory, i.e. without the runtime overhead, which no
-        allocator counter sees), measured peak, error, breakdowns.
+    def figures(self, rank: int = 0) -> dict[str, Any]:
+        """This rank's measurement as memory.json lists it under ``ranks``: ``measured_peak`` (tensors) and its
+        ``by_category``; on CUDA also ``reserved_peak``, ``device_used_peak`` and ``device_total``."""
+        out: dict[str, Any] = {"rank": rank, "measured_peak": self.measured_peak_bytes,
+                               "by_category": dict(self.by_category)}
+        if self.device == "cuda":
+            out.update(reserved_peak=self.reserved_peak_bytes, device_used_peak=self.device_used_peak_bytes,
+                       device_total=self.device_total_bytes)
+        return out
 
-        ``predicted`` is the plan's (rows of ``data.max_seq_len`` tokens, the worst case); ``at_rows`` the
-        same plan predicted at the width the measured batches had (``rows``: (planned, measured) tokens), since
-        the trainer pads a micro-batch only to its longest row: ``error_at_measured_rows`` is the planner's
-        accuracy, ``error`` how far the plan's bound was from this run.
-        """
-        pred = predicted.total - predicted.overhead
-        meas = self.measured_peak_bytes
-        at = pred if at_rows is None else at_rows.total - at_rows.overhead
-        rep: dict[str, Any] = {
-            "device": self.device,
-            "predicted": pred,
-            "predicted_with_overhead": predicted.total,
-            "measured_peak": meas,
-            "steps_measured": self.steps,
-            "error": (pred - meas) / meas if meas else None,
-            "predicted_at_measured_rows": at,
-            "error_at_measured_rows": (at - meas) / meas if meas else None,
-            "predicted_by_category": predicted.to_dict(),
-            "by_category": dict(self.by_category),
+
+# -- reporting ----------------------------------------------------------------------------------------
+def worst_rank(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rank whose tensors peaked highest (the lowest-numbered of equals): the one the plan must hold."""
+    return max(ranks, key=lambda r: (r["measured_peak"], -r["rank"]))
+
+
+def memory_report(
+    device: str, predicted: MemoryBreakdown, ranks: list[dict[str, Any]], steps: int,
+    at_rows: MemoryBreakdown | None = None, rows: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """The memory.json content: the plan's prediction beside every rank's measurement (``ranks``:
+    :meth:`PeakMemory.figures` of each) and the worst rank's (:func:`worst_rank`), which the errors compare.
+
+    ``predicted`` (tensor memory: the breakdown without its runtime overhead, which no tensor counter sees) is
+    the plan's, for rows of ``data.max_seq_len`` tokens, the worst case; ``at_rows`` the same plan predicted at
+    the width the measured batches had (``rows``: (planned, measured) tokens), since the trainer pads a
+    micro-batch only to its longest row: ``error_at_measured_rows`` is the planner's accuracy, ``error`` how far
+    the plan's bound was from this run. On CUDA, ``overhead`` compares the plan's overhead terms with the worst
+    rank's reserved beyond allocated and device used beyond reserved, and ``error_with_overhead`` the plan's
+    total with the device's used memory.
+    """
+    from finetune.plan.memory import overhead_parts
+
+    worst = worst_rank(ranks)
+    pred = predicted.total - predicted.overhead
+    meas = int(worst["measured_peak"])
+    at = pred if at_rows is None else at_rows.total - at_rows.overhead
+    rep: dict[str, Any] = {
+        "device": device,
+        "predicted": pred,
+        "predicted_with_overhead": predicted.total,
+        "measured_peak": meas,
+        "worst_rank": worst["rank"],
+        "steps_measured": steps,
+        "error": (pred - meas) / meas if meas else None,
+        "predicted_at_measured_rows": at,
+        "error_at_measured_rows": (at - meas) / meas if meas else None,
+        "predicted_by_category": predicted.to_dict(),
+        "by_category": dict(worst.get("by_category", {})),
+        "ranks": sorted(ranks, key=lambda r: r["rank"]),
+    }
+    if rows is not None:
+        rep["rows"] = {"planned": rows[0], "measured": rows[1]}
+    if at_rows is not None:
+        rep["predicted_at_measured_rows_by_category"] = at_rows.to_dict()
+    reserved, used = worst.get("reserved_peak"), worst.get("device_used_peak")
+    if reserved is not None and used is not None:
+        slack, outside = overhead_parts(predicted.overhead)
+        rep["reserved_peak"], rep["device_used_peak"] = reserved, used
+        rep["error_with_overhead"] = (predicted.total - used) / used if used else None
+        rep["overhead"] = {
+            "predicted": predicted.overhead, "predicted_allocator_slack": slack, "predicted_outside_allocator": outside,
+            "measured": used - meas, "measured_allocator_slack": reserved - meas,
+            "measured_outside_allocator": used - reserved,
         }
-        if rows is not None:
-            rep["rows"] = {"planned": rows[0], "measured": rows[1]}
-        if at_rows is not None:
-            rep["predicted_at_measured_rows_by_category"] = at_rows.to_dict()
-        return rep
+    return rep
 
-    def summary_line(
-        self, predicted: MemoryBreakdown, at_rows: MemoryBreakdown | None = None, rows: tuple[int, int] | None = None
-    ) -> str:
-        """``memory: predicted X, measured Y (Z% off)``, and the prediction at the measured rows' width when
-        the batches were narrower than planned."""
-        rep = self.report(predicted, at_rows, rows)
-        err = rep["error"]
-        off = f"{100 * err:+.1f}% off" if err is not None else "not measured"
-        line = f"memory: predicted {fmt_bytes(rep['predicted'])}, measured {fmt_bytes(rep['measured_peak'])} ({off})"
-        if rows is not None and at_rows is not None:
-            err = rep["error_at_measured_rows"]
-            off = f"{100 * err:+.1f}% off" if err is not None else "not measured"
-            line += (
-                f"; planned for {rows[0]}-token rows, these batches were at most {rows[1]} (padding to the longest):"
-                f" predicted {fmt_bytes(rep['predicted_at_measured_rows'])} at {rows[1]} tokens ({off})"
-            )
-        return line
 
-    def write(
-        self, path: str | Path, predicted: MemoryBreakdown, at_rows: MemoryBreakdown | None = None,
-        rows: tuple[int, int] | None = None,
-    ) -> dict[str, Any]:
-        """Write :meth:`report` as JSON to ``path`` and return it."""
-        rep = self.report(predicted, at_rows, rows)
-        Path(path).write_text(json.dumps(rep, indent=2) + "\n")
-        return rep
+def _off(err: float | None) -> str:
+    return f"{100 * err:+.1f}% off" if err is not None else "not measured"
+
+
+def summary_line(rep: dict[str, Any]) -> str:
+    """The run's plan-versus-measured line of a :func:`memory_report`: ``memory: predicted X, measured Y (Z%
+    off)``, naming the worst rank when there are several; the prediction at the measured rows' width when the
+    batches were narrower than planned; on CUDA the plan's overhead terms beside the measured ones."""
+    n = len(rep["ranks"])
+    on = f" on rank {rep['worst_rank']}, the most of {n} ranks" if n > 1 else ""
+    line = (
+        f"memory: predicted {fmt_bytes(rep['predicted'])}, measured {fmt_bytes(rep['measured_peak'])}{on} "
+        f"({_off(rep['error'])})"
+    )
+    rows = rep.get("rows")
+    if rows is not None and "predicted_at_measured_rows_by_category" in rep:
+        line += (
+            f"; planned for {rows['planned']}-token rows, these batches were at most {rows['measured']} (padding to "
+            f"the longest): predicted {fmt_bytes(rep['predicted_at_measured_rows'])} at {rows['measured']} tokens "
+            f"({_off(rep['error_at_measured_rows'])})"
+        )
+    o = rep.get("overhead")
+    if o is not None:
+        line += (
+            f"; overhead predicted {fmt_bytes(o['predicted'])} (allocator slack "
+            f"{fmt_bytes(o['predicted_allocator_slack'])} + outside the allocator "
+            f"{fmt_bytes(o['predicted_outside_allocator'])}), measured {fmt_bytes(o['measured'])} (reserved beyond "
+            f"allocated {fmt_bytes(o['measured_allocator_slack'])} + device beyond reserved "
+            f"{fmt_bytes(o['measured_outside_allocator'])})"
+        )
+    return line
+
+
+def write_report(path: str | Path, rep: dict[str, Any]) -> None:
+    """Write a :func:`memory_report` as JSON to ``path``."""
+    Path(path).write_text(json.dumps(rep, indent=2) + "\n")
 
 
 _TRACKER_CLASS: Any = None

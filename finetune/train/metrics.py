@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,8 +77,10 @@ class MetricsProcessor:
     After every step, :meth:`log_step` counts the step into the log window and into the run's steady state
     (the steps after the first, which warms up; a one-step run's only step), and every ``log_every`` steps (at
     the last step, and with an evaluation) writes the row: loss, lr, the evaluation's columns, tokens so far,
-    tokens/s over the window, gradient norm, epoch and, on a GPU whose peak is known, the MFU. It returns the
-    window's tokens/s for the progress bar. :meth:`steady` gives the run's tokens/s and MFU for its summary.
+    tokens/s over the window's training seconds (``train_seconds``: the window's steps, without the
+    evaluations, checkpoints and logging between them), gradient norm, epoch and, on a GPU whose peak is known,
+    the MFU of those seconds. It returns the window's tokens/s for the progress bar. :meth:`steady` gives the
+    run's tokens/s and MFU for its summary.
     """
 
     def __init__(
@@ -88,11 +89,10 @@ class MetricsProcessor:
         self.writer, self.meter = writer, meter
         self.log_every, self.total_steps, self.start_step = log_every, total_steps, start_step
         self.window, self.steady_steps = Throughput(), Throughput()
-        self.window_start = time.perf_counter()
 
     def start(self) -> None:
         """The first log window starts now (just before the first step)."""
-        self.window, self.window_start = Throughput(), time.perf_counter()
+        self.window = Throughput()
 
     def log_step(
         self, step: int, result: StepResult, seconds: float, *, lr: float, tokens: int, ev: EvalResult | None = None
@@ -102,16 +102,18 @@ class MetricsProcessor:
         tokens/s over the log window up to now."""
         if step - self.start_step > 1 or self.total_steps - self.start_step == 1:  # the first step warms up
             self.steady_steps.add(result, seconds)
-        self.window.add(result, 0.0)
+        self.window.add(result, seconds)
         row: dict[str, Any] = {"step": step, "loss": result.loss, "lr": lr, **eval_fields(ev)}
-        now = time.perf_counter()
-        tokens_per_s = self.window.tokens / max(now - self.window_start, 1e-9)
+        tokens_per_s = self.window.tokens / max(self.window.seconds, 1e-9)  # training time only
         if step % self.log_every == 0 or step == self.total_steps or "eval_loss" in row or "retain_loss" in row:
-            row.update(tokens=tokens, tokens_per_s=tokens_per_s, grad_norm=result.grad_norm, epoch=result.epoch)
+            row.update(
+                tokens=tokens, tokens_per_s=tokens_per_s, train_seconds=self.window.seconds,
+                grad_norm=result.grad_norm, epoch=result.epoch,
+            )
             utilisation = self.meter(tokens_per_s, self.window.mean_width)
             if utilisation is not None:
                 row["mfu"] = utilisation.mfu
-            self.window, self.window_start = Throughput(), now
+            self.window = Throughput()
             self.writer.write(row)
         return tokens_per_s
 

@@ -1,10 +1,11 @@
-"""The memory of a run's first optimizer steps: measured, written to memory.json and printed beside the plan's
-prediction.
+"""The memory of a run's first optimizer steps: measured on every rank, gathered to rank 0, written to
+memory.json and printed beside the plan's prediction.
 
 On CUDA always, on CPU with ``--measure-memory``: a :class:`~finetune.train.memory.PeakMemory` probe wraps the
-first two steps a run (or a resumed run) takes. After two steps the measurement includes AdamW's state, so it
-compares with the plan's steady state; a one-step run compares with the planner's first-step figure (no
-optimizer state yet).
+first two steps a run (or a resumed run) takes on every rank. After two steps the measurement includes AdamW's
+state, so it compares with the plan's steady state; a one-step run compares with the planner's first-step figure
+(no optimizer state yet). Each rank's figures (tensors; on CUDA also the allocator's reserve and the device's used
+memory) go to rank 0, which compares the plan with the worst rank's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe
 from finetune.train.distributed import DistContext
-from finetune.train.memory import PeakMemory
+from finetune.train.memory import PeakMemory, memory_report, summary_line, worst_rank, write_report
 
 #: The steps measured: the 2nd is the steady state (AdamW's state exists by then).
 MEASURED_STEPS = 2
@@ -60,23 +61,37 @@ class StepMemory:
 
     def after(self, done: int) -> None:
         """After the optimizer step that followed ``done`` steps: when it is the last one measured (or the run's
-        last), keep the peak, write memory.json, print the summary line and send both figures to the trackers."""
+        last), gather every rank's figures and keep the worst rank's peak; rank 0 writes memory.json, prints the
+        summary line and sends the prediction and the worst rank's figures to the trackers."""
         step = done + 1
         if self.probe is None or done - self.start_step >= MEASURED_STEPS:
             return
         if done - self.start_step != MEASURED_STEPS - 1 and step != self.total_steps:
             return
-        self.measured_peak = self.probe.measured_peak_bytes
-        report = self.report(self.probe)
-        if report is not None:  # the trackers get the plan's prediction and the measured peak once
-            self.track(
-                {"step": step, "memory/predicted_bytes": report["predicted"],
-                 "memory/measured_bytes": report["measured_peak"]}
-            )
+        ranks = self.gather(self.probe.figures(self.ctx.rank))
+        self.measured_peak = int(worst_rank(ranks)["measured_peak"])
+        report = self.report(self.probe, ranks)
+        if report is not None:  # the trackers get the plan's prediction and the worst rank's measurement once
+            row = {"step": step, "memory/predicted_bytes": report["predicted"],
+                   "memory/measured_bytes": report["measured_peak"]}
+            if "device_used_peak" in report:
+                row.update({"memory/reserved_bytes": report["reserved_peak"],
+                            "memory/device_used_bytes": report["device_used_peak"]})
+            self.track(row)
 
-    def report(self, probe: PeakMemory) -> dict[str, Any] | None:
-        """Write memory.json and print the plan's prediction beside the measured peak (rank 0); return its
-        content (None on other ranks)."""
+    def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's figures, on every rank (a collective when the run is distributed)."""
+        if not self.ctx.distributed:
+            return [mine]
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        return [r for r in everyone if r is not None]
+
+    def report(self, probe: PeakMemory, ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Write memory.json and print the plan's prediction beside the worst rank's measurement (rank 0);
+        return its content (None on other ranks)."""
         if not self.ctx.is_main:
             return None
         from finetune.plan.flowchart import chosen_memory
@@ -93,6 +108,7 @@ class StepMemory:
             at_rows = chosen_memory(loaded, plan, device=device, first_step=first_step, seq_len=self.longest)
             rows = (planned, self.longest)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        report = probe.write(self.out_dir / "memory.json", predicted, at_rows, rows)
-        self.say(probe.summary_line(predicted, at_rows, rows))
+        report = memory_report(probe.device, predicted, ranks, probe.steps, at_rows, rows)
+        write_report(self.out_dir / "memory.json", report)
+        self.say(summary_line(report))
         return report

@@ -66,3 +66,27 @@ def test_a_device_the_table_does_not_hold_has_no_peak(device_name: str) -> None:
 def test_every_gpu_type_has_a_peak_and_a_host_link() -> None:
     assert set(PEAK_TFLOPS) == set(GPU_TYPES) == set(HOST_LINK_GBPS)
     assert {kind for _, _, kind, _ in DEVICES} == set(GPU_TYPES)
+
+
+def test_a_gpu_run_without_a_known_peak_says_how_to_name_one(tmp_path) -> None:
+    """The summary's throughput line on a GPU the table does not hold: no MFU, the device, and the gpu_type
+    values that give one."""
+    from rich.console import Console
+
+    from finetune.plan.types import Candidate
+    from finetune.spec import Method, Precision, Strategy
+    from finetune.train.console import Reporter
+    from finetune.train.state import RunResult
+
+    chosen = Candidate(method=Method("full"), strategy=Strategy("single"), precision=Precision("bf16"),
+                       micro_batch_size=1, grad_accum_steps=1, activation_checkpointing=False, nproc=1)
+    result = RunResult(steps=4, final_loss=1.5, eval=None, output_dir=tmp_path, seconds=2.0, tokens_per_s=8000.0,
+                       utilisation=None)
+    reporter = Reporter(True)
+    reporter.console = Console(record=True, width=1000)
+    reporter.summary(result, chosen, 0, gpu=True)
+    line = next(x for x in reporter.console.export_text().splitlines() if x.startswith("throughput:"))
+    assert line == (
+        "throughput: 8,000 tokens/s (training steps after the first) | MFU: n/a (no peak FLOPS known for this GPU; "
+        f"set hardware.gpu_type to one of {', '.join(GPU_TYPES)})"
+    )

@@ -41,7 +41,9 @@ def test_rows_every_log_every_at_the_end_and_with_an_evaluation(tmp_path: Path) 
     metrics.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 3, 4, 5, 5]
-    assert list(rows[0]) == ["step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm", "epoch"]  # no MFU on CPU
+    assert list(rows[0]) == [
+        "step", "loss", "lr", "tokens", "tokens_per_s", "train_seconds", "grad_norm", "epoch"
+    ]  # no MFU on CPU
     assert rows[1]["eval_loss"] == 1.25 and rows[1]["eval_exact_match"] == 0.5 and rows[1]["tokens"] == 60
     assert rows[3]["lr"] == pytest.approx(5e-3) and rows[3]["tokens"] == 150
     assert rows[4] == {"step": 5, "eval_loss": 1.0, "eval_exact_match": 0.5}

@@ -1,0 +1,52 @@
+"""memory.json and the plan-versus-measured line from every rank's figures: the worst rank is the one compared,
+and on CUDA the plan's two overhead terms stand beside what was measured beyond the tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.plan.memory import CUDA_CONTEXT_BYTES, overhead_parts
+from finetune.plan.types import MemoryBreakdown
+from finetune.train.memory import memory_report, summary_line
+
+GiB, MiB = 2**30, 2**20
+# 10 GiB of tensors, 5% allocator slack, the CUDA context term
+PLAN = MemoryBreakdown(params=4 * GiB, grads=2 * GiB, optimizer=2 * GiB, activations=2 * GiB,
+                       overhead=CUDA_CONTEXT_BYTES + GiB // 2)
+
+
+def _cuda(rank: int, allocated: int, reserved: int, used: int) -> dict:
+    return {"rank": rank, "measured_peak": allocated, "by_category": {"peak": allocated}, "reserved_peak": reserved,
+            "device_used_peak": used, "device_total": 80 * GiB}
+
+
+def test_the_worst_rank_is_compared_and_every_rank_is_kept() -> None:
+    ranks = [_cuda(0, 9 * GiB, 9 * GiB + 300 * MiB, 10 * GiB + 300 * MiB),
+             _cuda(1, 10 * GiB, 10 * GiB + 512 * MiB, 12 * GiB)]
+    rep = memory_report("cuda", PLAN, ranks, 2)
+    assert (rep["worst_rank"], rep["measured_peak"]) == (1, 10 * GiB)
+    assert rep["error"] == 0.0  # the plan's 10 GiB of tensors against rank 1's, not rank 0's 9 GiB
+    assert [r["rank"] for r in rep["ranks"]] == [0, 1] and rep["ranks"][0]["measured_peak"] == 9 * GiB
+    assert rep["overhead"] == {
+        "predicted": PLAN.overhead, "predicted_allocator_slack": GiB // 2,
+        "predicted_outside_allocator": CUDA_CONTEXT_BYTES,
+        "measured": 2 * GiB, "measured_allocator_slack": 512 * MiB, "measured_outside_allocator": 1536 * MiB,
+    }
+    assert rep["error_with_overhead"] == pytest.approx((PLAN.total - 12 * GiB) / (12 * GiB))
+    assert summary_line(rep) == (
+        "memory: predicted 10.0 GiB, measured 10.0 GiB on rank 1, the most of 2 ranks (+0.0% off); overhead "
+        "predicted 1.2 GiB (allocator slack 512.0 MiB + outside the allocator 768.0 MiB), measured 2.0 GiB "
+        "(reserved beyond allocated 512.0 MiB + device beyond reserved 1.5 GiB)"
+    )
+
+
+def test_one_cpu_process_reports_its_tensors_alone() -> None:
+    cpu_plan = MemoryBreakdown(params=60 * MiB, activations=40 * MiB)
+    rep = memory_report("cpu", cpu_plan, [{"rank": 0, "measured_peak": 80 * MiB, "by_category": {}}], 2)
+    assert "overhead" not in rep and rep["worst_rank"] == 0
+    assert summary_line(rep) == "memory: predicted 100.0 MiB, measured 80.0 MiB (+25.0% off)"
+
+
+def test_the_overhead_splits_into_its_two_terms() -> None:
+    assert overhead_parts(0) == (0, 0)  # off CUDA
+    assert overhead_parts(CUDA_CONTEXT_BYTES + 123) == (123, CUDA_CONTEXT_BYTES)
