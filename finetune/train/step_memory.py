@@ -11,6 +11,7 @@ memory) go to rank 0, which compares the plan with the worst rank's.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ class StepMemory:
         self.probe: PeakMemory | None = None
         self.longest = 0  # the widest micro-batch measured (tokens)
         self.measured_peak: int | None = None
+        self._report_seconds = 0.0  # spent in after() gathering and reporting: not training time
 
     def measuring(
         self, done: int, micro: list[dict[str, torch.Tensor]], model: torch.nn.Module, optimizer: Any
@@ -68,6 +70,7 @@ class StepMemory:
             return
         if done - self.start_step != MEASURED_STEPS - 1 and step != self.total_steps:
             return
+        started = time.perf_counter()
         ranks = self.gather(self.probe.figures(self.ctx.rank))
         self.measured_peak = int(worst_rank(ranks)["measured_peak"])
         report = self.report(self.probe, ranks)
@@ -78,6 +81,14 @@ class StepMemory:
                 row.update({"memory/reserved_bytes": report["reserved_peak"],
                             "memory/device_used_bytes": report["device_used_peak"]})
             self.track(row)
+        self._report_seconds += time.perf_counter() - started
+
+    def pop_report_seconds(self) -> float:
+        """Seconds :meth:`after` spent since the last call gathering, planning at the measured width and writing
+        (inside the optimizer step that called it, but no training): the trainer takes them out of the step's
+        time, so that tokens/s and MFU cover training alone."""
+        seconds, self._report_seconds = self._report_seconds, 0.0
+        return seconds
 
     def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's figures, on every rank (a collective when the run is distributed)."""
