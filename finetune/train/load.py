@@ -65,6 +65,9 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from finetune.train.heap import fix_mmap_threshold
+
+    fix_mmap_threshold()  # before the first large block is freed (finetune/train/heap.py)
     r = loaded.recipe
     path = resolve_model_path(loaded)
     flex.install_if(r.model.attn_implementation)

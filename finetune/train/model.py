@@ -49,6 +49,9 @@ def load_base_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from finetune.train.heap import fix_mmap_threshold
+
+    fix_mmap_threshold()  # before the first large block is freed (finetune/train/heap.py)
     r = loaded.recipe
     path = resolve_model_path(loaded)
     dtype = torch_dtype(spec.base_dtype(False))
