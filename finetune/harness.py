@@ -226,15 +226,23 @@ def load_tasks(requests: list[TaskRequest], manager: Any) -> None:
         except UserError:
             raise
         except Exception as err:
-            if r.registered:
-                entry = manager.task_index.get(r.name)
-                dataset = ((entry.cfg or {}).get("dataset_path") if entry is not None else None) or "its dataset"
+            if _not_local(err):
+                cfg = r.spec if isinstance(r.spec, dict) else getattr(manager.task_index.get(r.name), "cfg", None)
+                dataset = (cfg or {}).get("dataset_path") or "its dataset"
                 raise UserError(
                     f"--tasks {r.name}: its data ({dataset}) is not in the local Hugging Face datasets cache "
                     "(finetune eval runs with HF_DATASETS_OFFLINE=1); load it once where the Hub is reachable "
                     "(HF_DATASETS_OFFLINE=0 finetune eval ...), or write a YAML task over a local file"
                 ) from None
             raise UserError(f"--tasks {r.name}: lm-eval cannot build this task ({type(err).__name__}: {err})") from None
+
+
+def _not_local(err: BaseException) -> bool:
+    """Whether building a task failed for want of its data (offline, not in the datasets cache)."""
+    text = f"{type(err).__name__}: {err}".lower()
+    return isinstance(err, (ConnectionError, FileNotFoundError)) or any(
+        w in text for w in ("offline", "couldn't reach", "datasetnotfound", "couldn't find")
+    )
 
 
 def build_requests(names: list[str], run: Path, recipe: dict[str, Any] | None, tokenizer: Any, workdir: Path) -> list[TaskRequest]:
