@@ -94,6 +94,13 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama full bf16 tp2", "llama", {"method": "full", "precision": "bf16", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
     ("llama lora fp32 tp2", "llama", {"method": "lora", "precision": "fp32", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
     ("llama lora bf16 tp2", "llama", {"method": "lora", "precision": "bf16", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
+    # dpo (train.objective: dpo): chosen and rejected rows of exactly max_seq_len tokens per pair; the reference is
+    # LoRA's base (adapters off), a frozen copy (full, reference: model) or precomputed before the first step
+    ("llama lora fp32 mb8 dpo", "llama", {"method": "lora", "precision": "fp32", "mbs": 8, "objective": "dpo"}, 1),
+    ("llama full fp32 mb8 dpo reference model", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 8, "objective": "dpo"}, 1),
+    ("llama full fp32 mb8 dpo precomputed", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 8, "objective": "dpo", "reference": "precomputed"}, 1),
 ]
 FAST = ["llama full fp32 mb16", "llama lora fp32 mb16"]
 # On a CUDA GPU (scripts/gpu_check.sh): torch.cuda.max_memory_allocated against the plan.
@@ -121,6 +128,25 @@ def packed_samples(root: Path, seq_len: int = SEQ_LEN) -> Path:
         with path.open("w") as f:
             for _ in range(256):
                 f.write(json.dumps({"input_ids": [rng.randrange(3, 256) for _ in range(seq_len // 2)]}) + "\n")
+    return path
+
+
+def preference_pairs(root: Path, seq_len: int = SEQ_LEN) -> Path:
+    """Preference rows whose chosen and rejected rows are both exactly ``seq_len`` tokens with the tiny byte
+    tokenizer (BOS + prompt + completion + EOS): the planned worst case."""
+    import random
+
+    path = root / f"pairs_{seq_len}.jsonl"
+    if not path.exists():
+        rng = random.Random(0)
+        half = seq_len // 2 - 1
+
+        def text(n: int) -> str:
+            return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n))
+
+        with path.open("w") as f:
+            for _ in range(64):
+                f.write(json.dumps({"prompt": text(half), "chosen": text(half), "rejected": text(half)}) + "\n")
     return path
 
 
@@ -153,6 +179,9 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
     packing = change.get("packing", True)
     # without packing (prefix tuning refuses it), rows of exactly seq tokens: the planned worst case
     rows = packed_samples(root, seq) if packing else packed_samples(root, 2 * seq)
+    data = {"train": str(rows), "format": "tokenized", "max_seq_len": seq, "packing": packing}
+    if "objective" in change:
+        data = {"train": str(preference_pairs(root, seq)), "format": "preference", "max_seq_len": seq}
     return {
         "model": {"path": str(model_dir(arch, root)), "init": "random", "attn_implementation": change.get("attn", "sdpa")},
         "method": change["method"],
@@ -161,10 +190,12 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
         "prefix": {"num_virtual_tokens": 16},
         "adapter": {"reduction_factor": 8},
         "quantization": {"bits": change.get("bits", 4)},
-        "data": {"train": str(rows), "format": "tokenized", "max_seq_len": seq, "packing": packing},
+        "data": data,
         "train": {"max_steps": steps, "global_batch_size": 16, "micro_batch_size": mbs,
                   "activation_checkpointing": change.get("ac", False), "lr": 1e-3, "seed": 0,
-                  "optimizer": change.get("optimizer", "adamw"), "offload": change.get("offload", "none")},
+                  "optimizer": change.get("optimizer", "adamw"), "offload": change.get("offload", "none"),
+                  "objective": change.get("objective", "sft")},
+        "dpo": {"reference": change.get("reference", "model")},
         "precision": change["precision"],
         "distributed": {"strategy": change.get("strategy", "single"), "nproc": nproc, "tp": change.get("tp", 1)},
         "eval": {"every": 0},
