@@ -226,12 +226,14 @@ def _label(c: Candidate) -> str:
 
 def _host_peak(s: Setting, c: Candidate) -> tuple[int, str]:
     """The whole job's host memory per node of ``c`` and the phase that peaks."""
-    from finetune.plan.job import host_peak_phase, job_figures
+    from finetune.plan.job import host_peak_phase, job_figures, weights_itemsize
 
     world = 1 if c.strategy == "single" else s.world
     spec = s.exec_spec(c.method, c.strategy, c.activation_checkpointing, world, c.tp, c.optimizer, c.offload)
     per_node = 1 if c.strategy == "single" else s.hw.gpus_per_node
-    job = job_figures(s.inv, spec, world, per_node, s.hw.device)
+    job = job_figures(
+        s.inv, spec, world, per_node, s.hw.device, weights_itemsize=weights_itemsize(s.req.config), step=c.memory
+    )
     return job.host_peak_per_node, host_peak_phase(job.to_dict())[0]
 
 
@@ -585,7 +587,7 @@ def _table(s: Setting, traced: frozenset[tuple[str, bool, int]]) -> list[Candida
 def _check_host_memory(s: Setting, rows: list[Candidate]) -> tuple[list[Candidate], dict[str, Any], list[w.Step]]:
     """The whole job's figures (finetune/plan/job.py) of the chosen row (first); rows whose host memory per
     node exceeds ``hw.host_memory`` do not fit, with the reason in the walk."""
-    from finetune.plan.job import host_peak_phase, job_figures
+    from finetune.plan.job import host_peak_phase, job_figures, weights_itemsize
 
     out: list[Candidate] = []
     steps: list[w.Step] = []
@@ -594,7 +596,9 @@ def _check_host_memory(s: Setting, rows: list[Candidate]) -> tuple[list[Candidat
         world = 1 if c.strategy == "single" else s.world
         spec = s.exec_spec(c.method, c.strategy, c.activation_checkpointing, world, c.tp, c.optimizer, c.offload)
         per_node = 1 if c.strategy == "single" else s.hw.gpus_per_node
-        job = job_figures(s.inv, spec, world, per_node, s.hw.device)
+        job = job_figures(
+            s.inv, spec, world, per_node, s.hw.device, weights_itemsize=weights_itemsize(s.req.config), step=c.memory
+        )
         if i == 0:
             chosen_job = job.to_dict()
         limit = s.hw.host_memory

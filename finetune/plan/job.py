@@ -2,15 +2,21 @@
 
 For a configuration (an execution spec on ``world`` ranks, ``per_node`` of them on a node) and the model's
 inventory, with P the parameters' stored bytes, L the largest parameter's stored bytes, S the number of
-shards (``world`` under zero2/fsdp, else 1) and g the ranks on a node:
+shards (``world`` under zero2/fsdp, one node's ranks under hsdp, else 1), g the ranks on a node and B the
+loader's buffer (:func:`load_buffer`: the larger of the largest parameter drawn whole, as ``model.init:
+random`` draws it, and the rank's slice of the largest tensor in the checkpoint's own dtype, as the
+pretrained load reads it; a quantizing load reads whole tensors):
 
     load peak per GPU       P/S + L      each rank's shards, plus one tensor being read and cast
-    host, loading           g x L        (GPU) each rank stages one tensor on its way to the device;
-                            g x (P/S + L) on CPU, where the model itself lives in host memory
+    host, loading           g x B        (GPU) each rank stages one tensor's slice on its way to the device;
+                            g x (P/S + B) on CPU, where the model itself lives in host memory
+    host, training          g x R        (CPU) the training step's own memory per rank (R, the plan's total);
+                            nothing beyond the processes on a GPU, where the step lives on the device
     host, checkpoint save   g x L/S      (GPU) DCP copies each rank's shards to host one tensor at a time;
-                            on CPU the state is already there and the write adds one tensor's shard per rank
+                            on CPU the state is already there (g x M: each rank's parameters, gradients and
+                            optimizer state) and the write adds one tensor's shard per rank
     host, final save        L            (GPU) rank 0 copies one gathered tensor to host at a time;
-                            g x L on CPU, where every rank's all-gather lands in host memory
+                            g x (M + L) on CPU, where every rank's all-gather lands in host memory
     checkpoint on disk      finetune.units.checkpoint_bytes (weights kept + AdamW's two moments)
     final model on disk     P (full fine-tuning, as stored) or the fp32 adapters
 
@@ -19,9 +25,10 @@ optimizer state live in host memory from loading to the end (finetune.plan.memor
 rank): g x O more per node while a checkpoint or the final model is saved, and g x P/S more while loading
 (the shards are materialised on the host). On CPU they are the training step's memory, counted there.
 
-plus :data:`HOST_PER_PROCESS` per process on a node for the interpreter, torch and the data (a GPU run's CUDA
-context too). Before sharded loading every rank first held the whole model (P per rank) and rank 0 gathered
-the weights and AdamW's state (about P + 2 x trainable x 4 bytes) for every checkpoint.
+plus :data:`HOST_PER_PROCESS` per process on a node for the interpreter, torch, the data and the CUDA context
+(:data:`HOST_PER_PROCESS_CPU` for a process training on the CPU). Before sharded loading every rank first held
+the whole model (P per rank) and rank 0 gathered the weights and AdamW's state (about P + 2 x trainable x 4
+bytes) for every checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ from finetune.spec import DTYPE_BYTES, ExecSpec
 
 #: Host memory of one training process beyond the model: interpreter, torch, tokenizer, data, CUDA context.
 HOST_PER_PROCESS = 2 * 1024**3
+#: The same for a process training on the CPU (no CUDA context): the peak RssAnon of each rank of the tiny
+#: model's LoRA run under fsdp on 2 processes, 404 MiB while loading and 414 MiB for the whole run
+#: (scripts/bench_load_memory.py, docs/benchmarks.md), where the model's part is under 8 MiB.
+HOST_PER_PROCESS_CPU = 416 * 1024**2
 
 
 @dataclass
@@ -48,11 +59,17 @@ class JobFigures:
     checkpoint_bytes: int
     final_model_bytes: int
     host_offload_per_node: int = 0  # train.offload on a GPU: the node's ranks' offloaded state (in the phases)
+    host_training_per_node: int = 0  # the processes, and on CPU each rank's training step
 
     @property
     def host_peak_per_node(self) -> int:
-        """The largest of the three host phases."""
-        return max(self.host_loading_per_node, self.host_checkpoint_per_node, self.host_final_save_per_node)
+        """The largest of the host phases."""
+        return max(
+            self.host_loading_per_node,
+            self.host_training_per_node,
+            self.host_checkpoint_per_node,
+            self.host_final_save_per_node,
+        )
 
     def to_dict(self) -> dict[str, int]:
         """JSON form, with the host peak."""
@@ -62,6 +79,7 @@ class JobFigures:
 #: The host phases of a job's figures (keys of :meth:`JobFigures.to_dict`) and how a sentence names them.
 HOST_PHASES = (
     ("host_loading_per_node", "loading"),
+    ("host_training_per_node", "training"),
     ("host_checkpoint_per_node", "checkpoint save"),
     ("host_final_save_per_node", "final save"),
 )
@@ -73,8 +91,22 @@ def host_peak_phase(job: Mapping[str, int]) -> tuple[str, int]:
     return name, int(job[key])
 
 
-def job_figures(inv: Any, spec: ExecSpec, world: int, per_node: int, device: str) -> JobFigures:
-    """The figures of the module docstring for ``spec`` on ``world`` ranks (``per_node`` on a node)."""
+def job_figures(
+    inv: Any,
+    spec: ExecSpec,
+    world: int,
+    per_node: int,
+    device: str,
+    *,
+    weights_itemsize: int = 4,
+    step: Any = None,
+) -> JobFigures:
+    """The figures of the module docstring for ``spec`` on ``world`` ranks (``per_node`` on a node).
+
+    ``weights_itemsize``: bytes per value in the model's checkpoint files (:func:`weights_itemsize`);
+    ``step``: the configuration's memory per rank (a ``MemoryBreakdown``), which on a CPU device is host memory
+    (R and M of the module docstring; without it they count nothing).
+    """
     from finetune.units import checkpoint_bytes
 
     sb = inv.storage(spec)
@@ -84,18 +116,24 @@ def job_figures(inv: Any, spec: ExecSpec, world: int, per_node: int, device: str
         shards = max(1, world // spec.nodes)
     g = per_node
     resident = sb.param_bytes // shards + largest
-    base = g * HOST_PER_PROCESS
+    buffer = load_buffer(inv, spec, shards, weights_itemsize)
     if device == "cpu":
-        loading = base + g * resident
-        ckpt = base + g * (largest // shards)
-        final = base + g * largest
+        base = g * HOST_PER_PROCESS_CPU
+        states = 0 if step is None else step.params + step.grads + step.optimizer
+        loading = base + g * (sb.param_bytes // shards + buffer)
+        training = base + g * (0 if step is None else step.total)
+        ckpt = base + g * (states + largest // shards)
+        final = base + g * (states + largest)
     else:
-        loading = base + g * largest
+        base = g * HOST_PER_PROCESS
+        loading = base + g * buffer
+        training = base
         ckpt = base + g * (largest // shards)
         final = base + largest
     offload = g * offloaded_per_rank(inv, spec, world, device)
     if offload:  # resident from materialisation to the end of the job
         loading += g * -(-sb.param_bytes // shards)
+        training += offload
         ckpt += offload
         final += offload
     saved = sb.param_bytes if not spec.method.adapters else sb.trainable * DTYPE_BYTES["fp32"]
@@ -107,7 +145,27 @@ def job_figures(inv: Any, spec: ExecSpec, world: int, per_node: int, device: str
         checkpoint_bytes=checkpoint_bytes(saved, sb.trainable),
         final_model_bytes=saved,
         host_offload_per_node=offload,
+        host_training_per_node=training,
     )
+
+
+def load_buffer(inv: Any, spec: ExecSpec, shards: int, weights_itemsize: int) -> int:
+    """Host bytes one rank's loader holds beside its shards: the larger of the largest base parameter drawn
+    whole in its stored dtype (``model.init: random`` draws one tensor at a time) and the rank's slice of the
+    largest tensor as the checkpoint stores it (the pretrained load reads one slice at a time, in the file's
+    dtype, and casts it into the shard; a quantizing load reads the whole tensor)."""
+    stored = max((inv.base_bytes(spec, t) for t in inv.base), default=0)
+    numel = inv.largest_base_numel()
+    read = 1 if spec.quant is not None else shards
+    return max(stored, -(-numel // read) * weights_itemsize)
+
+
+def weights_itemsize(config: Any) -> int:
+    """Bytes per value of a model's checkpoint files as its config records their dtype (``dtype``, formerly
+    ``torch_dtype``); 4 (fp32, what ``from_pretrained`` assumes) when it records none."""
+    dtype = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
+    name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+    return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}.get(name, 4)
 
 
 def offloaded_per_rank(inv: Any, spec: ExecSpec, world: int, device: str) -> int:

@@ -85,6 +85,11 @@ def print_plan(plan: Plan, console: Any = None) -> None:
         console.print(
             f"whole job: loading peaks at {compact_bytes(job['load_peak_per_gpu'])} per GPU (its shards + one tensor); "
             f"host memory per node {compact_bytes(job['host_loading_per_node'])} loading, "
+            + (  # on a CPU device the training step's memory is host memory
+                f"{compact_bytes(job['host_training_per_node'])} training, "
+                if hw.get("device") == "cpu" and "host_training_per_node" in job
+                else ""
+            ) +
             f"{compact_bytes(job['host_checkpoint_per_node'])} saving a checkpoint, "
             f"{compact_bytes(job['host_final_save_per_node'])} saving the final model ("
             f"{'of ' + compact_bytes(hw['host_memory']) if hw.get('host_memory') else 'not checked: --host-memory'}); disk {compact_bytes(job['checkpoint_bytes'])} per "
