@@ -1,0 +1,153 @@
+"""Section memory: the plan against the measured memory, through `finetune run --measure-memory`.
+
+Eight runs of the same job, each through the real CLI: full fine-tuning, LoRA, QLoRA 4-bit (NF4) and QLoRA
+8-bit (LLM.int8), each in bf16 and in fp16 (loss scaling), with an evaluation at the end. Each run's
+memory.json holds the plan's prediction of the step's tensor memory beside torch's allocated peak over its
+first two steps (and, where the trainer records them, the allocator's reserved bytes and the device memory in
+use); the figures here are those, their ratios, the plan's chosen configuration, the losses, the final
+evaluation, tokens/s and MFU. One run (:data:`RESUMED`) saves checkpoints and is resumed from the first: the
+resumed steps must repeat the uninterrupted run's losses.
+
+On the GPU: a ~150M-parameter Llama (:data:`~scripts.gpu_check.jobs.MID_LLAMA`), packed rows of 512 tokens,
+global batch 16 in micro-batches of 8, 4 steps, each run in its own process. ``--dry-run``: four of the
+configurations (:data:`DRY_CONFIGS`) and the resume on a micro model, 2 steps, the CLI in this process
+(MemTracker measures on the CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+from scripts.gpu_check import jobs
+from scripts.gpu_check.report import Check
+
+#: name -> (method, quantization bits, precision)
+CONFIGS: dict[str, tuple[str, int | None, str]] = {
+    "full-bf16": ("full", None, "bf16"),
+    "lora-bf16": ("lora", None, "bf16"),
+    "qlora4-bf16": ("qlora", 4, "bf16"),
+    "qlora8-bf16": ("qlora", 8, "bf16"),
+    "full-fp16": ("full", None, "fp16"),
+    "lora-fp16": ("lora", None, "fp16"),
+    "qlora4-fp16": ("qlora", 4, "fp16"),
+    "qlora8-fp16": ("qlora", 8, "fp16"),
+}
+#: The run that is checkpointed and resumed.
+RESUMED = "qlora4-bf16"
+#: The dry run's configurations: every method and both precisions once (the CPU emulates 16-bit matmuls).
+DRY_CONFIGS = ("full-bf16", "lora-fp16", "qlora4-bf16", "qlora8-fp16")
+#: On the GPU, the plan's prediction at the measured rows must be within this fraction of the allocated peak.
+TOLERANCE = 0.30
+
+
+def job(check: Check, name: str, model: Path, data: dict[str, str]) -> dict[str, Any]:
+    """The recipe of configuration ``name``."""
+    method, bits, precision = CONFIGS[name]
+    gpu = not check.dry_run
+    steps = 4 if gpu else 2
+    sections: dict[str, Any] = {
+        "method": method,
+        "precision": precision,
+        "data": {"train": data["train"], "eval": data["eval"], "format": "instruction",
+                 "max_seq_len": 512 if gpu else 64, "packing": gpu, "cache_dir": str(check.work / "cache")},
+        "train": {"max_steps": steps, "global_batch_size": 16 if gpu else 4, "micro_batch_size": 8 if gpu else 2,
+                  "lr": 1e-4 if method == "full" else 1e-3, "seed": 0, "warmup_steps": 0},
+        "lora": {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "eval": {"at_start": False, "max_samples": 16 if gpu else 4, "batch_size": 16 if gpu else 4,
+                 "max_new_tokens": 8 if gpu else 2},
+        "output": {"log_every": 1, "save_every": (steps // 2) if name == RESUMED else 0},
+    }
+    if bits is not None:
+        sections["quantization"] = {"bits": bits}
+    return jobs.recipe(check.work / name, model, **sections)
+
+
+def summarize_run(out: Path) -> dict[str, Any]:
+    """What a finished run left: its plan's choice, memory.json's figures, losses, evaluation, speed."""
+    rows = jobs.step_rows(out)
+    chosen = jobs.plan_chosen(out)
+    evals = jobs.eval_rows(out)
+    speeds = [r["tokens_per_s"] for r in rows[1:] if r.get("tokens_per_s")]
+    mfus = [r["mfu"] for r in rows[1:] if isinstance(r.get("mfu"), (int, float))]
+    return {
+        "chosen": {k: chosen.get(k) for k in ("strategy", "precision", "micro_batch_size", "grad_accum_steps",
+                                              "activation_checkpointing", "optimizer")},
+        "memory": jobs.memory_figures(jobs.memory_json(out)),
+        "losses": [r["loss"] for r in rows],
+        "final_eval": evals[-1] if evals else None,
+        "tokens_per_s": statistics.median(speeds) if speeds else None,
+        "mfu": statistics.median(mfus) if mfus else None,
+    }
+
+
+def run(check: Check) -> None:
+    """The section (see the module's docstring)."""
+    gpu = not check.dry_run
+    if gpu and not jobs.cuda():
+        raise RuntimeError("no CUDA device visible")
+    model = jobs.model_dir(check.work / "model", **(jobs.MID_LLAMA if gpu else jobs.MICRO_LLAMA))
+    data = jobs.small_data(check.work / "data", 4000 if gpu else 32)
+    names = list(CONFIGS) if gpu else list(DRY_CONFIGS)
+    check.figure("configs", names)
+    runs: dict[str, Any] = {}
+    worst: tuple[float, str] = (0.0, "")
+    for name in names:
+        out = check.work / name
+        path = jobs.write_recipe(check.work / f"{name}.yaml", job(check, name, model, data))
+        rc, seconds, _ = jobs.finetune(["run", str(path), "--measure-memory"], in_process=not gpu)
+        result = {"exit_code": rc, "seconds": round(seconds, 1), **summarize_run(out)}
+        runs[name] = result
+        check.figure("runs", runs)
+        mem = result["memory"]
+        ok = rc == 0 and mem.get("measured_peak") is not None
+        check.expect(f"{name}: ran and wrote memory.json", ok, rc)
+        if not ok:
+            continue
+        check.expect(f"{name}: finite losses and a final evaluation",
+                     all(math.isfinite(x) for x in result["losses"]) and result["final_eval"] is not None)
+        err = mem.get("error_at_measured_rows", mem.get("error"))
+        if isinstance(err, (int, float)) and abs(err) >= worst[0]:
+            worst = (abs(err), name)
+        if gpu:
+            check.expect(f"{name}: plan within {TOLERANCE:.0%} of the allocated peak",
+                         isinstance(err, (int, float)) and abs(err) <= TOLERANCE, err)
+    resumed = resume(check, runs.get(RESUMED))
+    check.figure("resume", resumed)
+    ran = sum(r["exit_code"] == 0 for r in runs.values())
+    check.figure(
+        "headline",
+        f"{ran}/{len(names)} runs; largest plan error {worst[0]:.1%} ({worst[1]}); "
+        f"resume {'repeats the losses' if resumed.get('ok') else 'differs or failed'}",
+    )
+
+
+def resume(check: Check, original: dict[str, Any] | None) -> dict[str, Any]:
+    """Resume :data:`RESUMED` from its first checkpoint; its steps after that must repeat the losses."""
+    if not original or original["exit_code"] != 0:
+        check.expect("resume: the run to resume finished", False)
+        return {"ok": False}
+    out = check.work / RESUMED
+    first = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    if not first:
+        check.expect("resume: the run saved a checkpoint", False)
+        return {"ok": False}
+    ckpt = first[0]
+    at = int(ckpt.name.split("-")[1])
+    shutil.copy(out / "metrics.jsonl", check.work / "metrics-uninterrupted.jsonl")
+    rc, seconds, _ = jobs.finetune(["run", str(check.work / f"{RESUMED}.yaml"), "--resume", str(ckpt)],
+                                in_process=check.dry_run)
+    again = [r["loss"] for r in jobs.step_rows(out)]
+    want = original["losses"]
+    tail, want_tail = again[at:], want[at:]
+    rel = jobs.max_rel(tail, want_tail)
+    tol = 0.0 if check.dry_run else 1e-3  # CPU kernels repeat bit for bit; GPU reductions may not
+    ok = rc == 0 and len(again) == len(want) and rel <= tol
+    check.expect(f"resume: steps {at + 1}..{len(want)} repeat the uninterrupted losses"
+                 + (" exactly" if tol == 0 else f" within {tol:g}"), ok, rel if math.isfinite(rel) else None)
+    return {"config": RESUMED, "from": ckpt.name, "exit_code": rc, "seconds": round(seconds, 1),
+            "uninterrupted": want_tail, "resumed": tail, "max_rel_diff": rel if math.isfinite(rel) else None,
+            "ok": ok}
