@@ -98,6 +98,7 @@ class Target:
     recipe: dict[str, Any] | None = None
     plan: dict[str, Any] | None = None
     adapter_config: dict[str, Any] = field(default_factory=dict)
+    flag: str = "RUN_OR_MODEL"  # the argument that named it, for messages
 
     @property
     def quantized_base(self) -> bool:
@@ -298,9 +299,8 @@ def settle_base(adapters: list[Target], base: str | None, scratch: Path) -> Base
             continue  # a bare adapter whose config names no local base: its shapes are checked as it loads
         why = base_difference(own, path)
         if why is not None:
-            flag = "--adapter" if len(adapters) > 1 or base is None else "RUN_OR_MODEL"
             raise UserError(
-                f"{flag} {t.name} was trained on the base {own}, not on {path}: {why}; give adapters of one base"
+                f"{t.flag} {t.name} was trained on the base {own}, not on {path}: {why}; give adapters of one base"
             )
     return Base(path, first if first.quantized_base else None, first.plan, first.recipe)
 
@@ -584,6 +584,7 @@ def prepare(opts: ChatOptions, scratch: Path) -> tuple[list[Target], Base | None
     adapters: list[Target] = []
     for name, d, flag in specs:
         t = inspect_dir(d, flag, name)
+        t.flag = flag
         if t.kind == "model":
             raise UserError(f"{flag} {d} is a whole model, not an adapter; give it as RUN_OR_MODEL (or --base)")
         if t.name in BASE_NAMES:
