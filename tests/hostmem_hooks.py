@@ -4,9 +4,10 @@ scripts/bench_sharded.py; installed like the fault hooks, through $FINETUNE_HOOK
 A thread samples RssAnon every millisecond. The phases are the Trainer's own methods, wrapped when the hooks are
 created (they exist under the same names in the code before sharded loading, so the benchmark measures both):
 ``load`` (Trainer._setup_model: build, load, wrap), ``checkpoint`` (RunCheckpoints.save, the largest of its saves)
-``final`` (Trainer.save) and ``resume`` (RunCheckpoints.start: loading a checkpoint when resuming). Each rank
-writes ``$FINETUNE_HOSTMEM_DIR/rank<R>.json``:
-``{phase: {"start": bytes at its start, "peak": highest bytes during it, "seconds": its duration}}``.
+``final`` (Trainer.save), ``resume`` (RunCheckpoints.start: loading a checkpoint when resuming) and ``step``
+(Trainer.train_step, the largest of the steps). Each rank writes ``$FINETUNE_HOSTMEM_DIR/rank<R>.json``:
+``{phase: {"start": bytes at its start, "peak": highest bytes during it, "seconds": its duration}}``, with
+``run``: the hooks' start and the highest bytes from there to the end of the last phase.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ def rss_anon() -> int:
 
 class _Sampler:
     def __init__(self) -> None:
-        self.peak = rss_anon()
+        self.start = self.peak = self.highest = rss_anon()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         while True:
-            self.peak = max(self.peak, rss_anon())
+            now = rss_anon()
+            self.peak = max(self.peak, now)
+            self.highest = max(self.highest, now)
             time.sleep(0.001)
 
     def reset(self) -> int:
@@ -63,6 +66,8 @@ def _record(phase: str, fn: Any) -> Any:
             old = _PHASES.get(phase)
             if old is None or old["peak"] - old["start"] < peak - start:
                 _PHASES[phase] = {"start": start, "peak": peak, "seconds": time.perf_counter() - t0}
+            _SAMPLER.highest = max(_SAMPLER.highest, peak)
+            _PHASES["run"] = {"start": _SAMPLER.start, "peak": _SAMPLER.highest, "seconds": 0.0}
             out = Path(os.environ["FINETUNE_HOSTMEM_DIR"])
             out.mkdir(parents=True, exist_ok=True)
             (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(_PHASES))
@@ -82,5 +87,6 @@ class HostMemoryHooks(TrainerHooks):
 
         trainer.Trainer._setup_model = _record("load", trainer.Trainer._setup_model)
         trainer.Trainer.save = _record("final", trainer.Trainer.save)
+        trainer.Trainer.train_step = _record("step", trainer.Trainer.train_step)
         resume.RunCheckpoints.save = _record("checkpoint", resume.RunCheckpoints.save)
         resume.RunCheckpoints.start = _record("resume", resume.RunCheckpoints.start)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from finetune.launch import LaunchOptions, launch, prepare
-from finetune.plan.job import HOST_PER_PROCESS, available_host_memory
+from finetune.plan.job import HOST_PER_PROCESS_CPU, available_host_memory
 from finetune.units import fmt_bytes
 from tests.support import tiny_recipe, write_recipe
 
@@ -32,19 +32,18 @@ def _recipe(tmp: Path, strategy: str, nproc: int, name: str = "r") -> Path:
 
 @pytest.mark.slow  # a CLI subprocess
 def test_run_over_host_memory_is_refused_in_one_sentence_before_any_process(tmp_path: Path) -> None:
-    """ddp on 2 CPU processes loads the whole model in each: 2 x (2 GiB per process + the model + its largest
-    tensor) while loading, over a node given 3 GiB. The sentence carries the plan's own figure."""
+    """ddp on 2 CPU processes holds the whole model, its gradients and AdamW's state in each: 2 x (416 MiB per
+    process + the step's memory) while training, over a node given 512 MiB. The sentence carries the plan's own
+    figure."""
     from finetune.plan.flowchart import plan_for_run
 
     recipe = _recipe(tmp_path, "ddp", 2)
     plan = plan_for_run(prepare(str(recipe), []), nproc=2, nnodes=1, device="cpu")
-    need = plan.job["host_loading_per_node"]
-    assert (
-        need == plan.job["host_peak_per_node"]
-        and 2 * HOST_PER_PROCESS < need < 2 * HOST_PER_PROCESS + 64 * 2**20
-    )
+    need = plan.job["host_training_per_node"]
+    assert need == plan.job["host_peak_per_node"] == 2 * (HOST_PER_PROCESS_CPU + plan.chosen.memory.total)
+    assert 2 * HOST_PER_PROCESS_CPU + 64 * 2**20 < need < 2 * HOST_PER_PROCESS_CPU + 128 * 2**20
     proc = subprocess.run(
-        [sys.executable, "-m", "finetune", "run", str(recipe), "--host-memory", "3GiB"],
+        [sys.executable, "-m", "finetune", "run", str(recipe), "--host-memory", "512MiB"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -52,7 +51,8 @@ def test_run_over_host_memory_is_refused_in_one_sentence_before_any_process(tmp_
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"error: host memory: full under ddp with 2 process(es) per node needs {fmt_bytes(need)} of host memory per "
-        "node (loading) but this node has 3.0 GiB (--host-memory); use more nodes (--nnodes) with fewer processes "
+        f"node (training) but this node has {fmt_bytes(512 * 2**20)} (--host-memory); use more nodes (--nnodes) "
+        "with fewer processes "
         "each, or distributed.strategy: fsdp (each process holds its shard of the model), or method: lora or "
         "qlora (a frozen 16- or 4-bit base; checkpoints hold the adapters only), or pass --ignore-host-memory "
         "to run anyway"
@@ -64,12 +64,15 @@ def test_run_over_host_memory_is_refused_in_one_sentence_before_any_process(tmp_
 def test_fsdp_names_its_own_remedies(tmp_path: Path) -> None:
     """Under fsdp the model is already sharded: the sentence does not suggest fsdp again."""
     from finetune.errors import UserError
+    from finetune.plan.flowchart import plan_for_run
 
+    recipe = _recipe(tmp_path, "fsdp", 2)
+    need = plan_for_run(prepare(str(recipe), []), nproc=2, nnodes=1, device="cpu").job["host_peak_per_node"]
     with pytest.raises(UserError) as err:
-        launch(str(_recipe(tmp_path, "fsdp", 2)), [], LaunchOptions(host_memory="1GiB"))
+        launch(str(recipe), [], LaunchOptions(host_memory="512MiB"))
     msg = str(err.value)
-    assert msg.startswith("host memory: full under fsdp with 2 process(es) per node needs 4.0 GiB")
-    assert "(loading) but this node has 1.0 GiB (--host-memory)" in msg
+    assert msg.startswith(f"host memory: full under fsdp with 2 process(es) per node needs {fmt_bytes(need)}")
+    assert f"(training) but this node has {fmt_bytes(512 * 2**20)} (--host-memory)" in msg
     assert "strategy: fsdp" not in msg and "method: lora or qlora" in msg and "--ignore-host-memory" in msg
     assert not (tmp_path / "r").exists()
 
