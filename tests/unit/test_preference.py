@@ -1,0 +1,144 @@
+"""Preference tuning without training: the preference format (labels, chat prompts, bad rows), the losses'
+values, the capability table's refusals and the planner's DPO terms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from finetune.errors import UserError
+from tests.support import TINY_MODEL, load, write_jsonl
+
+X = -100
+EOS = 2
+
+
+def ids(text: str) -> list[int]:
+    """Token ids of ASCII text under the tiny byte-level tokenizer."""
+    return [{" ": 223, "\n": 201}.get(c, ord(c) - 30) for c in text]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(TINY_MODEL)
+
+
+def _pairs(tmp_path, tok, rows, **data):  # noqa: ANN001, ANN202
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    return load(tmp_path, tok, train=str(path), format="preference", max_seq_len=64, **data)
+
+
+def test_preference_rows_label_only_the_completions(tmp_path, tok) -> None:
+    data = _pairs(tmp_path, tok, [{"prompt": "Rev: ab\n", "chosen": "ba", "rejected": "ab"}])
+    (pair,) = data.train
+    prompt = ids("Rev: ab\n")  # the tiny tokenizer adds no BOS
+    assert pair.input_ids == [*prompt, *ids("ba"), EOS]
+    assert pair.labels == [X] * len(prompt) + [*ids("ba"), EOS]
+    assert pair.rejected_ids == [*prompt, *ids("ab"), EOS]
+    assert pair.rejected_labels == [X] * len(prompt) + [*ids("ab"), EOS]
+
+
+def test_chat_prompt_renders_with_the_template(tmp_path, tok) -> None:
+    row = {"prompt": [{"role": "user", "content": "Rev: ab"}], "chosen": [{"role": "assistant", "content": "ba"}],
+           "rejected": {"role": "assistant", "content": "ab"}}
+    (pair,) = _pairs(tmp_path, tok, [row]).train
+    text = tok.decode(pair.input_ids)
+    assert text.startswith("User: Rev: ab\nAssistant: ba")
+    scored = [t for t, y in zip(pair.input_ids, pair.labels, strict=True) if y != X]
+    assert scored == [*ids("ba"), EOS]  # the assistant's content and its end-of-turn token only
+    assert [t for t, y in zip(pair.rejected_ids, pair.rejected_labels, strict=True) if y != X] == [*ids("ab"), EOS]
+
+
+@pytest.mark.parametrize(
+    ("row", "says"),
+    [
+        ({"prompt": "p", "chosen": "a"}, "field `rejected`: missing"),
+        ({"prompt": "p", "chosen": "same", "rejected": "same"}, "field `rejected`: is the same text as chosen"),
+        ({"chosen": "a", "rejected": "b"}, "field `prompt`: missing"),
+        ({"prompt": "p", "chosen": 3, "rejected": "b"}, "field `chosen`: expected a string or an assistant message"),
+    ],
+)
+def test_bad_preference_row_names_file_line_and_field(tmp_path, tok, row, says) -> None:  # noqa: ANN001
+    good = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    with pytest.raises(UserError) as err:
+        _pairs(tmp_path, tok, [good, row])
+    assert f"pairs.jsonl:2: {says}" in str(err.value)
+
+
+def test_losses_at_known_values() -> None:
+    from finetune.preference import PreferenceSettings, pair_losses
+
+    logps = torch.tensor([-2.0, -6.0])  # one pair: chosen -2, rejected -6
+    counts = torch.tensor([2, 3])
+    ref = torch.tensor([[-3.0, -5.0]])
+    loss, f = pair_losses(PreferenceSettings("dpo", beta=0.5), logps, counts, ref)
+    assert float(loss) == pytest.approx(-math.log(1 / (1 + math.exp(-0.5 * (1 - -1)))))
+    assert float(f["rewards/chosen"]) == pytest.approx(0.5) and float(f["rewards/rejected"]) == pytest.approx(-0.5)
+    assert float(f["rewards/accuracy"]) == 1.0 and float(f["rewards/margin"]) == pytest.approx(1.0)
+    loss, _ = pair_losses(PreferenceSettings("dpo", beta=0.5, loss_type="ipo"), logps, counts, ref)
+    assert float(loss) == pytest.approx((1 / 2 - -1 / 3 - 1) ** 2)
+    loss, _ = pair_losses(PreferenceSettings("simpo", beta=2.0, gamma=0.5), logps, counts, None)
+    assert float(loss) == pytest.approx(-math.log(1 / (1 + math.exp(-(2.0 * (-1 - -2) - 0.5)))))
+    loss, f = pair_losses(PreferenceSettings("orpo", lam=0.1), logps, counts, None)
+    odds = (-1 - math.log1p(-math.exp(-1))) - (-2 - math.log1p(-math.exp(-2)))
+    assert float(loss) == pytest.approx(1.0 - 0.1 * math.log(1 / (1 + math.exp(-odds))))
+    _, f = pair_losses(PreferenceSettings("dpo"), logps, counts, logps.view(1, 2))  # the policy is its reference
+    assert float(f["rewards/accuracy"]) == 0.5  # a tie counts one half
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"train": {"objective": "dpo"}},
+         "train.objective: dpo learns from chosen/rejected pairs but data.format is instruction"),
+        ({"data": {"format": "preference"}}, "data.format: preference rows (prompt, chosen, rejected) need a "
+         "preference objective but train.objective is sft"),
+        ({"train": {"objective": "dpo"}, "data": {"format": "preference", "packing": True}},
+         "data.packing: dpo scores each chosen completion against its own rejected one"),
+        ({"train": {"objective": "dpo", "offload": "optimizer"}, "data": {"format": "preference"},
+          "distributed": {"strategy": "zero2", "nproc": 2}},
+         "dpo.reference: model keeps a frozen copy of the weights on the GPUs"),
+    ],
+)
+def test_refused_preference_cells_one_sentence(tmp_path, changes, says) -> None:  # noqa: ANN001
+    from finetune.capabilities import Cell, refusals
+    from finetune.recipe import recipe_from_dict
+    from tests.support import tiny_recipe
+
+    raw = tiny_recipe(tmp_path / "out")
+    for k, v in changes.items():
+        raw.setdefault(k, {}).update(v)
+    found = refusals(Cell.of_recipe(recipe_from_dict(raw, base_dir=tmp_path).recipe))
+    assert [str(f) for f in found if says in str(f)], [str(f) for f in found]
+
+
+@pytest.mark.slow  # traces the model on fake tensors (seconds)
+def test_plan_counts_pairs_and_the_reference_copy(tmp_path) -> None:
+    """dpo's micro-batch of B pairs traces 2B rows; reference: model adds the frozen copy (fp32 here, every base
+    weight), precomputed adds nothing."""
+    from dataclasses import replace
+
+    from finetune.plan.candidates import evaluate
+    from finetune.plan.hardware import detect_hardware
+    from finetune.plan.request import request_from_recipe
+    from finetune.plan.setting import settle
+    from finetune.recipe import recipe_from_dict
+    from tests.support import tiny_recipe
+
+    def plan(objective: str, reference: str = "model", data_format: str = "instruction"):  # noqa: ANN202
+        raw = tiny_recipe(tmp_path / "out", train={"objective": objective}, dpo={"reference": reference},
+                          data={"format": data_format})
+        req = replace(request_from_recipe(recipe_from_dict(raw, base_dir=tmp_path)), for_run=True)
+        s = settle(req, detect_hardware(device="cpu", gpus=1, nodes=1, nproc=1))
+        acts = s.profile(s.exec_spec("full", "single", False)).at(s.inv.num_layers, 4)["first"].grads_and_acts
+        return evaluate(s, "full", "single", 4, False).memory, acts, s.inv.storage(s.exec_spec("full", "single", False))
+
+    sft, sft_acts, storage = plan("sft")
+    model, _, _ = plan("dpo", "model", "preference")
+    pre, pre_acts, _ = plan("dpo", "precomputed", "preference")
+    assert model.params - sft.params == storage.param_bytes  # the frozen copy: every weight, fp32 like the policy
+    assert pre.params == sft.params
+    assert 1.9 < pre_acts / sft_acts < 2.6  # twice the rows, and their logits kept for the log-softmax
