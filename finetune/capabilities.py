@@ -56,13 +56,17 @@ class Cell:
     attention: str = "sdpa"
     packing: bool = False
     checkpointing: bool | None = None
+    objective: str = "sft"  # train.objective
+    reference: str = "model"  # dpo.reference
+    data_format: str | None = None  # data.format (None: not known, as in `finetune plan` of a bare config)
 
     @classmethod
     def of(
         cls, *, method: str, strategy: str, processes: int | None, tp: int | str, precision: str,
         optimizer: str = "adamw", compile: bool = False, attention: str = "sdpa", packing: bool = False,
         checkpointing: bool | None = None, lora: Any = None, prefix: Any = None, quantization: Any = None,
-        offload: str = "none", nodes: int | None = None,
+        offload: str = "none", objective: str = "sft", reference: str = "model", data_format: str | None = None,
+        nodes: int | None = None,
     ) -> Cell:
         """A cell from the recipe's values (``auto``: unknown) and its ``lora`` / ``prefix`` /
         ``quantization`` sections (None: their defaults)."""
@@ -87,6 +91,9 @@ class Cell:
             attention=attention,
             packing=bool(packing),
             checkpointing=checkpointing,
+            objective=objective,
+            reference=reference,
+            data_format=data_format,
         )
 
     @classmethod
@@ -101,7 +108,8 @@ class Cell:
             method=recipe.method, strategy=d.strategy, processes=processes, tp=d.tp, precision=recipe.precision,
             optimizer=t.optimizer, offload=t.offload, compile=t.compile, attention=recipe.model.attn_implementation,
             packing=recipe.data.packing, checkpointing=None if ac == "auto" else bool(ac), lora=recipe.lora,
-            prefix=recipe.prefix, quantization=recipe.quantization,
+            prefix=recipe.prefix, quantization=recipe.quantization, objective=t.objective,
+            reference=recipe.dpo.reference, data_format=recipe.data.format,
         )
 
     def with_(self, **changes: Any) -> Cell:
@@ -113,6 +121,11 @@ class Cell:
     def lora_family(self) -> bool:
         """Trains LoRA adapters (lora, qlora)."""
         return self.method in ("lora", "qlora")
+
+    @property
+    def preference(self) -> bool:
+        """Trains on chosen/rejected pairs (train.objective dpo, simpo, orpo)."""
+        return self.objective != "sft"
 
     @property
     def split(self) -> bool:
@@ -404,6 +417,41 @@ TABLE: tuple[Rule, ...] = (
 )
 
 
+PREFERENCE_RULES: tuple[Rule, ...] = (
+    Rule(
+        "preference-data", ("train.objective", "data.format"),
+        lambda c: c.preference and c.data_format is not None and c.data_format != "preference",
+        lambda c: f"{c.objective} learns from chosen/rejected pairs but data.format is {c.data_format}; set "
+        "data.format: preference (rows with prompt, chosen and rejected), or train.objective: sft",
+        topic="objective",
+    ),
+    Rule(
+        "preference-sft", ("data.format", "train.objective"),
+        lambda c: c.data_format == "preference" and not c.preference,
+        lambda c: "preference rows (prompt, chosen, rejected) need a preference objective but train.objective is "
+        "sft; set train.objective: dpo, simpo or orpo, or use the instruction or chat format",
+        topic="objective",
+    ),
+    Rule(
+        "preference-packing", ("data.packing", "train.objective"),
+        lambda c: c.preference and c.packing,
+        lambda c: f"{c.objective} scores each chosen completion against its own rejected one, row by row, which "
+        "packed rows would mix; set data.packing: false",
+        topic="objective",
+    ),
+    Rule(
+        "reference-offload", ("dpo.reference", "train.offload"),
+        lambda c: c.objective == "dpo" and c.reference == "model" and c.method == "full" and c.offload in OFFLOADS,
+        lambda c: f"model keeps a frozen copy of the weights on the GPUs, beside the state train.offload: {c.offload} "
+        "moves to the host; set dpo.reference: precomputed (no reference in memory while training), or "
+        "train.offload: none",
+        methods=("full",), topic="objective",
+    ),
+)
+
+TABLE = TABLE + PREFERENCE_RULES
+
+
 def refusals(cell: Cell) -> list[Refusal]:
     """Every row of :data:`TABLE` that refuses ``cell``, in table order."""
     return [Refusal(rule, rule.keys[0], rule.says(cell)) for rule in TABLE if rule.refuses(cell)]
@@ -522,6 +570,10 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"strategy": "single", "processes": 2},
     {"strategy": "ddp", "processes": 4, "tp": 2},
     {"strategy": "zero1", "processes": 2, "tp": 2},
+    {"objective": "dpo", "data_format": "instruction"},
+    {"objective": "sft", "data_format": "preference"},
+    {"objective": "dpo", "packing": True},
+    {"objective": "dpo", "offload": "optimizer"},
     {"nodes": 1},  # the hsdp column on one node
     {"tp": 2},
 )

@@ -157,6 +157,16 @@ class DataColumnsConfig(Section):
         "messages", description="Column of the conversation (chat format): a list of {role, content} messages."
     )
     input_ids: str = Field("input_ids", description="Column of the token ids (tokenized format).")
+    prompt: str = Field(
+        "prompt", description="Column of the prompt (preference format): a string, or a list of {role, content} messages."
+    )
+    chosen: str = Field(
+        "chosen", description="Column of the preferred completion (preference format): a string or an assistant message."
+    )
+    rejected: str = Field(
+        "rejected", description="Column of the dispreferred completion (preference format): a string or an assistant "
+        "message."
+    )
     labels: str = Field(
         "labels", description="Column of the labels, -100 where the loss does not count (tokenized format; optional)."
     )
@@ -176,10 +186,12 @@ class DataConfig(Section):
     eval_fraction: Union[float, None] = Field(
         None, gt=0, lt=1, description="Hold out this fraction of data.train (chosen by train.seed) instead of data.eval."
     )
-    format: Literal["instruction", "text", "chat", "tokenized"] = Field(
+    format: Literal["instruction", "text", "chat", "tokenized", "preference"] = Field(
         "instruction",
         description="How rows become tokens: text (a text column), instruction (instruction/input/output), chat "
-        "(a list of messages rendered with the chat template), tokenized (input_ids and optional labels).",
+        "(a list of messages rendered with the chat template), tokenized (input_ids and optional labels), "
+        "preference (prompt, chosen, rejected: strings, or messages rendered with the chat template; for "
+        "train.objective dpo, simpo or orpo).",
     )
     columns: DataColumnsConfig = Field(
         default_factory=DataColumnsConfig, description="Column (field) names of each format, e.g. columns.output: answer."
@@ -256,6 +268,12 @@ class TrainConfig(Section):
         "every strategy and load path; the run header says so. Not with tensor parallelism.",
     )
     seed: int = Field(0, description="Seeds weights (init: random), data order, dropout.")
+    objective: Literal["sft", "dpo", "simpo", "orpo"] = Field(
+        "sft",
+        description="sft: next-token loss on the completions; dpo, simpo, orpo: preference tuning on "
+        "data.format: preference pairs (the `dpo` section sets beta, the loss, the reference, SimPO's gamma and "
+        "ORPO's lambda).",
+    )
     on_nonfinite: Literal["auto", "stop", "skip"] = Field(
         "auto",
         description="A NaN/inf loss or gradient norm: stop (name the step and the last good checkpoint, exit 3), "
@@ -299,6 +317,37 @@ class DistributedConfig(Section):
         description="Seconds the other ranks may wait while one rank works alone: local rank 0 tokenising the "
         "data, rank 0 finishing a checkpoint (fsync, rename, prune) or writing the final model. They wait in "
         "a gloo group of their own, which NCCL's watchdog does not watch.",
+    )
+
+
+class DpoConfig(Section):
+    """Preference tuning (train.objective dpo, simpo, orpo)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, serialize_by_alias=True)
+
+    beta: float = Field(
+        0.1, gt=0, description="DPO: the strength of the KL pull towards the reference (IPO: its tau); SimPO: the "
+        "reward scale (2.0 in its paper)."
+    )
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid",
+        description="dpo's loss: sigmoid (-log sigmoid(beta x margin), the DPO paper's) or ipo (the squared distance "
+        "of the length-normalised margin from 1/(2 beta)).",
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="dpo sigmoid: the assumed fraction of flipped labels (conservative DPO)."
+    )
+    reference: Literal["model", "precomputed"] = Field(
+        "model",
+        description="dpo's reference policy: model (full fine-tuning: a frozen copy of the starting weights, held and "
+        "sharded like the policy's; adapter methods: the base with the adapters switched off, at no memory cost) "
+        "or precomputed (its log-probabilities computed in one pass before training and kept with the data: no "
+        "reference in memory during training).",
+    )
+    gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (gamma) of SimPO's loss.")
+    lambda_: float = Field(
+        0.1, gt=0, alias="lambda", description="orpo: the weight of the odds-ratio term beside the chosen completion's "
+        "next-token loss."
     )
 
 
@@ -379,6 +428,9 @@ class Recipe(Section):
     )
     data: DataConfig
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation settings.")
+    dpo: DpoConfig = Field(
+        default_factory=DpoConfig, description="Preference tuning settings (train.objective dpo, simpo, orpo)."
+    )
     precision: Literal["auto", "fp32", "bf16", "fp16", "bf16-pure"] = Field(
         "auto",
         description="fp32; bf16/fp16: mixed precision with fp32 master weights (fp16 with loss scaling); "

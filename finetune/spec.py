@@ -287,6 +287,20 @@ class ExecSpec:
     optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit (the optimizer state's storage)
     offload: str = "none"  # none | optimizer | parameters: what lives in host memory instead of the device
     nodes: int = 1  # hsdp: the replicas, one per node (each node's ranks shard the model); 1 otherwise
+    objective: str = "sft"  # sft | dpo | simpo | orpo (train.objective; finetune/preference.py)
+    # dpo's reference policy: none (sft, simpo, orpo), base (an adapter method's base, adapters off), model (a
+    # frozen copy of the starting weights, stored in the frozen dtype and sharded like the policy) or precomputed
+    reference: str = "none"
+
+    @property
+    def preference(self) -> bool:
+        """The objective trains on chosen/rejected pairs (dpo, simpo, orpo)."""
+        return self.objective != "sft"
+
+    @property
+    def reference_dtype(self) -> str:
+        """dtype of the frozen reference copy (reference: model): the compute dtype, as frozen weights are."""
+        return self.compute_dtype
 
     @property
     def dp(self) -> int:
@@ -367,6 +381,8 @@ def execution_spec(
     optimizer: str = "adamw",
     offload: str = "none",
     nodes: int = 1,
+    objective: str = "sft",
+    reference: str = "model",
 ) -> ExecSpec:
     """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
 
@@ -383,6 +399,8 @@ def execution_spec(
     ``world_size // tp`` data-parallel ranks. ``optimizer``: the optimizer whose state the run keeps;
     ``offload``: what lives in host memory (``auto`` is ``adamw`` / ``none``: the planner resolves both).
     ``nodes``: the run's nodes, which hsdp replicates over (recorded for hsdp only).
+    ``objective``: train.objective; ``reference``: dpo.reference (model | precomputed), which becomes the spec's
+    reference kind (:func:`reference_kind`).
     """
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
     compute = p.compute
@@ -434,4 +452,16 @@ def execution_spec(
         optimizer="adamw" if optimizer in ("auto", None) else optimizer,
         offload="none" if offload in ("auto", None) else offload,
         nodes=replicas,
+        objective=objective,
+        reference=reference_kind(objective, m, reference),
     )
+
+
+def reference_kind(objective: str, method: str | Method, reference: str) -> str:
+    """What dpo compares the policy with: ``none`` (every other objective), ``precomputed``, ``base`` (an
+    adapter method's base with its adapters switched off) or ``model`` (full fine-tuning's frozen copy)."""
+    if objective != "dpo":
+        return "none"
+    if reference == "precomputed":
+        return "precomputed"
+    return "base" if Method(method).adapters else "model"

@@ -293,9 +293,10 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
 
 
 def _preference_step(spec: TraceSpec, batch: dict[str, Any]) -> Callable[[Any, dict[str, Any]], Any]:
-    """The preference objective's micro-step on ``batch``'s rows as chosen and rejected (2 rows a sample):
-    dpo's reference forward without gradients first (base or model: the traced model stands in for the frozen
-    copy, whose activations are transients of the same shapes), then the policy's log-probs and backward."""
+    """The preference objective's micro-step on ``batch``'s rows as chosen and rejected (2 rows a sample): the
+    policy's log-probs and backward. dpo's reference forward (base or model) runs before it without gradients:
+    it keeps nothing, and its transients (one layer's, and the logits') are smaller than what the policy's
+    forward holds at its end, so it is not traced (its weights, for a frozen copy, are memory.py's)."""
     import torch
 
     from finetune.preference import sequence_logps
@@ -304,9 +305,6 @@ def _preference_step(spec: TraceSpec, batch: dict[str, Any]) -> Callable[[Any, d
         batch[k] = torch.cat([batch[k], batch[k]])
 
     def step(model: Any, rows: dict[str, Any]) -> Any:
-        if spec.reference in ("base", "model"):
-            with torch.no_grad():
-                sequence_logps(model, rows)
         logps, counts = sequence_logps(model, rows)
         return logps.sum(), counts
 

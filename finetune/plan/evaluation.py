@@ -80,7 +80,13 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
         mask = torch.ones_like(ids)
         tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
         with tracker, _attention_kernels(spec.attn_implementation), ac():
-            causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask})
+            if spec.objective == "sft":
+                causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask})
+            else:  # preference pairs, 2 rows a sample (dpo's reference forward, or its precompute pass, alike)
+                from finetune.preference import sequence_logps
+
+                rows = torch.cat([ids, ids])
+                sequence_logps(model, {"input_ids": rows, "labels": rows.clone(), "attention_mask": torch.cat([mask, mask])})
         loss = tracker.windows["head"].acts
 
         # One peak per call of the model: prefill, then each decode step.
@@ -107,7 +113,7 @@ _CACHE: dict[Any, EvalTrace] = {}
 
 
 def _traced(config: Any, spec: TraceSpec, layers: int, batch: int) -> EvalTrace:
-    key = (config.to_json_string(use_diff=False), spec, layers, batch, "eval", EVAL_TRACE_VERSION)
+    key = (config.to_json_string(use_diff=False), spec, layers, batch, "eval", EVAL_TRACE_VERSION, *spec.preference_key)
     if key in _CACHE:
         return _CACHE[key]
     from finetune.plan.cache import read_json, write_json
@@ -152,6 +158,7 @@ def eval_memory(
         FRAGMENTATION,
         offloads_to_host,
         optimizer_state_bytes,
+        reference_bytes,
         shard_ranks,
         unsharded_bytes,
     )
@@ -173,6 +180,8 @@ def eval_memory(
         params = sb.param_bytes
         opt = opt if strategy != "zero1" else -(-opt // n)
         buffers = sb.trainable * sb.param_dtype_bytes if strategy in ("ddp", "zero1") else 0  # DDP's buckets
+    ref = reference_bytes(inv, setup.spec)  # dpo's frozen copy, sharded or replicated as the parameters
+    params += -(-ref // n) if strategy in ("zero2", "fsdp", "hsdp") else ref
     peak = eval_peak(config, spec, inv.num_layers, batch, max_new_tokens)
     acts = peak.activations
     if setup.spec.quant is not None:  # bitsandbytes dequantizes one 4-bit weight at a time

@@ -112,6 +112,15 @@ def unsharded_bytes(inv: Inventory, spec: ExecSpec, block_only: bool = False, ro
     return total
 
 
+def reference_bytes(inv: Inventory, spec: ExecSpec) -> int:
+    """Bytes of dpo's frozen reference copy (``reference: model`` under full fine-tuning) before sharding: every
+    base weight in the frozen dtype (finetune/train/reference.py); 0 for every other objective and reference."""
+    if spec.reference != "model":
+        return 0
+    per = DTYPE_BYTES[spec.reference_dtype]
+    return sum(t.numel * per * (inv.num_layers if t.in_block else 1) for t in inv.base)
+
+
 def offloads_to_host(s: Setup) -> bool:
     """Whether ``train.offload`` takes state off the device: FSDP2's CPU offload on a GPU. On a CPU device the
     host is the device: the policy's copies are no-ops and every state stays in the memory it was counted in."""
@@ -275,9 +284,10 @@ def _model_states(inv: Inventory, s: Setup) -> _States:
         opt = opt_full if spec.strategy is not Strategy.ZERO1 else max(opt_full // n, 2 * largest)
         if ddp and s.grad_accum_steps > 1:  # no_sync's gradients beside the buckets (module docstring)
             buffers = dict.fromkeys(buffers, grads_full)
-        return _States(sb.param_bytes, grads_full, opt, buffers, 0, int(2 * f * sb.trainable * gbytes), sharded,
-                       ddp, largest)
+        params = sb.param_bytes + reference_bytes(inv, spec)  # dpo's frozen copy: replicated as the policy is
+        return _States(params, grads_full, opt, buffers, 0, int(2 * f * sb.trainable * gbytes), sharded, ddp, largest)
     params, grads, opt = -(-sb.param_bytes // n), -(-grads_full // n), -(-opt_full // n)
+    params += -(-reference_bytes(inv, spec) // n)  # dpo's frozen copy: sharded as the policy is
     all_gathered = unsharded_bytes(inv, spec)
     unit = unsharded_bytes(inv, spec, block_only=True)
     root = unsharded_bytes(inv, spec, root_only=True)

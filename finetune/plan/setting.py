@@ -77,7 +77,7 @@ class Setting:
             method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
             model_dtype=r.model_dtype, quantization=r.quantization, lora=self.lora, prefix=r.prefix,
             adapter=r.adapter, tp=tp, compile=r.compile, optimizer=optimizer or r.optimizer,
-            offload=offload or r.offload, nodes=self.hw.nodes,
+            offload=offload or r.offload, objective=r.objective, reference=r.reference, nodes=self.hw.nodes,
         )
 
     def profile(self, spec: ExecSpec) -> ActivationProfile:
@@ -125,7 +125,8 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
         method=req.method, strategy=req.strategy, processes=world if req.for_run or world > 1 else None,
         tp=req.tp, precision=req.precision, optimizer=req.optimizer, offload=req.offload, compile=req.compile,
         attention=req.attn_implementation, packing=req.packed, checkpointing=req.checkpointing,
-        lora=lora, prefix=req.prefix, quantization=req.quantization, nodes=hw.nodes,
+        lora=lora, prefix=req.prefix, quantization=req.quantization, objective=req.objective,
+        reference=req.reference, nodes=hw.nodes,
     )
     check(cell)
     # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:

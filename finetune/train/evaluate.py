@@ -32,6 +32,7 @@ class EvalResult:
     retain_loss: float | None = None
     retain_exact_match: float | None = None
     retain_prompts: int = 0
+    preference: dict[str, float] | None = None  # dpo, simpo, orpo: rewards/*, logps/* over the eval pairs
 
 
 def _shard(items: list[Any], ctx: DistContext, batch_size: int) -> tuple[list[Any], int]:
@@ -109,7 +110,7 @@ def exact_match(
 def evaluate(
     model: torch.nn.Module, eval_examples: list[Example], eval_prompts: list[EvalPrompt], tokenizer: Any,
     ctx: DistContext, *, batch_size: int, max_new_tokens: int, autocast: Any, retain: RetainData | None = None,
-    task: bool = True,
+    task: bool = True, objective: Any = None,
 ) -> EvalResult:
     """Eval loss and exact match, with the model in eval mode (restored to train mode after); with ``retain``,
     also the retain set's loss and exact match. ``task=False``: the retain set only (the run's measurement
@@ -119,10 +120,18 @@ def evaluate(
     loss = em = None
     samples: list[tuple[str, str]] = []
     try:
-        if task:
+        prefs = None
+        if task and objective is not None:  # preference pairs: the objective's loss and figures
+            from finetune.train.reference import preference_eval
+
+            loss, prefs = preference_eval(
+                model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast, objective  # type: ignore[arg-type]
+            )
+        elif task:
             loss = eval_loss(model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast)
+        if task:
             em, samples = exact_match(model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast)
-        result = EvalResult(loss, em, len(eval_prompts) if task else 0, samples)
+        result = EvalResult(loss, em, len(eval_prompts) if task else 0, samples, preference=prefs)
         if retain is not None:
             result.retain_loss = eval_loss(model, retain.examples, ctx, batch_size, tokenizer.pad_token_id, autocast)
             result.retain_exact_match, _ = exact_match(

@@ -20,6 +20,7 @@ def eval_fields(ev: EvalResult | None) -> dict[str, Any]:
     if ev is None:
         return {}
     row = {"eval_loss": ev.loss, "eval_exact_match": ev.exact_match} if ev.n_prompts or ev.loss is not None else {}
+    row.update({f"eval_{k}": v for k, v in (ev.preference or {}).items()})  # dpo, simpo, orpo
     if ev.retain_loss is not None:  # eval.retain
         row["retain_loss"] = ev.retain_loss
         if ev.retain_exact_match is not None:
@@ -95,15 +96,16 @@ class MetricsProcessor:
         self.window = Throughput()
 
     def log_step(
-        self, step: int, result: StepResult, seconds: float, *, lr: float, tokens: int, ev: EvalResult | None = None
+        self, step: int, result: StepResult, seconds: float, *, lr: float, tokens: int, ev: EvalResult | None = None,
+        extra: dict[str, float] | None = None,
     ) -> float:
         """Count optimizer step ``step`` (``seconds`` long, evaluation excluded) and write its row when due;
         ``tokens``: the run's input tokens so far, ``ev``: the evaluation after this step, if any. Returns
-        tokens/s over the log window up to now."""
+        tokens/s over the log window up to now. ``extra``: the objective's figures of the step (dpo's rewards)."""
         if step - self.start_step > 1 or self.total_steps - self.start_step == 1:  # the first step warms up
             self.steady_steps.add(result, seconds)
         self.window.add(result, seconds)
-        row: dict[str, Any] = {"step": step, "loss": result.loss, "lr": lr, **eval_fields(ev)}
+        row: dict[str, Any] = {"step": step, "loss": result.loss, "lr": lr, **(extra or {}), **eval_fields(ev)}
         tokens_per_s = self.window.tokens / max(self.window.seconds, 1e-9)  # training time only
         if step % self.log_every == 0 or step == self.total_steps or "eval_loss" in row or "retain_loss" in row:
             row.update(

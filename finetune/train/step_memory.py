@@ -45,6 +45,7 @@ class StepMemory:
         self.probe: PeakMemory | None = None
         self.longest = 0  # the widest micro-batch measured (tokens)
         self.measured_peak: int | None = None
+        self.modules: tuple[torch.nn.Module, ...] = ()  # measured beside the model: dpo's frozen reference copy
         self._report_seconds = 0.0  # spent in after() gathering and reporting: not training time
 
     def measuring(
@@ -58,7 +59,7 @@ class StepMemory:
         if not self.enabled:
             return contextlib.nullcontext()
         if self.probe is None:
-            self.probe = PeakMemory(self.ctx.device.type, modules=(model,), optimizer=optimizer)
+            self.probe = PeakMemory(self.ctx.device.type, modules=(model, *self.modules), optimizer=optimizer)
         return self.probe
 
     def after(self, done: int) -> None:
