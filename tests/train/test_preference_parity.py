@@ -27,7 +27,7 @@ PAIRS = [
 ]
 
 
-def _model_and_batch(method: str):  # noqa: ANN202
+def _model_and_batch(method: str):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from finetune.train.data.preference import PreferenceEncoder, collate_pairs
@@ -51,7 +51,7 @@ def _model_and_batch(method: str):  # noqa: ANN202
     return tok, model, collate_pairs(pairs, tok.pad_token_id)
 
 
-def _trl_trainer(model, ref, tok, loss_type: str, beta: float, tmp_path):  # noqa: ANN001, ANN202
+def _trl_trainer(model, ref, tok, loss_type: str, beta: float, tmp_path):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -66,7 +66,7 @@ def _trl_trainer(model, ref, tok, loss_type: str, beta: float, tmp_path):  # noq
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "full"])
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_matches_trl(method: str, loss_type: str, tmp_path) -> None:  # noqa: ANN001
+def test_dpo_matches_trl(method: str, loss_type: str, tmp_path) -> None:
     from finetune.preference import PreferenceObjective, PreferenceSettings, reference_logps, sequence_logps
 
     beta = 0.1 if loss_type == "sigmoid" else 0.5
@@ -76,11 +76,11 @@ def test_dpo_matches_trl(method: str, loss_type: str, tmp_path) -> None:  # noqa
     trainer = _trl_trainer(theirs, copy.deepcopy(frozen) if frozen is not None else None, tok, loss_type, beta, tmp_path)
     theirs = trainer.model
     if method == "lora":
-        def reference(b):  # noqa: ANN001, ANN202
+        def reference(b):
             with ours.disable_adapter():
                 return sequence_logps(ours, b)
     else:
-        def reference(b):  # noqa: ANN001, ANN202
+        def reference(b):
             return sequence_logps(frozen, b)
     objective = PreferenceObjective(
         PreferenceSettings("dpo", beta=beta, loss_type=loss_type), lambda b: reference_logps(reference, b)

@@ -26,7 +26,7 @@ def tok():
     return AutoTokenizer.from_pretrained(TINY_MODEL)
 
 
-def _pairs(tmp_path, tok, rows, **data):  # noqa: ANN001, ANN202
+def _pairs(tmp_path, tok, rows, **data):
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     return load(tmp_path, tok, train=str(path), format="preference", max_seq_len=64, **data)
 
@@ -61,7 +61,7 @@ def test_chat_prompt_renders_with_the_template(tmp_path, tok) -> None:
         ({"prompt": "p", "chosen": 3, "rejected": "b"}, "field `chosen`: expected a string or an assistant message"),
     ],
 )
-def test_bad_preference_row_names_file_line_and_field(tmp_path, tok, row, says) -> None:  # noqa: ANN001
+def test_bad_preference_row_names_file_line_and_field(tmp_path, tok, row, says) -> None:
     good = {"prompt": "p", "chosen": "a", "rejected": "b"}
     with pytest.raises(UserError) as err:
         _pairs(tmp_path, tok, [good, row])
@@ -103,7 +103,7 @@ def test_losses_at_known_values() -> None:
          "dpo.reference: model keeps a frozen copy of the weights on the GPUs"),
     ],
 )
-def test_refused_preference_cells_one_sentence(tmp_path, changes, says) -> None:  # noqa: ANN001
+def test_refused_preference_cells_one_sentence(tmp_path, changes, says) -> None:
     from finetune.capabilities import Cell, refusals
     from finetune.recipe import recipe_from_dict
     from tests.support import tiny_recipe
@@ -128,7 +128,7 @@ def test_plan_counts_pairs_and_the_reference_copy(tmp_path) -> None:
     from finetune.recipe import recipe_from_dict
     from tests.support import tiny_recipe
 
-    def plan(objective: str, reference: str = "model", data_format: str = "instruction"):  # noqa: ANN202
+    def plan(objective: str, reference: str = "model", data_format: str = "instruction"):
         raw = tiny_recipe(tmp_path / "out", train={"objective": objective}, dpo={"reference": reference},
                           data={"format": data_format})
         req = replace(request_from_recipe(recipe_from_dict(raw, base_dir=tmp_path)), for_run=True)
