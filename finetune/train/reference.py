@@ -66,8 +66,17 @@ def reference_forward(
 ) -> Callable[[dict[str, Any]], tuple[torch.Tensor, torch.Tensor]]:
     """``batch -> (log-probs, counts)`` of the reference policy: the frozen copy, or the policy's base."""
     if reference is not None:
-        frozen = reference
-        return lambda batch: sequence_logps(frozen, batch)
+        frozen: Any = reference
+
+        def copy(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            out = sequence_logps(frozen, batch)
+            if hasattr(frozen, "reshard"):  # FSDP2 keeps a root unit gathered for a backward that never comes
+                frozen.reshard()
+            return out
+
+        return copy
+    if not spec.method.adapters:  # precomputed under full fine-tuning: the policy before its first step
+        return lambda batch: sequence_logps(policy, batch)
     training = training_of(spec)
 
     def base(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
