@@ -34,17 +34,18 @@ from typing import Any
 
 import torch
 
-from finetune.loss import count_target_tokens
+from finetune.loss import causal_lm_loss, count_target_tokens, document_ids, target_rows
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe
 from finetune.train.checkpoint import ModelState, OptimizerState, RNGState
 from finetune.train.console import Reporter
 from finetune.train.data import BatchStream, TaskData, load_data
+from finetune.train.data.preference import PreferenceStream
 from finetune.train.data.retain import RetainData, load_retain
 from finetune.train.determinism import seed_everything
 from finetune.train.distributed import DistContext
 from finetune.train.evaluate import EvalResult, evaluate
-from finetune.train.gradients import accumulate, clip_gradients
+from finetune.train.gradients import accumulate, clip_grad_norm
 from finetune.train.hooks import TrainerHooks, load_hooks
 from finetune.train.load import build_on_meta, loads_sharded, materialize
 from finetune.train.metrics import MetricsProcessor, MetricsWriter, first_retain
@@ -60,6 +61,7 @@ from finetune.train.optimizer import build_optimizer
 from finetune.train.parallel import parallelize, unwrap
 from finetune.train.precision import autocast_factory, grad_scaler
 from finetune.train.preflight import RunPhase
+from finetune.train.reference import preference_figures, setup_objective
 from finetune.train.resume import RunCheckpoints, build_checkpointer, resume_command
 from finetune.train.save import save_final
 from finetune.train.schedule import EvalSchedule, lr_scheduler, total_steps
@@ -110,11 +112,18 @@ class Trainer:
             self.model, r.train, self.spec.strategy, tensor_parallel=self.spec.tensor_parallel,
             name=self.spec.optimizer,
         )
-        self.stream = BatchStream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
+        stream = PreferenceStream if self.spec.preference else BatchStream  # pairs: chosen and rejected rows
+        self.stream = stream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
         self.total = total_steps(self.loaded, self.stream)
         self.scheduler = lr_scheduler(self.optimizer, r.train, self.total)
         self.scaler = grad_scaler(self.spec, ctx.device)
         self.autocast = autocast_factory(self.spec, ctx.device)
+        # dpo, simpo, orpo (None: sft); dpo's reference (finetune/train/reference.py), before any resume
+        self.objective, self.reference = setup_objective(
+            self.loaded, self.spec, self.model, self.data, ctx, self.autocast, self.tokenizer.pad_token_id,
+            eval_batch_size(r, chosen),
+        )
+        self.step_figures: dict[str, float] = {}
         self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
         self.reporter.start(
             self.plan, self.trainable, self.total_params, self.total, self.data.stats, ctx.world_size,
@@ -156,6 +165,7 @@ class Trainer:
             self.measure_memory, self.loaded, self.plan, ctx, self.out_dir, start_step=start, total_steps=self.total,
             say=self.reporter.print, track=self.metrics.track,
         )
+        self.step_memory.modules = (self.reference,) if self.reference is not None else ()
         self.eval_schedule = EvalSchedule.of(r.eval, self.total)
 
     def _setup_model(self) -> torch.nn.Module:
@@ -187,6 +197,11 @@ class Trainer:
         materialize(model, self.loaded, spec, ctx.device, base_dir)
         return model
 
+    def _count(self, mb: dict[str, Any]) -> int:
+        """What the loss of a micro-batch is normalised by over the global batch: its target tokens (sft) or its
+        pairs (dpo, simpo, orpo), counted on the host copy."""
+        return int(mb["pairs"]) if self.objective is not None else count_target_tokens(mb)
+
     # -- one optimizer step -----------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
         """Forward and backward every micro-batch of this rank's share of the global batch, then update."""
@@ -198,16 +213,27 @@ class Trainer:
         micro = self.stream.micro_batches(
             epoch, in_epoch, rank=ctx.dp_rank, world_size=ctx.dp_size, micro_batch_size=chosen.micro_batch_size
         )
-        input_tokens = int(ctx.data_sum(sum(int(mb["num_tokens"]) for mb in micro)))  # no padding
         widths = row_widths(micro)  # for MFU
-        micro = [{k: v.to(ctx.device) for k, v in mb.items()} for mb in micro]
-        global_tokens = float(ctx.data_sum(sum(count_target_tokens(mb) for mb in micro)))
+        # Counted on the host copies (no padding; the loss's normaliser), summed over replicas on the device:
+        # the step reads its figures once, after the backward passes (host_figures below).
+        counts = ctx.data_sum(
+            [sum(int(mb["num_tokens"]) for mb in micro), sum(self._count(mb) for mb in micro)], on_device=True
+        )
+        micro = [_to_device(mb, ctx.device) for mb in micro]
         with self.step_memory.measuring(state.step, micro, self.model, self.optimizer):
-            loss_sum = accumulate(self.model, micro, global_tokens, ctx, self.autocast, self.scaler, self.phase)
+            loss_sum = accumulate(
+                self.model, micro, counts[1], ctx, self.autocast, self.scaler, self.phase, self.objective or causal_lm_loss
+            )
             loss_sum = self.hooks.after_backward(step, self.params, loss_sum)
             self.phase.at("optimizer")
-            grad_norm = clip_gradients(self.params, self.optimizer, self.scaler, self.loaded.recipe.train.max_grad_norm)
-            loss = float(ctx.data_sum(loss_sum)) / max(global_tokens, 1.0)
+            norm = clip_grad_norm(self.params, self.optimizer, self.scaler, self.loaded.recipe.train.max_grad_norm)
+            loss_total, grad_norm, tokens, global_tokens = host_figures(
+                ctx.data_sum(loss_sum, on_device=True), norm, counts[0], counts[1]
+            )
+            input_tokens = int(tokens)
+            loss = loss_total / max(global_tokens, 1.0)
+            if self.objective is not None:  # dpo, simpo, orpo: rewards and log-probs, means over the pairs
+                self.step_figures = preference_figures(self.objective, ctx, global_tokens)
             self._update(step, loss, grad_norm)
         self.step_memory.after(state.step)
         self.scheduler.step()
@@ -243,7 +269,7 @@ class Trainer:
         return evaluate(
             self.model, self.data.eval, self.data.eval_prompts, self.tokenizer, self.ctx,
             batch_size=eval_batch_size(r, self.plan.chosen), max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
-            retain=self.retain, task=task,
+            retain=self.retain, task=task, objective=self.objective,
         )
 
     def _evaluate_at_start(self) -> EvalResult | None:
@@ -269,10 +295,12 @@ class Trainer:
             while state.step < self.total:
                 started = time.perf_counter()
                 result = self.train_step()
-                seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - started - self.step_memory.pop_report_seconds()  # training time only
                 ev = self._evaluate_and_show(state.step) if self.eval_schedule.due(state.step) else None
                 lr = float(self.scheduler.get_last_lr()[0])  # a float: the recipe's LR is one
-                tokens_per_s = self.metrics.log_step(state.step, result, seconds, lr=lr, tokens=state.tokens, ev=ev)
+                tokens_per_s = self.metrics.log_step(
+                    state.step, result, seconds, lr=lr, tokens=state.tokens, ev=ev, extra=self.step_figures
+                )
                 advance(loss=result.loss, lr=lr, tokens_per_s=tokens_per_s)
                 self.hooks.after_step(state.step)
                 self.phase.at("save")
@@ -373,6 +401,32 @@ def train_rank(
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     raise pf.OutOfMemory(pf.oom_message(text, loaded, plan, ctx.device, ctx.rank, snapshot, where, allocated))
+
+
+def _to_device(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A micro-batch on the device, with the fused head's target rows (:func:`~finetune.loss.target_rows`)
+    found on its host copy first, and without its attention mask.
+
+    Training rows are right-padded (:func:`~finetune.train.data.batches.collate`): under causal attention a
+    real position attends only to the real positions before it whether or not the padding is masked, and the
+    padded positions carry no target, so the loss and every gradient are the same without the mask. Given a
+    mask, transformers reads its values on the host to decide whether it may skip it (a device sync in every
+    forward) and otherwise builds a (B, 1, T, T) mask; without one it takes the causal kernel directly.
+    """
+    moved = {k: v.to(device) for k, v in mb.items() if k != "attention_mask"}
+    rows = target_rows(mb)
+    if rows is not None:
+        moved["target_rows"] = rows.to(device)
+    if mb.get("position_ids") is not None:  # packed rows: their documents, for transformers' mask code
+        docs = document_ids(mb["position_ids"])  # (an empty tensor: one document per row)
+        moved["document_ids"] = (docs if docs is not None else torch.empty(0, dtype=torch.long)).to(device)
+    return moved
+
+
+def host_figures(*values: torch.Tensor) -> list[float]:
+    """The step's device figures (summed loss, gradient norm, token counts) read on the host together: the
+    step's one device-to-host sync."""
+    return torch.stack([v.detach().reshape(()).to(device=values[0].device, dtype=torch.float64) for v in values]).tolist()
 
 
 def eval_batch_size(recipe: Any, chosen: Any) -> int:
