@@ -318,13 +318,13 @@ def case_fp16(h: Harness, check: Check) -> None:
     model = h.sharded(loaded, spec)
     opt = h.optimizer(model, loaded, spec)
     scaler = grad_scaler(spec, h.device)
-    before = full_state(model)
+    initial = full_state(model)
     steps = []
     for s in range(STEPS):
         row = h.step(model, opt, spec, batches[s], scaler)
         row["scale"] = float(scaler.get_scale()) if scaler is not None else None
         steps.append(row)
-    moved = max_diff(before, full_state(model))
+    moved = max_diff(initial, full_state(model))
     check.figure("fp16", {"loss_scaling": bool(spec.loss_scaling), "steps": steps, "weights_moved_max": moved})
     check.expect("fp16: the spec scales the loss", scaler is not None)
     check.expect("fp16: finite losses and scale", all(math.isfinite(s["loss"]) and math.isfinite(s["scale"] or 0.0)

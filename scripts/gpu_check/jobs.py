@@ -175,7 +175,8 @@ def plan_chosen(out: Path) -> dict[str, Any]:
 #: memory.json keys copied into a section's figures when the run wrote them (reserved and device-used figures
 #: appear where the trainer records them).
 MEMORY_KEYS = ("device", "predicted", "predicted_with_overhead", "measured_peak", "error", "predicted_at_measured_rows",
-               "error_at_measured_rows", "steps_measured", "rows")
+               "error_at_measured_rows", "steps_measured", "rows", "overhead", "reserved_peak", "device_used_peak",
+               "error_with_overhead")
 
 
 def memory_figures(mem: dict[str, Any] | None) -> dict[str, Any]:

@@ -55,9 +55,9 @@ def prepare_model(dest: Path, weights: bool) -> str:
         for name in TOKENIZER_FILES:
             if (CARRIED / name).is_file():
                 shutil.copy(CARRIED / name, dest / name)
-        cfg = json.loads((dest / "config.json").read_text()) if (dest / "config.json").is_file() else {}
-        cfg.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SMOLLM2})
-        (dest / "config.json").write_text(json.dumps(cfg, indent=1))
+        if not (dest / "config.json").is_file():
+            cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SMOLLM2}
+            (dest / "config.json").write_text(json.dumps(cfg, indent=1))
         source = "SmolLM2's (carried in .whl/smollm2)"
     else:
         jobs.model_dir(dest, **SMOLLM2)

@@ -100,6 +100,15 @@ def bitsandbytes_native(device: str) -> dict[str, Any]:
     return info
 
 
+def _nccl_version(torch: Any) -> str | None:
+    """NCCL's version as torch reports it (a tuple, or an int in older builds), None without NCCL."""
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def gpu_mapping(name: str, memory: int | None) -> dict[str, Any]:
     """The tool's own mapping of a device name to its gpu_type and dense peak FLOP/s per dtype."""
     hardware = importlib.import_module("finetune.plan.hardware")
@@ -122,8 +131,9 @@ def run(check: Check) -> None:
          "device_count": torch.cuda.device_count()},
     )
     unmet = [f"{n} {p['version']} < {p['minimum']}" for n, p in pkgs.items() if p["ok"] is False and n in mins]
-    check.expect("wheels fit this Python", all(w["fits"] for w in carried),
-                 [w["wheel"] for w in carried if not w["fits"]])
+    if not check.dry_run:  # the dry run installs no wheels: they are for the lent machine's Python
+        check.expect("wheels fit this Python", all(w["fits"] for w in carried),
+                     [w["wheel"] for w in carried if not w["fits"]])
     check.expect("pyproject's minimum versions", not unmet, unmet or None)
     if check.dry_run:
         mapped = check.figure("gpu_mapping_of_h200", gpu_mapping(*H200))
@@ -138,7 +148,7 @@ def run(check: Check) -> None:
         "device",
         {"name": props.name, "total_memory": int(props.total_memory), "capability": f"{props.major}.{props.minor}",
          "multiprocessors": props.multi_processor_count, "bf16": torch.cuda.is_bf16_supported(),
-         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None},
+         "nccl": _nccl_version(torch)},
     )
     mapped = check.figure("gpu_mapping", gpu_mapping(props.name, int(props.total_memory)))
     hardware = importlib.import_module("finetune.plan.hardware")

@@ -5,8 +5,9 @@ A section's JSON::
 
     {"section", "part", "mode": "gpu" | "dry-run", "status": "ok" | "failed" | "timed out" | "skipped" | "running",
      "reason": one line (why it failed or was skipped), "measures": what it measures, "limit_s", "estimate_s",
-     "seconds", "figures": {...}, "checks": [{"name", "ok", "detail"}], "error": the traceback's tail,
-     "log": its log file, "log_tail": the log's last lines when it did not end ok}
+     "seconds", "cpu_seconds" (this process and its children), "figures": {...},
+     "checks": [{"name", "ok", "detail"}], "error": the traceback's tail, "log": its log file,
+     "exit_code" and "log_tail" (the log's last lines) when it did not end ok}
 
 A section fails when it raises or when one of its checks is false; its figures are kept either way.
 """
@@ -91,7 +92,11 @@ class Check:
 
     def save(self) -> None:
         """Write the JSON atomically (a reader never sees half a file)."""
+        import resource
+
         self.data["seconds"] = round(time.perf_counter() - self.started, 2)
+        used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        self.data["cpu_seconds"] = round(sum(u.ru_utime + u.ru_stime for u in used), 2)
         write_json(self.path, self.data)
 
 
