@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from finetune.errors import UserError
-from tests.support import TINY_MODEL, load, write_jsonl
+from tests.support import TINY_MODEL, write_jsonl
 
 X = -100
 EOS = 2
@@ -27,8 +27,13 @@ def tok():
 
 
 def _pairs(tmp_path, tok, rows, **data):
+    from finetune.recipe import recipe_from_dict
+    from finetune.train.data.preference import load_preference_data
+
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    return load(tmp_path, tok, train=str(path), format="preference", max_seq_len=64, **data)
+    raw = {"model": {"path": str(TINY_MODEL)}, "train": {"seed": 0, "objective": "dpo"},
+           "data": {"train": str(path), "format": "preference", "max_seq_len": 64, "cache_dir": str(tmp_path / "c"), **data}}
+    return load_preference_data(recipe_from_dict(raw, base_dir=tmp_path), tok)
 
 
 def test_preference_rows_label_only_the_completions(tmp_path, tok) -> None:

@@ -252,10 +252,6 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
     """Read, check and tokenize the recipe's train and eval data (every bad row is found before training)."""
     r = loaded.recipe
     d = r.data
-    if d.format == "preference":  # pairs of completions (train.objective dpo, simpo, orpo)
-        from finetune.train.data.preference import load_preference_data
-
-        return load_preference_data(loaded, tokenizer)  # type: ignore[no-any-return]
     template = resolve_chat_template(loaded, tokenizer) if d.format == "chat" else None
     encoder = Encoder(
         tokenizer, d.format, d.columns.model_dump(), d.max_seq_len, d.drop_long, d.train_on_prompt, template
