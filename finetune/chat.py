@@ -159,12 +159,16 @@ def inspect_dir(value: str, flag: str, name: str | None = None) -> Target:
     label = name or d.resolve().name
     if (d / ADAPTER_CONFIG).is_file():
         if not any((d / w).is_file() for w in ADAPTER_WEIGHTS):
-            raise UserError(f"{flag} {value} has {ADAPTER_CONFIG} but no adapter_model.safetensors; the adapter is incomplete")
+            raise UserError(
+                f"{flag} {value} has {ADAPTER_CONFIG} but no adapter_model.safetensors; the adapter is incomplete"
+            )
         recipe, plan = _run_files(d)
         return Target(d, "peft", label, recipe, plan, _read_json(d / ADAPTER_CONFIG))
     if (d / BOTTLENECK_CONFIG).is_file():
         if not (d / BOTTLENECK_WEIGHTS).is_file():
-            raise UserError(f"{flag} {value} has {BOTTLENECK_CONFIG} but no {BOTTLENECK_WEIGHTS}; the adapter is incomplete")
+            raise UserError(
+                f"{flag} {value} has {BOTTLENECK_CONFIG} but no {BOTTLENECK_WEIGHTS}; the adapter is incomplete"
+            )
         recipe, plan = _run_files(d)
         return Target(d, "bottleneck", label, recipe, plan, _read_json(d / BOTTLENECK_CONFIG))
     if (d / "config.json").is_file():
@@ -280,7 +284,9 @@ def settle_base(adapters: list[Target], base: str | None, scratch: Path) -> Base
                 f"--adapter {q.name} was trained on a 4-bit base (qlora) and --adapter {plain.name} on a 16-bit one; "
                 "chat loads every adapter onto one base: give them in separate sessions"
             )
-        settings = {json.dumps((t.recipe or {}).get("quantization"), sort_keys=True) for t in adapters if t.quantized_base}
+        settings = {
+            json.dumps((t.recipe or {}).get("quantization"), sort_keys=True) for t in adapters if t.quantized_base
+        }
         if len(settings) > 1:
             raise UserError(
                 "--adapter: the qlora adapters were trained on differently quantized bases (quantization settings "
@@ -343,7 +349,8 @@ class PromptFormat:
     def turn(self, text: str, history: list[dict[str, str]], system: str | None) -> list[int]:
         """Token ids of the prompt for a typed ``text`` after ``history`` (chat only)."""
         if self.kind == "chat":
-            return self.render(([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": text}])
+            start = [{"role": "system", "content": system}] if system else []
+            return self.render([*start, *history, {"role": "user", "content": text}])
         if self.kind == "instruction":
             c = self.columns
             return list(self.encoder.encode({c["instruction"]: text, c["output"]: ""}).prompt_ids)
@@ -373,7 +380,9 @@ class PromptFormat:
         except BadRow as err:
             raise UserError(f"{where}: {err}") from None
         wanted = {
-            "instruction": f"a `prompt` string or the run's instruction columns (`{c['instruction']}`, `{c['input']}`)",
+            "instruction": (
+                f"a `prompt` string or the run's instruction columns (`{c['instruction']}`, `{c['input']}`)"
+            ),
             "chat": f"a `prompt` string or a `{c['messages']}` list of {{role, content}}",
             "text": "a `prompt` string",
         }[self.kind]
@@ -385,7 +394,9 @@ class PromptFormat:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
         )
         if not ok:
-            raise UserError(f"{where}: `{self.columns['messages']}` must be a non-empty list of {{role, content}} strings")
+            raise UserError(
+                f"{where}: `{self.columns['messages']}` must be a non-empty list of {{role, content}} strings"
+            )
         msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
         if msgs[-1]["role"] == "assistant":
             return self.render(msgs[:-1]), msgs[-1]["content"]
@@ -422,7 +433,9 @@ def _loaded(t: Target) -> Any:
     try:
         return recipe_from_dict(t.recipe or {}, base_dir=t.path)
     except RecipeError as err:
-        raise UserError(f"{t.path / 'recipe.yaml'} is not a valid recipe ({err}); the run directory is damaged") from None
+        raise UserError(
+            f"{t.path / 'recipe.yaml'} is not a valid recipe ({err}); the run directory is damaged"
+        ) from None
 
 
 def load_tokenizer(d: Path, fallback: Path, trust_remote_code: bool) -> Any:
@@ -454,7 +467,9 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UserError(f"--input {where}: not valid JSON ({err.msg} at column {err.colno}); each line is one JSON object") from None
+            raise UserError(
+                f"--input {where}: not valid JSON ({err.msg} at column {err.colno}); each line is one JSON object"
+            ) from None
         if not isinstance(row, dict):
             raise UserError(f"--input {where}: expected a JSON object per line, got {type(row).__name__}")
         rows.append((where, row))
@@ -519,12 +534,15 @@ def _execution(plan: dict[str, Any] | None) -> Any:
 def _device(option: str | None) -> Any:
     import torch
 
-    if option is not None:
-        try:
-            return torch.device(option)
-        except RuntimeError:
-            raise UserError(f"--device {option} is not a torch device (cpu, cuda, cuda:1, mps)") from None
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if option is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(option)
+    except RuntimeError:
+        raise UserError(f"--device {option} is not a torch device (cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {option}: this machine has no CUDA device; leave --device out to run on the CPU")
+    return device
 
 
 def _autocast(spec: Any, device: Any) -> Callable[[], Any]:
@@ -594,7 +612,8 @@ def prepare(opts: ChatOptions, scratch: Path) -> tuple[list[Target], Base | None
         adapters.append(t)
     base = settle_base(adapters, opts.base, scratch)
     if opts.use is not None and opts.use not in BASE_NAMES and opts.use not in [a.name for a in adapters]:
-        raise UserError(f"--use {opts.use} is not an adapter here; the adapters are {', '.join(a.name for a in adapters)} (or base)")
+        known = ", ".join(a.name for a in adapters)
+        raise UserError(f"--use {opts.use} is not an adapter here; the adapters are {known} (or base)")
     return adapters, base, None
 
 
@@ -642,13 +661,18 @@ def load(adapters: list[Target], base: Base | None, model_target: Target | None,
                 model.load_adapter(str(a.path), adapter_name=a.name)
     except (RuntimeError, ValueError, KeyError) as err:
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        raise UserError(f"the adapter does not fit the base {base.path} ({first}); give the base it was trained on with --base") from None
-    model = model.to(device).eval()
+        raise UserError(
+            f"the adapter does not fit the base {base.path} ({first}); give the base it was trained on with --base"
+        ) from None
+    if base.quantized is None:  # a 4-bit model stays where loading put it (bitsandbytes refuses .to)
+        model = model.to(device)
+    model.eval()
     formats = {a.name: prompt_format(a, tokenizers[a.name]) for a in adapters}
     four_bit = " (4-bit)" if base.quantized is not None else ""
     session = Session(
         model, device, _autocast(spec, device), formats, names, adapters[0].kind == "peft",
-        f"loaded {', '.join(names)} on the base {base.path}{four_bit} on {device} in {time.perf_counter() - start:.1f}s",
+        f"loaded {', '.join(names)} on the base {base.path}{four_bit} on {device} "
+        f"in {time.perf_counter() - start:.1f}s",
         _max_positions(base.path), last_format=names[0],
     )
     session.use(names[0])
@@ -735,7 +759,9 @@ def run_chat(opts: ChatOptions) -> int:
         raise UserError(f"--top-p {opts.top_p} must be in (0, 1]")
     if opts.output is not None:
         if not opts.output.parent.is_dir():
-            raise UserError(f"--output {opts.output}: the directory {opts.output.parent} does not exist; create it first")
+            raise UserError(
+                f"--output {opts.output}: the directory {opts.output.parent} does not exist; create it first"
+            )
         if opts.input is not None and opts.output.resolve() == opts.input.resolve():
             raise UserError("--output is the --input file; write the answers to another file")
     rows = read_rows(opts.input) if opts.input is not None else None
@@ -746,7 +772,9 @@ def run_chat(opts: ChatOptions) -> int:
         names = [a.name for a in adapters] or [""]
         start_name = names[0] if opts.use is None or opts.use in BASE_NAMES else opts.use
         target_of = {a.name: a for a in adapters}
-        fmt = prompt_format(target_of[start_name] if adapters else model_target, tokenizers[start_name])  # type: ignore[arg-type]
+        first = target_of[start_name] if adapters else model_target
+        assert first is not None, "prepare returns adapters or a model"
+        fmt = prompt_format(first, tokenizers[start_name])
         encoded = None
         if rows is not None:
             encoded = [fmt.row(row, f"--input {where}", opts.system) for where, row in rows]
@@ -788,7 +816,8 @@ def _check_lengths(session: Session, opts: ChatOptions, encoded: list[tuple[list
             where = f"--input {rows[i][0]}" if rows is not None else "--prompt"
             raise UserError(
                 f"{where}: the prompt is {len(ids)} tokens and the model reads {session.max_positions} positions, "
-                f"{opts.max_new_tokens} of them kept for the answer (--max-new-tokens); shorten it or lower --max-new-tokens"
+                f"{opts.max_new_tokens} of them kept for the answer (--max-new-tokens); shorten it or lower "
+                "--max-new-tokens"
             )
 
 
@@ -876,7 +905,8 @@ def _command(session: Session, command: str, arg: str) -> str:
     if command == "reset":
         return "(the conversation is forgotten)"
     if command == "system":
-        note = "" if session.fmt().multi_turn else f" (the prompt format here is {session.fmt().kind}: it has no system prompt)"
+        kind = session.fmt().kind
+        note = "" if kind == "chat" else f" (the prompt format here is {kind}: it has no system prompt)"
         return ("(system prompt set)" if arg else "(system prompt cleared)") + note
     if command == "adapter":
         if not session.adapters:

@@ -2,11 +2,12 @@
 with /adapter; --prompt and --input/--output answering as the runs' own greedy evaluation did; bad input as one
 sentence with exit 2 and nothing written; the generation loop's extensions leave evaluation's result unchanged.
 
-The two runs train LoRA adapters on the tiny Llama's config from a seeded random init with initializer_range 0.1:
-LoRA on the quickstart model's random init (initializer_range 0.02) needs hundreds of steps to learn a task,
-where on these larger random features it memorises four words of a task in a few steps (measured: exact match
-100% of both tasks after 10 steps). Each adapter learns its own task on the same four words (reversed, in capitals), so the same
-input tells which adapter answered.
+The runs train LoRA adapters on a base drawn from a seed with the tiny Llama's config and initializer_range 0.1.
+The quickstart's LoRA recipes start from its full fine-tune (300 steps); LoRA on the tiny Llama's own random
+init (initializer_range 0.02) had one answer of four right after 200 steps, where on these larger random
+features it memorises four words of a task: exact match 100% for both tasks after 10 steps (measured). Each
+adapter learns its own task on the same four words (reversed, in capitals), so an answer tells which adapter
+gave it.
 """
 
 from __future__ import annotations
@@ -56,25 +57,36 @@ def _samples(stdout: str) -> list[tuple[str, str]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     """Two LoRA runs of one seeded base, one per task (the four words as train and eval data)."""
     tmp = tmp_path_factory.mktemp("chat-runs")
+    return {task: train(tmp, task, "lora") for task in TASKS}
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """A QLoRA run of the reversing task (its base quantized to 4-bit NF4 as it loads)."""
+    return train(tmp_path_factory.mktemp("chat-qlora"), "rev", "qlora")
+
+
+def train(tmp: Path, task: str, method: str) -> Run:
+    """`finetune run` of LoRA (or QLoRA) on ``task``'s four words, from the seeded base of initializer_range 0.1."""
     base = micro_model_dir(tmp / "base-config", initializer_range=0.1)
-    found = {}
-    for task, (instruction, answer) in TASKS.items():
-        data = write_jsonl(tmp / f"{task}.jsonl", [{"instruction": instruction, "input": w, "output": answer(w)} for w in WORDS])
-        recipe = tiny_recipe(
-            tmp / f"run-{task}",
-            model={"path": str(base), "init": "random"},
-            method="lora",
-            lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
-            data={"train": str(data), "eval": str(data), "max_seq_len": 48},
-            train={"max_steps": STEPS, "global_batch_size": 4, "micro_batch_size": 4, "lr": 5e-3},
-            eval={"max_samples": 4, "max_new_tokens": 8, "batch_size": 4, "at_start": False},
-        )
-        done = finetune_run(write_recipe(tmp / f"{task}.yaml", recipe))
-        assert done.returncode == 0, done.stdout + done.stderr
-        rows = [json.loads(line) for line in (tmp / f"run-{task}" / "metrics.jsonl").read_text().splitlines()]
-        em = [r["eval_exact_match"] for r in rows if "eval_exact_match" in r][-1]
-        found[task] = Run(tmp / f"run-{task}", data, _samples(done.stdout), em)
-    return found
+    instruction, answer = TASKS[task]
+    rows = [{"instruction": instruction, "input": w, "output": answer(w)} for w in WORDS]
+    data = write_jsonl(tmp / f"{task}.jsonl", rows)
+    out = tmp / f"run-{task}"
+    recipe = tiny_recipe(
+        out,
+        model={"path": str(base), "init": "random"},
+        method=method,
+        lora={"r": 8, "alpha": 16, "target_modules": "all-linear"},
+        data={"train": str(data), "eval": str(data), "max_seq_len": 48},
+        train={"max_steps": STEPS, "global_batch_size": 4, "micro_batch_size": 4, "lr": 5e-3},
+        eval={"max_samples": 4, "max_new_tokens": 8, "batch_size": 4, "at_start": False},
+    )
+    done = finetune_run(write_recipe(tmp / f"{task}.yaml", recipe))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    em = [r["eval_exact_match"] for r in rows if "eval_exact_match" in r][-1]
+    return Run(out, data, _samples(done.stdout), em)
 
 
 def chat(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -132,7 +144,8 @@ class Terminal:
 @pytest.mark.slow
 def test_two_adapters_on_one_base_in_a_terminal(runs: dict[str, Run], tmp_path: Path) -> None:
     term = Terminal(
-        [sys.executable, "-m", "finetune", "chat", "--adapter", f"rev={runs['rev'].out}", "--adapter", f"up={runs['up'].out}"],
+        [sys.executable, "-m", "finetune", "chat",
+         "--adapter", f"rev={runs['rev'].out}", "--adapter", f"up={runs['up'].out}"],
         tmp_path,
     )
     banner = term.expect(rb"\nrev> ")
@@ -171,6 +184,32 @@ def test_prompt_and_input_answer_as_the_runs_greedy_eval(runs: dict[str, Run], t
     assert got[:3] == [generated for _, generated in up.samples]
     assert sum(r["answer"] == r["output"] for r in rows) / len(rows) == up.exact_match
     assert "exact match 100.0% of the 4 rows" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_merged_model_answers_as_the_adapter_it_folds(runs: dict[str, Run], tmp_path: Path) -> None:
+    """`finetune merge` output: a whole model, prompted as the run it came from (its merge marker names it)."""
+    rev = runs["rev"]
+    merged = CliRunner().invoke(app, ["merge", str(rev.out), "--out", str(tmp_path / "merged")])
+    assert merged.exit_code == 0, merged.output
+    answers = tmp_path / "answers.jsonl"
+    code, out = invoke(str(tmp_path / "merged"), "--input", str(rev.data), "--output", str(answers))
+    assert code == 0, out
+    got = [json.loads(line)["answer"] for line in answers.read_text().splitlines()]
+    assert got == [w[::-1] for w in WORDS]
+    assert got[:3] == [generated for _, generated in rev.samples]
+
+
+@pytest.mark.slow
+def test_a_qlora_adapter_answers_over_its_4bit_base_as_its_eval(qlora_run: Run, tmp_path: Path) -> None:
+    assert qlora_run.exact_match == 1.0
+    answers = tmp_path / "answers.jsonl"
+    code, out = invoke(str(qlora_run.out), "--input", str(qlora_run.data), "--output", str(answers))
+    assert code == 0, out
+    assert "(4-bit)" in out and "exact match 100.0% of the 4 rows" in out
+    got = [json.loads(line)["answer"] for line in answers.read_text().splitlines()]
+    assert got == [w[::-1] for w in WORDS]
+    assert got[:3] == [generated for _, generated in qlora_run.samples]
 
 
 @pytest.mark.slow
@@ -270,6 +309,43 @@ def test_a_row_without_a_prompt_names_file_and_line(model_dir: Path, tmp_path: P
     assert not answers.exists()
 
 
+def test_prompt_formats_follow_the_run(model_dir: Path) -> None:
+    """A directory without a recipe and a chat template: the conversation through the template; an instruction
+    run: the prompt its evaluation builds, each turn alone; a text run: the raw text."""
+    from finetune.chat import Target, load_tokenizer, prompt_format
+
+    tok = load_tokenizer(model_dir, model_dir, False)
+    chat = prompt_format(Target(model_dir, "model", "m"), tok)
+    history = [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}]
+    assert chat.kind == "chat" and tok.decode(chat.turn("xy", history, "Be brief.")) == (
+        "System: Be brief.\nUser: abc\nAssistant: cba</s>\nUser: xy\nAssistant: "
+    )
+    instruction = prompt_format(Target(model_dir, "model", "m", recipe={"data": {"format": "instruction"}}), tok)
+    assert tok.decode(instruction.turn("Reverse the letters.\nabc", history, "Be brief.")) == (
+        "Reverse the letters.\nabc\nAnswer: "
+    )
+    row = {"instruction": "Reverse the letters.", "input": "abc", "output": "cba"}
+    assert instruction.row(row, "f:1", None) == (instruction.turn("Reverse the letters.\nabc", [], None), "cba")
+    text = prompt_format(Target(model_dir, "model", "m", recipe={"data": {"format": "text"}}), tok)
+    assert tok.decode(text.turn("abc", history, None)) == "abc"
+
+
+def test_commands_in_a_session_without_a_terminal(model_dir: Path) -> None:
+    """Lines from a pipe: a turn, /system, /reset, /adapter on a whole model, an unknown command, /quit."""
+    result = CliRunner().invoke(
+        app, ["chat", str(model_dir), "--max-new-tokens", "2"],
+        input="hi\n/system Be brief.\n/reset\n/adapter\n/nope\n/quit\nnever read\n",
+    )
+    assert result.exit_code == 0, result.output
+    replies = [line for line in result.stdout.splitlines() if line.startswith("> (")]
+    assert replies == [
+        "> (system prompt set)",
+        "> (the conversation is forgotten)",
+        "> (no adapters: this is a whole model; pass --adapter DIR to load adapters onto a base)",
+        "> (unknown command /nope; /help lists them)",
+    ]
+
+
 def test_streaming_and_sampling_leave_the_greedy_answer_as_evaluation_computes_it(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -279,8 +355,11 @@ def test_streaming_and_sampling_leave_the_greedy_answer_as_evaluation_computes_i
     ids, mask = left_padded([[1, 70, 71, 72], [1, 80]], pad_id=0)
     evaluation = greedy_tokens(model, ids, mask, 6, nullcontext)
     seen: list[list[int]] = []
-    streamed = greedy_tokens(model, ids, mask, 6, nullcontext,
-                             pick=sampler(0.0, 1.0, torch.Generator()), on_step=lambda t: seen.append(t[:, 0].tolist()) or False)
+    def record(step: torch.Tensor) -> bool:
+        seen.append(step[:, 0].tolist())
+        return False
+
+    streamed = greedy_tokens(model, ids, mask, 6, nullcontext, pick=sampler(0.0, 1.0, torch.Generator()), on_step=record)
     assert torch.equal(evaluation, streamed)
     assert [list(col) for col in zip(*seen, strict=True)] == evaluation.tolist()
     stopped = greedy_tokens(model, ids, mask, 6, nullcontext,
