@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune import attention
-from finetune.loss import IGNORE_INDEX, shifted_labels
+from finetune.loss import IGNORE_INDEX, known_documents, shifted_labels
 
 #: The metrics a preference step and evaluation report (metrics.jsonl columns; ``eval_`` prefixed for evaluation)
 METRICS = (
@@ -71,14 +71,18 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
     """Each row's summed log-probability of its label tokens (fp32, shape (rows,)) and how many there are.
 
     The logits are materialised (the rows' log-softmax is needed per row, which the fused SFT head does not
-    keep) and the log-softmax is taken in fp32 whatever the compute dtype."""
+    keep) and the log-softmax is taken in fp32 whatever the compute dtype. A batch without an attention mask
+    or position ids (the trainer's: right-padded rows) is one document per row, which transformers' mask code
+    is told (:func:`~finetune.loss.known_documents`) instead of reading the position ids on the host: no device
+    sync, and the causal kernel without a (B, 1, T, T) mask, on real and fake tensors alike."""
     shifted = shifted_labels(batch)
     if not getattr(model, attention.MARK, False):
         attention.enable(model)
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-        position_ids=batch.get("position_ids"), use_cache=False,
-    ).logits
+    with known_documents(batch):  # a training batch has no mask: the causal kernel, no (B, 1, T, T) mask
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"), use_cache=False,
+        ).logits
     logits = logits[:, -shifted.shape[1] :]  # prompt-learning adapters may prepend virtual positions
     per_token = -F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE_INDEX,

@@ -147,3 +147,41 @@ def test_plan_counts_pairs_and_the_reference_copy(tmp_path) -> None:
     assert model.params - sft.params == storage.param_bytes  # the frozen copy: every weight, fp32 like the policy
     assert pre.params == sft.params
     assert 1.9 < pre_acts / sft_acts < 2.6  # twice the rows, and their logits kept for the log-softmax
+
+
+@pytest.mark.slow  # two fake-tensor traces (seconds)
+def test_pairs_trace_keeps_per_layer_what_the_same_rows_of_sft_keep() -> None:
+    """A micro-batch of B pairs runs 2B rows through the decoder without an attention mask, as the trainer sends
+    them: each layer keeps what an SFT micro-batch of 2B rows keeps (the causal kernel, no (B, 1, T, T) mask)."""
+    from transformers import AutoConfig
+
+    from finetune.plan.activations import TraceSpec, trace_windows
+
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+
+    def layer(objective: str, batch: int) -> int:
+        spec = TraceSpec(method="full", checkpointing=False, seq_len=64, packed=False, objective=objective,
+                         reference="model")
+        return trace_windows(config, spec, 2, batch).layer_acts
+
+    assert layer("dpo", 2) == layer("sft", 4)
+
+
+@pytest.mark.slow  # one real DPO step with the memory probe, and its plan (a minute on 2 cores)
+def test_dpo_plan_within_5_percent_of_the_measured_peak(tmp_path) -> None:
+    """The planner's peak for LoRA dpo with the base as reference (micro-batch 8 pairs of 128-token rows) is
+    within 5% of the peak the trainer's probe measures in the real step."""
+    import sys
+
+    from tests.support import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import plan_accuracy
+    finally:
+        sys.path.pop(0)
+    name = "llama lora fp32 mb8 dpo"
+    (arch, change, nproc), = [(a, c, n) for cname, a, c, n in plan_accuracy.CONFIGS if cname == name]
+    r = plan_accuracy.run_one(name, arch, change, nproc, tmp_path)
+    assert "predicted" in r, r
+    assert abs(r["error"]) <= 0.05, r
