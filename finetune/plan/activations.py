@@ -65,7 +65,7 @@ class TraceSpec:
     def preference_key(self) -> tuple[str, ...]:
         """What a preference trace adds to its disk cache key (nothing for sft; the trailing number is bumped
         when what a preference trace records changes)."""
-        return () if self.objective == "sft" else ("objective", self.objective, self.reference, 2)
+        return () if self.objective == "sft" else ("objective", self.objective, self.reference, "2")
 
     @classmethod
     def of(
@@ -296,9 +296,10 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
 def _preference_step(spec: TraceSpec, batch: dict[str, Any]) -> Callable[[Any, dict[str, Any]], Any]:
     """The preference objective's micro-step on ``batch``'s rows as chosen and rejected (2 rows a sample): the
     policy's log-probs and backward, on rows without an attention mask as the trainer sends them (the causal
-    kernel: :func:`~finetune.preference.sequence_logps` tells transformers there is one document per row). dpo's reference forward (base or model) runs before it without gradients:
-    it keeps nothing, and its transients (one layer's, and the logits') are smaller than what the policy's
-    forward holds at its end, so it is not traced (its weights, for a frozen copy, are memory.py's)."""
+    kernel: :func:`~finetune.preference.sequence_logps` tells transformers there is one document per row).
+    dpo's reference forward (base or model) runs before it without gradients: it keeps nothing, and its
+    transients (one layer's, and the logits') are smaller than what the policy's forward holds at its end, so
+    it is not traced (its weights, for a frozen copy, are memory.py's)."""
     import torch
 
     from finetune.preference import sequence_logps
