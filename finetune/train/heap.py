@@ -9,9 +9,9 @@ tensor below the raised threshold is carved from the heap, and the blocks a step
 heap as high as the step's largest moment plus its fragments, for the rest of the run.
 
 Measured (scripts/bench_load_memory.py, docs/benchmarks.md): LoRA under fsdp on 2 processes of a Llama of 151M
-parameters stored in fp32, each rank's peak RssAnon above the same run of the tiny model was 651 MiB with the
-sliding threshold (the whole checkpoint is 577 MiB; the rank's bf16 shards 144 MiB) and 244 MiB with the
-threshold fixed at 128 KiB or 1 MiB.
+parameters stored in fp32, each rank's peak RssAnon above the same run of the tiny model is 617 to 674 MiB with
+the sliding threshold (the whole checkpoint is 577 MiB; the rank's bf16 shards 144 MiB) and 243 to 251 MiB with
+the threshold fixed at 1 MiB (fixed at 128 KiB: the same within 10 MiB).
 
 Fixing the threshold (``mallopt``) also stops it from sliding. A process started with
 ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` in its environment keeps what it asked for, and an
