@@ -2,7 +2,7 @@
 tiny model: each rank's peak RssAnon over the whole run exceeds the tiny run's by at most its half of the
 model in bf16 plus three decoder layers (FSDP's gathered units) plus 64 MiB, not by the checkpoint; and the
 plan's host memory per node is within 10% of the sum of the ranks' measured peaks, while loading and over the
-whole run (finetune/plan/job.py; finetune/train/heap.py says where the memory went before).
+whole run (finetune/plan/job.py; finetune/train/heap.py says where glibc's sliding mmap threshold puts the memory).
 """
 
 from __future__ import annotations
