@@ -19,8 +19,9 @@
 #   vocab          45 s (est. 25)   a 128256-token vocabulary through the fused head
 #   smollm2       115 s (est. 80)   SmolLM2-135M tokens/s and MFU against TRL's SFTTrainer (skipped without trl)
 #
-# --dry-run: every section's CPU-possible part (the harness on gloo, two-step CLI runs of the tiny model);
-# what needs CUDA is skipped with the reason. tests/e2e/test_gpu_check.py runs it.
+# --dry-run: every section's CPU-possible part (the harness on gloo, two-step CLI runs of a micro model), two
+# sections at a time (GPU_CHECK_JOBS); what needs CUDA is skipped with the reason. tests/e2e/test_gpu_check.py
+# runs it.
 #
 # On this workplace's lent H200 (no network there; two calls of at most 7 minutes each):
 #   here:   bash scripts/gpu_wheels.sh
@@ -38,7 +39,7 @@ while [ $# -gt 0 ]; do
     --part=*) part="${1#--part=}" ;;
     --only) only=(--only "${2:-}"); shift ;;
     --only=*) only=(--only "${1#--only=}") ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (use --dry-run, --part 1|2|all, --only a,b)" >&2; exit 2 ;;
   esac
   shift
@@ -69,26 +70,40 @@ export GPU_CHECK_WORK
 # A part must end inside one 7-minute call: a section that could not finish inside what is left is not started.
 budget="${GPU_CHECK_BUDGET:-420}"
 [ "$part" = all ] || [ ${#dry[@]} -gt 0 ] && budget=0
+# On the GPU one section at a time (each measures the device alone); the dry run's sections, mostly one
+# single-threaded process each, run two at a time on a CPU's cores.
+parallel="${GPU_CHECK_JOBS:-1}"
+[ ${#dry[@]} -gt 0 ] && parallel="${GPU_CHECK_JOBS:-2}"
+
+run_section() {  # NAME LIMIT: one section under its limit, then its JSON completed with how it ended
+  local name=$1 limit=$2 begun=$EPOCHREALTIME rc seconds
+  echo "== $name (limit ${limit} s)"
+  timeout -k 10 "$limit" "$PY" -m scripts.gpu_check run "$name" --out "$OUT" "${dry[@]}" \
+    > "$OUT/logs/$name.log" 2>&1 < /dev/null
+  rc=$?
+  seconds=$(awk -v a="$begun" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+  "$PY" -m scripts.gpu_check end "$name" --out "$OUT" --rc "$rc" --seconds "$seconds" "${dry[@]}"
+  echo "   $name: exit $rc after ${seconds} s"
+}
 
 listing="$("$PY" -m scripts.gpu_check sections --part "$part" "${dry[@]}" "${only[@]}")" || exit 2
 while read -r name limit; do
   [ -n "$name" ] || continue
-  now=$EPOCHREALTIME
-  spent=$(awk -v a="$started" -v b="$now" 'BEGIN { printf "%d", b - a }')
+  spent=$(awk -v a="$started" -v b="$EPOCHREALTIME" 'BEGIN { printf "%d", b - a }')
   if [ "$budget" -gt 0 ] && [ $((spent + limit)) -gt "$budget" ]; then
     echo "== $name: not started ($spent s spent, its limit $limit s would pass the part's $budget s)"
     "$PY" -m scripts.gpu_check end "$name" --out "$OUT" --rc 0 --seconds 0 "${dry[@]}" \
       --skip "not started: ${spent} s spent + its ${limit} s limit > the part's ${budget} s"
     continue
   fi
-  echo "== $name (limit ${limit} s)"
-  timeout -k 10 "$limit" "$PY" -m scripts.gpu_check run "$name" --out "$OUT" "${dry[@]}" \
-    > "$OUT/logs/$name.log" 2>&1 < /dev/null
-  rc=$?
-  seconds=$(awk -v a="$now" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
-  "$PY" -m scripts.gpu_check end "$name" --out "$OUT" --rc "$rc" --seconds "$seconds" "${dry[@]}"
-  echo "   exit $rc after ${seconds} s"
+  if [ "$parallel" -gt 1 ]; then
+    while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n; done
+    run_section "$name" "$limit" &
+  else
+    run_section "$name" "$limit"
+  fi
 done <<< "$listing"
+wait
 
 "$PY" -m scripts.gpu_check summary --out "$OUT" --part "$part" "${dry[@]}" "${only[@]}"
 status=$?

@@ -102,10 +102,11 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
 
 
 def test_a_failing_section_does_not_stop_the_others(tmp_path: Path) -> None:
-    """One section raises, one dies without writing its JSON, one hangs past its limit; the last still runs."""
+    """One section raises, one dies without writing its JSON, one hangs past its limit; the last still runs.
+    One section at a time, as on the GPU."""
     proc, out = gpu_check(
         tmp_path, "--dry-run", "--only", "preconditions,harness,compile,smollm2",
-        GPU_CHECK_FAIL="preconditions,harness:exit,compile:hang", GPU_CHECK_LIMITS="compile=3",
+        GPU_CHECK_FAIL="preconditions,harness:exit,compile:hang", GPU_CHECK_LIMITS="compile=3", GPU_CHECK_JOBS="1",
     )
     assert proc.returncode == 1, proc.stdout[-3000:]
     raised = section(out, "preconditions")
