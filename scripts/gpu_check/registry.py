@@ -2,8 +2,9 @@
 
 The limits of a part add up to at most :data:`PART_BUDGET_S` with the wheels' installation
 (:data:`SETUP_S`), so that a part ends inside one 7-minute call of the lent machine even when every section
-runs to its limit. The estimates are the expected times on one H200 with 16 cores (Python's start and the
-imports included); ``--dry-run`` takes its own, much shorter, path through each section.
+runs to its limit. The estimates are expected times on one H200 with 16 cores (Python's start and the imports
+included), from the sizes of the jobs; summary.json sets them beside the measured seconds. ``--dry-run`` takes
+its own, much shorter, path through each section, under its own generous limits.
 
 No heavy import here: the shell script reads this table before any section runs.
 """
