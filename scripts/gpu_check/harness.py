@@ -290,8 +290,9 @@ def case_qlora(h: Harness, check: Check) -> None:
     spec = h.spec(loaded)
     batches = h.batches(loaded)
     model = h.sharded(loaded, spec)
-    codes = [m.weight for m in model.modules() if type(getattr(m, "weight", None)).__name__ in ("Params4bit", "DTensor")
-             and type(m).__name__ == "Linear4bit"]
+    # bitsandbytes' own Linear4bit layers (peft's LoRA wrappers around them share the class name)
+    codes = [m.weight for m in model.modules()
+             if type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")]
     whole = parallelize(h.whole(loaded, spec), spec, h.ctx)
     sharded_loss, whole_loss = h.loss(model, spec, batches[0]), h.loss(whole, spec, batches[0])
     del whole
