@@ -219,7 +219,8 @@ class Trainer:
         # Counted on the host copies (no padding; the loss's normaliser), summed over replicas on the device:
         # the step reads its figures once, after the backward passes (host_figures below).
         counts = ctx.data_sum(
-            [sum(int(mb["num_tokens"]) for mb in micro), sum(self._count(mb) for mb in micro)], on_device=True
+            torch.tensor([sum(int(mb["num_tokens"]) for mb in micro), sum(self._count(mb) for mb in micro)]),
+            on_device=True,
         )
         micro = [_to_device(mb, ctx.device) for mb in micro]
         with self.step_memory.measuring(state.step, micro, self.model, self.optimizer):
