@@ -78,7 +78,7 @@ parallel="${GPU_CHECK_JOBS:-1}"
 run_section() {  # NAME LIMIT: one section under its limit, then its JSON completed with how it ended
   local name=$1 limit=$2 begun=$EPOCHREALTIME rc seconds
   echo "== $name (limit ${limit} s)"
-  rm -f "$OUT/$name.json"  # an earlier run's, which must not stand for this one
+  rm -f "$OUT/$name.json"  # one left in OUT by another run of this section must not stand for this one
   timeout -k 10 "$limit" "$PY" -m scripts.gpu_check run "$name" --out "$OUT" "${dry[@]}" \
     > "$OUT/logs/$name.log" 2>&1 < /dev/null
   rc=$?
