@@ -135,9 +135,24 @@ def precompute(
                 values[torch.tensor(idx, device=ctx.device)] = logps.double()
     finally:
         model.train(was_training)
+        reshard(model)
     total = ctx.data_sum(values, on_device=True).cpu().tolist()
     for pair, (c, r) in zip(pairs, total, strict=True):
         pair.ref_logps = (float(c), float(r))
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 unit of ``model`` back to its sharded parameters after forwards without a backward.
+
+    Such a forward leaves the root unit gathered (it never reshards after forward), and under zero2 every unit:
+    their registered parameters are then the all-gather's views, not the sharded parameters the optimizer
+    steps, and a list of the model's parameters taken then (the trainer's, for gradient clipping) would hold
+    views that never get a gradient (measured: a gradient norm of 0 under zero2, the clipping skipped)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def preference_figures(objective: PreferenceObjective, ctx: DistContext, pairs: float) -> dict[str, float]:
