@@ -780,12 +780,14 @@ def run_chat(opts: ChatOptions) -> int:
             encoded = [fmt.row(row, f"--input {where}", opts.system) for where, row in rows]
         elif opts.prompt is not None:
             encoded = [(fmt.turn(_typed(opts.prompt), [], opts.system), None)]
+        model_dir = model_target.path if model_target is not None else base.path if base is not None else None
+        assert model_dir is not None, "prepare returns adapters with their base, or a model"
+        _check_lengths(_max_positions(model_dir), opts, encoded, rows)
         session = load(adapters, base, model_target, opts, tokenizers)
         if opts.use is not None:
             session.use(start_name)
             if opts.use in BASE_NAMES:
                 session.use(None)
-        _check_lengths(session, opts, encoded, rows)
         import torch
 
         generator = torch.Generator().manual_seed(opts.seed)
@@ -806,16 +808,17 @@ def _tokenizers(adapters: list[Target], base: Base | None, model_target: Target 
     return {a.name: load_tokenizer(a.path, base.path, _trust(a)) for a in adapters}
 
 
-def _check_lengths(session: Session, opts: ChatOptions, encoded: list[tuple[list[int], str | None]] | None,
+def _check_lengths(max_positions: int | None, opts: ChatOptions, encoded: list[tuple[list[int], str | None]] | None,
                    rows: list[tuple[str, dict[str, Any]]] | None) -> None:
-    room = _room(session, opts)
-    if encoded is None or room is None:
+    """Every prompt must leave ``--max-new-tokens`` of the model's positions for its answer."""
+    if encoded is None or max_positions is None:
         return
+    room = max_positions - opts.max_new_tokens
     for i, (ids, _) in enumerate(encoded):
         if len(ids) > room:
             where = f"--input {rows[i][0]}" if rows is not None else "--prompt"
             raise UserError(
-                f"{where}: the prompt is {len(ids)} tokens and the model reads {session.max_positions} positions, "
+                f"{where}: the prompt is {len(ids)} tokens and the model reads {max_positions} positions, "
                 f"{opts.max_new_tokens} of them kept for the answer (--max-new-tokens); shorten it or lower "
                 "--max-new-tokens"
             )

@@ -3,11 +3,10 @@ with /adapter; --prompt and --input/--output answering as the runs' own greedy e
 sentence with exit 2 and nothing written; the generation loop's extensions leave evaluation's result unchanged.
 
 The runs train LoRA adapters on a base drawn from a seed with the tiny Llama's config and initializer_range 0.1.
-The quickstart's LoRA recipes start from its full fine-tune (300 steps); LoRA on the tiny Llama's own random
-init (initializer_range 0.02) had one answer of four right after 200 steps, where on these larger random
-features it memorises four words of a task: exact match 100% for both tasks after 10 steps (measured). Each
-adapter learns its own task on the same four words (reversed, in capitals), so an answer tells which adapter
-gave it.
+The quickstart's LoRA recipes start from its full fine-tune (300 steps), and LoRA on the tiny Llama's own random
+init (initializer_range 0.02) learns far slower; on these larger random features it memorises four words of a
+task: exact match 100% for both tasks after 10 steps (docs/benchmarks.md). Each adapter learns its own task on
+the same four words (reversed, in capitals), so an answer tells which adapter gave it.
 """
 
 from __future__ import annotations
@@ -307,6 +306,13 @@ def test_a_row_without_a_prompt_names_file_and_line(model_dir: Path, tmp_path: P
     # the tiny model's tokenizer has a chat template: rows are prompts or conversations
     assert f"--input {prompts}:2: expected a `prompt` string or a `messages` list" in out
     assert not answers.exists()
+
+
+def test_a_prompt_longer_than_the_model_reads(model_dir: Path) -> None:
+    """512 positions, 256 kept for the answer: a prompt of 300 bytes (tokens) does not fit."""
+    code, out = invoke(str(model_dir), "--prompt", "x" * 300)
+    assert code == 2
+    assert "--prompt: the prompt is " in out and "the model reads 512 positions, 256 of them kept for the answer" in out
 
 
 def test_prompt_formats_follow_the_run(model_dir: Path) -> None:
