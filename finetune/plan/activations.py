@@ -169,7 +169,7 @@ class ActivationProfile:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 8  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
+TRACE_VERSION = 9  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
