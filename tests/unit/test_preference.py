@@ -73,6 +73,14 @@ def test_bad_preference_row_names_file_line_and_field(tmp_path, tok, row, says) 
     assert f"pairs.jsonl:2: {says}" in str(err.value)
 
 
+def test_pairs_all_too_long_say_which_key_to_raise(tmp_path, tok) -> None:
+    long = {"prompt": "Reverse the letters of this word please:\n", "chosen": "ba", "rejected": "ab"}
+    with pytest.raises(UserError) as err:
+        _pairs(tmp_path, tok, [long, long], max_seq_len=8)
+    assert "no usable preference pairs" in str(err.value)
+    assert "all 2 were longer than data.max_seq_len=8" in str(err.value)
+
+
 def test_losses_at_known_values() -> None:
     from finetune.preference import PreferenceSettings, pair_losses
 

@@ -273,7 +273,11 @@ def load_preference_data(loaded: LoadedRecipe, tokenizer: Any) -> Any:
     if r.eval.max_samples:
         held.examples, held.prompts = held.examples[: r.eval.max_samples], held.prompts[: r.eval.max_samples]
     if not train.examples:
-        raise UserError(f"data.train: no usable preference pairs in `{d.train}`")
+        why = (
+            f": all {train.dropped} were longer than data.max_seq_len={d.max_seq_len} with no completion token left "
+            "after truncation, or dropped by data.drop_long; raise data.max_seq_len" if train.dropped else ""
+        )
+        raise UserError(f"data.train: no usable preference pairs in `{d.train}`{why}")
     skipped = len(train.bad or []) + len(held.bad or [])
     tokens = sum(len(e.input_ids) + len(e.rejected_ids or []) for e in train.examples)
     stats: dict[str, int | float] = {
