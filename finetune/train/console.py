@@ -137,6 +137,8 @@ class Reporter:
             self.plain(retain)
         self.print(method_type(chosen.method)().saved_message(str(out)))  # where it is and how to load it
         self.plain(f"plots: finetune report {out} (--out report.html for a page with the recipe and plan)")
+        score = f", finetune eval {out} --tasks run --baseline (score it)" if result.eval is not None else ""
+        self.plain(f"next: finetune chat {out} (talk to it){score}")
 
 
 def _no_peak() -> str:

@@ -114,6 +114,6 @@ def test_cli_png_html_and_overlay(run_dir: Path, tmp_path: Path) -> None:
 
 
 def test_run_prints_the_report_command(run_dir: Path) -> None:
-    assert (
-        f"plots: finetune report {run_dir} (--out report.html" in (run_dir.parent / "stdout.txt").read_text()
-    )
+    out = (run_dir.parent / "stdout.txt").read_text()
+    assert f"plots: finetune report {run_dir} (--out report.html" in out
+    assert f"next: finetune chat {run_dir} (talk to it), finetune eval {run_dir} --tasks run --baseline" in out
