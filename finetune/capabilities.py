@@ -49,6 +49,9 @@ class Cell:
     processes: int | None = None  # every process of the run (nodes x per node)
     nodes: int | None = None  # the run's nodes (None: not known, as in `finetune validate`)
     tp: int | None = 1
+    pp: int | None = 1  # distributed.pp (None: auto)
+    pp_schedule: str = "1f1b"
+    sequence_parallel: bool = True
     optimizer: str | None = "adamw"
     offload: str | None = "none"  # none | optimizer | parameters
     precision: str | None = None
@@ -66,7 +69,7 @@ class Cell:
         optimizer: str = "adamw", compile: bool = False, attention: str = "sdpa", packing: bool = False,
         checkpointing: bool | None = None, lora: Any = None, prefix: Any = None, quantization: Any = None,
         offload: str = "none", objective: str = "sft", reference: str = "model", data_format: str | None = None,
-        nodes: int | None = None,
+        nodes: int | None = None, pp: int | str = 1, pp_schedule: str = "1f1b", sequence_parallel: bool = True,
     ) -> Cell:
         """A cell from the recipe's values (``auto``: unknown) and its ``lora`` / ``prefix`` /
         ``quantization`` sections (None: their defaults)."""
@@ -84,6 +87,9 @@ class Cell:
             processes=processes,
             nodes=nodes,
             tp=None if tp == "auto" else int(tp),
+            pp=None if pp == "auto" else int(pp),
+            pp_schedule=pp_schedule,
+            sequence_parallel=bool(sequence_parallel),
             optimizer=None if optimizer == "auto" else optimizer,
             offload=None if offload == "auto" else offload,
             precision=None if precision == "auto" else precision,
@@ -109,7 +115,8 @@ class Cell:
             optimizer=t.optimizer, offload=t.offload, compile=t.compile, attention=recipe.model.attn_implementation,
             packing=recipe.data.packing, checkpointing=None if ac == "auto" else bool(ac), lora=recipe.lora,
             prefix=recipe.prefix, quantization=recipe.quantization, objective=t.objective,
-            reference=recipe.dpo.reference, data_format=recipe.data.format,
+            reference=recipe.dpo.reference, data_format=recipe.data.format, pp=d.pp, pp_schedule=d.pp_schedule,
+            sequence_parallel=d.sequence_parallel,
         )
 
     def with_(self, **changes: Any) -> Cell:
@@ -133,11 +140,16 @@ class Cell:
         return self.tp is not None and self.tp > 1
 
     @property
+    def pipelined(self) -> bool:
+        """Pipeline parallelism is on (known and above 1)."""
+        return self.pp is not None and self.pp > 1
+
+    @property
     def dp(self) -> int | None:
-        """Data-parallel replicas (processes / tp) when both are known."""
-        if self.processes is None or self.tp is None:
+        """Data-parallel replicas (processes / (pp x tp)) when all are known."""
+        if self.processes is None or self.tp is None or self.pp is None:
             return None
-        return self.processes // max(1, self.tp)
+        return self.processes // (max(1, self.tp) * max(1, self.pp))
 
 
 @dataclass(frozen=True)

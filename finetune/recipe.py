@@ -14,7 +14,7 @@ import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
@@ -303,6 +303,36 @@ class DistributedConfig(Section):
         1,
         description="Tensor-parallel degree inside a node (each block's linears split over tp ranks; the "
         "strategy shards over the rest); auto: the planner uses TP only when FSDP alone does not fit.",
+    )
+    pp: Union[PositiveInt, Literal["auto"]] = Field(
+        1,
+        description="Pipeline-parallel degree: the decoder layers split into stages over pp ranks (the first stage "
+        "also holds the embeddings, the last the final norm, the head and the loss), the outermost dimension of "
+        "the (pp, dp, tp) mesh, so stages sit on different nodes and TP inside one; the gradient-accumulation "
+        "micro-batches are the pipeline's micro-batches; auto: the planner uses it only when nothing else fits.",
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
+        "1f1b",
+        description="The pipeline's schedule: gpipe (all forwards, then all backwards: every micro-batch's "
+        "activations in flight), 1f1b (one forward, one backward: at most pp micro-batches in flight) or "
+        "interleaved-1f1b (several stages per rank, a smaller bubble for more point-to-point traffic).",
+    )
+    pp_stages_per_rank: Optional[PositiveInt] = Field(
+        None,
+        description="Pipeline stages each pp rank runs; default 1, and 2 with interleaved-1f1b (which needs 2 or "
+        "more).",
+    )
+    pp_layers: Optional[list[PositiveInt]] = Field(
+        None,
+        description="Decoder layers of each pipeline stage, in order (pp x stages per rank numbers summing to the "
+        "model's layers); default: a split balanced by each stage's cost, the embeddings and the head counted.",
+    )
+    sequence_parallel: bool = Field(
+        True,
+        description="With distributed.tp above 1: the norms, dropout and residual stream between the blocks' "
+        "linears are split over the sequence on the tp ranks (all-gather before, reduce-scatter after, in place "
+        "of one all-reduce), so those activations are divided by tp; the loss is computed on the vocabulary-split "
+        "logits.",
     )
     timeout: float = Field(
         DEFAULT_TIMEOUT_S,

@@ -270,7 +270,7 @@ class ExecSpec:
     method: Method
     strategy: Strategy
     precision: Precision
-    world_size: int  # processes of the run (1 for a single process): dp x tp
+    world_size: int  # processes of the run (1 for a single process): pp x dp x tp
     compute_dtype: str  # matmul dtype
     trainable_dtype: str  # trained weights: full fine-tuning's masters, or the adapters
     frozen_dtype: str | None  # the frozen base's unquantized weights (None: nothing is frozen)
@@ -291,6 +291,15 @@ class ExecSpec:
     # dpo's reference policy: none (sft, simpo, orpo), base (an adapter method's base, adapters off), model (a
     # frozen copy of the starting weights, stored in the frozen dtype and sharded like the policy) or precomputed
     reference: str = "none"
+    # pipeline parallelism (distributed.pp): the decoder layers split into stages over pp ranks, the outermost
+    # dimension of the (pp, dp, tp) mesh; pp_layers: decoder layers of each stage in order (pp x stages per rank
+    # of them; () without pipelining); pp_schedule: gpipe | 1f1b | interleaved-1f1b
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_layers: tuple[int, ...] = ()
+    # with tp > 1: norms, dropout and the residual stream sharded over the sequence between the blocks' linears,
+    # and the loss computed on the vocabulary-sharded logits (distributed.sequence_parallel)
+    sequence_parallel: bool = False
 
     @property
     def preference(self) -> bool:
@@ -304,8 +313,18 @@ class ExecSpec:
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks (``world_size // tp``): the strategy shards or replicates over these."""
-        return self.world_size // self.tp
+        """Data-parallel ranks (``world_size // (pp x tp)``): the strategy shards or replicates over these."""
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def pipeline(self) -> bool:
+        """The decoder layers are split into pipeline stages over ``pp`` ranks."""
+        return self.pp > 1
+
+    @property
+    def pp_stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank runs (more than 1: the interleaved schedule's virtual stages)."""
+        return max(1, len(self.pp_layers) // self.pp) if self.pipeline else 1
 
     @property
     def shard_ranks(self) -> int:
@@ -351,6 +370,8 @@ class ExecSpec:
         d = dict(d)
         quant = d.pop("quant", None)
         adapter = d.pop("adapter", None)
+        if isinstance(d.get("pp_layers"), list):
+            d["pp_layers"] = tuple(d["pp_layers"])
         if adapter and isinstance(adapter.get("target_modules"), list):
             adapter["target_modules"] = tuple(adapter["target_modules"])
         d.pop("dp", None)
@@ -383,6 +404,10 @@ def execution_spec(
     nodes: int = 1,
     objective: str = "sft",
     reference: str = "model",
+    pp: int = 1,
+    pp_schedule: str = "1f1b",
+    pp_layers: tuple[int, ...] | list[int] = (),
+    sequence_parallel: bool = False,
 ) -> ExecSpec:
     """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
 
@@ -400,7 +425,9 @@ def execution_spec(
     ``offload``: what lives in host memory (``auto`` is ``adamw`` / ``none``: the planner resolves both).
     ``nodes``: the run's nodes, which hsdp replicates over (recorded for hsdp only).
     ``objective``: train.objective; ``reference``: dpo.reference (model | precomputed), which becomes the spec's
-    reference kind (:func:`reference_kind`).
+    reference kind (:func:`reference_kind`). ``pp``: pipeline ranks, ``pp_layers`` the decoder layers of each
+    stage (pp x stages per rank of them), ``pp_schedule`` their schedule; ``world_size`` is pp x dp x tp.
+    ``sequence_parallel``: TP's sequence parallelism (kept only with tp > 1).
     """
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
     compute = p.compute
@@ -428,7 +455,10 @@ def execution_spec(
     mixed_fsdp = p.mixed and s.uses_fsdp
     world = world_size if s.distributed else 1
     tp = max(1, int(tp)) if s.distributed else 1
-    assert world % tp == 0, f"tp {tp} does not divide {world} processes"
+    pp = max(1, int(pp)) if s.distributed else 1
+    assert world % (tp * pp) == 0, f"pp {pp} x tp {tp} does not divide {world} processes"
+    layers = tuple(int(n) for n in pp_layers) if pp > 1 else ()
+    assert not layers or len(layers) % pp == 0, f"{len(layers)} pipeline stages do not divide over pp {pp}"
     replicas = max(1, int(nodes)) if s.hybrid else 1
     assert world % replicas == 0, f"{replicas} nodes do not divide {world} processes"
     return ExecSpec(
@@ -454,6 +484,10 @@ def execution_spec(
         nodes=replicas,
         objective=objective,
         reference=reference_kind(objective, m, reference),
+        pp=pp,
+        pp_schedule=pp_schedule if pp > 1 else "1f1b",
+        pp_layers=layers,
+        sequence_parallel=bool(sequence_parallel) and tp > 1,
     )
 
 
