@@ -8,11 +8,19 @@ from typing import Any
 
 from finetune.plan import walk as w
 from finetune.plan.activations import TraceSpec
-from finetune.plan.memory import Setup, candidate_memory, hybrid_traffic
+from finetune.plan.memory import (
+    Setup,
+    boundary_bytes_per_row,
+    candidate_memory,
+    hybrid_traffic,
+    pipeline_stages,
+    stage_memory,
+)
+from finetune.plan.pipeline import boundaries_across_nodes
 from finetune.plan.setting import Setting
 from finetune.plan.shapes import Inventory
 from finetune.plan.tensor_parallel import tp_comm_bytes, tp_config
-from finetune.plan.types import Candidate, Status
+from finetune.plan.types import Candidate, MemoryBreakdown, Status
 from finetune.spec import Method, Precision, Strategy, adapter_spec
 
 
@@ -20,23 +28,31 @@ from finetune.spec import Method, Precision, Strategy, adapter_spec
 def evaluate(
     s: Setting, method: str, strategy: str, mbs: int, ac: bool, *, tp: int = 1, first_step: bool = False,
     traced: frozenset[tuple[str, bool, int]] | None = None, optimizer: str | None = None,
-    offload: str | None = None,
+    offload: str | None = None, pp: int = 1,
 ) -> Candidate:
     """One configuration's per-GPU memory, communication and time. ``traced``: trace activations only for
-    the (method, checkpointing, tp) the walk traced (the table's other rows are marked not traced)."""
+    the (method, checkpointing, tp) the walk traced (the table's other rows are marked not traced). With
+    ``pp`` pipeline ranks the memory is the worst rank's (every rank's in ``stage_memory``)."""
     world = 1 if strategy == "single" else s.world
-    dp = world // tp
+    dp = world // (tp * pp)
     accum = max(1, s.global_batch // (mbs * dp))
-    spec = s.exec_spec(method, strategy, ac, world, tp, optimizer, offload)
+    spec = s.exec_spec(method, strategy, ac, world, tp, optimizer, offload, pp=spec_pp(strategy, pp))
     inv = s.inventory(tp)
     setup = Setup(spec, mbs, accum, dp, s.hw.device, spec.optimizer)
-    mem, comm = candidate_memory(inv, None, setup)
+    stages: list[MemoryBreakdown] = []
+    if spec.pipeline:
+        mem, comm, stages = _pipeline_memory(s, inv, None, setup)
+    else:
+        mem, comm = candidate_memory(inv, None, setup)
     if mem.total > s.capacity:
         status = Status.STATES_OVER
     elif traced is not None and (method, ac, tp) not in traced:
         status = Status.NOT_TRACED
     else:
-        mem, comm = candidate_memory(inv, s.profile(spec), setup, first_step)
+        if spec.pipeline:
+            mem, comm, stages = _pipeline_memory(s, inv, s.profile(spec), setup, first_step)
+        else:
+            mem, comm = candidate_memory(inv, s.profile(spec), setup, first_step)
         status = Status.FITS if mem.total <= s.capacity else Status.OVER
     tp_comm = tp_comm_bytes(
         s.req.config, tp, seq_len=s.req.seq_len, micro_batch_size=mbs, grad_accum_steps=accum,
@@ -44,7 +60,8 @@ def evaluate(
     )
     intra, inter = _links(s, inv, setup, comm)
     intra_secs, inter_secs = intra / s.intra_node_bandwidth, inter / s.hw.bandwidth
-    secs = intra_secs + inter_secs + tp_comm / s.intra_node_bandwidth
+    pp_comm = pp_bytes_per_step(s, spec, mbs, accum)
+    secs = intra_secs + inter_secs + tp_comm / s.intra_node_bandwidth + pp_seconds(s, spec, pp_comm)
     c = Candidate(
         method=Method(method), strategy=Strategy(strategy), precision=Precision(s.precision),
         micro_batch_size=mbs, grad_accum_steps=accum, activation_checkpointing=ac, nproc=s.hw.gpus_per_node,
@@ -52,9 +69,47 @@ def evaluate(
         comm_intra_node_bytes_per_step=intra, comm_inter_node_bytes_per_step=inter,
         comm_intra_node_seconds_per_step=intra_secs, comm_inter_node_seconds_per_step=inter_secs,
         tp=tp, tp_comm_bytes_per_step=tp_comm, optimizer=spec.optimizer, offload=spec.offload,
-        offload_bytes_per_step=_offload_bytes(inv, setup),
+        offload_bytes_per_step=_offload_bytes(inv, setup), pp=spec.pp, pp_schedule=spec.pp_schedule,
+        pp_layers=spec.pp_layers, stage_memory=stages, pp_comm_bytes_per_step=pp_comm,
     )
     return replace(c, time=_time(s, c))
+
+
+def spec_pp(strategy: str, pp: int) -> int:
+    """The pipeline degree an execution spec gets (a single process has none)."""
+    return 1 if strategy == "single" else pp
+
+
+def _pipeline_memory(
+    s: Setting, inv: Inventory, profile: Any, setup: Setup, first_step: bool = False,
+) -> tuple[MemoryBreakdown, int, list[MemoryBreakdown]]:
+    """Every pp rank's peak (finetune/plan/memory.py: stage_memory), the worst of them, and the most bytes a
+    rank sends to its data-parallel peers per step."""
+    spec = setup.spec
+    stages = pipeline_stages(spec.pp_layers, spec.pp, spec.pp_schedule, setup.grad_accum_steps)
+    row = boundary_bytes_per_row(spec, s.req.seq_len, s.req.config.hidden_size)
+    tied = bool(getattr(s.req.config, "tie_word_embeddings", False))
+    figures = [stage_memory(inv, profile, setup, st, row, tied, first_step) for st in stages]
+    worst = max(figures, key=lambda f: f[0].total)
+    return worst[0], max(f[1] for f in figures), [f[0] for f in figures]
+
+
+def pp_bytes_per_step(s: Setting, spec: Any, mbs: int, accum: int) -> int:
+    """Bytes a pp rank sends to its pipeline neighbours per step: every micro-batch's activations forward and
+    their gradients backward, once per stage it runs (finetune/plan/pipeline.py)."""
+    if not spec.pipeline:
+        return 0
+    row = boundary_bytes_per_row(spec, s.req.seq_len, s.req.config.hidden_size)
+    return 2 * spec.pp_stages_per_rank * accum * mbs * row
+
+
+def pp_seconds(s: Setting, spec: Any, nbytes: int) -> float:
+    """Seconds ``nbytes`` of point-to-point traffic take: over the link between nodes when a stage boundary
+    crosses one, else inside the node."""
+    if not nbytes:
+        return 0.0
+    crossing = boundaries_across_nodes(spec.pp, s.world, s.hw.gpus_per_node)
+    return nbytes / (s.hw.bandwidth if crossing else s.intra_node_bandwidth)
 
 
 def _links(s: Setting, inv: Inventory, setup: Setup, comm: int) -> tuple[int, int]:
@@ -102,7 +157,7 @@ def plan_evaluation(s: Setting, c: Candidate) -> tuple[Candidate, w.EvaluationPl
     from finetune.plan.evaluation import MAX_AUTO_EVAL_BATCH, eval_memory
 
     world = 1 if c.strategy == "single" else s.world
-    execution = s.exec_spec(c.method, c.strategy, False, world, c.tp, c.optimizer, c.offload)
+    execution = s.exec_spec(c.method, c.strategy, False, world, c.tp, c.optimizer, c.offload, pp=c.pp)
     spec = TraceSpec.of(execution, seq_len=s.req.seq_len, packed=False, attn_implementation=s.req.attn_implementation)
     setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, s.hw.device, execution.optimizer)
     # one TP rank's model; a single TP replica has no data-parallel wrapper (no DDP buckets)

@@ -20,11 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from finetune.errors import UserError
 from finetune.methods import method_type
 from finetune.plan import walk as w
 from finetune.plan.candidates import evaluate, plan_evaluation, step_seconds
 from finetune.plan.hardware import INTERCONNECTS, Hardware, detect_hardware
 from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION
+from finetune.plan.pipeline import microbatch_problem, pipeline_note
 from finetune.plan.request import Request, request_from_recipe
 from finetune.plan.setting import Setting, settle
 from finetune.plan.shapes import lora_targets
@@ -71,7 +73,7 @@ def chosen_memory(
     s = replace(settle(req, hw), precision=str(c.precision), global_batch=c.micro_batch_size * c.grad_accum_steps * c.dp)
     return evaluate(
         s, c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=first_step, tp=c.tp,
-        optimizer=c.optimizer, offload=c.offload,
+        optimizer=c.optimizer, offload=c.offload, pp=c.pp,
     ).memory
 
 
@@ -144,23 +146,23 @@ class _Walk:
 
     def refused(
         self, method: str, strategy: str, tp: int, ac: bool, optimizer: str | None = None,
-        offload: str | None = None, *, say: bool = True,
+        offload: str | None = None, *, say: bool = True, pp: int = 1,
     ) -> bool:
         """Whether the capability table refuses the configuration; the first time a sentence rules out a
         candidate the walk considers, it is said (and the refused candidate kept with why)."""
-        text = self.s.refusal(method, strategy, tp, ac, optimizer, offload)
+        text = self.s.refusal(method, strategy, tp, ac, optimizer, offload, pp)
         if text is None:
             return False
         if say and text not in self.said:
             self.said.add(text)
             self.log.append(w.RuledOut(method, strategy, tp, text))
-            self.tried.append(_refused(self.s, method, strategy, tp, ac, text, optimizer, offload))
+            self.tried.append(_refused(self.s, method, strategy, tp, ac, text, optimizer, offload, pp))
         return True
 
     def attempt(
         self, method: str, strategies: list[str], mbs: int, ac: bool, tp: int, clause: bool,
         optimizer: str | None = None, offload: str | None = None, with_method: bool = True, setting: str = "",
-        say: bool = True,
+        say: bool = True, pp: int = 1,
     ) -> Candidate | None:
         """``method`` under each of ``strategies`` in order (tp, checkpointing and state fixed). The first
         that fits is the answer, unless a later one that also fits is predicted faster by more than
@@ -169,10 +171,10 @@ class _Walk:
         attempts: list[w.Attempt] = []
         fitting: list[Candidate] = []
         for strategy in strategies:
-            if self.refused(method, strategy, tp, ac, optimizer, offload, say=not fitting):
+            if self.refused(method, strategy, tp, ac, optimizer, offload, say=not fitting, pp=pp):
                 continue
             c = self.host_checked(
-                evaluate(self.s, method, strategy, mbs, ac, tp=tp, optimizer=optimizer, offload=offload)
+                evaluate(self.s, method, strategy, mbs, ac, tp=tp, optimizer=optimizer, offload=offload, pp=pp)
             )
             self.tried.append(c)
             if fitting:  # past the first fit: only to compare the predicted time
@@ -210,13 +212,14 @@ class _Walk:
 
 def _refused(
     s: Setting, method: str, strategy: str, tp: int, ac: bool, why: str, optimizer: str | None, offload: str | None,
+    pp: int = 1,
 ) -> Candidate:
     optimizer = optimizer or (s.req.optimizer if s.req.optimizer != "auto" else "adamw")
     offload = offload or (s.req.offload if s.req.offload != "auto" else "none")
     return Candidate(
         method=Method(method), strategy=Strategy(strategy), precision=Precision(s.precision), micro_batch_size=1,
         grad_accum_steps=1, activation_checkpointing=ac, nproc=s.hw.gpus_per_node, nnodes=s.hw.nodes,
-        status=Status.REFUSED, why=why, tp=tp, optimizer=optimizer, offload=offload,
+        status=Status.REFUSED, why=why, tp=tp, optimizer=optimizer, offload=offload, pp=pp,
     )
 
 
@@ -229,7 +232,7 @@ def _host_peak(s: Setting, c: Candidate) -> tuple[int, str]:
     from finetune.plan.job import host_peak_phase, job_figures, weights_itemsize
 
     world = 1 if c.strategy == "single" else s.world
-    spec = s.exec_spec(c.method, c.strategy, c.activation_checkpointing, world, c.tp, c.optimizer, c.offload)
+    spec = s.exec_spec(c.method, c.strategy, c.activation_checkpointing, world, c.tp, c.optimizer, c.offload, pp=c.pp)
     per_node = 1 if c.strategy == "single" else s.hw.gpus_per_node
     job = job_figures(
         s.inv, spec, world, per_node, s.hw.device, weights_itemsize=weights_itemsize(s.req.config), step=c.memory
@@ -248,11 +251,11 @@ def _hybrid(s: Setting) -> list[str]:
     return ["hsdp"] if s.hw.nodes > 1 else []
 
 
-def _tp_strategies(s: Setting, tp: int) -> list[str]:
-    """Strategies over the data-parallel replicas of a TP run (none to choose with one replica)."""
+def _tp_strategies(s: Setting, tp: int, pp: int = 1) -> list[str]:
+    """Strategies over the data-parallel replicas of a TP or PP run (none to choose with one replica)."""
     if s.req.strategy != "auto":
         return [s.req.strategy]
-    return ["ddp"] if s.world // tp == 1 else ["zero2", "fsdp"]
+    return ["ddp"] if s.world // (tp * pp) == 1 else ["zero2", "fsdp"]
 
 
 def _table_strategies(s: Setting) -> list[str]:
@@ -278,12 +281,13 @@ def _try_method(
 ) -> Candidate | None:
     """``method`` under every strategy (the pinned TP degree), without then with checkpointing."""
     s = wk.s
-    strategies = _strategies(s) if s.tp == 1 else _tp_strategies(s, s.tp)
+    strategies = _strategies(s) if s.tp == 1 and s.pp == 1 else _tp_strategies(s, s.tp, s.pp)
     for ac in acs:
         if offload == "parameters":
             strategies = [x for x in strategies if x in ("zero2", "fsdp")]
         found = wk.attempt(
             method, strategies, mbs1, ac, s.tp, ac and len(acs) > 1, optimizer, offload, setting=setting, say=say,
+            pp=s.pp,
         )
         if found is not None:
             return found
@@ -394,8 +398,10 @@ def _largest_micro_batch(wk: _Walk, c: Candidate) -> Candidate:
         return c
     best = c
     for b in sorted(b for b in range(2, per_rank + 1) if per_rank % b == 0):
+        if c.pp > 1 and microbatch_problem(c.pp_schedule, c.pp, per_rank // b):
+            break  # fewer micro-batches than the schedule needs (more would only come from smaller ones)
         cand = evaluate(s, c.method, c.strategy, b, c.activation_checkpointing, tp=c.tp, optimizer=c.optimizer,
-                        offload=c.offload)
+                        offload=c.offload, pp=c.pp)
         if not cand.fits:
             break
         best = cand
@@ -430,7 +436,7 @@ def _shorter_sequences(s: Setting, tried: list[Candidate]) -> tuple[int, Candida
     for _ in range(8):
         t = int(t)
         found = evaluate(s.at_seq_len(t), c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing,
-                         tp=c.tp, optimizer=c.optimizer, offload=c.offload)
+                         tp=c.tp, optimizer=c.optimizer, offload=c.offload, pp=c.pp)
         excess = found.memory.total - cap
         if found.fits:
             best = (t, found, excess)
@@ -578,9 +584,15 @@ def _table(s: Setting, traced: frozenset[tuple[str, bool, int]]) -> list[Candida
                 if not s.refusal(method, strategy, 1, ac):
                     out.append(evaluate(s, method, strategy, mbs1, ac, traced=traced))
         for tp in [s.tp] if s.tp > 1 else s.tp_auto:
+            if s.pp > 1:
+                break
             for strategy in _tp_strategies(s, tp):
                 if not s.refusal(method, strategy, tp, ac):
                     out.append(evaluate(s, method, strategy, mbs1, ac, tp=tp, traced=traced))
+        if s.pp > 1:  # the pinned pipeline
+            for strategy in _tp_strategies(s, s.tp, s.pp):
+                if not s.refusal(method, strategy, s.tp, ac, pp=s.pp):
+                    out.append(evaluate(s, method, strategy, mbs1, ac, tp=s.tp, traced=traced, pp=s.pp))
     return out
 
 
@@ -594,7 +606,9 @@ def _check_host_memory(s: Setting, rows: list[Candidate]) -> tuple[list[Candidat
     chosen_job: dict[str, Any] = {}
     for i, c in enumerate(rows):
         world = 1 if c.strategy == "single" else s.world
-        spec = s.exec_spec(c.method, c.strategy, c.activation_checkpointing, world, c.tp, c.optimizer, c.offload)
+        spec = s.exec_spec(
+            c.method, c.strategy, c.activation_checkpointing, world, c.tp, c.optimizer, c.offload, pp=c.pp
+        )
         per_node = 1 if c.strategy == "single" else s.hw.gpus_per_node
         job = job_figures(
             s.inv, spec, world, per_node, s.hw.device, weights_itemsize=weights_itemsize(s.req.config), step=c.memory
@@ -622,7 +636,7 @@ def _checkpoint_size(method: str, sb: Any) -> int:
 
 
 def _key(c: Candidate) -> tuple[Any, ...]:
-    return (c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, c.tp, c.optimizer, c.offload)
+    return (c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, c.tp, c.optimizer, c.offload, c.pp)
 
 
 def decide(req: Request, hw: Hardware) -> Decision:
@@ -638,6 +652,8 @@ def decide(req: Request, hw: Hardware) -> Decision:
         pinned = _pinned_keys(s.req)
         if pinned:
             log.append(w.Pinned(pinned))
+    if chosen.pp > 1:
+        _check_microbatches(chosen, log)
     if chosen.fits:
         chosen, step = plan_evaluation(s, chosen)
         log.append(step)
@@ -657,11 +673,23 @@ def decide(req: Request, hw: Hardware) -> Decision:
     execution = s.exec_spec(
         rows[0].method, rows[0].strategy, rows[0].activation_checkpointing,
         1 if rows[0].strategy == "single" else s.world, rows[0].tp, rows[0].optimizer, rows[0].offload,
+        pp=rows[0].pp,
     )
     return Decision(
         setting=s, chosen=rows[0], rows=tuple(rows), tried=tuple(wk.tried), steps=tuple(log), execution=execution,
         job=job,
     )
+
+
+def _check_microbatches(c: Candidate, log: list[w.Step]) -> None:
+    """The pipeline's micro-batches (gradient accumulation steps) against its schedule: an error when the
+    schedule cannot run them, a note when GPipe mostly idles (finetune/plan/pipeline.py)."""
+    problem = microbatch_problem(c.pp_schedule, c.pp, c.grad_accum_steps)
+    if problem:
+        raise UserError(problem)
+    note = pipeline_note(c.pp_schedule, c.pp, c.grad_accum_steps)
+    if note:
+        log.append(w.Note(note))
 
 
 def make_plan(req: Request, hw: Hardware) -> Plan:

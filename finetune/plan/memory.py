@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.plan.activations import ActivationProfile, WindowPeaks
+from finetune.plan.activations import TRACE_LAYERS, ActivationProfile, TraceResult, WindowPeaks
 from finetune.plan.shapes import Inventory, Tensor, quantized_bytes
 from finetune.plan.types import MemoryBreakdown
 from finetune.spec import DTYPE_BYTES, ExecSpec, Strategy
@@ -118,7 +118,8 @@ def reference_bytes(inv: Inventory, spec: ExecSpec) -> int:
     if spec.reference != "model":
         return 0
     per = DTYPE_BYTES[spec.reference_dtype]
-    return sum(t.numel * per * (inv.num_layers if t.in_block else 1) for t in inv.base)
+    ref = inv.reference or inv  # dpo.reference_model: counted from its own config
+    return sum(t.numel * per * (ref.num_layers if t.in_block else 1) for t in ref.base)
 
 
 def offloads_to_host(s: Setup) -> bool:
@@ -379,3 +380,116 @@ def zero1_accounting_note(trainable: int, world: int, compute_dtype: str = "bf16
         f"fp32 gradients in DDP's buckets (4 bytes), and ZeroRedundancyOptimizer shards only the two moments "
         f"(8 / {n} bytes)."
     )
+
+
+# -- pipeline stages --------------------------------------------------------------------------------------------
+class StageProfile(ActivationProfile):
+    """One pp rank's activations as an :class:`ActivationProfile` of the whole model's traces (nothing is
+    traced per stage): the window peaks of one micro-batch through ``depth`` decoder layers (the rank's current
+    stage), the head's window only where the rank runs the last stage, plus the retained activations of the other
+    micro-batches the schedule keeps in flight (``in_flight - 1`` of them, each ``depth`` layers' worth and,
+    on the first stage, the embeddings' output that is its input).
+
+    The traced profile is linear in depth (finetune/plan/activations.py): the per-layer term is a decoder
+    layer's retained activations, the rest is once per model. The ``first`` and ``last`` windows are the
+    backward of the layers (their once-per-model part is the layer's backward transient and the stage's input),
+    which every stage has; the ``head`` window (logits, loss) only the last stage has."""
+
+    def __init__(
+        self, base: ActivationProfile, depth: int, in_flight: int, head: bool, first: bool, boundary_per_row: int,
+    ) -> None:
+        super().__init__(base.points, base._trace)
+        self.base, self.depth, self.in_flight = base, depth, in_flight
+        self.head, self.first, self.boundary_per_row = head, first, boundary_per_row
+
+    def point(self, batch: int) -> TraceResult:
+        """The whole model's trace at ``batch`` (the per-layer gradients are the same)."""
+        return self.base.point(batch)
+
+    def layer_acts(self, batch: int) -> int:
+        """Retained activations of one decoder layer for one micro-batch of ``batch`` rows."""
+        two, three = self.base.at(TRACE_LAYERS, batch), self.base.at(TRACE_LAYERS + 1, batch)
+        return max(0, three["first"].acts - two["first"].acts)
+
+    def held(self, batch: int) -> int:
+        """Bytes the other micro-batches in flight keep on this rank."""
+        per_micro = self.depth * self.layer_acts(batch) + (self.boundary_per_row * batch if self.first else 0)
+        return max(0, self.in_flight - 1) * per_micro
+
+    def at(self, layers: int, batch: int) -> dict[str, WindowPeaks]:
+        """The rank's window peaks at micro-batch ``batch`` (``layers`` is ignored: the rank's stage depth
+        applies)."""
+        extra = self.held(batch)
+        out = {}
+        for name, w in self.base.at(self.depth, batch).items():
+            if name == "head" and not self.head:
+                continue
+            out[name] = WindowPeaks(w.grads_and_acts + extra, w.grads_at_peak, w.acts + extra, w.acts_no_copies + extra)
+        return out
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one pp rank runs: its decoder layers (all its stages'), whether it runs the first and the last
+    stage, the layers of one of its stages (the depth of one micro-batch's pass), and the micro-batches its
+    schedule keeps in flight."""
+
+    rank: int
+    layers: int
+    depth: int
+    first: bool
+    last: bool
+    in_flight: int
+
+
+def pipeline_stages(split: tuple[int, ...], pp: int, schedule: str, microbatches: int) -> list[Stage]:
+    """The :class:`Stage` of every pp rank for ``split`` (decoder layers per (virtual) stage) under
+    ``schedule`` with ``microbatches`` micro-batches per step."""
+    from finetune.plan.pipeline import in_flight, rank_stages
+
+    v = max(1, len(split) // pp)
+    out = []
+    for r in range(pp):
+        mine = rank_stages(r, pp, v)
+        layers = sum(split[i] for i in mine)
+        out.append(Stage(
+            rank=r, layers=layers, depth=max(split[i] for i in mine), first=0 in mine, last=len(split) - 1 in mine,
+            in_flight=in_flight(schedule, pp, v, microbatches, r),
+        ))
+    return out
+
+
+def boundary_bytes_per_row(spec: ExecSpec, seq_len: int, hidden: int) -> int:
+    """Bytes of one row's activations crossing a stage boundary (and of their gradient coming back): seq_len x
+    hidden in the residual stream's dtype (FSDP2's compute dtype, else the stored weights' under autocast),
+    split over the tp ranks when sequence parallelism shards the residual stream."""
+    per = DTYPE_BYTES[spec.fsdp_param_dtype or spec.base_dtype(False)]
+    tokens = seq_len // spec.tp if getattr(spec, "sequence_parallel", False) and spec.tp > 1 else seq_len
+    return tokens * hidden * per
+
+
+def stage_memory(
+    inv: Inventory, profile: ActivationProfile | None, s: Setup, stage: Stage, boundary_per_row: int,
+    tied: bool = False, first_step: bool = False,
+) -> tuple[MemoryBreakdown, int]:
+    """One pp rank's predicted peak by category and the bytes it sends per step to its data-parallel peers:
+    :func:`candidate_memory` of the rank's own parameters (finetune/plan/pipeline.py: stage_inventory, sharded
+    over the data-parallel ranks by the strategy) with :class:`StageProfile`'s activations, plus the
+    point-to-point buffers torch.distributed.pipelining's stages allocate for every micro-batch of a step:
+    one received activation on every stage but the first, one received gradient on every stage but the last
+    (the current micro-batch's are already in the traced window)."""
+    from finetune.plan.pipeline import stage_inventory
+
+    sub = stage_inventory(inv, stage.layers, stage.first, stage.last, tied)
+    prof = None
+    if profile is not None:
+        prof = StageProfile(profile, stage.depth, stage.in_flight, stage.last, stage.first, boundary_per_row)
+    mem, comm = candidate_memory(sub, prof, s, first_step)
+    ends = (0 if stage.first else 1) + (0 if stage.last else 1)
+    p2p = ends * max(0, s.grad_accum_steps - 1) * boundary_per_row * s.micro_batch_size
+    if p2p:
+        mem.buffers += p2p
+        if s.device == "cuda":
+            tensors = mem.total - mem.overhead
+            mem.overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * tensors)
+    return mem, comm

@@ -33,12 +33,18 @@ class Request:
     offload: str = "auto"  # train.offload (auto: none unless nothing fits without it)
     compile: bool = False  # train.compile: every decoder block compiled
     tp: int | str = 1  # distributed.tp: a degree, or auto (the walk tries TP when FSDP alone does not fit)
+    sequence_parallel: bool = True  # distributed.sequence_parallel: with tp > 1, the residual stream split over the sequence
+    pp: int | str = 1  # distributed.pp: a degree, or auto (the walk tries PP when FSDP with TP does not fit)
+    pp_schedule: str = "1f1b"  # distributed.pp_schedule: gpipe | 1f1b | interleaved-1f1b
+    pp_stages_per_rank: int | None = None  # distributed.pp_stages_per_rank (None: the schedule's default)
+    pp_layers: tuple[int, ...] | None = None  # distributed.pp_layers (None: a split balanced by cost)
     for_run: bool = False  # a real run: impossible batch settings are errors, not adjustments
     eval_batch_size: int | None = None  # None: auto (the largest that fits)
     eval_max_new_tokens: int = 32
     steps: int | None = None  # optimizer steps of the job when known (train.max_steps), for its time
     objective: str = "sft"  # train.objective: dpo/simpo/orpo run every micro-batch's pairs (2 rows a sample)
     reference: str = "model"  # dpo.reference: model (a frozen copy under full fine-tuning) or precomputed
+    reference_config: Any = None  # dpo.reference_model's config (None: the reference is the policy's start)
 
 
 def request_from_recipe(loaded: LoadedRecipe) -> Request:
@@ -72,8 +78,26 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         optimizer=r.train.optimizer,
         offload=r.train.offload,
         tp=r.distributed.tp,
+        sequence_parallel=r.distributed.sequence_parallel,
+        pp=r.distributed.pp,
+        pp_schedule=r.distributed.pp_schedule,
+        pp_stages_per_rank=r.distributed.pp_stages_per_rank,
+        pp_layers=None if r.distributed.pp_layers is None else tuple(r.distributed.pp_layers),
         compile=r.train.compile,
         steps=r.train.max_steps,
         objective=r.train.objective,
         reference=r.dpo.reference,
+        reference_config=reference_config(loaded),
     )
+
+
+def reference_config(loaded: LoadedRecipe) -> Any:
+    """The config of ``dpo.reference_model`` when a dpo run names one (its weights are counted from it), else
+    None."""
+    from finetune.locate import locate_model, model_config
+
+    r = loaded.recipe
+    if not r.dpo.reference_model or r.train.objective != "dpo":
+        return None
+    config, _ = model_config(locate_model(r.dpo.reference_model, loaded.base_dir), r.model.trust_remote_code)
+    return config

@@ -11,6 +11,7 @@ from finetune.errors import UserError
 from finetune.plan import walk as w
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.hardware import GPU_TYPES, INTERCONNECTS, Hardware
+from finetune.plan.pipeline import pipeline_problem, split_problem, stages_per_rank
 from finetune.plan.request import Request
 from finetune.plan.shapes import Inventory, build_inventory
 from finetune.plan.tensor_parallel import degrees, tp_config, tp_problem
@@ -35,6 +36,13 @@ class Setting:
     adapter: AdapterSpec | None  # what is trained on the frozen base (None: full fine-tuning pinned)
     inv: Inventory
     cell: Cell
+    # the pipeline (distributed.pp): the pinned degree (1: none) or the degrees the walk may try (auto), the
+    # schedule, the stages each rank runs, and the recipe's split of the layers (None: balanced by cost)
+    pp: int = 1
+    pp_auto: tuple[int, ...] = ()
+    pp_schedule: str = "1f1b"
+    pp_v: int = 1
+    pp_layers: tuple[int, ...] | None = None
     # memo of traces and per-TP inventories: (tp, TraceSpec) -> profile, tp -> inventory (pure caches)
     profiles: dict[tuple[int, TraceSpec], ActivationProfile] = field(default_factory=dict, compare=False, repr=False)
     inventories: dict[int, Inventory] = field(default_factory=dict, compare=False, repr=False)
@@ -64,20 +72,38 @@ class Setting:
         if tp == 1:
             return self.inv
         if tp not in self.inventories:
-            self.inventories[tp] = build_inventory(tp_config(self.req.config, tp), self.req.source, self.adapter)
+            self.inventories[tp] = with_reference(
+                build_inventory(tp_config(self.req.config, tp), self.req.source, self.adapter), self.req, tp
+            )
         return self.inventories[tp]
+
+    def pp_split(self, pp: int) -> tuple[int, ...]:
+        """Decoder layers of each pipeline stage at ``pp`` ranks (the recipe's, else balanced by cost:
+        finetune/plan/pipeline.py); () without a pipeline."""
+        if pp <= 1:
+            return ()
+        if self.pp_layers is not None and pp == self.pp:
+            return self.pp_layers
+        from finetune.plan.flops import flops_shape
+        from finetune.plan.pipeline import balanced_split, stage_parts
+
+        parts = stage_parts(self.inv, self.req.config, flops_shape(self.req.config), self.req.seq_len)
+        return balanced_split(self.inv.num_layers, pp * self.pp_v, *parts.layer_equivalents())
 
     def exec_spec(
         self, method: str, strategy: str, ac: bool, world: int | None = None, tp: int = 1,
-        optimizer: str | None = None, offload: str | None = None,
+        optimizer: str | None = None, offload: str | None = None, pp: int = 1,
     ) -> ExecSpec:
-        """How ``method`` under ``strategy`` stores and computes each tensor (what the trainer will build)."""
+        """How ``method`` under ``strategy`` stores and computes each tensor (what the trainer will build), with
+        ``pp`` pipeline ranks (the layers split by :meth:`pp_split`, in this setting's schedule)."""
         r = self.req
         return execution_spec(
             method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
             model_dtype=r.model_dtype, quantization=r.quantization, lora=self.lora, prefix=r.prefix,
             adapter=r.adapter, tp=tp, compile=r.compile, optimizer=optimizer or r.optimizer,
             offload=offload or r.offload, objective=r.objective, reference=r.reference, nodes=self.hw.nodes,
+            pp=pp, pp_schedule=self.pp_schedule, pp_layers=self.pp_split(pp),
+            sequence_parallel=r.sequence_parallel,
         )
 
     def profile(self, spec: ExecSpec) -> ActivationProfile:
@@ -93,12 +119,13 @@ class Setting:
 
     def refusal(
         self, method: str, strategy: str, tp: int = 1, ac: bool | None = None, optimizer: str | None = None,
-        offload: str | None = None,
+        offload: str | None = None, pp: int = 1,
     ) -> str | None:
         """The capability table's sentence when this configuration cannot run with the recipe's other
         settings (None: it can)."""
         cell = self.cell.with_(
-            method=method, strategy=strategy, tp=tp, processes=1 if strategy == "single" else self.cell.processes,
+            method=method, strategy=strategy, tp=tp, pp=pp, pp_schedule=self.pp_schedule,
+            processes=1 if strategy == "single" else self.cell.processes,
             checkpointing=self.cell.checkpointing if ac is None else ac, precision=self.precision,
             optimizer=optimizer or self.cell.optimizer, offload=offload or self.cell.offload,
         )
@@ -126,19 +153,23 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
         tp=req.tp, precision=req.precision, optimizer=req.optimizer, offload=req.offload, compile=req.compile,
         attention=req.attn_implementation, packing=req.packed, checkpointing=req.checkpointing,
         lora=lora, prefix=req.prefix, quantization=req.quantization, objective=req.objective,
-        reference=req.reference, nodes=hw.nodes,
+        reference=req.reference, nodes=hw.nodes, pp=req.pp, pp_schedule=req.pp_schedule,
+        reference_model=req.reference_config is not None,
     )
     check(cell)
     # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:
     adapter = adapter_spec("lora" if req.method == "auto" else req.method, lora, req.prefix, req.adapter)
-    inv = build_inventory(req.config, req.source, adapter)
+    inv = with_reference(build_inventory(req.config, req.source, adapter), req, 1)
     tp, tp_auto = _resolve_tp(req, hw, world, cell, log)
+    v = stages_per_rank(req.pp_schedule, req.pp_stages_per_rank)
+    pp, pp_auto = _resolve_pp(req, hw, world, tp, v, inv, log)
     req = _resolve_attention(req, inv, log)
     precision = _resolve_precision(req, hw, log)
-    global_batch = _resolve_batch(req, world // tp, tp, log)
+    global_batch = _resolve_batch(req, world // (tp * pp), tp * pp, log)
     return Setting(
         req=req, hw=hw, world=world, precision=precision, global_batch=global_batch, tp=tp, tp_auto=tp_auto,
-        lora=lora, adapter=adapter, inv=inv, cell=cell,
+        lora=lora, adapter=adapter, inv=inv, cell=cell, pp=pp, pp_auto=pp_auto, pp_schedule=req.pp_schedule,
+        pp_v=v, pp_layers=req.pp_layers if pp > 1 else None,
     )
 
 
@@ -174,6 +205,54 @@ def _resolve_tp(req: Request, hw: Hardware, world: int, cell: Cell, log: list[w.
         mlp=cfg.intermediate_size, replicas=world // tp,
     ))
     return tp, ()
+
+
+def _resolve_pp(
+    req: Request, hw: Hardware, world: int, tp: int, v: int, inv: Inventory, log: list[w.Step],
+) -> tuple[int, tuple[int, ...]]:
+    """The pinned pipeline degree (checked: one sentence naming the recipe key when it cannot run), and the
+    degrees the walk may try when FSDP with TP does not fit (``distributed.pp: auto``): divisors of the
+    processes over tp, stages across nodes first (finetune/plan/pipeline.py)."""
+    what = "processes" if hw.device == "cpu" or req.for_run else "GPUs"
+    layers = inv.num_layers
+    if req.pp == "auto":
+        if req.strategy in ("auto", "ddp", "zero2", "fsdp") and world > 1:
+            return 1, pp_degrees(world, hw.gpus_per_node, hw.nodes, layers, v, req.tp)
+        return 1, ()
+    pp = int(req.pp)
+    if pp == 1:
+        if req.pp_layers is not None:
+            raise UserError(
+                "distributed.pp_layers: set without a pipeline (distributed.pp is 1); set distributed.pp or remove "
+                "distributed.pp_layers"
+            )
+        return 1, ()
+    problem = pipeline_problem(
+        pp=pp, tp=tp, world=world, what=what, schedule=req.pp_schedule, v=v, num_layers=layers,
+        pinned_v=req.pp_stages_per_rank,
+    )
+    if problem is None and req.pp_layers is not None:
+        problem = split_problem(req.pp_layers, pp * v, layers, pp, v)
+    if problem:
+        raise UserError(problem)
+    log.append(w.PinnedPipeline(
+        pp=pp, schedule=req.pp_schedule, stages_per_rank=v, layers=layers, what=what, replicas=world // (pp * tp),
+        split=tuple(req.pp_layers) if req.pp_layers is not None else (),
+    ))
+    return pp, ()
+
+
+def pp_degrees(world: int, per_node: int, nodes: int, layers: int, v: int, tp: int | str) -> tuple[int, ...]:
+    """Pipeline degrees the walk tries (``distributed.pp: auto``), smallest first: powers of two that divide the
+    processes left over by the largest TP degree a node allows, leave each stage at least one layer, and up to
+    the node count (stages across nodes: a stage's ranks stay inside a node or span whole nodes)."""
+    inner = per_node if tp == "auto" else int(tp)
+    out = []
+    k = 2
+    while k * v <= layers and world % (k * inner) == 0 and k <= max(nodes, 1) * (1 if nodes > 1 else per_node):
+        out.append(k)
+        k *= 2
+    return tuple(out)
 
 
 def _resolve_attention(req: Request, inv: Inventory, log: list[w.Step]) -> Request:
@@ -229,3 +308,11 @@ def _resolve_batch(req: Request, ranks: int, tp: int, log: list[w.Step]) -> int:
             f"{'data-parallel replicas' if tp > 1 else 'processes'} ({mbs} x {ranks} = {mbs * ranks})"
         )
     return g
+
+
+def with_reference(inv: Inventory, req: Request, tp: int) -> Inventory:
+    """``inv`` with the inventory of dpo.reference_model (one TP rank's) beside it, when the request names one:
+    the frozen reference copy is counted from its own config."""
+    if req.reference_config is None:
+        return inv
+    return replace(inv, reference=build_inventory(tp_config(req.reference_config, tp), "dpo.reference_model"))

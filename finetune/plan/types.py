@@ -124,18 +124,29 @@ class Candidate:
     time: StepTime | None = None  # predicted seconds per step and for the job
     status: Status | None = None  # None: from ``fits`` and ``note`` (a plan written before statuses)
     why: str = ""  # the capability table's sentence of a refused candidate
+    # pipeline parallelism: pp ranks (the mesh's outermost dimension), their schedule, the decoder layers of each
+    # stage; every pp rank's peak (``memory`` is the worst one's) and the bytes a rank sends to its neighbours
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_layers: tuple[int, ...] = ()
+    stage_memory: list[MemoryBreakdown] = field(default_factory=list)
+    pp_comm_bytes_per_step: int = 0
 
     @property
     def dp(self) -> int:
-        """Data-parallel replicas (processes / tp; 1 for a single process)."""
-        return self.world_size // self.tp if self.strategy.distributed else 1
+        """Data-parallel replicas (processes / (pp x tp); 1 for a single process)."""
+        return self.world_size // (self.tp * self.pp) if self.strategy.distributed else 1
 
     @property
     def label(self) -> str:
-        """The strategy as people say it: ``FSDP``, ``TP 2 x FSDP`` (2-D), ``TP 8`` (one replica)."""
+        """The strategy as people say it: ``FSDP``, ``TP 2 x FSDP`` (2-D), ``TP 8`` (one replica),
+        ``PP 4 x TP 8 x FSDP`` (3-D)."""
+        pipe = f"PP {self.pp} x " if self.pp > 1 else ""
         if self.tp == 1:
-            return self.strategy.title
-        return f"TP {self.tp}" if self.dp == 1 else f"TP {self.tp} x {self.strategy.title}"
+            if self.pp > 1 and self.dp == 1:
+                return f"PP {self.pp}"
+            return pipe + self.strategy.title
+        return pipe + (f"TP {self.tp}" if self.dp == 1 else f"TP {self.tp} x {self.strategy.title}")
 
     @property
     def world_size(self) -> int:
@@ -147,6 +158,8 @@ class Candidate:
         d = asdict(self)
         d["memory"] = self.memory.to_dict()
         d["time"] = self.time.to_dict() if self.time is not None else None
+        d["pp_layers"] = list(self.pp_layers)
+        d["stage_memory"] = [m.to_dict() for m in self.stage_memory]
         return d
 
     @classmethod
@@ -155,7 +168,10 @@ class Candidate:
         d = dict(d)
         mem = {k: v for k, v in d.pop("memory", {}).items() if k != "total"}
         time = d.pop("time", None)
-        return cls(memory=MemoryBreakdown(**mem), time=StepTime.from_dict(time) if time else None, **d)
+        stages = [MemoryBreakdown(**{k: v for k, v in m.items() if k != "total"}) for m in d.pop("stage_memory", [])]
+        d["pp_layers"] = tuple(d.get("pp_layers", ()))
+        return cls(memory=MemoryBreakdown(**mem), time=StepTime.from_dict(time) if time else None,
+                   stage_memory=stages, **d)
 
     def __post_init__(self) -> None:  # plain names (JSON, tests) become the enums
         self.method, self.strategy = Method(self.method), Strategy(self.strategy)

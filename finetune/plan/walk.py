@@ -103,6 +103,32 @@ class PinnedTensorParallel(Step):
 
 
 @dataclass(frozen=True)
+class PinnedPipeline(Step):
+    """The recipe pins a pipeline degree: how the layers split into stages."""
+
+    pp: int
+    schedule: str
+    stages_per_rank: int
+    layers: int
+    what: str  # processes | GPUs
+    replicas: int
+    split: tuple[int, ...] = ()  # the recipe's layers per stage (empty: balanced by cost)
+
+    def render(self) -> str:
+        """The sentence."""
+        stages = self.pp * self.stages_per_rank
+        how = (f"the recipe's split {list(self.split)}" if self.split else
+               "a split balanced by cost (the embeddings on the first stage and the head on the last counted as "
+               "layers)")
+        per = f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
+        return (
+            f"Pipeline parallelism: pp {self.pp} as the recipe pins: the {self.layers} decoder layers in {stages} "
+            f"stages over {self.pp} {self.what}{per} ({how}), schedule {self.schedule}, "
+            f"{self.replicas} data-parallel replica(s) per stage."
+        )
+
+
+@dataclass(frozen=True)
 class PrecisionChosen(Step):
     """Step 1 of the flowchart."""
 
