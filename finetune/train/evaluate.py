@@ -44,9 +44,11 @@ def _shard(items: list[Any], ctx: DistContext, batch_size: int) -> tuple[list[An
 
 @torch.no_grad()
 def eval_loss(
-    model: torch.nn.Module, examples: list[Example], ctx: DistContext, batch_size: int, pad_id: int, autocast: Any
+    model: torch.nn.Module, examples: list[Example], ctx: DistContext, batch_size: int, pad_id: int, autocast: Any,
+    pipeline: Any = None,
 ) -> float | None:
-    """Mean next-token loss over the target tokens of ``examples`` (all ranks together)."""
+    """Mean next-token loss over the target tokens of ``examples`` (all ranks together); ``pipeline`` (a
+    :class:`~finetune.train.pipeline.Pipeline`): each batch forward through its stages."""
     if not examples:
         return None
     mine, n_batches = _shard(examples, ctx, batch_size)
@@ -55,8 +57,11 @@ def eval_loss(
     for b in range(n_batches):
         chunk = mine[b * batch_size : (b + 1) * batch_size] or examples[:1]  # dummy batch keeps ranks in step
         batch = {k: v.to(ctx.device) for k, v in collate(chunk, pad_id).items()}
-        with autocast():
-            s, n = causal_lm_loss(model, batch)
+        if pipeline is not None:
+            s, n = pipeline.eval_loss(batch)
+        else:
+            with autocast():
+                s, n = causal_lm_loss(model, batch)
         if mine[b * batch_size : (b + 1) * batch_size]:
             total += s.double().cpu()
             count += n.double().cpu()
@@ -68,11 +73,15 @@ def eval_loss(
 @torch.no_grad()
 def greedy_generate(
     model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_id: int, device: torch.device,
-    autocast: Any,
+    autocast: Any, pipeline: Any = None,
 ) -> list[list[int]]:
-    """Greedy continuation of each prompt (left-padded batch, KV cache), ``max_new_tokens`` steps exactly."""
+    """Greedy continuation of each prompt (left-padded batch, KV cache), ``max_new_tokens`` steps exactly;
+    ``pipeline``: through its stages, one forward of the whole sequence per token."""
     ids, mask = left_padded(prompts, pad_id)
-    out_tokens = greedy_tokens(model, ids.to(device), mask.to(device), max_new_tokens, autocast)
+    if pipeline is not None:
+        out_tokens = pipeline.greedy_tokens(ids.to(device), mask.to(device), max_new_tokens)
+    else:
+        out_tokens = greedy_tokens(model, ids.to(device), mask.to(device), max_new_tokens, autocast)
     result = []
     for row in out_tokens.tolist():
         result.append(row[: row.index(eos_id)] if eos_id in row else row)
@@ -82,7 +91,7 @@ def greedy_generate(
 @torch.no_grad()
 def exact_match(
     model: torch.nn.Module, prompts: list[EvalPrompt], tokenizer: Any, ctx: DistContext, batch_size: int,
-    max_new_tokens: int, autocast: Any,
+    max_new_tokens: int, autocast: Any, pipeline: Any = None,
 ) -> tuple[float | None, list[tuple[str, str]]]:
     """Fraction of prompts whose greedy completion equals the expected answer (whitespace-trimmed)."""
     if not prompts:
@@ -96,7 +105,7 @@ def exact_match(
         chunk = chunk or prompts[:1]
         gens = greedy_generate(
             model, [p.prompt_ids for p in chunk], max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id,
-            ctx.device, autocast,
+            ctx.device, autocast, pipeline,
         )
         for p, g in list(zip(chunk, gens, strict=True))[:real]:
             text = tokenizer.decode(g, skip_special_tokens=True).strip()
@@ -110,7 +119,7 @@ def exact_match(
 def evaluate(
     model: torch.nn.Module, eval_examples: list[Example], eval_prompts: list[EvalPrompt], tokenizer: Any,
     ctx: DistContext, *, batch_size: int, max_new_tokens: int, autocast: Any, retain: RetainData | None = None,
-    task: bool = True, objective: Any = None,
+    task: bool = True, objective: Any = None, pipeline: Any = None,
 ) -> EvalResult:
     """Eval loss and exact match, with the model in eval mode (restored to train mode after); with ``retain``,
     also the retain set's loss and exact match. ``task=False``: the retain set only (the run's measurement
@@ -128,14 +137,18 @@ def evaluate(
                 model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast, objective  # type: ignore[arg-type]
             )
         elif task:
-            loss = eval_loss(model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast)
+            loss = eval_loss(model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast, pipeline)
         if task:
-            em, samples = exact_match(model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast)
+            em, samples = exact_match(
+                model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast, pipeline
+            )
         result = EvalResult(loss, em, len(eval_prompts) if task else 0, samples, preference=prefs)
         if retain is not None:
-            result.retain_loss = eval_loss(model, retain.examples, ctx, batch_size, tokenizer.pad_token_id, autocast)
+            result.retain_loss = eval_loss(
+                model, retain.examples, ctx, batch_size, tokenizer.pad_token_id, autocast, pipeline
+            )
             result.retain_exact_match, _ = exact_match(
-                model, retain.prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast
+                model, retain.prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast, pipeline
             )
             result.retain_prompts = len(retain.prompts)
     finally:

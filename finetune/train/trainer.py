@@ -59,6 +59,13 @@ from finetune.train.model import (
 from finetune.train.nonfinite import nonfinite_policy, nonfinite_stop
 from finetune.train.optimizer import build_optimizer
 from finetune.train.parallel import parallelize, unwrap
+from finetune.train.pipeline import (
+    Pipeline,
+    PipelineContext,
+    build_pipeline,
+    pipeline_context,
+    save_pipeline_final,
+)
 from finetune.train.precision import autocast_factory, grad_scaler
 from finetune.train.preflight import RunPhase
 from finetune.train.reference import preference_figures, setup_objective
@@ -89,6 +96,9 @@ class Trainer:
         self.loaded, self.plan, self.spec = loaded, plan, plan.execution
         self.ctx = ctx or DistContext.from_env()
         self.ctx.tp = self.spec.tp  # the ranks of a TP group share one data slice
+        self.pipeline: Pipeline | None = None  # distributed.pp: this rank's stages and their schedule
+        if self.spec.pipeline:  # the ranks of a (pp, dp, tp) mesh's pp dimension share one data slice too
+            self.ctx = pipeline_context(self.ctx, self.spec)
         self.measure_memory, self.resume = measure_memory, resume
         self.hooks = hooks or load_hooks()
         self.out_dir = Path(loaded.recipe.output.dir)
@@ -119,6 +129,8 @@ class Trainer:
         self.total = total_steps(self.loaded, self.stream)
         self.scheduler = lr_scheduler(self.optimizer, r.train, self.total)
         self.scaler = grad_scaler(self.spec, ctx.device)
+        if self.pipeline is not None:
+            self.pipeline.scaler = self.scaler
         self.autocast = autocast_factory(self.spec, ctx.device)
         # dpo, simpo, orpo (None: sft); dpo's reference (finetune/train/reference.py), before any resume
         self.objective, self.reference = setup_objective(
@@ -176,6 +188,14 @@ class Trainer:
         keep_base = ctx.is_main and spec.method.adapters and r.model.init == "random"
         base_dir = self.out_dir / "base" if keep_base else None
         text = spec.adapter.prefix_init_text if spec.adapter is not None else None
+        if spec.pipeline:  # built on meta, cut into this rank's stages, wrapped, then its tensors loaded
+            assert isinstance(ctx, PipelineContext)
+            self.pipeline, (self.trainable, self.total_params) = build_pipeline(
+                self.loaded, spec, ctx, n_microbatches=self.plan.chosen.grad_accum_steps,
+                autocast=lambda: self.autocast(), pad_id=self.tokenizer.pad_token_id, base_dir=base_dir,
+            )
+            check_model_storage(self.pipeline.model, spec, None)  # a stage's bytes are not the plan's inventory
+            return self.pipeline.model
         if not loads_sharded(spec, ctx.world_size):
             model = build_model(self.loaded, spec, ctx.device, base_dir=base_dir)
             broadcast_decomposed(model)
@@ -222,14 +242,23 @@ class Trainer:
             torch.tensor([sum(int(mb["num_tokens"]) for mb in micro), sum(self._count(mb) for mb in micro)]),
             on_device=True,
         )
-        micro = [_to_device(mb, ctx.device) for mb in micro]
+        host_micro = micro  # the pipeline pads and moves them itself
+        micro = [_to_device(mb, ctx.device) for mb in micro] if self.pipeline is None else micro
+        max_norm = self.loaded.recipe.train.max_grad_norm
         with self.step_memory.measuring(state.step, micro, self.model, self.optimizer):
-            loss_sum = accumulate(
-                self.model, micro, counts[1], ctx, self.autocast, self.scaler, self.phase, self.objective or causal_lm_loss
-            )
+            if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
+                loss_sum = self.pipeline.step(host_micro, counts[1])
+            else:
+                loss_sum = accumulate(
+                    self.model, micro, counts[1], ctx, self.autocast, self.scaler, self.phase,
+                    self.objective or causal_lm_loss,
+                )
             loss_sum = self.hooks.after_backward(step, self.params, loss_sum)
             self.phase.at("optimizer")
-            norm = clip_grad_norm(self.params, self.optimizer, self.scaler, self.loaded.recipe.train.max_grad_norm)
+            if self.pipeline is not None:  # the norm over every stage
+                norm = self.pipeline.clip_grad_norm(self.params, self.optimizer, max_norm)
+            else:
+                norm = clip_grad_norm(self.params, self.optimizer, self.scaler, max_norm)
             loss_total, grad_norm, tokens, global_tokens = host_figures(
                 ctx.data_sum(loss_sum, on_device=True), norm, counts[0], counts[1]
             )
@@ -272,7 +301,7 @@ class Trainer:
         return evaluate(
             self.model, self.data.eval, self.data.eval_prompts, self.tokenizer, self.ctx,
             batch_size=eval_batch_size(r, self.plan.chosen), max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
-            retain=self.retain, task=task, objective=self.objective,
+            retain=self.retain, task=task, objective=self.objective, pipeline=self.pipeline,
         )
 
     def _evaluate_at_start(self) -> EvalResult | None:
@@ -342,6 +371,12 @@ class Trainer:
     def save(self) -> None:
         """The final model or adapter and the tokenizer (every rank calls; rank 0 writes)."""
         self.phase.at("save")
+        if self.pipeline is not None:
+            save_pipeline_final(
+                self.pipeline, self.tokenizer, self.out_dir, adapters=self.spec.method.adapters,
+                max_shard_bytes=parse_bytes(self.loaded.recipe.output.max_shard_size),
+            )
+            return
         save_final(
             self.model, unwrap(self.model), self.tokenizer, self.out_dir, self.ctx,
             adapters=self.spec.method.adapters, max_shard_bytes=parse_bytes(self.loaded.recipe.output.max_shard_size),
