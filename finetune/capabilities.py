@@ -61,6 +61,7 @@ class Cell:
     checkpointing: bool | None = None
     objective: str = "sft"  # train.objective
     reference: str = "model"  # dpo.reference
+    reference_model: bool = False  # dpo.reference_model is set (another checkpoint as the reference)
     data_format: str | None = None  # data.format (None: not known, as in `finetune plan` of a bare config)
 
     @classmethod
@@ -70,6 +71,7 @@ class Cell:
         checkpointing: bool | None = None, lora: Any = None, prefix: Any = None, quantization: Any = None,
         offload: str = "none", objective: str = "sft", reference: str = "model", data_format: str | None = None,
         nodes: int | None = None, pp: int | str = 1, pp_schedule: str = "1f1b", sequence_parallel: bool = True,
+        reference_model: bool = False,
     ) -> Cell:
         """A cell from the recipe's values (``auto``: unknown) and its ``lora`` / ``prefix`` /
         ``quantization`` sections (None: their defaults)."""
@@ -99,6 +101,7 @@ class Cell:
             checkpointing=checkpointing,
             objective=objective,
             reference=reference,
+            reference_model=bool(reference_model),
             data_format=data_format,
         )
 
@@ -116,7 +119,7 @@ class Cell:
             packing=recipe.data.packing, checkpointing=None if ac == "auto" else bool(ac), lora=recipe.lora,
             prefix=recipe.prefix, quantization=recipe.quantization, objective=t.objective,
             reference=recipe.dpo.reference, data_format=recipe.data.format, pp=d.pp, pp_schedule=d.pp_schedule,
-            sequence_parallel=d.sequence_parallel,
+            sequence_parallel=d.sequence_parallel, reference_model=recipe.dpo.reference_model is not None,
         )
 
     def with_(self, **changes: Any) -> Cell:
@@ -459,6 +462,20 @@ PREFERENCE_RULES: tuple[Rule, ...] = (
         "train.offload: none",
         methods=("full",), topic="objective",
     ),
+    Rule(
+        "reference-model-adapters", ("dpo.reference_model", "method"),
+        lambda c: c.objective == "dpo" and c.reference_model and c.method not in (None, "full"),
+        lambda c: f"method: {c.method} compares the policy with its own base (the adapters switched off), not with "
+        "another model; remove dpo.reference_model, or use method: full to compare with that checkpoint",
+        methods=("lora", "qlora", "prefix", "adapter"), topic="objective",
+    ),
+    Rule(
+        "reference-model-objective", ("dpo.reference_model", "train.objective"),
+        lambda c: c.reference_model and c.objective != "dpo",
+        lambda c: f"{c.objective} has no reference policy, so the model would never be read; remove "
+        "dpo.reference_model, or set train.objective: dpo",
+        topic="objective",
+    ),
 )
 
 TABLE = TABLE + PREFERENCE_RULES
@@ -586,6 +603,8 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"objective": "sft", "data_format": "preference"},
     {"objective": "dpo", "packing": True},
     {"objective": "dpo", "offload": "optimizer"},
+    {"objective": "dpo", "reference_model": True},
+    {"objective": "simpo", "reference_model": True},
     {"nodes": 1},  # the hsdp column on one node
     {"tp": 2},
 )

@@ -374,6 +374,13 @@ class DpoConfig(Section):
         "or precomputed (its log-probabilities computed in one pass before training and kept with the data: no "
         "reference in memory during training).",
     )
+    reference_model: Union[str, None] = Field(
+        None,
+        description="dpo with method: full: the model directory of the reference policy (default: the policy's "
+        "starting weights), e.g. the SFT model while the policy starts from it, or another run's output.dir. It "
+        "must share the policy's tokenizer and architecture; with reference: precomputed its log-probabilities "
+        "are the ones computed before training. Adapter methods compare with their base.",
+    )
     gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (gamma) of SimPO's loss.")
     lambda_: float = Field(
         0.1, gt=0, alias="lambda", description="orpo: the weight of the odds-ratio term beside the chosen completion's "
@@ -790,6 +797,10 @@ def resolve_inputs(loaded: LoadedRecipe) -> LoadedRecipe:
     if r.eval.retain:
         retain = locate_data(r.eval.retain, base)
         r.eval.retain = retain.target if retain.kind == "files" else retain.value
+    if r.dpo.reference_model:  # absolute, as model.path, so the saved recipe names the same directory
+        ref = locate_model(r.dpo.reference_model, base)
+        if ref.kind == "dir":
+            r.dpo.reference_model = ref.path
     loaded.inputs = Inputs(model, train, held, retain)
     return loaded
 
@@ -815,6 +826,12 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
             "current directory); give a local .jsonl/.json/.csv/.parquet file, e.g. one of recipes/data/retain/"
         ))
     problems += check_method(loaded, inputs)
+    if r.dpo.reference_model and r.train.objective == "dpo":
+        from finetune.reference_model import reference_model_problem
+
+        ref_problem = reference_model_problem(r.dpo.reference_model, loaded.base_dir, inputs.model)
+        if ref_problem:
+            problems.append(loaded.problem("dpo.reference_model", ref_problem))
     template = r.data.chat_template
     if template and "{" not in template and not loaded.resolve_input(template).is_file():
         problems.append(

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 PANELS = ("loss", "eval exact match", "learning rate", "tokens/s", "memory per process (MiB)")
 #: The sixth panel, drawn when a run measured a retain set (eval.retain): its loss, beside the task's curves.
 RETAIN_PANEL = "retain loss (forgetting)"
+#: A third row of panels, drawn when a run logged preference figures (train.objective dpo, simpo, orpo:
+#: metrics.jsonl's ``rewards/*`` columns and their ``eval_`` versions): each as train and eval curves.
+PREFERENCE_PANELS = ("reward accuracy", "reward margin", "chosen and rejected rewards")
+#: The metrics.jsonl columns whose presence (train or eval) draws :data:`PREFERENCE_PANELS`.
+PREFERENCE_COLUMNS = ("rewards/accuracy", "rewards/margin", "rewards/chosen", "rewards/rejected")
 
 #: The plan's memory categories, bottom to top of the stacked bar.
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "overhead")
@@ -49,6 +54,12 @@ class RunData:
         """(steps, values) of ``key`` over the rows that have it."""
         pts = [(int(r["step"]), float(r[key])) for r in self.rows if r.get(key) is not None]
         return [s for s, _ in pts], [v for _, v in pts]
+
+    @property
+    def preference(self) -> bool:
+        """Whether the run logged preference figures (train or eval ``rewards/*`` columns)."""
+        keys = {*PREFERENCE_COLUMNS, *(f"eval_{k}" for k in PREFERENCE_COLUMNS)}
+        return any(k in keys for r in self.rows for k in r)
 
 
 def load_run(run_dir: str | Path) -> RunData:
@@ -77,15 +88,17 @@ def load_run(run_dir: str | Path) -> RunData:
 
 
 def build_figure(runs: list[RunData]) -> Figure:
-    """The report's figure: one panel per entry of :data:`PANELS`, every run overlaid.
+    """The report's figure: one panel per entry of :data:`PANELS`, every run overlaid, and a row of
+    :data:`PREFERENCE_PANELS` when a run logged preference figures.
 
     Built with matplotlib's object API (no pyplot state), so tests can read each line's data back.
     """
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(14, 8.5), layout="constrained")
-    axes = fig.subplots(2, 3).ravel()
-    ax_loss, ax_em, ax_lr, ax_tps, ax_mem, ax_spare = axes
+    preference = any(run.preference for run in runs)
+    fig = Figure(figsize=(14, 12.75 if preference else 8.5), layout="constrained")
+    axes = fig.subplots(3 if preference else 2, 3).ravel()
+    ax_loss, ax_em, ax_lr, ax_tps, ax_mem, ax_spare = axes[:6]
     for ax, title in zip(axes, PANELS, strict=False):
         ax.set_title(title)
     colors = [f"C{i}" for i in range(10)]
@@ -131,7 +144,42 @@ def build_figure(runs: list[RunData]) -> Figure:
             ax.legend(fontsize=8)
     ax_em.set_ylabel("%")
     _memory_panel(ax_mem, runs)
+    if preference:
+        _preference_panels(axes[6:], runs)
     return fig
+
+
+def _preference_panels(axes: Sequence[Any], runs: list[RunData]) -> None:
+    """The reward accuracy (%), the reward margin and the chosen and rejected rewards of each run: the
+    training steps' figures as solid lines, the evaluations' (``eval_`` columns) dashed with markers."""
+    ax_acc, ax_margin, ax_rewards = axes
+    for ax, title in zip(axes, PREFERENCE_PANELS, strict=True):
+        ax.set_title(title)
+    several = len(runs) > 1
+    for i, run in enumerate(runs):
+        c = f"C{i % 10}"
+        curves = [
+            (ax_acc, "rewards/accuracy", "", 100.0, c),
+            (ax_margin, "rewards/margin", "", 1.0, c),
+            (ax_rewards, "rewards/chosen", "chosen", 1.0, "C2" if not several else c),
+            (ax_rewards, "rewards/rejected", "rejected", 1.0, "C3" if not several else c),
+        ]
+        for ax, key, what, scale, color in curves:
+            eval_style = {"ls": "--", "marker": "o", "ms": 4}
+            for phase, column, style in (("train", key, {}), ("eval", f"eval_{key}", eval_style)):
+                x, y = run.series(column)
+                if not x:
+                    continue
+                label = " ".join(p for p in ((run.name if several else ""), phase, what) if p)
+                if what == "rejected" and several:
+                    style = {**style, "alpha": 0.5}
+                ax.plot(x, [scale * v for v in y], color=color, lw=1.2, label=label, **style)
+    ax_acc.set_ylabel("%")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
 
 
 def _memory_panel(ax: Any, runs: list[RunData]) -> None:

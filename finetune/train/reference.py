@@ -4,14 +4,20 @@ The execution spec names it (``ExecSpec.reference``):
 
     base         an adapter method's base: the policy itself with its adapters switched off for the reference's
                  forward (peft's ``disable_adapter``; bottlenecks shadowed, finetune/methods.py): no memory
-    model        full fine-tuning: a frozen copy of the starting weights, built and loaded like the policy, stored
+    model        full fine-tuning: a frozen copy of the starting weights (or of ``dpo.reference_model``, another
+                 checkpoint of the same architecture and tokenizer), built and loaded like the policy, stored
                  in the compute dtype (as an adapter method's frozen base is), without gradients or optimizer
                  state, sharded like the policy under zero2/fsdp (resharded after each forward: it has no
                  backward), split like it under tensor parallelism, replicated under single/ddp/zero1
     precomputed  the reference's log-probabilities of every train and eval pair, computed in one pass before the
-                 first step (with the starting weights, or the base for an adapter method) and kept with the
-                 pairs: no reference in memory while training
+                 first step (with the starting weights, ``dpo.reference_model``, or the base for an adapter
+                 method) and kept with the pairs: no reference in memory while training
     none         simpo and orpo, which need none
+
+Precomputed log-probabilities are stored beside the tokenized data (data.cache_dir), in a file keyed by the
+pairs' token rows and the reference's fingerprint (its weight files' names, sizes and modification times, or
+the seed of a random init; the method, precision and dtypes it runs in): a second run on the same data and
+model reads them back instead of running the pass (:class:`ReferenceCache`); other weights compute them again.
 
 The reference's forward runs under the same autocast as the policy's and through the same
 :func:`~finetune.preference.sequence_logps`, so both log-probabilities take the same precision path.
@@ -19,9 +25,16 @@ The reference's forward runs under the same autocast as the policy's and through
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import math
+import os
+import socket
+from array import array
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +42,7 @@ import torch
 from finetune.methods import training_of
 from finetune.preference import PreferenceObjective, PreferenceSettings, reference_logps, sequence_logps
 from finetune.recipe import LoadedRecipe
+from finetune.reference_model import locate_reference, weights_fingerprint
 from finetune.spec import ExecSpec
 from finetune.train.data.preference import PreferenceExample, collate_pairs
 from finetune.train.distributed import DistContext
@@ -38,10 +52,24 @@ from finetune.train.parallel import parallelize, unwrap
 from finetune.units import torch_dtype
 
 
+def reference_recipe(loaded: LoadedRecipe) -> LoadedRecipe:
+    """The recipe whose model is the reference: ``loaded`` itself (the policy's start), or a copy whose model is
+    ``dpo.reference_model`` (loaded from its weights; checked by recipe.check_files)."""
+    r = loaded.recipe
+    if not r.dpo.reference_model:
+        return loaded
+    assert loaded.inputs is not None, "load_recipe resolves the inputs"
+    ref = copy.deepcopy(loaded)
+    ref.recipe.model.path = r.dpo.reference_model
+    ref.recipe.model.init = "pretrained"
+    ref.inputs = replace(loaded.inputs, model=locate_reference(r.dpo.reference_model, loaded.base_dir))
+    return ref
+
+
 def build_reference_model(loaded: LoadedRecipe, spec: ExecSpec, ctx: DistContext) -> torch.nn.Module:
-    """The frozen copy of the starting weights (``reference: model`` under full fine-tuning), placed as the
-    policy is: sharded under zero2/fsdp, split under tensor parallelism, whole elsewhere (no DDP: nothing of
-    it is trained)."""
+    """The frozen reference of full fine-tuning (a copy of the starting weights, or ``dpo.reference_model``'s
+    when ``loaded`` is its :func:`reference_recipe`), placed as the policy is: sharded under zero2/fsdp, split
+    under tensor parallelism, whole elsewhere (no DDP: nothing of it is trained)."""
     ref_spec = replace(
         spec, trainable_dtype=spec.reference_dtype, checkpointing=False, compile=False, offload="none",
         reshard_after_forward=True,
@@ -92,8 +120,9 @@ def setup_objective(
 ) -> tuple[PreferenceObjective | None, torch.nn.Module | None]:
     """The preference objective of the run (None for sft) and the frozen reference model when it holds one.
 
-    ``precomputed``: the reference's log-probs of every pair are computed here, with the starting weights,
-    before any step (and before a resumed checkpoint is loaded: the reference is the run's start).
+    ``precomputed``: the reference's log-probs of every pair are read from the cache, or computed here (with the
+    starting weights, or dpo.reference_model's) before any step and before a resumed checkpoint is loaded (the
+    reference is the run's start), then stored in the cache. A note in ``data.notes`` says which.
     """
     if not spec.preference:
         return None, None
@@ -101,12 +130,126 @@ def setup_objective(
     settings = PreferenceSettings.of(spec.objective, r.dpo)
     if spec.reference == "none":
         return PreferenceObjective(settings), None
-    reference = build_reference_model(loaded, spec, ctx) if spec.reference == "model" else None
-    forward = reference_forward(spec, model, reference)
+    source = reference_recipe(loaded)
     if spec.reference == "precomputed":
-        precompute(forward, [*data.train, *data.eval], ctx, autocast, pad_id, batch_size, model)
+        pairs = [*data.train, *data.eval]
+        cache = ReferenceCache.of(loaded, spec, pairs)
+        if cache.read(pairs, ctx):
+            data.stats["reference_logps_cached"] = 1
+            data.notes.append(
+                f"dpo.reference: precomputed: the reference log-probabilities of {len(pairs)} pairs were read from "
+                f"the cache ({cache.path})"
+            )
+        else:
+            frozen = build_reference_model(source, spec, ctx) if r.dpo.reference_model else None
+            precompute(reference_forward(spec, model, frozen), pairs, ctx, autocast, pad_id, batch_size, model)
+            del frozen  # nothing of the reference stays in memory while training
+            cache.write(pairs)
+            data.notes.append(
+                f"dpo.reference: precomputed: the reference log-probabilities of {len(pairs)} pairs were computed "
+                f"and stored in the cache ({cache.path})"
+            )
         return PreferenceObjective(settings), None
+    reference = build_reference_model(source, spec, ctx) if spec.reference == "model" else None
+    forward = reference_forward(spec, model, reference)
     return PreferenceObjective(settings, lambda batch: reference_logps(forward, batch)), reference
+
+
+#: Bump when what the cached reference log-probabilities hold, or how they are computed, changes.
+REFERENCE_CACHE_VERSION = "1"
+
+
+def rows_digest(pairs: list[PreferenceExample]) -> str:
+    """A hash of the pairs' token rows in order (ids and labels of both completions): what the tokenization
+    cache's key decides, and the eval split and max_samples after it."""
+    h = hashlib.sha256()
+    for p in pairs:
+        for row in (p.input_ids, p.labels, p.rejected_ids or [], p.rejected_labels or []):
+            h.update(len(row).to_bytes(8, "little"))
+            h.update(array("q", row).tobytes())
+    return h.hexdigest()
+
+
+def reference_fingerprint(loaded: LoadedRecipe, spec: ExecSpec) -> list[Any]:
+    """What decides the reference's log-probabilities besides the rows: its weights (dpo.reference_model's
+    files, model.path's files, or model.path's config and the seed of a random init), and how it runs (the
+    method and its adapter's settings, whose base is the reference; quantization, precision and dtypes)."""
+    r = loaded.recipe
+    source = reference_recipe(loaded)
+    assert source.inputs is not None, "load_recipe resolves the inputs"
+    location = source.inputs.model
+    if source.recipe.model.init == "random":
+        config = Path(location.path) / "config.json"
+        weights: list[Any] = ["random", r.train.seed, hashlib.sha256(config.read_bytes()).hexdigest()]
+    else:
+        weights = ["pretrained", weights_fingerprint(location)]
+    how = [
+        spec.method.value, repr(spec.adapter), repr(spec.quant), spec.precision.value, spec.compute_dtype,
+        spec.trainable_dtype, spec.frozen_dtype, spec.autocast, spec.fsdp_param_dtype, spec.reference_dtype,
+        r.model.dtype, r.model.attn_implementation,
+    ]
+    return [weights, how]
+
+
+@dataclass
+class ReferenceCache:
+    """The file of precomputed reference log-probabilities (a (pairs, 2) float64 safetensors tensor, chosen then
+    rejected) in the tokenization cache's directory, named by the rows and the reference's fingerprint."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, loaded: LoadedRecipe, spec: ExecSpec, pairs: list[PreferenceExample]) -> ReferenceCache:
+        """The cache file of ``pairs`` under the run's reference."""
+        from finetune.train.data import default_cache_dir
+
+        d = loaded.recipe.data
+        cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
+        key = hashlib.sha256(json.dumps(
+            [REFERENCE_CACHE_VERSION, rows_digest(pairs), reference_fingerprint(loaded, spec)], default=str,
+        ).encode()).hexdigest()[:32]
+        return cls(cache_dir / f"reference-logps-{key}.safetensors")
+
+    def _load(self, n: int) -> torch.Tensor | None:
+        """The stored values when the file holds ``n`` pairs' (None: absent or unreadable)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        if not self.path.is_file():
+            return None
+        try:
+            values = load_file(self.path).get("logps")
+        except (OSError, SafetensorError):
+            return None
+        if values is None or tuple(values.shape) != (n, 2):
+            return None
+        return values
+
+    def read(self, pairs: list[PreferenceExample], ctx: DistContext) -> bool:
+        """Fill every pair's ``ref_logps`` from the cache when every rank finds it (then True): the ranks agree,
+        since a miss on one rank (a node-local cache) makes them all run the pass, whose forwards are
+        collectives under FSDP."""
+        values = self._load(len(pairs))
+        found = ctx.all_reduce_sum(float(values is not None))
+        if round(float(found)) != ctx.world_size:
+            return False
+        assert values is not None
+        for pair, (c, rj) in zip(pairs, values.tolist(), strict=True):
+            pair.ref_logps = (float(c), float(rj))
+        return True
+
+    def write(self, pairs: list[PreferenceExample]) -> None:
+        """Store the pairs' ``ref_logps`` (every rank holds them all after the pass): the first rank of each node
+        writes a temporary file and renames it into place, so a reader never sees a partial one."""
+        from safetensors.torch import save_file
+
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return
+        values = torch.tensor([p.ref_logps for p in pairs], dtype=torch.float64).reshape(len(pairs), 2)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+        save_file({"logps": values}, str(tmp), metadata={"pairs": str(len(pairs))})
+        os.replace(tmp, self.path)
 
 
 @torch.no_grad()

@@ -193,3 +193,113 @@ def test_dpo_plan_within_5_percent_of_the_measured_peak(tmp_path) -> None:
     r = plan_accuracy.run_one(name, arch, change, nproc, tmp_path)
     assert "predicted" in r, r
     assert abs(r["error"]) <= 0.05, r
+
+
+def _reference_dirs(root):
+    """A reference with weights (a file named as safetensors suffices for the checks: they read no weights), and
+    one broken copy per check: another vocabulary size, another token map, another architecture, no weights."""
+    import json
+    import shutil
+
+    good = root / "ref"
+    shutil.copytree(TINY_MODEL, good)
+    (good / "model.safetensors").write_bytes(b"")
+    dirs = {"good": good}
+    for name, change in (("vocab", {"vocab_size": 300}), ("arch", {"model_type": "mistral"})):
+        d = dirs[name] = root / name
+        shutil.copytree(good, d)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **change}))
+    tok = dirs["tokenizer"] = root / "tokenizer"
+    shutil.copytree(good, tok)
+    data = json.loads((tok / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[40:42]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap their ids: the same size, another map
+    (tok / "tokenizer.json").write_text(json.dumps(data))
+    dirs["no-weights"] = TINY_MODEL
+    dirs["missing"] = root / "nowhere"
+    return dirs
+
+
+@pytest.mark.parametrize(
+    ("which", "method", "says"),
+    [
+        ("vocab", "full", "dpo.reference_model: {path} has a vocabulary of 300 tokens but model.path has 264; the "
+         "reference must share the policy's tokenizer"),
+        ("tokenizer", "full", "dpo.reference_model: the tokenizer files of {path} map tokens to other ids than "
+         "model.path's; the reference must share the policy's tokenizer"),
+        ("arch", "full", "dpo.reference_model: {path} is a `mistral` model but model.path is a `llama` model; the "
+         "reference must be of the policy's architecture"),
+        ("no-weights", "full", "dpo.reference_model: {path} holds no weights"),
+        ("missing", "full", "dpo.reference_model: `{path}` is not a model directory (no config.json there)"),
+        ("good", "lora", "dpo.reference_model: method: lora compares the policy with its own base (the adapters "
+         "switched off), not with another model; remove dpo.reference_model, or use method: full"),
+    ],
+    ids=["vocab", "tokenizer", "architecture", "no-weights", "not-a-model", "adapter-method"],
+)
+def test_reference_model_mismatch_is_one_sentence_from_validate_and_run(tmp_path, which, method, says) -> None:
+    """A dpo.reference_model that cannot be the policy's reference: `finetune validate` and `finetune run` both
+    exit 2 with one sentence naming the key, and the run writes nothing."""
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+    from tests.support import RECIPES, tiny_recipe, write_recipe
+
+    ref = _reference_dirs(tmp_path)[which]
+    out = tmp_path / "out"
+    raw = tiny_recipe(out, method=method, train={"objective": "dpo"}, dpo={"reference_model": str(ref)},
+                      data={"train": str(RECIPES / "data/reverse-preference/eval.jsonl"), "format": "preference"})
+    raw["data"].pop("eval")
+    recipe = write_recipe(tmp_path / "dpo.yaml", raw)
+    want = " ".join(says.format(path=ref).split())
+    runner = CliRunner()
+    for command in ("validate", "run"):
+        res = runner.invoke(app, [command, str(recipe)])
+        assert res.exit_code == 2, (command, res.output)
+        assert want in " ".join(res.output.split()), (command, res.output)
+        assert "Traceback" not in res.output
+        assert not out.exists()
+
+
+def test_precomputed_cache_key_follows_the_rows_and_the_weights(tmp_path) -> None:
+    """The cached reference log-probs are named by the pairs' rows and the reference's weights: the same inputs
+    give the same file; another seed of a random init, rewritten weights, another reference_model, other rows or
+    another precision another one."""
+    import os
+    import shutil
+
+    from finetune.recipe import recipe_from_dict
+    from finetune.spec import execution_spec
+    from finetune.train.data.preference import PreferenceExample
+    from finetune.train.reference import ReferenceCache
+    from tests.support import tiny_recipe
+
+    pairs = [PreferenceExample([5, 6, 7], [X, 6, 7], rejected_ids=[5, 8], rejected_labels=[X, 8])]
+    other_rows = [PreferenceExample([5, 6, 7], [X, 6, 7], rejected_ids=[5, 9], rejected_labels=[X, 9])]
+    refs = _reference_dirs(tmp_path)
+    twin = tmp_path / "twin"
+    shutil.copytree(refs["good"], twin)
+
+    def path(rows=pairs, precision="fp32", **changes):
+        raw = tiny_recipe(tmp_path / "out", train={"objective": "dpo", "seed": 0}, dpo={"reference": "precomputed"},
+                          data={"format": "preference", "cache_dir": str(tmp_path / "cache")})
+        for k, v in changes.items():
+            raw[k].update(v)
+        loaded = recipe_from_dict(raw, base_dir=tmp_path)
+        spec = execution_spec(
+            "full", "single", precision, checkpointing=False, objective="dpo", reference="precomputed"
+        )
+        return ReferenceCache.of(loaded, spec, rows).path
+
+    start = path()
+    assert start == path() and start.parent == tmp_path / "cache"
+    assert path(train={"seed": 1}) != start  # the random init drawn with another seed
+    assert path(rows=other_rows) != start
+    assert path(precision="bf16") != start
+    pretrained = path(model={"path": str(refs["good"]), "init": "pretrained"})
+    assert pretrained == path(model={"path": str(refs["good"]), "init": "pretrained"}) != start
+    weights = refs["good"] / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # weights rewritten
+    assert path(model={"path": str(refs["good"]), "init": "pretrained"}) != pretrained
+    assert path(dpo={"reference_model": str(refs["good"])}) != path(dpo={"reference_model": str(twin)})
