@@ -62,6 +62,8 @@ class Inventory:
     adapters: list[Tensor] = field(default_factory=list)
     sdpa: bool = True  # transformers builds the architecture with SDPA attention
     flex: bool = True  # ... and with flex attention
+    # dpo.reference_model's parameters (None: the reference, if any, is a copy of this model's)
+    reference: Inventory | None = field(default=None, compare=False, repr=False)
 
     def count(self, tensors: list[Tensor], **where: bool) -> int:
         """Total values over the whole model of ``tensors`` matching the flags in ``where``."""
