@@ -303,3 +303,34 @@ def test_precomputed_cache_key_follows_the_rows_and_the_weights(tmp_path) -> Non
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # weights rewritten
     assert path(model={"path": str(refs["good"]), "init": "pretrained"}) != pretrained
     assert path(dpo={"reference_model": str(refs["good"])}) != path(dpo={"reference_model": str(twin)})
+
+
+@pytest.mark.slow  # builds two inventories on the meta device (seconds)
+def test_plan_counts_the_reference_model_from_its_own_config(tmp_path) -> None:
+    """dpo.reference_model's frozen copy is counted from its config: a 2-layer reference beside the 4-layer policy
+    adds the 2-layer model's parameters (fp32), not the policy's."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.plan.hardware import detect_hardware
+    from finetune.plan.memory import reference_bytes
+    from finetune.plan.request import request_from_recipe
+    from finetune.plan.setting import settle
+    from finetune.recipe import recipe_from_dict
+    from tests.support import micro_model_dir, tiny_recipe
+
+    ref = micro_model_dir(tmp_path / "ref", num_hidden_layers=2)
+    (ref / "model.safetensors").write_bytes(b"")
+    raw = tiny_recipe(tmp_path / "out", train={"objective": "dpo"}, data={"format": "preference"},
+                      dpo={"reference_model": str(ref)})
+    req = request_from_recipe(recipe_from_dict(raw, base_dir=tmp_path))
+    s = settle(req, detect_hardware(device="cpu", gpus=1, nodes=1, nproc=1))
+    spec = s.exec_spec("full", "single", False)
+    with torch.device("meta"):
+        two = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ref))
+        four = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL))
+    assert json.loads((ref / "config.json").read_text())["num_hidden_layers"] == 2
+    assert reference_bytes(s.inv, spec) == 4 * sum(p.numel() for p in two.parameters())
+    assert reference_bytes(s.inv, spec) < 4 * sum(p.numel() for p in four.parameters())
