@@ -481,6 +481,99 @@ PREFERENCE_RULES: tuple[Rule, ...] = (
 TABLE = TABLE + PREFERENCE_RULES
 
 
+def _pp(c: Cell) -> int:
+    return c.pp or 1
+
+
+# Pipeline parallelism (finetune/train/pipeline.py): stage models of full fine-tuning and LoRA, over a
+# (pp, dp, tp) mesh with FSDP2 (or nothing) over dp, driven by torch.distributed.pipelining's schedules.
+PIPELINE_RULES: tuple[Rule, ...] = (
+    Rule(
+        "pp-single", ("distributed.pp", "distributed.strategy"),
+        lambda c: c.pipelined and c.strategy == "single",
+        lambda c: f"{_pp(c)} runs the model as {_pp(c)} stages on as many processes, but distributed.strategy is "
+        "single (one process); use auto, ddp, zero2 or fsdp, or distributed.pp: 1",
+    ),
+    Rule(
+        "pp-replicated", ("distributed.strategy", "distributed.pp"),
+        lambda c: c.pipelined and (c.strategy == "zero1" or (c.strategy == "ddp" and (c.dp or 0) > 1)),
+        lambda c: f"{c.strategy} cannot run over the data-parallel groups of distributed.pp: {_pp(c)} (the pipeline "
+        "schedule drives the stages' gradient reduction through FSDP2); use zero2, fsdp or auto (or ddp with one "
+        "data-parallel replica)",
+    ),
+    Rule(
+        "pp-hsdp", ("distributed.pp", "distributed.strategy"),
+        lambda c: c.pipelined and c.strategy == "hsdp",
+        lambda c: f"{_pp(c)} with hsdp is not supported (finetune builds a pp x dp x tp mesh, not a replicate x "
+        "shard one per stage); use fsdp with pipeline stages, or distributed.pp: 1",
+    ),
+    Rule(
+        "pp-interleaved-sharded", ("distributed.pp_schedule", "distributed.strategy"),
+        lambda c: c.pipelined and c.pp_schedule == "interleaved-1f1b" and c.strategy in SHARDED,
+        lambda c: f"interleaved-1f1b runs several stages of one model per process, which {c.strategy}'s FSDP2 "
+        "units cannot each reduce; use 1f1b or gpipe with it, or ddp with one data-parallel replica",
+    ),
+    Rule(
+        "pp-method", ("distributed.pp", "method"),
+        lambda c: c.pipelined and c.method in ("qlora", "prefix", "adapter"),
+        lambda c: f"{_pp(c)} with method {c.method} is not supported: pipeline stages run full fine-tuning and "
+        "LoRA only; use method lora, or distributed.pp: 1",
+        methods=("qlora", "prefix", "adapter"),
+    ),
+    Rule(
+        "pp-lora-options", ("distributed.pp", "lora.use_dora"),
+        lambda c: c.pipelined and c.lora_family and (c.use_dora or c.lora_init in ("pissa", "olora")),
+        lambda c: f"{_pp(c)} with {'lora.use_dora' if c.use_dora else 'lora.init: ' + c.lora_init} is not "
+        "supported (each stage would save its own part of the adapter's conversion); use plain LoRA "
+        "(use_dora: false, init: default), or distributed.pp: 1",
+        methods=("lora", "qlora"),
+    ),
+    Rule(
+        "pp-sequence-parallel", ("distributed.sequence_parallel", "distributed.pp"),
+        lambda c: c.pipelined and c.split and c.sequence_parallel,
+        lambda c: f"sequence parallelism inside the stages of distributed.pp: {_pp(c)} is not supported (the "
+        "stages pass whole hidden states); set distributed.sequence_parallel: false, or distributed.pp: 1",
+    ),
+    Rule(
+        "pp-compile", ("distributed.pp", "train.compile"),
+        lambda c: c.pipelined and c.compile,
+        lambda c: f"{_pp(c)} with train.compile: true is not supported (pipeline stages run eager blocks); set "
+        "train.compile: false, or distributed.pp: 1",
+        topic="compile",
+    ),
+    Rule(
+        "pp-8bit-optimizer", ("distributed.pp", "train.optimizer"),
+        lambda c: c.pipelined and c.optimizer in EIGHT_BIT_OPTIMIZERS,
+        lambda c: f"{_pp(c)} with train.optimizer: {c.optimizer} is not supported (pipeline stages run torch's "
+        "AdamW); set train.optimizer: adamw, or distributed.pp: 1",
+        topic="optimizer",
+    ),
+    Rule(
+        "pp-offload", ("train.offload", "distributed.pp"),
+        lambda c: c.pipelined and c.offload in OFFLOADS,
+        lambda c: f"{c.offload} with distributed.pp: {_pp(c)} is not supported (the stages' state stays on their "
+        "GPUs); set train.offload: none, or distributed.pp: 1",
+        topic="offload",
+    ),
+    Rule(
+        "pp-packing", ("data.packing", "distributed.pp"),
+        lambda c: c.pipelined and c.packing,
+        lambda c: f"packed rows' document masks do not cross the stages of distributed.pp: {_pp(c)}; set "
+        "data.packing: false, or distributed.pp: 1",
+        topic="data",
+    ),
+    Rule(
+        "pp-objective", ("train.objective", "distributed.pp"),
+        lambda c: c.pipelined and c.preference,
+        lambda c: f"{c.objective} scores pairs of rows against a reference, which pipeline stages do not run; "
+        "set train.objective: sft, or distributed.pp: 1",
+        topic="objective",
+    ),
+)
+
+TABLE = TABLE + PIPELINE_RULES
+
+
 def refusals(cell: Cell) -> list[Refusal]:
     """Every row of :data:`TABLE` that refuses ``cell``, in table order."""
     return [Refusal(rule, rule.keys[0], rule.says(cell)) for rule in TABLE if rule.refuses(cell)]
@@ -607,6 +700,17 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"objective": "simpo", "reference_model": True},
     {"nodes": 1},  # the hsdp column on one node
     {"tp": 2},
+    {"pp": 2},
+    {"pp": 2, "strategy": "single"},
+    {"pp": 2, "strategy": "ddp", "processes": 4},
+    {"pp": 2, "pp_schedule": "interleaved-1f1b"},
+    {"pp": 2, "tp": 2},
+    {"pp": 2, "use_dora": True},
+    {"pp": 2, "compile": True},
+    {"pp": 2, "optimizer": "adamw8bit"},
+    {"pp": 2, "offload": "optimizer"},
+    {"pp": 2, "packing": True},
+    {"pp": 2, "objective": "dpo", "data_format": "preference"},
 )
 
 

@@ -561,7 +561,14 @@ def save_pipeline_final(
             if t is not None:
                 state[name] = t
         if ctx.is_main:
+            from safetensors.torch import save_file
+
             hf.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            # peft keeps only the adapters of the layers this rank's model holds; the file holds every stage's,
+            # named as peft names them (without the adapter's name)
+            name = f".{hf.active_adapter}."
+            whole = {k.replace(name, "."): v.contiguous() for k, v in state.items()}
+            save_file(whole, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     else:  # streamed: the files are planned from the shapes, then one tensor at a time reaches rank 0
         named: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
