@@ -1,9 +1,11 @@
 """The configuration matrix: every cell trains or is refused by `finetune validate`, none crashes.
 
 The sweep itself is scripts/sweep_matrix.py (loaded here by path). The end-to-end tests run its FIXED list of
-most-used cells and a small seeded sample of the whole matrix; the sample's seed is FINETUNE_SWEEP_SEED, else
-the date (so the sample changes from day to day), and is printed to reproduce a failure with
-`python scripts/sweep_matrix.py --sample 4 --seed SEED`.
+most-used cells, less those another test of the slow tiers trains through the CLI's own path with stronger
+assertions (TRAINED_ELSEWHERE names the test), and a small seeded sample of the whole matrix; the sample's seed
+is FINETUNE_SWEEP_SEED, else the date (so the sample changes from day to day), and is printed to reproduce a
+failure with `python scripts/sweep_matrix.py --sample 2 --seed SEED`. `python scripts/sweep_matrix.py
+--only-fixed` (or `--all`) sweeps every FIXED cell (or the whole matrix) outside the suite.
 """
 
 from __future__ import annotations
@@ -18,7 +20,22 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE_SIZE = 4
+SAMPLE_SIZE = 2
+
+#: FIXED cells that a test of the slow tiers already trains (the same method, strategy, tensor parallelism,
+#: optimizer, precision and attention; a Llama of the tiny family), asserting loss parity or more: the
+#: end-to-end test of the fixed cells leaves them out.
+TRAINED_ELSEWHERE: dict[str, str] = {
+    "full/single/tp1/adamw/fp32/sdpa": "tests/e2e/test_readme.py::test_every_readme_command_runs_in_order",
+    "full/fsdp/tp1/adamw/fp32/sdpa": "tests/distributed/test_distributed.py::test_full_finetune_parity_with_single_process",
+    "qlora4/single/tp1/adamw/fp32/sdpa": "tests/distributed/test_distributed.py::test_qlora_parity",
+    "qlora4/fsdp/tp1/adamw/fp32/sdpa": "tests/distributed/test_distributed.py::test_qlora_parity",
+    "full/zero2/tp1/adamw8bit/fp32/sdpa": (
+        "tests/distributed/test_optimizer_sharded.py::test_eight_bit_adamw_on_shards_matches_one_process"
+    ),
+    "prefix/single/tp1/adamw/fp32/sdpa": "tests/distributed/test_distributed.py::test_prefix_and_bottleneck_adapter_parity",
+    "adapter/ddp/tp1/adamw/fp32/sdpa": "tests/distributed/test_distributed.py::test_prefix_and_bottleneck_adapter_parity",
+}
 
 
 def _load_sweep() -> ModuleType:
@@ -68,6 +85,14 @@ def test_sample_is_seeded_and_without_replacement() -> None:
     assert not fixed & set(sweep_matrix.sample_cells(200, 1, exclude=fixed))
 
 
+def test_cells_trained_elsewhere_are_fixed_cells_of_a_test_that_exists() -> None:
+    fixed = {c.name for c in sweep_matrix.FIXED}
+    assert set(TRAINED_ELSEWHERE) < fixed, set(TRAINED_ELSEWHERE) - fixed
+    for where in TRAINED_ELSEWHERE.values():
+        path, name = where.split("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), where
+
+
 def test_recipes_are_valid(tmp_path: Path) -> None:
     from finetune.recipe import recipe_from_dict
 
@@ -111,7 +136,8 @@ def test_crash_and_refusal_lines() -> None:
 @pytest.mark.slow
 @pytest.mark.dist
 def test_fixed_cells_train_or_are_refused(tmp_path: Path) -> None:
-    results = sweep_matrix.sweep(list(sweep_matrix.FIXED), tmp_path)
+    cells = [c for c in sweep_matrix.FIXED if c.name not in TRAINED_ELSEWHERE]
+    results = sweep_matrix.sweep(cells, tmp_path)
     _check(results, "fixed cells")
 
 

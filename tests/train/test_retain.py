@@ -8,6 +8,8 @@ and the figures are in metrics.jsonl, the summary line and the report.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -21,7 +23,7 @@ from finetune.recipe import check_files, recipe_from_dict
 from finetune.train.console import retain_change
 from finetune.train.data.retain import load_retain
 from finetune.train.evaluate import EvalResult
-from tests.support import RECIPES, TINY_MODEL, clean_env, finetune_run, tiny_recipe, write_jsonl, write_recipe
+from tests.support import RECIPES, TINY_MODEL, clean_env, tiny_recipe, write_jsonl, write_recipe
 
 REVERSE = RECIPES / "data" / "reverse"
 RETAIN = RECIPES / "data" / "retain" / "tiny-llama-reverse.jsonl"
@@ -82,8 +84,19 @@ def test_summary_line_says_the_change() -> None:
 BASE_STEPS, STEPS = 40, 8
 
 
+def _launch(recipe: Path) -> str:
+    """The same launch() `finetune run RECIPE` calls, in this process (no interpreter start); what it printed."""
+    from finetune.launch import LaunchOptions, launch
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = launch(str(recipe), [], LaunchOptions(nproc=1))
+    assert code == 0, printed.getvalue()[-3000:]
+    return printed.getvalue()
+
+
 @pytest.fixture(scope="module")
-def forgetting(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | subprocess.CompletedProcess]:
+def forgetting(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
     d = tmp_path_factory.mktemp("retain")
     retain = write_jsonl(d / "retain.jsonl", [json.loads(x) for x in RETAIN.read_text().splitlines()[:16]])
     base = tiny_recipe(
@@ -92,9 +105,8 @@ def forgetting(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | sub
         eval={"at_start": False}, data={"eval": None},
     )
     base["data"].pop("eval")
-    done = finetune_run(write_recipe(d / "base.yaml", base))
-    assert done.returncode == 0, done.stderr[-3000:]
-    out: dict[str, Path | subprocess.CompletedProcess] = {"base": d / "base"}
+    _launch(write_recipe(d / "base.yaml", base))
+    out: dict[str, Path | str] = {"base": d / "base"}
     for method in ("full", "lora"):
         recipe = tiny_recipe(
             d / method, model={"path": str(d / "base"), "init": "pretrained"}, method=method,
@@ -104,9 +116,7 @@ def forgetting(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | sub
             eval={"every": STEPS // 2, "max_new_tokens": 6, "retain": str(retain)},
         )
         recipe["data"].pop("eval")
-        run = finetune_run(write_recipe(d / f"{method}.yaml", recipe))
-        assert run.returncode == 0, run.stderr[-3000:]
-        out[method], out[f"{method}_run"] = d / method, run
+        out[method], out[f"{method}_run"] = d / method, _launch(write_recipe(d / f"{method}.yaml", recipe))
     return out
 
 
@@ -124,7 +134,7 @@ def test_full_fine_tuning_forgets_more_than_lora(forgetting) -> None:
         assert [r["step"] for r in rows] == [0, STEPS // 2, STEPS]
         assert all(r["retain_exact_match"] is not None for r in rows)
         rises[method] = rows[-1]["retain_loss"] - rows[0]["retain_loss"]
-        line = next(x for x in forgetting[f"{method}_run"].stdout.splitlines() if x.startswith("retain: loss"))
+        line = next(x for x in forgetting[f"{method}_run"].splitlines() if x.startswith("retain: loss"))
         assert line.startswith(f"retain: loss {rows[0]['retain_loss']:.2f} -> {rows[-1]['retain_loss']:.2f} ({rises[method]:+.2f})")
     # both start from the same base, so from the same retain loss
     assert _retain_rows(forgetting["full"])[0]["retain_loss"] == pytest.approx(_retain_rows(forgetting["lora"])[0]["retain_loss"], rel=1e-5)
