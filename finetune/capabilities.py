@@ -529,12 +529,6 @@ PIPELINE_RULES: tuple[Rule, ...] = (
         methods=("lora", "qlora"),
     ),
     Rule(
-        "pp-sequence-parallel", ("distributed.sequence_parallel", "distributed.pp"),
-        lambda c: c.pipelined and c.split and c.sequence_parallel,
-        lambda c: f"sequence parallelism inside the stages of distributed.pp: {_pp(c)} is not supported (the "
-        "stages pass whole hidden states); set distributed.sequence_parallel: false, or distributed.pp: 1",
-    ),
-    Rule(
         "pp-compile", ("distributed.pp", "train.compile"),
         lambda c: c.pipelined and c.compile,
         lambda c: f"{_pp(c)} with train.compile: true is not supported (pipeline stages run eager blocks); set "
@@ -704,7 +698,6 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"pp": 2, "strategy": "single"},
     {"pp": 2, "strategy": "ddp", "processes": 4},
     {"pp": 2, "pp_schedule": "interleaved-1f1b"},
-    {"pp": 2, "tp": 2},
     {"pp": 2, "use_dora": True},
     {"pp": 2, "compile": True},
     {"pp": 2, "optimizer": "adamw8bit"},
