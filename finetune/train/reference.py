@@ -249,6 +249,9 @@ class ReferenceCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
         save_file({"logps": values}, str(tmp), metadata={"pairs": str(len(pairs))})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # readable as the tokenized files beside it are
         os.replace(tmp, self.path)
 
 
