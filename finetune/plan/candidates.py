@@ -16,7 +16,7 @@ from finetune.plan.memory import (
     pipeline_stages,
     stage_memory,
 )
-from finetune.plan.pipeline import boundaries_across_nodes
+from finetune.plan.pipeline import boundaries_across_nodes, memory_balanced_split
 from finetune.plan.setting import Setting
 from finetune.plan.shapes import Inventory
 from finetune.plan.tensor_parallel import tp_comm_bytes, tp_config
@@ -34,6 +34,8 @@ def evaluate(
     the (method, checkpointing, tp) the walk traced (the table's other rows are marked not traced). With
     ``pp`` pipeline ranks the memory is the worst rank's (every rank's in ``stage_memory``)."""
     world = 1 if strategy == "single" else s.world
+    if spec_pp(strategy, pp) > 1:  # stages take unpacked rows, whole hidden states (finetune/plan/pipeline.py)
+        s = s.for_pipeline()
     dp = world // (tp * pp)
     accum = max(1, s.global_batch // (mbs * dp))
     spec = s.exec_spec(method, strategy, ac, world, tp, optimizer, offload, pp=spec_pp(strategy, pp))
@@ -42,6 +44,10 @@ def evaluate(
     stages: list[MemoryBreakdown] = []
     if spec.pipeline:
         mem, comm, stages = _pipeline_memory(s, inv, None, setup)
+        if mem.total <= s.capacity and not (traced is not None and (method, ac, tp) not in traced):
+            setup = _memory_balanced(s, inv, setup, first_step)
+            spec = setup.spec
+            mem, comm, stages = _pipeline_memory(s, inv, None, setup)
     else:
         mem, comm = candidate_memory(inv, None, setup)
     if mem.total > s.capacity:
@@ -92,6 +98,36 @@ def _pipeline_memory(
     figures = [stage_memory(inv, profile, setup, st, row, tied, first_step) for st in stages]
     worst = max(figures, key=lambda f: f[0].total)
     return worst[0], max(f[1] for f in figures), [f[0] for f in figures]
+
+
+def _memory_balanced(s: Setting, inv: Inventory, setup: Setup, first_step: bool) -> Setup:
+    """``setup`` with its layers split by memory instead of by cost when the split by cost's worst stage does not
+    fit and the split by memory lowers it (finetune/plan/pipeline.py: memory_balanced_split; one stage per rank,
+    and never a split the recipe pins). Each rank's peak is taken as linear in its layers, from its figures at its
+    layers and one more."""
+    spec = setup.spec
+    if s.pp_layers is not None or spec.pp_stages_per_rank > 1:
+        return setup
+    profile = s.profile(spec)
+    worst = _pipeline_memory(s, inv, profile, setup, first_step)[0]
+    if worst.total <= s.capacity:
+        return setup
+    row = boundary_bytes_per_row(spec, s.req.seq_len, s.req.config.hidden_size)
+    tied = bool(getattr(s.req.config, "tie_word_embeddings", False))
+    fixed, slope = [], []
+    for st in pipeline_stages(spec.pp_layers, spec.pp, spec.pp_schedule, setup.grad_accum_steps):
+        at = stage_memory(inv, profile, setup, st, row, tied, first_step)[0].total
+        more = replace(st, layers=st.layers + 1, depth=st.depth + 1)
+        step = stage_memory(inv, profile, setup, more, row, tied, first_step)[0].total - at
+        slope.append(float(step))
+        fixed.append(float(at - step * st.layers))
+    split = memory_balanced_split(fixed, slope, sum(spec.pp_layers))
+    if split == spec.pp_layers:
+        return setup
+    balanced = replace(setup, spec=replace(spec, pp_layers=split))
+    if _pipeline_memory(s, inv, profile, balanced, first_step)[0].total >= worst.total:
+        return setup
+    return balanced
 
 
 def pp_bytes_per_step(s: Setting, spec: Any, mbs: int, accum: int) -> int:

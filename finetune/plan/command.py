@@ -58,7 +58,7 @@ def without_bitsandbytes() -> Iterator[None]:
 MODEL_ONLY_RECIPE: dict[str, Any] = {
     "method": "auto",
     "data": {"train": "(none: planning only)", "packing": True},
-    "distributed": {"tp": "auto"},  # the walk may try tensor parallelism when FSDP alone does not fit
+    "distributed": {"tp": "auto", "pp": "auto"},  # the walk may try TP, then PP, when FSDP alone does not fit
 }
 
 

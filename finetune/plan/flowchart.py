@@ -312,6 +312,83 @@ def _try_tensor_parallel(wk: _Walk, method: str, mbs1: int, acs: list[bool]) -> 
     return None
 
 
+def _try_pipeline(wk: _Walk, method: str, mbs1: int, acs: list[bool]) -> Candidate | None:
+    """``distributed.pp: auto``: the fewest pipeline stages (across nodes), then the smallest TP degree (inside a
+    node), under which ``method`` fits at micro-batch ``mbs1``, the strategy over the remaining data-parallel
+    ranks; checkpointing only when a layout does not fit without it."""
+    s = wk.s
+    if not s.pp_auto:
+        return None
+    tps = (s.tp,) if s.tp > 1 else (1, *s.tp_auto)
+    sized = [c for c in wk.tried if c.method == method and c.memory.total and c.status is not Status.REFUSED]
+    wk.log.append(w.TryPipeline(
+        method, mbs1, min(c.memory.total for c in sized) if sized else None, s.pp_auto, tps, s.pp_schedule,
+        s.inv.num_layers,
+    ))
+    attempts: list[w.PipelineAttempt] = []
+    found: Candidate | None = None
+    for pp in s.pp_auto:
+        for tp in tps:
+            if s.world % (pp * tp):
+                continue
+            dp = s.world // (pp * tp)
+            problem = microbatch_problem(s.pp_schedule, pp, max(1, s.global_batch // (mbs1 * dp)))
+            if problem:
+                attempts.append(w.PipelineAttempt(pp, tp, dp, "", False, 0, False, problem.split("; ")[0]))
+                continue
+            tried: list[Candidate] = []
+            for ac in acs:
+                found = wk.attempt(method, _tp_strategies(s, tp, pp), mbs1, ac, tp, False, say=False, pp=pp)
+                tried += [c for c in wk.tried[-2:] if c.pp == pp and c.tp == tp and c.activation_checkpointing == ac]
+                if found is not None:
+                    break
+            # the layout's smallest traced total (a states-only figure is a lower bound: last resort)
+            best = found or min(tried, key=lambda c: (c.status is Status.STATES_OVER, c.memory.total), default=None)
+            if best is not None:
+                attempts.append(w.PipelineAttempt(
+                    pp, tp, dp, best.label, best.activation_checkpointing, best.memory.total, best.fits,
+                    states_only=best.status is Status.STATES_OVER,
+                ))
+            if found is not None:
+                break
+        if found is not None:
+            break
+    closest, in_flight_n = None, 0
+    traced = [c for c in wk.tried if c.pp > 1 and c.stage_memory and c.status is Status.OVER]
+    if found is None and traced:
+        from finetune.plan.pipeline import in_flight
+
+        near = min(traced, key=lambda c: c.memory.total)
+        rank = max(range(near.pp), key=lambda r: near.stage_memory[r].total)
+        m = near.stage_memory[rank]
+        closest = (rank, m.params + m.grads + m.optimizer, m.activations, m.buffers, m.overhead)
+        in_flight_n = in_flight(near.pp_schedule, near.pp, max(1, len(near.pp_layers) // near.pp),
+                                near.grad_accum_steps, rank)
+    wk.log.append(w.PipelineTried(tuple(attempts), s.capacity, closest, in_flight_n))
+    if found is None:  # the layouts are said above; what follows (the advice) weighs the others
+        wk.tried = [c for c in wk.tried if c.pp == 1]
+    return found
+
+
+def _pipeline_layout(s: Setting, c: Candidate) -> w.PipelineLayout:
+    """The step that says how the chosen pipeline runs (finetune/plan/pipeline.py's figures)."""
+    from finetune.plan.pipeline import boundaries_across_nodes, bubble_fraction, in_flight
+
+    v = max(1, len(c.pp_layers) // c.pp)
+    crossing = boundaries_across_nodes(c.pp, s.world, s.hw.gpus_per_node)
+    link = s.hw.interconnect if crossing else ("nvlink (inside a node)" if s.hw.device == "cuda" else s.hw.interconnect)
+    bandwidth = s.hw.bandwidth if crossing else s.intra_node_bandwidth
+    return w.PipelineLayout(
+        pp=c.pp, tp=c.tp, dp=c.dp, schedule=c.pp_schedule, layers=tuple(c.pp_layers),
+        microbatches=c.grad_accum_steps,
+        in_flight=tuple(in_flight(c.pp_schedule, c.pp, v, c.grad_accum_steps, r) for r in range(c.pp)),
+        stage_totals=tuple(m.total for m in c.stage_memory),
+        bubble_fraction=bubble_fraction(c.pp_schedule, c.pp, v, c.grad_accum_steps),
+        p2p_bytes=c.pp_comm_bytes_per_step, p2p_seconds=c.pp_comm_bytes_per_step / bandwidth, link=link,
+        crossing=crossing,
+    )
+
+
 def _next_method_step(s: Setting, method: str, nxt: str, mbs1: int) -> w.NextMethod:
     sb = s.inv.storage(s.exec_spec(nxt, "single", False))
     # the modules the inventory's adapters sit on (peft's default for the architecture when the recipe names none)
@@ -333,7 +410,8 @@ def _choose(wk: _Walk) -> Candidate | None:
     acs = _checkpointing_options(s)
     methods = _methods(s)
     for mi, method in enumerate(methods):
-        found = _try_method(wk, method, mbs1, acs) or _try_tensor_parallel(wk, method, mbs1, acs)
+        found = (_try_method(wk, method, mbs1, acs) or _try_tensor_parallel(wk, method, mbs1, acs)
+                 or _try_pipeline(wk, method, mbs1, acs))
         if found is not None:
             return found
         if mi + 1 < len(methods):
@@ -654,13 +732,15 @@ def decide(req: Request, hw: Hardware) -> Decision:
             log.append(w.Pinned(pinned))
     if chosen.pp > 1:
         _check_microbatches(chosen, log)
+        if chosen.stage_memory:
+            log.append(_pipeline_layout(s, chosen))
     if chosen.fits:
         chosen, step = plan_evaluation(s, chosen)
         log.append(step)
     if chosen.time is not None and chosen.fits:
         t = chosen.time
         log.append(w.Timing(t.step, t.compute, t.communication, t.offload, t.utilisation, t.peak_flops / 1e12,
-                            t.steps, t.job))
+                            t.steps, t.job, t.bubble, t.bubble / (t.compute + t.bubble) if t.bubble else 0.0))
     traced = frozenset(
         (str(c.method), c.activation_checkpointing, c.tp) for c in wk.tried
         if c.status in (Status.FITS, Status.OVER, Status.HOST_OVER)
@@ -673,7 +753,7 @@ def decide(req: Request, hw: Hardware) -> Decision:
     execution = s.exec_spec(
         rows[0].method, rows[0].strategy, rows[0].activation_checkpointing,
         1 if rows[0].strategy == "single" else s.world, rows[0].tp, rows[0].optimizer, rows[0].offload,
-        pp=rows[0].pp,
+        pp=rows[0].pp, pp_layers=rows[0].pp_layers or None,
     )
     return Decision(
         setting=s, chosen=rows[0], rows=tuple(rows), tried=tuple(wk.tried), steps=tuple(log), execution=execution,

@@ -69,6 +69,20 @@ def balanced_split(num_layers: int, stages: int, first_extra: float = 0.0, last_
     return tuple(counts)
 
 
+def memory_balanced_split(fixed: list[float], per_layer: list[float], num_layers: int) -> tuple[int, ...]:
+    """Decoder layers of each pp rank (one stage per rank) that minimise the largest ``fixed[r] + per_layer[r]
+    x layers[r]``: each rank's peak, linear in its layers (the model states of a layer, and its activations
+    times the micro-batches the rank keeps in flight). Each layer goes, one at a time, to the rank it raises
+    least (optimal for increasing linear costs); every rank keeps at least one."""
+    ranks = len(fixed)
+    assert ranks == len(per_layer) and 1 <= ranks <= num_layers, f"{ranks} ranks for {num_layers} layers"
+    counts = [1] * ranks
+    for _ in range(num_layers - ranks):
+        r = min(range(ranks), key=lambda i: (fixed[i] + per_layer[i] * (counts[i] + 1), i))
+        counts[r] += 1
+    return tuple(counts)
+
+
 @dataclass(frozen=True)
 class StageParts:
     """Values of the parts a pipeline stage may hold: one decoder layer's parameters, the first stage's
@@ -90,9 +104,10 @@ class StageParts:
         return first, last
 
 
-def stage_parts(inv: Any, config: Any, shape: Any, seq_len: int) -> StageParts:
-    """The :class:`StageParts` of a model from its inventory (finetune/plan/shapes.py), config and FLOP shape
-    (finetune/plan/flops.py) at ``seq_len`` tokens per row."""
+def stage_parts(inv: Any, config: Any, shape: Any, seq_len: int, tp: int = 1) -> StageParts:
+    """The :class:`StageParts` of one TP rank of a model from that rank's inventory (finetune/plan/shapes.py),
+    the config and the model's FLOP shape (finetune/plan/flops.py) at ``seq_len`` tokens per row: a TP rank
+    computes 1/tp of each decoder layer and the whole head (TP replicates what lies outside the layers)."""
     first = last = 0
     embed = 0
     for t in list(inv.base) + list(inv.adapters):
@@ -106,7 +121,7 @@ def stage_parts(inv: Any, config: Any, shape: Any, seq_len: int) -> StageParts:
             last += t.numel
     if getattr(config, "tie_word_embeddings", False) and not any("lm_head" in t.name for t in inv.base):
         last += embed  # the last stage holds its own copy of the tied head
-    layer_flops = 2.0 * shape.block + 4.0 * seq_len * shape.attention_channels
+    layer_flops = (2.0 * shape.block + 4.0 * seq_len * shape.attention_channels) / max(1, tp)
     return StageParts(
         layer_params=inv.block_numel() + inv.block_numel(adapters=True), first_params=first, last_params=last,
         layer_flops=layer_flops, head_flops=2.0 * shape.outside,
@@ -225,6 +240,35 @@ def pipeline_problem(
         return (
             f"distributed.pp: {pp} ranks x {v} stage{'s' if v > 1 else ''} each need at least {pp * v} decoder "
             f"layers and the model has {num_layers}; use a pp of at most {max(1, num_layers // v)}"
+        )
+    return None
+
+
+#: model types whose decoder the trainer's pipeline stages run (finetune/train/pipeline.py): Llama's family
+STAGE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def stage_problem(config: Any) -> str | None:
+    """The sentence refusing to cut ``config``'s model into pipeline stages (None: it can be), as the trainer
+    refuses it: a decoder the stages do not reproduce, a head tied to the input embeddings (the first and the
+    last stage cannot share one weight), sliding-window attention layers."""
+    kind = getattr(config, "model_type", type(config).__name__)
+    if kind not in STAGE_MODEL_TYPES:
+        return (
+            f"distributed.pp: pipeline stages run the decoders of {', '.join(STAGE_MODEL_TYPES)} models, not "
+            f"{kind}; set distributed.pp: 1 and shard the model with fsdp instead"
+        )
+    if getattr(config, "tie_word_embeddings", False):
+        return (
+            f"distributed.pp: {kind} ties its output head to its input embeddings, which the first and the last "
+            "pipeline stage cannot share; set distributed.pp: 1 and shard the model with fsdp instead"
+        )
+    if getattr(config, "use_sliding_window", False) or any(
+        t != "full_attention" for t in (getattr(config, "layer_types", None) or [])
+    ):
+        return (
+            f"distributed.pp: {kind} has sliding-window attention layers, which pipeline stages do not mask; "
+            "set distributed.pp: 1"
         )
     return None
 

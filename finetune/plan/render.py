@@ -31,9 +31,11 @@ def print_plan(plan: Plan, console: Any = None) -> None:
     )
     t = Table(show_lines=False, header_style="bold")
     with_tp = any(c.tp > 1 for c in plan.candidates)
+    with_pp = any(c.pp > 1 for c in plan.candidates)
     with_state = any((c.optimizer, c.offload) != ("adamw", "none") for c in plan.candidates)
     with_time = any(c.time is not None for c in plan.candidates)
-    columns = ["method", "strategy", *(["state"] if with_state else []), "mb", "ckpt", "params", "grads", "optim",
+    columns = ["method", "strategy", *(["pp/dp/tp"] if with_tp or with_pp else []), *(["state"] if with_state else []),
+               "mb", "ckpt", "params", "grads", "optim",
                "activ", "buffers", "overhead", "total/GPU", "comm/step", *(["s/step"] if with_time else []), "fits"]
     for col in columns:
         t.add_column(col, justify="left" if col in ("method", "strategy", "state") else "right")
@@ -45,6 +47,9 @@ def print_plan(plan: Plan, console: Any = None) -> None:
                     f"{c.comm_inter_node_bytes_per_step / 1e9:.1f}GB")
         if with_tp and c.tp > 1:  # data-parallel bytes over the slowest link + TP's all-reduces inside the node
             comm = f"{comm} + tp {c.tp_comm_bytes_per_step / 1e9:.1f}GB"
+        if c.pp > 1:  # + the pipeline's point-to-point sends
+            pp_part = f"pp {c.pp_comm_bytes_per_step / 1e9:.1f}GB"
+            comm = pp_part if comm == "-" else f"{comm} + {pp_part}"
         if c.comm_seconds_per_step:
             comm += f" {c.comm_seconds_per_step:.2f}s"
         untraced = c.status in (Status.STATES_OVER, Status.NOT_TRACED)
@@ -53,7 +58,8 @@ def print_plan(plan: Plan, console: Any = None) -> None:
         fits = "yes" if c.fits else ("?" if c.status is Status.NOT_TRACED else "no")
         style = "bold green" if i == 0 else ("dim" if not c.fits else "")
         cells = [
-            c.method + (" *" if i == 0 else ""), _strategy_cell(c), *([_state_cell(c)] if with_state else []),
+            c.method + (" *" if i == 0 else ""), _strategy_cell(c),
+            *([f"{c.pp}/{c.dp}/{c.tp}"] if with_tp or with_pp else []), *([_state_cell(c)] if with_state else []),
             str(c.micro_batch_size), "on" if c.activation_checkpointing else "off", compact_bytes(m.params),
             compact_bytes(m.grads), compact_bytes(m.optimizer), acts, compact_bytes(m.buffers),
             compact_bytes(m.overhead), total, comm,
@@ -63,6 +69,9 @@ def print_plan(plan: Plan, console: Any = None) -> None:
     console.print(t)
     tp_note = "; tpN x S: tensor parallelism over N GPUs of a node, S over the replicas (+ tp: TP's all-reduces, " \
         "inside the node)" if with_tp else ""
+    if with_pp:
+        tp_note += ("; ppN: the layers in pipeline stages over N GPUs, across nodes (+ pp: activations and their "
+                    "gradients sent between stages), total/GPU the worst stage's")
     state_note = "; state: the optimizer (8-bit: bitsandbytes) and what lives in host memory" if with_state else ""
     time_note = "; s/step: predicted seconds per optimizer step" if with_time else ""
     if any(c.strategy.hybrid for c in plan.candidates):
@@ -78,6 +87,10 @@ def print_plan(plan: Plan, console: Any = None) -> None:
         f"{'on' if ch.activation_checkpointing else 'off'}, {compact_bytes(ch.memory.total)} per GPU"
         + ("" if ch.fits else " [bold red](does not fit)[/]")
     )
+    if ch.pp > 1 and ch.stage_memory:
+        console.print(f"pipeline stages (layers {list(ch.pp_layers)}, {ch.pp_schedule}): " + ", ".join(
+            f"rank {r} {compact_bytes(m.total)}" for r, m in enumerate(ch.stage_memory)
+        ) + " per GPU")
     for sentence in plan.walk:
         console.print(f"  - {sentence}")
     job = plan.job
@@ -113,10 +126,12 @@ def _state_cell(c: Any) -> str:
 
 
 def _strategy_cell(c: Any) -> str:
-    """``fsdp``; ``tp2 x fsdp`` (2-D mesh); ``tp8`` (one data-parallel replica)."""
-    if c.tp == 1:
-        return str(c.strategy)
-    return f"tp{c.tp}" if c.dp == 1 else f"tp{c.tp} x {c.strategy}"
+    """``fsdp``; ``tp2 x fsdp`` (2-D mesh); ``tp8`` (one data-parallel replica); ``pp4 x tp8 x fsdp``."""
+    pipe = f"pp{c.pp}" if c.pp > 1 else ""
+    inner = [f"tp{c.tp}"] if c.tp > 1 else []
+    if c.dp > 1 or not (pipe or inner):
+        inner.append(str(c.strategy))
+    return " x ".join(([pipe] if pipe else []) + inner)
 
 
 def plan_json(plan: Plan) -> str:

@@ -11,14 +11,22 @@ from finetune.errors import UserError
 from finetune.plan import walk as w
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.hardware import GPU_TYPES, INTERCONNECTS, Hardware
-from finetune.plan.pipeline import pipeline_problem, split_problem, stages_per_rank
+from finetune.plan.pipeline import (
+    pipeline_problem,
+    split_problem,
+    stage_problem,
+    stages_per_rank,
+)
 from finetune.plan.request import Request
 from finetune.plan.shapes import Inventory, build_inventory
 from finetune.plan.tensor_parallel import degrees, tp_config, tp_problem
 from finetune.spec import AdapterSpec, ExecSpec, adapter_spec, execution_spec
 
-
 # -- the settled request ------------------------------------------------------------------------------------
+#: What a pipeline layout the walk chooses runs with (Setting.for_pipeline), for the capability table's check.
+PIPELINE_CELL = {"packing": False, "sequence_parallel": False}
+
+
 @dataclass(frozen=True)
 class Setting:
     """The request and hardware with everything the walk decides before it tries configurations: the
@@ -59,6 +67,11 @@ class Setting:
             return self.hw.bandwidth
         return INTERCONNECTS["nvlink"]
 
+    def for_pipeline(self) -> Setting:
+        """This setting as pipeline stages run it: unpacked rows (padded to data.max_seq_len) and no sequence
+        parallelism (the stages pass whole hidden states): what the walk plans a PP layout with."""
+        return replace(self, req=replace(self.req, packed=False, sequence_parallel=False))
+
     def at_seq_len(self, seq: int) -> Setting:
         """This setting at ``seq`` tokens per sample (the traces are shared: they are keyed by length)."""
         return replace(self, req=replace(self.req, seq_len=seq))
@@ -77,9 +90,9 @@ class Setting:
             )
         return self.inventories[tp]
 
-    def pp_split(self, pp: int) -> tuple[int, ...]:
-        """Decoder layers of each pipeline stage at ``pp`` ranks (the recipe's, else balanced by cost:
-        finetune/plan/pipeline.py); () without a pipeline."""
+    def pp_split(self, pp: int, tp: int = 1) -> tuple[int, ...]:
+        """Decoder layers of each pipeline stage at ``pp`` ranks (the recipe's, else balanced by the cost of one
+        TP rank's parts at ``tp``: finetune/plan/pipeline.py); () without a pipeline."""
         if pp <= 1:
             return ()
         if self.pp_layers is not None and pp == self.pp:
@@ -87,23 +100,25 @@ class Setting:
         from finetune.plan.flops import flops_shape
         from finetune.plan.pipeline import balanced_split, stage_parts
 
-        parts = stage_parts(self.inv, self.req.config, flops_shape(self.req.config), self.req.seq_len)
+        parts = stage_parts(self.inventory(tp), self.req.config, flops_shape(self.req.config), self.req.seq_len, tp)
         return balanced_split(self.inv.num_layers, pp * self.pp_v, *parts.layer_equivalents())
 
     def exec_spec(
         self, method: str, strategy: str, ac: bool, world: int | None = None, tp: int = 1,
         optimizer: str | None = None, offload: str | None = None, pp: int = 1,
+        pp_layers: tuple[int, ...] | None = None,
     ) -> ExecSpec:
         """How ``method`` under ``strategy`` stores and computes each tensor (what the trainer will build), with
-        ``pp`` pipeline ranks (the layers split by :meth:`pp_split`, in this setting's schedule)."""
+        ``pp`` pipeline ranks (the layers split as ``pp_layers`` says, else by :meth:`pp_split`, in this
+        setting's schedule)."""
         r = self.req
         return execution_spec(
             method, strategy, self.precision, checkpointing=ac, world_size=world or self.world,
             model_dtype=r.model_dtype, quantization=r.quantization, lora=self.lora, prefix=r.prefix,
             adapter=r.adapter, tp=tp, compile=r.compile, optimizer=optimizer or r.optimizer,
             offload=offload or r.offload, objective=r.objective, reference=r.reference, nodes=self.hw.nodes,
-            pp=pp, pp_schedule=self.pp_schedule, pp_layers=self.pp_split(pp),
-            sequence_parallel=r.sequence_parallel,
+            pp=pp, pp_schedule=self.pp_schedule, pp_layers=pp_layers or self.pp_split(pp, tp),
+            sequence_parallel=r.sequence_parallel and pp == 1,  # pipeline stages pass whole hidden states
         )
 
     def profile(self, spec: ExecSpec) -> ActivationProfile:
@@ -126,6 +141,7 @@ class Setting:
         cell = self.cell.with_(
             method=method, strategy=strategy, tp=tp, pp=pp, pp_schedule=self.pp_schedule,
             processes=1 if strategy == "single" else self.cell.processes,
+            **(PIPELINE_CELL if pp > 1 and self.pp == 1 else {}),  # the walk's own pipeline (distributed.pp: auto)
             checkpointing=self.cell.checkpointing if ac is None else ac, precision=self.precision,
             optimizer=optimizer or self.cell.optimizer, offload=offload or self.cell.offload,
         )
@@ -216,7 +232,7 @@ def _resolve_pp(
     what = "processes" if hw.device == "cpu" or req.for_run else "GPUs"
     layers = inv.num_layers
     if req.pp == "auto":
-        if req.strategy in ("auto", "ddp", "zero2", "fsdp") and world > 1:
+        if req.strategy in ("auto", "ddp", "zero2", "fsdp") and world > 1 and stage_problem(req.config) is None:
             return 1, pp_degrees(world, hw.gpus_per_node, hw.nodes, layers, v, req.tp)
         return 1, ()
     pp = int(req.pp)
@@ -227,7 +243,7 @@ def _resolve_pp(
                 "distributed.pp_layers"
             )
         return 1, ()
-    problem = pipeline_problem(
+    problem = stage_problem(req.config) or pipeline_problem(
         pp=pp, tp=tp, world=world, what=what, schedule=req.pp_schedule, v=v, num_layers=layers,
         pinned_v=req.pp_stages_per_rank,
     )

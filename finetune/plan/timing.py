@@ -36,8 +36,15 @@ offload
     (:data:`HOST_MEMORY_BANDWIDTH`), which the node's ranks share. Nothing of it is assumed hidden. Zero on a
     CPU, whose "device" memory is the host's.
 
-bubble
-    pipeline bubbles: zero (no pipeline stages are planned).
+pipeline (distributed.pp)
+    a pp rank computes its stages' share of the model: compute is the costliest rank's (its decoder layers, the
+    head on the last rank), for every micro-batch of the step. The bubble is the pipeline's idle fraction ``f``
+    of the step, (pp - 1) / (m + pp - 1) for gpipe and 1f1b and (pp - 1) / (v m + pp - 1) for interleaved-1f1b
+    with ``v`` stages per rank and ``m`` micro-batches (finetune/plan/pipeline.py): bubble = compute x f / (1 - f).
+    The point-to-point traffic (``pp_comm_bytes_per_step``: each micro-batch's activations forward and their
+    gradients backward, once per stage a rank runs) crosses the link between nodes when a stage boundary does,
+    else the link inside the node; it hides behind the compute as the strategy's collectives do (``overlap``),
+    except one activation and one gradient per boundary on the pipeline's fill and drain.
 
 Not counted: the optimizer step on the device (memory-bound, once per step), data loading, the loss and
 Python's overhead; :data:`CPU_UTILISATION` absorbs them on CPUs, where it was measured.
@@ -49,6 +56,7 @@ from typing import Any
 
 from finetune.plan.flops import flops_shape
 from finetune.plan.hardware import INTERCONNECTS, Hardware, cpu_process_flops, host_link_bandwidth, peak_flops
+from finetune.plan.pipeline import boundaries_across_nodes, bubble_fraction, rank_stages
 from finetune.plan.types import Candidate, StepTime
 from finetune.spec import Precision, Strategy
 
@@ -97,6 +105,25 @@ def device_peak(hw: Hardware, precision: Precision | str, nproc: int = 1) -> tup
     return peak, GPU_UTILISATION
 
 
+def pipeline_share(c: Candidate, shape: Any, seq_len: int) -> tuple[float, float]:
+    """(The costliest pp rank's share of the model's forward FLOPs per token, its share of the decoder layers'
+    alone): its layers, and the head when it runs the last stage; (1, 1) without a pipeline."""
+    if c.pp <= 1 or not c.pp_layers:
+        return 1.0, 1.0
+    tp, total = c.tp, sum(c.pp_layers)
+    layer = 2.0 * shape.block / tp + 4.0 * (seq_len + shape.prefix_tokens) * shape.attention_channels / tp
+    head = 2.0 * shape.outside
+    whole = total * layer + head
+    v = max(1, len(c.pp_layers) // c.pp)
+    best = (0.0, 0.0)
+    for r in range(c.pp):
+        mine = rank_stages(r, c.pp, v)
+        layers = sum(c.pp_layers[i] for i in mine)
+        cost = layers * layer + (head if len(c.pp_layers) - 1 in mine else 0.0)
+        best = max(best, (cost / whole, layers / total))
+    return best
+
+
 def step_time(
     c: Candidate,
     config: Any,
@@ -122,10 +149,11 @@ def step_time(
     tp = c.tp
     per_token = shape.flops(seq_len, tp)
     recompute = shape.block_forward(seq_len, tp) if c.activation_checkpointing else 0.0
+    share, layer_share = pipeline_share(c, shape, seq_len)
     peak, assumed = device_peak(hw, c.precision, c.nproc)
     rate = peak * (assumed if utilisation is None else utilisation)
     tokens = c.micro_batch_size * seq_len  # one rank's micro-batch (a TP group's ranks share theirs)
-    micro = (per_token.per_token + recompute) * tokens / rate
+    micro = (per_token.per_token * share + recompute * layer_share) * tokens / rate
     compute = micro * c.grad_accum_steps
 
     # collectives, less what hides behind the last micro-batch (its backward: input + weight gradients and
@@ -146,6 +174,16 @@ def step_time(
     tp_seconds = c.tp_comm_bytes_per_step / intra if c.tp_comm_bytes_per_step else 0.0
     communication = max(0.0, dp_seconds - overlap * window) + tp_seconds
 
+    bubble = 0.0
+    if c.pp > 1:
+        v = max(1, len(c.pp_layers) // c.pp)
+        f = bubble_fraction(c.pp_schedule, c.pp, v, c.grad_accum_steps)
+        bubble = compute * f / (1 - f)
+        link = hw.bandwidth if boundaries_across_nodes(c.pp, c.world_size, c.nproc) else intra
+        p2p = c.pp_comm_bytes_per_step / link
+        per_boundary = c.pp_comm_bytes_per_step / (2 * v * max(1, c.grad_accum_steps)) / link
+        communication += max(0.0, p2p - overlap * compute) + (2 * (c.pp - 1) * per_boundary if overlap else 0.0)
+
     offload = 0.0
     if hw.device == "cuda":
         offload = c.offload_bytes_per_step / host_link_bandwidth(hw.gpu_type)
@@ -157,6 +195,6 @@ def step_time(
             per_value = HOST_OPTIMIZER_BYTES.get(c.optimizer, HOST_OPTIMIZER_BYTES["adamw"])
             offload += values * per_value * c.nproc / HOST_MEMORY_BANDWIDTH
     return StepTime(
-        compute=compute, communication=communication, offload=offload, bubble=0.0, steps=steps,
+        compute=compute, communication=communication, offload=offload, bubble=bubble, steps=steps,
         peak_flops=peak, utilisation=rate / peak,
     )

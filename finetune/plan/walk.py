@@ -267,6 +267,114 @@ class TryTensorParallel(Step):
 
 
 @dataclass(frozen=True)
+class TryPipeline(Step):
+    """FSDP with TP does not fit: the walk tries pipeline layouts (pp across nodes, tp inside a node, the
+    strategy over the rest)."""
+
+    method: str
+    micro_batch_size: int
+    best_so_far: int | None
+    degrees: tuple[int, ...]
+    tps: tuple[int, ...]
+    schedule: str
+    layers: int
+
+    def render(self) -> str:
+        """The sentence."""
+        need = f" ({fmt_bytes(self.best_so_far)} at best)" if self.best_so_far is not None else ""
+        return (
+            f"{_cap(method_name(self.method))} does not fit under FSDP or TP x FSDP at micro-batch "
+            f"{self.micro_batch_size}{need}: splitting the model's {self.layers} layers across GPUs, pipeline "
+            f"parallelism pp {', '.join(map(str, self.degrees))} ({self.schedule}; stages across nodes, tp "
+            f"{', '.join(map(str, self.tps))} inside a node, the strategy over the rest), the fewest stages first."
+        )
+
+
+@dataclass(frozen=True)
+class PipelineAttempt:
+    """One pipeline layout the walk sized: its best configuration's worst stage."""
+
+    pp: int
+    tp: int
+    dp: int
+    label: str  # the best configuration of the layout (``PP 4 x TP 8 x FSDP``, checkpointing said apart)
+    checkpointing: bool
+    total: int
+    fits: bool
+    why: str = ""  # why the layout was not sized (the schedule's micro-batch rule)
+    states_only: bool = False  # the model states alone exceed the memory (activations not traced)
+
+
+@dataclass(frozen=True)
+class PipelineTried(Step):
+    """The pipeline layouts the walk sized, in order, up to the first that fits."""
+
+    attempts: tuple[PipelineAttempt, ...]
+    capacity: int
+    # when none fits: the closest traced layout's worst stage, by part (rank, model states, activations of the
+    # micro-batches in flight, the strategy's and point-to-point buffers, runtime overhead)
+    closest: tuple[int, int, int, int, int] | None = None
+    closest_in_flight: int = 0
+
+    def render(self) -> str:
+        """The sentence."""
+        parts = []
+        for a in self.attempts:
+            if a.why:
+                parts.append(f"pp {a.pp} x tp {a.tp}: {a.why}")
+                continue
+            ckpt = " with activation checkpointing" if a.checkpointing else ""
+            verdict = "fits" if a.fits else f"> {fmt_bytes(self.capacity)}"
+            what = " for the model states alone" if a.states_only else ""
+            parts.append(f"{a.label}{ckpt} needs {fmt_bytes(a.total)} on its worst stage{what} ({verdict})")
+        text = "Pipeline layouts: " + "; ".join(parts) + "."
+        if self.closest is not None:
+            rank, states, acts, buffers, overhead = self.closest
+            text += (
+                f" None fits: the closest one's worst stage, rank {rank}, holds {fmt_bytes(states)} of model states, "
+                f"{fmt_bytes(acts)} of activations ({self.closest_in_flight} micro-batch"
+                f"{'es' if self.closest_in_flight != 1 else ''} in flight), {fmt_bytes(buffers)} of buffers (its "
+                f"strategy's and the stages' receive buffers, one per micro-batch) and {fmt_bytes(overhead)} of "
+                "runtime overhead."
+            )
+        return text
+
+
+@dataclass(frozen=True)
+class PipelineLayout(Step):
+    """The pipeline the plan runs: its stages, what each holds, the schedule's bubble and its sends."""
+
+    pp: int
+    tp: int
+    dp: int
+    schedule: str
+    layers: tuple[int, ...]
+    microbatches: int
+    in_flight: tuple[int, ...]  # micro-batches each pp rank keeps at its peak
+    stage_totals: tuple[int, ...]  # each pp rank's peak
+    bubble_fraction: float
+    p2p_bytes: int  # a rank's sends per step
+    p2p_seconds: float
+    link: str
+    crossing: int  # stage boundaries between nodes
+
+    def render(self) -> str:
+        """The sentence."""
+        worst = max(range(len(self.stage_totals)), key=lambda i: self.stage_totals[i])
+        return (
+            f"Pipeline: {self.pp} ranks ({self.pp} x dp {self.dp} x tp {self.tp} mesh, pp outermost) run "
+            f"{len(self.layers)} stages of {list(self.layers)} decoder layers (the first also the embeddings, the "
+            f"last the norm, head and loss), {self.schedule} over {self.microbatches} micro-batches (the gradient "
+            f"accumulation steps): rank 0 keeps {self.in_flight[0]} micro-batches' activations in flight, the last "
+            f"{self.in_flight[-1]}; the worst stage is rank {worst} at {fmt_bytes(self.stage_totals[worst])} "
+            f"(from {fmt_bytes(min(self.stage_totals))}); the bubble idles {self.bubble_fraction:.0%} of the step; "
+            f"each GPU sends its neighbours {self.p2p_bytes / 1e9:.2f} GB per step (activations forward, their "
+            f"gradients back), {self.p2p_seconds:.2f} s over {self.link}"
+            f"{f', {self.crossing} of {self.pp - 1} boundaries between nodes' if self.crossing else ''}."
+        )
+
+
+@dataclass(frozen=True)
 class SmallerState(Step):
     """No method fits with the plain optimizer state: the walk tries the next way to shrink or move it."""
 
@@ -485,10 +593,14 @@ class Timing(Step):
     peak_tflops: float
     steps: int | None
     job_seconds: float | None
+    bubble: float = 0.0  # the pipeline's idle time per step
+    bubble_fraction: float = 0.0  # ... as a fraction of the step: (pp - 1) / (m + pp - 1) (or v m)
 
     def render(self) -> str:
         """The sentence."""
         parts = [f"compute {self.compute:.2f} s at {self.utilisation:.0%} of {self.peak_tflops:.1f} TFLOP/s"]
+        if self.bubble:
+            parts.append(f"the pipeline's bubble {self.bubble:.2f} s ({self.bubble_fraction:.0%} of the step idle)")
         if self.communication:
             parts.append(f"communication not hidden by compute {self.communication:.2f} s")
         if self.offload:
