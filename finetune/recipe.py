@@ -372,7 +372,8 @@ class DpoConfig(Section):
         description="dpo's reference policy: model (full fine-tuning: a frozen copy of the starting weights, held and "
         "sharded like the policy's; adapter methods: the base with the adapters switched off, at no memory cost) "
         "or precomputed (its log-probabilities computed in one pass before training and kept with the data: no "
-        "reference in memory during training).",
+        "reference in memory during training; cached beside the tokenized data, so a run on the same data and "
+        "reference reads them back).",
     )
     reference_model: Union[str, None] = Field(
         None,
