@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,14 +78,82 @@ def known_documents(batch: dict[str, Any]) -> Iterator[None]:
         setattr(masking_utils, name, original)
 
 
-def target_rows(batch: dict[str, Any]) -> torch.Tensor | None:
+def target_rows(batch: dict[str, Any], shard: tuple[int, int] | None = None) -> torch.Tensor | None:
     """The flat indices (into the (B*T,) shifted labels) of the positions that have a target, or None when
     every position has one: what the fused head selects. The trainer computes them on the host copy of the
     micro-batch and sends them with it (key ``target_rows``), so the forward needs no device-to-host sync to
-    learn how many rows there are."""
-    keep = (shifted_labels(batch) != IGNORE_INDEX).reshape(-1)
+    learn how many rows there are. ``shard``: (rank, ranks) under sequence parallelism, where the head sees
+    only that rank's positions (:func:`sequence_bounds`): indices into its (B*T_rank,) labels."""
+    shifted = shifted_labels(batch)
+    if shard is not None:
+        start, end = sequence_bounds(shifted.shape[1], *shard)
+        shifted = shifted[:, start:end]
+    keep = (shifted != IGNORE_INDEX).reshape(-1)
     index = keep.nonzero().squeeze(1)
     return None if index.numel() == keep.numel() else index
+
+
+def sequence_bounds(length: int, rank: int, ranks: int) -> tuple[int, int]:
+    """The positions [start, end) of a ``length``-long sequence that ``rank`` of ``ranks`` holds when it is
+    split as DTensor's ``Shard(1)`` splits it (``torch.chunk``: ceil(length/ranks) each, the last ones shorter
+    or empty)."""
+    chunk = -(-length // ranks)
+    start = min(rank * chunk, length)
+    return start, min(start + chunk, length)
+
+
+# The attribute of the output head that holds its SequenceShard under sequence parallelism
+SEQUENCE_SHARD = "_finetune_sequence_shard"
+
+
+@dataclass
+class SequenceShard:
+    """This rank's place among the tensor-parallel ranks that split the residual stream over the sequence
+    (sequence parallelism, set on the head by finetune.train.parallel).
+
+    The final norm's output reaches the head through :meth:`hand_over`: this rank's rows inside :meth:`rows`
+    (:func:`causal_lm_loss`: the fused head and loss run on them, so the head's inputs, logits and
+    temporaries take 1/tp of the memory and of the work), the whole sequence otherwise (generation, the
+    preference objectives).
+    """
+
+    rank: int
+    size: int
+    group: Any  # the tensor-parallel process group (None in the planner's trace of one rank)
+    local: bool = False
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        """This rank's positions of a ``length``-long sequence (:func:`sequence_bounds`)."""
+        return sequence_bounds(length, self.rank, self.size)
+
+    @contextlib.contextmanager
+    def rows(self) -> Iterator[None]:
+        """Within this context the head receives this rank's rows only."""
+        self.local = True
+        try:
+            yield
+        finally:
+            self.local = False
+
+    def hand_over(self, hidden: Any) -> Any:
+        """The final norm's sequence-sharded output as the head's input: this rank's rows, or all of them."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(hidden, DTensor):
+            return hidden
+        return hidden.to_local() if self.local else hidden.full_tensor()
+
+    def total(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """``loss_sum`` (this rank's rows) with the value summed over the ranks and the gradient of this rank's
+        part: each rank's backward starts from its own rows, and the collectives of the blocks' backward carry
+        every rank's part to the weights (the replicated ones sum theirs over the ranks)."""
+        import torch.distributed as dist
+
+        if self.group is None:  # the planner's trace of rank 0 (finetune.plan.tensor_parallel)
+            return loss_sum
+        whole = loss_sum.detach().clone()
+        dist.all_reduce(whole, group=self.group)
+        return loss_sum + (whole - loss_sum.detach())
 
 
 # Cross-entropy runs over chunks of about this many bytes of fp32 logits, in one autograd node that keeps
@@ -117,6 +186,13 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
         attention.enable(model)
     head = fusable_head(model)
     if head is not None and FUSED_HEAD:
+        shard: SequenceShard | None = getattr(head, SEQUENCE_SHARD, None)
+        if shard is not None:  # sequence parallelism: the head and the loss on this rank's rows
+            start, end = shard.bounds(shifted.shape[1])
+            rows = batch.get("target_rows")  # the trainer's are this rank's (target_rows(batch, shard))
+            with shard.rows(), fused_head(head, shifted[:, start:end], rows, shard.group), known_documents(batch):
+                loss_sum = shard.total(model(**kwargs).logits)
+            return loss_sum, (shifted != IGNORE_INDEX).sum()
         with fused_head(head, shifted, batch.get("target_rows")), known_documents(batch):
             loss_sum = model(**kwargs).logits
         return loss_sum, (shifted != IGNORE_INDEX).sum()
@@ -160,11 +236,14 @@ class fused_head:
     root unit's parameters (the head, or the tied embedding) gathered, DDP's reducer sees the weight used.
     """
 
-    def __init__(self, head: torch.nn.Linear, targets: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, head: torch.nn.Linear, targets: torch.Tensor, rows: torch.Tensor | None = None, group: Any = None
+    ) -> None:
         self.head, self.targets, self.rows = head, targets, rows  # rows: target_rows(batch), when known
+        self.group = group  # sequence parallelism: the ranks whose rows share the head (its gradient summed)
 
     def __enter__(self) -> fused_head:
-        head, targets, index = self.head, self.targets, self.rows
+        head, targets, index, group = self.head, self.targets, self.rows, self.group
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             device = hidden.device.type
@@ -175,7 +254,9 @@ class fused_head:
             h = hidden.reshape(-1, hidden.shape[-1])
             rows = max(1, FUSED_CHUNK_BYTES // (4 * head.weight.shape[0]))
             with torch.autocast(device, enabled=False):
-                return _FusedLinearCrossEntropy.apply(h, head.weight, targets.reshape(-1), rows, dtype, index)
+                return _FusedLinearCrossEntropy.apply(
+                    h, head.weight, targets.reshape(-1), rows, dtype, index, group
+                )
 
         head.forward = forward  # type: ignore[method-assign,assignment]  # this instance only, undone in __exit__
         return self
@@ -205,12 +286,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     completion-only loss most rows are prompt tokens, whose logits would cost the head's matmul three times
     (forward, recomputation, gradient) for nothing. Only those rows of ``h``, ``w`` (no copy), their targets
     and one log-sum-exp per row are kept; backward recomputes each chunk's logits and writes the gradients
-    of ``h`` (zero on the rows without a target) and of ``w`` when it is trained, chunk by chunk."""
+    of ``h`` (zero on the rows without a target) and of ``w`` when it is trained, chunk by chunk. With ``group``
+    (sequence parallelism: ``h`` holds this rank's rows of the sequence) ``w``'s gradient is summed over the
+    group's ranks, so the replicated head gets every row's."""
 
     @staticmethod
     def forward(
         ctx: Any, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, rows: int, dtype: torch.dtype,
-        known_rows: torch.Tensor | None = None,
+        known_rows: torch.Tensor | None = None, group: Any = None,
     ) -> torch.Tensor:
         index = known_rows if known_rows is not None else _target_rows(targets)
         hk, yk = (h, targets) if index is None else (h.index_select(0, index), targets.index_select(0, index))
@@ -227,6 +310,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             del z
         ctx.save_for_backward(hk, w, yk, lse, index)
         ctx.rows, ctx.dtype, ctx.h_shape, ctx.all_rows = rows, dtype, h.shape, index is None
+        ctx.group = group
         return total
 
     @staticmethod
@@ -259,8 +343,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if grad_hk is not None and not ctx.all_rows:
             grad_h = grad_hk.new_zeros(ctx.h_shape).index_copy_(0, index, grad_hk)
         if grad_w is not None:
+            if ctx.group is not None:
+                torch.distributed.all_reduce(grad_w, group=ctx.group)
             grad_w = grad_w.to(w.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

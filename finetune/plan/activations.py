@@ -60,12 +60,20 @@ class TraceSpec:
     # dense_flex: the disk key names them for the preference objectives only (preference_key).
     objective: str = field(default="sft", repr=False)
     reference: str = field(default="none", repr=False)
+    # TP's sequence parallelism: the tp degree whose rank 0 is traced with the residual stream split over the
+    # sequence (finetune.plan.tensor_parallel.sequence_parallel_trace); 1: none. Out of the repr, as above.
+    sequence_parallel: int = field(default=1, repr=False)
 
     @property
     def preference_key(self) -> tuple[str, ...]:
         """What a preference trace adds to its disk cache key (nothing for sft; the trailing number is bumped
         when what a preference trace records changes)."""
         return () if self.objective == "sft" else ("objective", self.objective, self.reference, "2")
+
+    @property
+    def sequence_parallel_key(self) -> tuple[Any, ...]:
+        """What a sequence-parallel trace adds to its disk cache key (nothing without it)."""
+        return () if self.sequence_parallel == 1 else ("sequence_parallel", self.sequence_parallel, "1")
 
     @classmethod
     def of(
@@ -92,6 +100,7 @@ class TraceSpec:
             dense_flex=attn_implementation == FLEX and device == "cpu",
             objective=spec.objective,
             reference=spec.reference,
+            sequence_parallel=spec.tp if spec.sequence_parallel else 1,
         )
 
 
@@ -183,7 +192,11 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
     if key not in _CACHE:
 
         def trace(batch: int) -> TraceResult:
-            path = _disk_path(((*key, batch, "dense_flex") if spec.dense_flex else (*key, batch)) + spec.preference_key)
+            path = _disk_path(
+                ((*key, batch, "dense_flex") if spec.dense_flex else (*key, batch))
+                + spec.preference_key
+                + spec.sequence_parallel_key
+            )
             result = _load(path) if path else None
             if result is None:
                 result = trace_windows(config, spec, TRACE_LAYERS, batch)
@@ -279,7 +292,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
         kernels = _attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
         step = causal_lm_loss if spec.objective == "sft" else _preference_step(spec, batch_dict)
-        with tracker, kernels, _mask_checks(spec):
+        with tracker, kernels, _mask_checks(spec), _sequence_parallel(model, spec):
             if autocast:
                 with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype or "fp32")):
                     loss, _ = step(model, batch_dict)
@@ -291,6 +304,17 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         assert tracker.layer_in is not None and tracker.layer_out is not None, "the first layer ran"
         (a_in, c_in), (a_out, c_out) = tracker.layer_in, tracker.layer_out
         return TraceResult(tracker.windows, a_out - a_in, c_out - c_in, grads)
+
+
+def _sequence_parallel(model: Any, spec: TraceSpec) -> Any:
+    """TP's sequence parallelism on the traced rank (finetune.plan.tensor_parallel), or nothing."""
+    import contextlib
+
+    if spec.sequence_parallel == 1:
+        return contextlib.nullcontext()
+    from finetune.plan.tensor_parallel import sequence_parallel_trace
+
+    return sequence_parallel_trace(model, spec.sequence_parallel, spec.seq_len)
 
 
 def _preference_step(spec: TraceSpec, batch: dict[str, Any]) -> Callable[[Any, dict[str, Any]], Any]:

@@ -63,6 +63,7 @@ def evaluate(
     tp_comm = tp_comm_bytes(
         s.req.config, tp, seq_len=s.req.seq_len, micro_batch_size=mbs, grad_accum_steps=accum,
         compute_bytes=spec.compute_bytes, checkpointing=ac,
+        sequence_parallel=spec.sequence_parallel, head_trained=not spec.method.adapters,
     )
     intra, inter = _links(s, inv, setup, comm)
     intra_secs, inter_secs = intra / s.intra_node_bandwidth, inter / s.hw.bandwidth

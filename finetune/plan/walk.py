@@ -568,10 +568,22 @@ class TensorParallelCommunication(Step):
     bytes: int
     seconds: float
     link: str
+    sequence_parallel: bool = False
 
     def render(self) -> str:
         """The sentence."""
         per_block = 6 if self.checkpointing else 4
+        if self.sequence_parallel:
+            return (
+                f"Tensor parallelism (tp {self.tp}) with sequence parallelism all-gathers each block's attention "
+                f"and MLP inputs and reduce-scatters their outputs in forward, and the reverse in backward "
+                f"({2 * per_block} per block per micro-batch"
+                f"{', 4 of them for the recomputed forward' if self.checkpointing else ''}, each "
+                f"{self.micro_batch_size} x {self.seq_len} x {self.hidden} values: in a ring the bytes of the "
+                f"{per_block} all-reduces without it), plus the embeddings' gradient all-gather and a trained "
+                f"head's gradient all-reduce: {self.bytes / 1e9:.2f} GB per GPU per step, {self.seconds:.2f} s "
+                f"over {self.link}."
+            )
         return (
             f"Tensor parallelism (tp {self.tp}) all-reduces each block's attention and MLP outputs in forward and "
             f"their input gradients in backward ({per_block} per block per micro-batch"

@@ -64,7 +64,7 @@ def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> tor
         # rank for every save; the cost is known and the result exact.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         mesh = init_device_mesh(ctx.device.type, (spec.dp, spec.tp), mesh_dim_names=("dp", "tp"))
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=spec.sequence_parallel)
         dp_mesh = mesh["dp"]
     if spec.checkpointing:
         # Before sharding, so that each block's recomputation sits inside the block FSDP gathers for it.
@@ -121,7 +121,7 @@ def tensor_parallel_plan(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, *, sequence_parallel: bool = False) -> None:
     """Split every decoder block's linears over ``tp_mesh`` (Megatron's column-then-row pairs).
 
     A column-parallel linear (q/k/v, gate/up) keeps ``out/tp`` output features on each rank and returns them
@@ -133,15 +133,31 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
     layer lora_A stays replicated and lora_B is column-split, so the adapter's output has the base layer's
     local columns; on a row-parallel layer lora_A is row-split (its input is the local shard) and lora_B
     replicated, after lora_A's all-reduce.
+
+    ``sequence_parallel``: Megatron's sequence parallelism on top (:func:`apply_sequence_parallel`).
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Shard, distribute_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     base = base_model_of(model)
     decoder = getattr(base, base.base_model_prefix, base)
+    # Under sequence parallelism a row-parallel linear reduce-scatters its output over the sequence (a DTensor
+    # sharded on dim 1, which the residual add and the next norm take as it is) in place of the all-reduce.
+    rowwise = (
+        (lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False))
+        if sequence_parallel
+        else RowwiseParallel
+    )
     styles: dict[str, Any] = {}
+    replicated: list[str] = []
     for name, kind in tensor_parallel_plan(model).items():
         module = decoder.get_submodule(name)
-        style = ColwiseParallel if kind == "colwise" else RowwiseParallel
+        style = ColwiseParallel if kind == "colwise" else rowwise
         if isinstance(module, torch.nn.Linear):
             styles[name] = style()
             continue
@@ -155,7 +171,138 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
         split = "lora_B" if kind == "colwise" else "lora_A"
         for adapter in getattr(module, split, {}):
             styles[f"{name}.{split}.{adapter}"] = style()
+            if sequence_parallel and kind == "rowwise":
+                # lora_A's output is reduce-scattered like the base layer's; the replicated lora_B then maps
+                # this rank's rows, so its output adds to the base layer's sequence shard
+                styles[f"{name}.lora_B.{adapter}"] = SequenceParallel()
+            elif sequence_parallel:
+                # the gathered input is a replicated DTensor (apply_sequence_parallel): lora_A, replicated,
+                # takes it as one (its gradient then sums the ranks' partial ones, as the norms' do)
+                replicated.append(f"{name}.lora_A.{adapter}")
     parallelize_module(decoder, tp_mesh, styles)
+    for name in replicated:
+        distribute_module(decoder.get_submodule(name), tp_mesh)
+    for name, style in styles.items():
+        if isinstance(style, SequenceParallel):  # a row-parallel lora_B (above)
+            decoder.get_submodule(name).register_forward_pre_hook(_contiguous_shard)
+    if sequence_parallel:
+        apply_sequence_parallel(model, tp_mesh)
+
+
+def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
+    """Megatron's sequence parallelism over TP's ranks (torch's ``SequenceParallel``, as torchtitan applies it):
+    between the blocks' linears every rank holds ``T/tp`` positions of the residual stream.
+
+    - the embedding's output is split over the sequence (each rank keeps its rows of the replicated lookup;
+      backward all-gathers its gradient);
+    - the norms of every block and the final norm run on the rank's rows (``SequenceParallel``: weights
+      replicated, their gradients summed over the ranks);
+    - the module around the column-parallel linears (the attention, the MLP) all-gathers its input once, so
+      q/k/v (gate/up) and the rotary embedding see whole sequences (the rotary table is computed by the model
+      on the whole sequence before the blocks); the row-parallel linears reduce-scatter their outputs
+      (:func:`apply_tensor_parallel`): one all-gather and one reduce-scatter per attention and per MLP in place
+      of one all-reduce, the same bytes in a ring;
+    - the head: inside :func:`finetune.loss.causal_lm_loss` the final norm hands it the rank's rows and the loss
+      is computed on them (:class:`~finetune.loss.SequenceShard`); any other forward (generation, the
+      preference objectives' log-probabilities) gathers the whole sequence for it.
+
+    Llama-style blocks have no dropout on the residual stream; the attention's dropout runs on each rank's
+    heads as without sequence parallelism.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel, parallelize_module
+
+    from finetune.loss import SEQUENCE_SHARD, SequenceShard
+
+    base = base_model_of(model)
+    decoder = getattr(base, base.base_model_prefix, base)
+    blocks = decoder_blocks(model)
+    styles: dict[str, Any] = {}
+    names = {id(m): n for n, m in decoder.named_modules()}
+    for block in blocks:
+        for child_name, child in block.named_children():
+            if "Norm" in type(child).__name__:
+                styles[f"{names[id(block)]}.{child_name}"] = SequenceParallel()
+    final = [n for n, m in decoder.named_children() if "Norm" in type(m).__name__]
+    embed = base.get_input_embeddings()
+    if len(final) != 1 or id(embed) not in names or not styles:
+        raise UserError(
+            f"distributed.sequence_parallel: finetune cannot find the embeddings and norms of "
+            f"{type(base).__name__}'s residual stream; set distributed.sequence_parallel: false"
+        )
+    styles[final[0]] = SequenceParallel()
+    styles[names[id(embed)]] = PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+    )
+    parallelize_module(decoder, tp_mesh, styles)
+    # one all-gather at the input of each module that holds column-parallel linears
+    block_ids, gathering = {id(b) for b in blocks}, set()
+    for name, kind in tensor_parallel_plan(model).items():
+        parent = decoder.get_submodule(name.rpartition(".")[0])
+        if kind != "colwise" or id(parent) in gathering:
+            continue
+        if id(parent) in block_ids:
+            raise UserError(
+                f"distributed.sequence_parallel: {name} sits directly in a decoder block of {type(base).__name__}, "
+                "so its input cannot be gathered apart from the residual stream; set distributed.sequence_parallel: "
+                "false"
+            )
+        parent.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+        gathering.add(id(parent))
+    shard = SequenceShard(rank=tp_mesh.get_local_rank(), size=tp_mesh.size(), group=tp_mesh.get_group())
+    head = base.get_output_embeddings()
+    if head is not None:
+        setattr(head, SEQUENCE_SHARD, shard)
+    decoder.get_submodule(final[0]).register_forward_hook(lambda m, a, out: shard.hand_over(out))
+    # Without FSDP the replicated weights that run on sequence shards (norms, a row-parallel lora_B) keep their
+    # gradients as partial sums until summed here; FSDP2 sums them itself before its reduce-scatter (and its
+    # parameters are other tensors, on which these hooks do not run).
+    for p in decoder.parameters():
+        if p.requires_grad and _replicated(p):
+            p.register_post_accumulate_grad_hook(_sum_partial_grad)
+
+
+def _gather_sequence(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: every sequence-sharded DTensor input all-gathered into a replicated DTensor.
+
+    The column-parallel linears take it as it is; in backward their partial input gradients add up as one
+    partial DTensor, reduce-scattered once back to the sequence shards (a local tensor would be all-reduced
+    by each linear).
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def whole(x: Any) -> Any:
+        return x.redistribute(placements=[Replicate()]) if isinstance(x, DTensor) else x
+
+    return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+
+
+def _contiguous_shard(module: torch.nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook: a DTensor input whose local shard is not contiguous (the shorter shard of an uneven
+    reduce-scatter is a narrowed view), with a contiguous copy of it: ``nn.Linear`` views its input flat."""
+    from torch.distributed.tensor import DTensor
+
+    x = args[0]
+    if not isinstance(x, DTensor):
+        return args
+    local = x.to_local()
+    if local.is_contiguous():
+        return args
+    whole = DTensor.from_local(local.contiguous(), x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
+    return (whole, *args[1:])
+
+
+def _replicated(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements)
+
+
+def _sum_partial_grad(p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: a partial-sum gradient of a replicated weight, summed over its ranks."""
+    grad: Any = p.grad
+    if grad is not None and tuple(grad.placements) != tuple(p.placements):  # type: ignore[attr-defined]
+        p.grad = grad.redistribute(placements=p.placements)  # type: ignore[attr-defined]
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:

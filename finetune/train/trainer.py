@@ -242,8 +242,10 @@ class Trainer:
             torch.tensor([sum(int(mb["num_tokens"]) for mb in micro), sum(self._count(mb) for mb in micro)]),
             on_device=True,
         )
+        # sequence parallelism: the fused head sees this TP rank's positions, so its target rows are theirs
+        shard = (ctx.rank % ctx.tp, ctx.tp) if self.spec.sequence_parallel else None
         host_micro = micro  # the pipeline pads and moves them itself
-        micro = [_to_device(mb, ctx.device) for mb in micro] if self.pipeline is None else micro
+        micro = [_to_device(mb, ctx.device, shard) for mb in micro] if self.pipeline is None else micro
         max_norm = self.loaded.recipe.train.max_grad_norm
         with self.step_memory.measuring(state.step, micro, self.model, self.optimizer):
             if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
@@ -441,9 +443,12 @@ def train_rank(
     raise pf.OutOfMemory(pf.oom_message(text, loaded, plan, ctx.device, ctx.rank, snapshot, where, allocated))
 
 
-def _to_device(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A micro-batch on the device, with the fused head's target rows (:func:`~finetune.loss.target_rows`)
-    found on its host copy first, and without its attention mask.
+def _to_device(
+    mb: dict[str, torch.Tensor], device: torch.device, shard: tuple[int, int] | None = None
+) -> dict[str, torch.Tensor]:
+    """A micro-batch on the device, with the fused head's target rows (:func:`~finetune.loss.target_rows`, of
+    this rank's positions under sequence parallelism: ``shard``) found on its host copy first, and without its
+    attention mask.
 
     Training rows are right-padded (:func:`~finetune.train.data.batches.collate`): under causal attention a
     real position attends only to the real positions before it whether or not the padding is masked, and the
@@ -452,7 +457,7 @@ def _to_device(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, t
     forward) and otherwise builds a (B, 1, T, T) mask; without one it takes the causal kernel directly.
     """
     moved = {k: v.to(device) for k, v in mb.items() if k != "attention_mask"}
-    rows = target_rows(mb)
+    rows = target_rows(mb, shard)
     if rows is not None:
         moved["target_rows"] = rows.to(device)
     if mb.get("position_ids") is not None:  # packed rows: their documents, for transformers' mask code

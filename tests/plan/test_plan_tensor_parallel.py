@@ -72,7 +72,7 @@ def test_fsdp_alone_does_not_fit_but_tp_inside_the_node_does() -> None:
     """Long sequences, checkpointing pinned off: FSDP over 4 nodes x 2 GPUs cannot hold one sample's
     activations; TP 2 x FSDP halves the attention and MLP activations and fits. TP never crosses a node: the
     model's 4 heads and 4 KV heads would split 4 ways, but a node has 2 GPUs."""
-    r = req(config=CFG.__class__(**{**CFG.to_dict(), "num_key_value_heads": 4}))
+    r = req(config=CFG.__class__(**{**CFG.to_dict(), "num_key_value_heads": 4}), sequence_parallel=False)
     p = planner(r, hw(10**15, per_node=2, nodes=4))
     fsdp = evaluate(p, "full", "fsdp", 1, False).memory.total
     tp2 = min(evaluate(p, "full", s, 1, False, tp=2).memory.total for s in ("zero2", "fsdp"))
@@ -179,11 +179,15 @@ def test_405b_on_16_nodes_shows_tp_x_fsdp_candidates_and_their_communication(tmp
         ("full", t, s) for t in (2, 4, 8) for s in ("zero2", "fsdp")
     }
     # 126 blocks x 4 all-reduces of 8192 x 16384 bf16 values (ring: 2 (tp-1)/tp), global batch 128 on 128/tp
-    # replicas at micro-batch 1
+    # replicas at micro-batch 1; sequence parallelism (on by default) sends the same bytes as all-gathers and
+    # reduce-scatters, plus the embeddings' gradient all-gather and the trained head's fp32 gradient all-reduce
     for c in tp_rows:
         t = c["tp"]
         accum = 128 // (128 // t)
-        assert c["tp_comm_bytes_per_step"] == int(2 * (t - 1) / t * 8192 * 16384 * 2 * 4 * 126 * accum)
+        per = 8192 * 16384 * 2
+        head = 128256 * 16384 * 4
+        want = 2 * (t - 1) / t * per * 4 * 126 * accum + (t - 1) / t * per * accum + 2 * (t - 1) / t * head * accum
+        assert c["tp_comm_bytes_per_step"] == int(want)
         assert c["comm_seconds_per_step"] > c["tp_comm_bytes_per_step"] / 300e9 * 0.999
     walk = " ".join(plan["walk"])
     assert "does not fit under FSDP alone at micro-batch 1" in walk and "never across nodes" in walk
@@ -219,3 +223,51 @@ def test_tp_flag_is_checked_like_the_recipe_key() -> None:
     out = CliRunner().invoke(app, ["plan", "--model", "llama-3.2-1b", "--tp", "16", "--gpus", "8"])
     assert out.exit_code == 2, out.output
     assert "distributed.tp: 16 is more than the 8 GPUs of a node" in " ".join(out.output.split()), out.output
+
+
+# ------------------------------------------------------------------------------- sequence parallelism
+
+
+def _layer_acts(tp: int, sequence_parallel: bool, config=CFG, batch: int = 2, seq: int = 128) -> tuple[int, int]:
+    """(one decoder layer's retained activations, the head window's peak) of a TP rank, traced."""
+    from finetune.plan.activations import TraceSpec, activation_profile
+
+    trace = TraceSpec(
+        method="full", checkpointing=False, seq_len=seq, packed=True, sequence_parallel=tp if sequence_parallel else 1
+    )
+    profile = activation_profile(tp_config(config, tp), trace)
+    return profile.point(batch).layer_acts, profile.at(config.num_hidden_layers, batch)["head"].acts
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_divides_the_residual_streams_activations_by_tp(tp: int) -> None:
+    """What a block keeps for backward on the residual stream, its two RMSNorms' input, normalised output and
+    per-row reciprocal norm (fp32, B x T x hidden, hidden and 1), takes 1/tp under sequence parallelism; the
+    rest of the block (the gathered inputs the column-parallel linears keep, attention and MLP on the rank's
+    heads and features) does not change."""
+    config = CFG if tp == 2 else CFG.__class__(**{**CFG.to_dict(), "num_key_value_heads": 4})
+    b, t, h = 2, 128, config.hidden_size
+    residual = 2 * (2 * b * t * h + b * t) * 4  # two norms: input, normalised, rsqrt; fp32
+    whole, whole_head = _layer_acts(tp, False, config)
+    split, split_head = _layer_acts(tp, True, config)
+    assert whole - split == residual - residual // tp
+    assert split - residual // tp == whole - residual  # the non-residual part, identical
+    assert split_head < whole_head  # every layer's share, and the head's rows
+
+
+def test_sequence_parallel_is_the_default_under_tp_and_the_recipe_turns_it_off() -> None:
+    on = make_plan(req(tp=2, strategy="fsdp"), hw(10**12))
+    off = make_plan(req(tp=2, strategy="fsdp", sequence_parallel=False), hw(10**12))
+    assert on.execution.sequence_parallel and not off.execution.sequence_parallel
+    assert not make_plan(req(tp=1), hw(10**12)).execution.sequence_parallel  # kept only with tp > 1
+    assert on.chosen.memory.activations < off.chosen.memory.activations
+    sentence = next(s for s in on.walk if s.startswith("Tensor parallelism (tp 2) with sequence parallelism"))
+    assert "all-gathers each block's attention and MLP inputs and reduce-scatters their outputs" in sentence
+    assert "in a ring the bytes of the 4 all-reduces without it" in sentence
+    assert any(s.startswith("Tensor parallelism (tp 2) all-reduces") for s in off.walk)
+    # the same block bytes; sequence parallelism adds the embeddings' gradient all-gather and (full fine-tuning)
+    # the head's fp32 gradient all-reduce, per micro-batch
+    c, accum = on.chosen, on.chosen.grad_accum_steps
+    per = c.micro_batch_size * 2048 * 256 * 2
+    extra = (1 / 2 * per + 2 * 1 / 2 * CFG.vocab_size * 256 * 4) * accum
+    assert on.chosen.tp_comm_bytes_per_step == off.chosen.tp_comm_bytes_per_step + int(extra)
