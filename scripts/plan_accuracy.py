@@ -94,6 +94,12 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama full bf16 tp2", "llama", {"method": "full", "precision": "bf16", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
     ("llama lora fp32 tp2", "llama", {"method": "lora", "precision": "fp32", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
     ("llama lora bf16 tp2", "llama", {"method": "lora", "precision": "bf16", "mbs": 16, "strategy": "ddp", "tp": 2}, 2),
+    # the tp2 rows above run with sequence parallelism (distributed.sequence_parallel, on by default); without it
+    # every rank holds the whole residual stream, norms and head rows
+    ("llama full fp32 tp2 no sp", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 16, "strategy": "ddp", "tp": 2, "sp": False}, 2),
+    ("llama lora fp32 tp2 no sp", "llama",
+     {"method": "lora", "precision": "fp32", "mbs": 16, "strategy": "ddp", "tp": 2, "sp": False}, 2),
     # dpo (train.objective: dpo): chosen and rejected rows of exactly max_seq_len tokens per pair; the reference is
     # LoRA's base (adapters off), a frozen copy (full, reference: model) or precomputed before the first step
     ("llama lora fp32 mb8 dpo", "llama", {"method": "lora", "precision": "fp32", "mbs": 8, "objective": "dpo"}, 1),
@@ -197,7 +203,8 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
                   "objective": change.get("objective", "sft")},
         "dpo": {"reference": change.get("reference", "model")},
         "precision": change["precision"],
-        "distributed": {"strategy": change.get("strategy", "single"), "nproc": nproc, "tp": change.get("tp", 1)},
+        "distributed": {"strategy": change.get("strategy", "single"), "nproc": nproc, "tp": change.get("tp", 1),
+                        "sequence_parallel": change.get("sp", True)},
         "eval": {"every": 0},
         "output": {"dir": str(out), "log_every": 1},
     }
