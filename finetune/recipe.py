@@ -331,8 +331,8 @@ class DistributedConfig(Section):
         True,
         description="With distributed.tp above 1: the norms, dropout and residual stream between the blocks' "
         "linears are split over the sequence on the tp ranks (all-gather before, reduce-scatter after, in place "
-        "of one all-reduce), so those activations are divided by tp; the loss is computed on the vocabulary-split "
-        "logits.",
+        "of one all-reduce), so those activations are divided by tp; the head and the loss run on each rank's "
+        "positions.",
     )
     timeout: float = Field(
         DEFAULT_TIMEOUT_S,

@@ -298,7 +298,7 @@ class ExecSpec:
     pp_schedule: str = "1f1b"
     pp_layers: tuple[int, ...] = ()
     # with tp > 1: norms, dropout and the residual stream sharded over the sequence between the blocks' linears,
-    # and the loss computed on the vocabulary-sharded logits (distributed.sequence_parallel)
+    # and the head and loss computed on each rank's positions (distributed.sequence_parallel)
     sequence_parallel: bool = False
 
     @property
