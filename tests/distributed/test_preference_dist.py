@@ -35,7 +35,9 @@ STEPS = 8
 
 def _recipe(model_dir: Path, data: Path, out: Path, method: str, reference: str, strategy: str) -> dict:
     recipe = parity_recipe(model_dir, out, method, strategy)
-    recipe["data"] = {"train": str(data), "format": "preference", "max_seq_len": 64}
+    # Each run its own tokenization cache, so the precomputed reference is computed by its own ranks (not read
+    # back from the cache the single-process run wrote).
+    recipe["data"] = {"train": str(data), "format": "preference", "max_seq_len": 64, "cache_dir": str(out) + "-cache"}
     recipe["train"].update(objective="dpo", max_steps=STEPS, global_batch_size=4, micro_batch_size=1,
                            lr=3e-3, warmup_steps=1)
     recipe["dpo"] = {"beta": 0.5, "reference": reference}
