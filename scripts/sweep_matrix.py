@@ -20,7 +20,8 @@ A cell is classified as
 
 A cell's name is `method/strategy/tpN/optimizer/precision/attention`, followed by `+compile`, `+packing` and
 `+ac` (activation checkpointing) when those are on. The exit status is 1 when any cell crashed or was refused
-late. tests/e2e/test_matrix.py runs the FIXED cells and a seeded sample through these functions.
+late. tests/e2e/test_matrix.py runs the FIXED cells that no other slow test trains, and a seeded sample,
+through these functions.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def sample_cells(n: int, seed: int, exclude: Iterable[Cell] = ()) -> list[Cell]:
     return random.Random(seed).sample(pool, min(n, len(pool)))
 
 
-# The most-used configurations (tests/e2e/test_matrix.py runs them all: about 40 s per 2-process cell on a quiet
-# 2-core machine, so the list stays short; LoRA's variants and ZeRO-1 are left to the sampled cells).
+# The most-used configurations (tests/e2e/test_matrix.py runs those no other slow test trains: about 40 s per
+# 2-process cell on a quiet 2-core machine, so the list stays short; LoRA's variants and ZeRO-1 are left to the
+# sampled cells).
 FIXED: tuple[Cell, ...] = (
     Cell("full", "single"),
     Cell("lora", "ddp", precision="bf16"),

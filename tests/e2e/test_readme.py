@@ -6,6 +6,10 @@ environment running this suite already did, and the several-node lines (``--nnod
 link to the shipped ``recipes/`` (the README's commands run from the repository's root, and write ``runs/`` and
 ``models/`` into the current directory). Trainings get a few more ``--set`` overrides so that they take two
 steps. The plan printed in the README's ```text blocks is compared with what ``finetune plan`` prints.
+
+The commands run through the CLI's own app in this process, with the argv ``finetune`` gives it (no interpreter
+start per command); a run of several processes (``--nproc``) runs as ``finetune`` in its own process, its
+launcher starting the workers.
 """
 
 from __future__ import annotations
@@ -102,13 +106,36 @@ def printed_plan() -> tuple[list[str], str]:
     return (table + walk).splitlines(), command.group(1)
 
 
+def finetune(args: list[str], cwd: Path) -> tuple[int, str, str]:
+    """`finetune ARGS` in ``cwd``: (exit status, stdout, stderr). Through the CLI's own app in this process, with
+    the argv rewriting of its entry point; a several-process run (``--nproc``) as its own process."""
+    if args[0] == "run" and "--nproc" in args:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "finetune", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+        )
+        return proc.returncode, proc.stdout, proc.stderr
+    from typer.testing import CliRunner
+
+    from finetune.cli import app, bare_resume
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, bare_resume(args))
+    finally:
+        os.chdir(here)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_every_readme_command_runs_in_order(tmp_path: Path) -> None:
     """Every command, in the README's order (the quickstart's run is the base of the LoRA run that merge
     folds), each exiting 0; the plan's output equals the README's copy of it."""
     cwd = workdir(tmp_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     printed, plan_command = printed_plan()
     outputs: dict[str, str] = {}
     for argv in readme_commands():
@@ -116,11 +143,9 @@ def test_every_readme_command_runs_in_order(tmp_path: Path) -> None:
             continue
         assert argv[0] == "finetune", argv
         args = [*argv[1:], *SHORT_RUN] if argv[1] == "run" else argv[1:]
-        proc = subprocess.run(
-            [sys.executable, "-m", "finetune", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
-        )
-        assert proc.returncode == 0, (argv, proc.stdout[-3000:], proc.stderr[-3000:])
-        outputs[shlex.join(argv)] = proc.stdout
+        code, stdout, stderr = finetune(args, cwd)
+        assert code == 0, (argv, stdout[-3000:], stderr[-3000:])
+        outputs[shlex.join(argv)] = stdout
 
     assert plan_command in outputs, f"README shows the output of {plan_command!r} but never runs it"
     assert outputs[plan_command].splitlines() == printed, (
