@@ -107,6 +107,13 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
      {"method": "full", "precision": "fp32", "mbs": 8, "objective": "dpo"}, 1),
     ("llama full fp32 mb8 dpo precomputed", "llama",
      {"method": "full", "precision": "fp32", "mbs": 8, "objective": "dpo", "reference": "precomputed"}, 1),
+    # pipeline parallelism: 2 stages of 2 layers on 2 processes (unpacked rows: stages take whole rows), 4
+    # micro-batches; every stage's peak against its rank's (the worst stage is the error)
+    ("llama full fp32 pp2 1f1b", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 4, "strategy": "ddp", "pp": 2, "packing": False}, 2),
+    ("llama full fp32 pp2 gpipe", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 4, "strategy": "ddp", "pp": 2, "pp_schedule": "gpipe",
+      "packing": False}, 2),
 ]
 FAST = ["llama full fp32 mb16", "llama lora fp32 mb16"]
 # On a CUDA GPU (scripts/gpu_check.sh): torch.cuda.max_memory_allocated against the plan.
@@ -204,6 +211,7 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
         "dpo": {"reference": change.get("reference", "model")},
         "precision": change["precision"],
         "distributed": {"strategy": change.get("strategy", "single"), "nproc": nproc, "tp": change.get("tp", 1),
+                        "pp": change.get("pp", 1), "pp_schedule": change.get("pp_schedule", "1f1b"),
                         "sequence_parallel": change.get("sp", True)},
         "eval": {"every": 0},
         "output": {"dir": str(out), "log_every": 1},
@@ -213,7 +221,7 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
 def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: str = "cpu", steps: int = 1) -> dict:
     """Train ``steps`` steps through the real CLI; return predicted, measured and the error (and tokens/s
     after two warm-up steps when there are more)."""
-    from finetune.plan.flowchart import chosen_memory
+    from finetune.plan.flowchart import chosen_memory, chosen_stage_memory
     from finetune.plan.types import Plan
     from finetune.recipe import load_recipe
 
@@ -237,6 +245,14 @@ def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: 
     # One step: AdamW's state never exists, the first-step prediction applies; more: the probe spans the
     # first two steps, the steady state's.
     pred = first.total - first.overhead if steps == 1 else steady - plan.chosen.memory.overhead
+    stages = None
+    if plan.chosen.pp > 1:  # each stage's prediction beside its rank's measurement (pp is the outermost dimension)
+        predicted = chosen_stage_memory(load_recipe(path), plan, device=device, first_step=steps == 1)
+        by_rank = {r["rank"]: int(r["measured_peak"]) for r in measured.get("ranks", [])}
+        per = len(by_rank) // plan.chosen.pp or 1
+        stages = [{"stage": i, "predicted": m.total - m.overhead, "measured": by_rank.get(i * per),
+                   "error": (m.total - m.overhead - by_rank[i * per]) / by_rank[i * per] if by_rank.get(i * per) else None}
+                  for i, m in enumerate(predicted)]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     speeds = [r["tokens_per_s"] for r in rows if r.get("step", 0) > 2 and "tokens_per_s" in r]
     mfus = [r["mfu"] for r in rows if r.get("step", 0) > 2 and "mfu" in r]  # GPU runs only
@@ -244,7 +260,7 @@ def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: 
         "tokens_per_s": statistics.median(speeds) if speeds else None,
         "mfu": statistics.median(mfus) if mfus else None,
         "config": name, "predicted": pred, "measured": meas, "error": (pred - meas) / meas, "ratio": pred / meas,
-        "steady_state_prediction": steady, "by_category": measured.get("by_category", {}),
+        "steady_state_prediction": steady, "by_category": measured.get("by_category", {}), "stages": stages,
         "chosen": {k: getattr(plan.chosen, k) for k in ("method", "strategy", "micro_batch_size", "grad_accum_steps")},
     }
 
@@ -270,6 +286,10 @@ def main() -> int:
                       f"  predicted/measured {r['ratio']:.3f}  error {100 * r['error']:+6.2f}%"
                       + (f"  {r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else "")
                       + (f"  MFU {100 * r['mfu']:.1f}%" if r["mfu"] else ""), flush=True)
+                for st in r.get("stages") or []:
+                    err = f"{100 * st['error']:+6.2f}%" if st["error"] is not None else "-"
+                    print(f"{'':4s}stage {st['stage']}: predicted {st['predicted'] / 2**20:8.2f} MiB  measured "
+                          f"{(st['measured'] or 0) / 2**20:8.2f} MiB  error {err}", flush=True)
             else:
                 print(f"{name:32s} {r['error']}", flush=True)
     errs = [abs(r["error"]) for r in rows if "predicted" in r]

@@ -44,10 +44,6 @@ def evaluate(
     stages: list[MemoryBreakdown] = []
     if spec.pipeline:
         mem, comm, stages = _pipeline_memory(s, inv, None, setup)
-        if mem.total <= s.capacity and not (traced is not None and (method, ac, tp) not in traced):
-            setup = _memory_balanced(s, inv, setup, first_step)
-            spec = setup.spec
-            mem, comm, stages = _pipeline_memory(s, inv, None, setup)
     else:
         mem, comm = candidate_memory(inv, None, setup)
     if mem.total > s.capacity:
@@ -56,7 +52,11 @@ def evaluate(
         status = Status.NOT_TRACED
     else:
         if spec.pipeline:
-            mem, comm, stages = _pipeline_memory(s, inv, s.profile(spec), setup, first_step)
+            figures = _pipeline_memory(s, inv, s.profile(spec), setup, first_step)
+            if figures[0].total > s.capacity:
+                setup, figures = _memory_balanced(s, inv, setup, first_step, figures)
+                spec = setup.spec
+            mem, comm, stages = figures
         else:
             mem, comm = candidate_memory(inv, s.profile(spec), setup, first_step)
         status = Status.FITS if mem.total <= s.capacity else Status.OVER
@@ -101,34 +101,32 @@ def _pipeline_memory(
     return worst[0], max(f[1] for f in figures), [f[0] for f in figures]
 
 
-def _memory_balanced(s: Setting, inv: Inventory, setup: Setup, first_step: bool) -> Setup:
-    """``setup`` with its layers split by memory instead of by cost when the split by cost's worst stage does not
-    fit and the split by memory lowers it (finetune/plan/pipeline.py: memory_balanced_split; one stage per rank,
-    and never a split the recipe pins). Each rank's peak is taken as linear in its layers, from its figures at its
-    layers and one more."""
+def _memory_balanced(
+    s: Setting, inv: Inventory, setup: Setup, first_step: bool, figures: tuple[MemoryBreakdown, int, list[MemoryBreakdown]],
+) -> tuple[Setup, tuple[MemoryBreakdown, int, list[MemoryBreakdown]]]:
+    """``setup`` with its layers split by memory instead of by cost, and its figures, when that lowers the worst
+    stage of the split by cost (``figures``, which does not fit) (finetune/plan/pipeline.py: memory_balanced_split;
+    one stage per rank, and never a split the recipe pins). Each rank's peak is taken as linear in its layers,
+    from its figures at its layers and one more."""
     spec = setup.spec
     if s.pp_layers is not None or spec.pp_stages_per_rank > 1:
-        return setup
+        return setup, figures
     profile = s.profile(spec)
-    worst = _pipeline_memory(s, inv, profile, setup, first_step)[0]
-    if worst.total <= s.capacity:
-        return setup
     row = boundary_bytes_per_row(spec, s.req.seq_len, s.req.config.hidden_size)
     tied = bool(getattr(s.req.config, "tie_word_embeddings", False))
     fixed, slope = [], []
-    for st in pipeline_stages(spec.pp_layers, spec.pp, spec.pp_schedule, setup.grad_accum_steps):
-        at = stage_memory(inv, profile, setup, st, row, tied, first_step)[0].total
+    stages = pipeline_stages(spec.pp_layers, spec.pp, spec.pp_schedule, setup.grad_accum_steps)
+    for st, now in zip(stages, figures[2], strict=True):
         more = replace(st, layers=st.layers + 1, depth=st.depth + 1)
-        step = stage_memory(inv, profile, setup, more, row, tied, first_step)[0].total - at
+        step = stage_memory(inv, profile, setup, more, row, tied, first_step)[0].total - now.total
         slope.append(float(step))
-        fixed.append(float(at - step * st.layers))
+        fixed.append(float(now.total - step * st.layers))
     split = memory_balanced_split(fixed, slope, sum(spec.pp_layers))
     if split == spec.pp_layers:
-        return setup
+        return setup, figures
     balanced = replace(setup, spec=replace(spec, pp_layers=split))
-    if _pipeline_memory(s, inv, profile, balanced, first_step)[0].total >= worst.total:
-        return setup
-    return balanced
+    better = _pipeline_memory(s, inv, profile, balanced, first_step)
+    return (balanced, better) if better[0].total < figures[0].total else (setup, figures)
 
 
 def pp_bytes_per_step(s: Setting, spec: Any, mbs: int, accum: int) -> int:

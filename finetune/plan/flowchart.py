@@ -58,6 +58,15 @@ def plan_for_run(loaded: LoadedRecipe, *, nproc: int, nnodes: int, device: str) 
     return make_plan(req, hw)
 
 
+def chosen_stage_memory(
+    loaded: LoadedRecipe, plan: Plan, *, device: str, first_step: bool = False, seq_len: int | None = None
+) -> list[MemoryBreakdown]:
+    """Every pp rank's predicted peak of ``plan.chosen`` as :func:`chosen_memory` predicts the worst one's
+    (one entry without a pipeline)."""
+    c = _chosen_candidate(loaded, plan, device=device, first_step=first_step, seq_len=seq_len)
+    return list(c.stage_memory) or [c.memory]
+
+
 def chosen_memory(
     loaded: LoadedRecipe, plan: Plan, *, device: str, first_step: bool = False, seq_len: int | None = None
 ) -> MemoryBreakdown:
@@ -65,16 +74,24 @@ def chosen_memory(
     not exist yet during its forward and backward), at ``seq_len`` tokens per row instead of
     ``data.max_seq_len`` when given: the trainer pads each micro-batch to its longest row, so a run on short
     rows is compared with the prediction at the width that ran."""
+    return _chosen_candidate(loaded, plan, device=device, first_step=first_step, seq_len=seq_len).memory
+
+
+def _chosen_candidate(
+    loaded: LoadedRecipe, plan: Plan, *, device: str, first_step: bool = False, seq_len: int | None = None
+) -> Candidate:
     c = plan.chosen
     req = replace(request_from_recipe(loaded), for_run=True)
     if seq_len is not None:
         req = replace(req, seq_len=seq_len)
     hw = detect_hardware(device=device, gpus=c.nproc, nodes=c.nnodes, nproc=c.nproc)
     s = replace(settle(req, hw), precision=str(c.precision), global_batch=c.micro_batch_size * c.grad_accum_steps * c.dp)
+    if c.pp > 1 and c.pp_layers:  # the plan's own split (the walk may have balanced it by memory)
+        s = replace(s, pp=c.pp, pp_layers=tuple(c.pp_layers))
     return evaluate(
         s, c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=first_step, tp=c.tp,
         optimizer=c.optimizer, offload=c.offload, pp=c.pp,
-    ).memory
+    )
 
 
 

@@ -137,6 +137,10 @@ def stage_inventory(inv: Any, layers: int, first: bool, last: bool, tied: bool =
 
     from finetune.plan.shapes import Tensor
 
+    key = (id(inv), layers, first, last, tied)
+    if key in _STAGE_INVENTORIES and _STAGE_INVENTORIES[key][0] is inv:
+        return _STAGE_INVENTORIES[key][1]
+
     def keep(t: Tensor) -> bool:
         if t.in_block:
             return True
@@ -145,7 +149,14 @@ def stage_inventory(inv: Any, layers: int, first: bool, last: bool, tied: bool =
     base = [t for t in inv.base if keep(t)]
     if last and not first and tied and not any("lm_head" in t.name for t in inv.base):
         base += [replace(t, name="lm_head.weight") for t in inv.base if not t.in_block and "embed_tokens" in t.name]
-    return replace(inv, num_layers=layers, base=base, adapters=[t for t in inv.adapters if keep(t)])
+    sub = replace(inv, num_layers=layers, base=base, adapters=[t for t in inv.adapters if keep(t)])
+    _STAGE_INVENTORIES[key] = (inv, sub)
+    return sub
+
+
+#: stage inventories already made, by (id of the model's inventory, layers, first, last, tied) -> (that
+#: inventory, kept so that its id is not reused, the stage's)
+_STAGE_INVENTORIES: dict[tuple[int, int, bool, bool, bool], tuple[Any, Any]] = {}
 
 
 def is_first_stage_tensor(name: str) -> bool:

@@ -54,6 +54,7 @@ class Setting:
     # memo of traces and per-TP inventories: (tp, TraceSpec) -> profile, tp -> inventory (pure caches)
     profiles: dict[tuple[int, TraceSpec], ActivationProfile] = field(default_factory=dict, compare=False, repr=False)
     inventories: dict[int, Inventory] = field(default_factory=dict, compare=False, repr=False)
+    splits: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def capacity(self) -> int:
@@ -97,11 +98,14 @@ class Setting:
             return ()
         if self.pp_layers is not None and pp == self.pp:
             return self.pp_layers
-        from finetune.plan.flops import flops_shape
-        from finetune.plan.pipeline import balanced_split, stage_parts
+        if (pp, tp) not in self.splits:
+            from finetune.plan.flops import flops_shape
+            from finetune.plan.pipeline import balanced_split, stage_parts
 
-        parts = stage_parts(self.inventory(tp), self.req.config, flops_shape(self.req.config), self.req.seq_len, tp)
-        return balanced_split(self.inv.num_layers, pp * self.pp_v, *parts.layer_equivalents())
+            config = self.req.config
+            parts = stage_parts(self.inventory(tp), config, flops_shape(config), self.req.seq_len, tp)
+            self.splits[(pp, tp)] = balanced_split(self.inv.num_layers, pp * self.pp_v, *parts.layer_equivalents())
+        return self.splits[(pp, tp)]
 
     def exec_spec(
         self, method: str, strategy: str, ac: bool, world: int | None = None, tp: int = 1,
