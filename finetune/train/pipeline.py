@@ -424,6 +424,11 @@ class Pipeline:
 
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+            # fp16: an overflow in one stage skips the update on every stage (GradScaler checks its own rank's
+            # gradients only), so the stages never fall out of step
+            found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            for flag in found.values():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         groups = _grads_by_layout(params)
         squares = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for grads in groups.values():
@@ -462,8 +467,9 @@ class Pipeline:
             if s > 0:
                 x = torch.empty((b, t, hidden_size), dtype=torch.float32, device=self.ctx.device)
                 dist.recv(x, group=self.group, group_src=self._peer(s - 1))
-            y = self.runner.run(
-                s, x, labels, attention_mask=attention_mask, position_ids=position_ids, last_logits=last_logits
+            # through the module's call, so FSDP2's hooks gather the stage's parameters
+            y = self.model(
+                x, labels, stage=s, attention_mask=attention_mask, position_ids=position_ids, last_logits=last_logits
             )
             if s < self.runner.n_stages - 1:
                 dist.send(y.float().contiguous(), group=self.group, group_dst=self._peer(s + 1))
@@ -567,8 +573,8 @@ def save_pipeline_final(
             # peft keeps only the adapters of the layers this rank's model holds; the file holds every stage's,
             # named as peft names them (without the adapter's name)
             name = f".{hf.active_adapter}."
-            whole = {k.replace(name, "."): v.contiguous() for k, v in state.items()}
-            save_file(whole, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+            renamed = {k.replace(name, "."): v.contiguous() for k, v in state.items()}
+            save_file(renamed, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     else:  # streamed: the files are planned from the shapes, then one tensor at a time reaches rank 0
         named: dict[str, torch.Tensor] = {}
         seen: set[int] = set()

@@ -1,0 +1,201 @@
+"""Pipeline parallelism through the real CLI on gloo: loss parity with one process, resume across pipeline
+layouts, merge of a pipelined LoRA run, and the capability table's refusals.
+
+The same fp32 recipe (4-layer Llama, global batch 8 in micro-batches of 2: 4 pipeline micro-batches per
+step, 8 steps) as one process and as ``--set distributed.pp=2``: 1F1B (full fine-tuning), GPipe (LoRA, with
+evaluation), pp 2 x dp 2 under fsdp, pp 2 x tp 2, and interleaved 1F1B with 2 stages per rank. Every one gives
+the single process's losses and gradient norms within 1e-5 relative and its final weights within 1e-5: the
+last stage normalises each micro-batch's summed loss by the step's global target-token count, with the
+schedule's own scaling off. Stages keep the whole model's names, so a DCP checkpoint saved by 2 stages
+resumes on one process and the reverse.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from finetune.launch import LaunchOptions, launch
+from tests.support import (
+    RECIPES,
+    clean_env,
+    finetune_run,
+    max_rel,
+    max_weight_diff,
+    micro_model_dir,
+    parity_recipe,
+    step_rows,
+    write_recipe,
+)
+
+STEPS = 8
+RTOL = 1e-5  # losses and gradient norms, relative
+ATOL = 1e-5  # final weights, absolute
+
+# layout -> (method, distributed.strategy, processes, --set arguments)
+LAYOUTS = {
+    "full-single": ("full", "single", 1, []),
+    "lora-single": ("lora", "single", 1, []),
+    "full-1f1b": ("full", "ddp", 2, ["distributed.pp=2", "distributed.pp_schedule=1f1b"]),
+    "lora-gpipe": ("lora", "ddp", 2, ["distributed.pp=2", "distributed.pp_schedule=gpipe"]),
+    "full-pp2xdp2": ("full", "fsdp", 4, ["distributed.pp=2"]),
+    "full-pp2xtp2": ("full", "ddp", 4, ["distributed.pp=2", "distributed.tp=2"]),
+    "full-interleaved": ("full", "ddp", 2, ["distributed.pp=2", "distributed.pp_schedule=interleaved-1f1b"]),
+}
+
+
+@pytest.fixture(scope="module")
+def pp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-llama's tokenizer with 4 small decoder layers (2 KV heads, so tp 2 splits them)."""
+    return micro_model_dir(
+        tmp_path_factory.mktemp("pp-llama"), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )
+
+
+class PPRuns:
+    """One run per layout, shared by the assertions (the full runs checkpoint at step 4)."""
+
+    def __init__(self, root: Path, model_dir: Path) -> None:
+        self.root, self.model_dir = root, model_dir
+        self.done: dict[str, Path] = {}
+        self.seconds: dict[str, float] = {}
+
+    def recipe(self, layout: str, out: Path) -> Path:
+        method, strategy, _, _ = LAYOUTS[layout]
+        r = parity_recipe(self.model_dir, out, method, strategy)
+        r["train"]["max_steps"] = STEPS
+        r["output"]["save_every"] = 4
+        if method == "lora":  # evaluation at the end: loss and exact match through the stages
+            r["data"]["eval"] = str(RECIPES / "data/reverse/eval.jsonl")
+            r["eval"] = {"max_samples": 8, "max_new_tokens": 4, "batch_size": 4, "at_start": False}
+        return write_recipe(self.root / f"{layout}.yaml", r)
+
+    def run(self, layout: str, out: Path, *extra: str) -> str:
+        """``layout``'s recipe into ``out`` (``extra``: more CLI arguments); the run's output."""
+        _, _, nproc, sets = LAYOUTS[layout]
+        recipe = self.recipe(layout, out)
+        if nproc == 1 and not extra:
+            assert launch(str(recipe), [], LaunchOptions(nproc=1)) == 0
+            return ""
+        args = ["--nproc", str(nproc), *[a for s in sets for a in ("--set", s)], *extra]
+        proc = finetune_run(recipe, *args, env=clean_env(OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert "Traceback" not in proc.stderr
+        return proc.stdout + proc.stderr
+
+    def get(self, layout: str) -> Path:
+        if layout not in self.done:
+            out = self.root / layout
+            self.run(layout, out)
+            self.done[layout] = out
+        return self.done[layout]
+
+
+@pytest.fixture(scope="module")
+def pp_runs(tmp_path_factory: pytest.TempPathFactory, pp_model: Path) -> PPRuns:
+    return PPRuns(tmp_path_factory.mktemp("pp-runs"), pp_model)
+
+
+def _assert_parity(got: Path, want: Path, weights: str) -> None:
+    a, b = step_rows(got), step_rows(want)
+    assert [r["step"] for r in a] == list(range(1, STEPS + 1))
+    assert max_rel([r["loss"] for r in a], [r["loss"] for r in b]) <= RTOL
+    assert max_rel([r["grad_norm"] for r in a], [r["grad_norm"] for r in b]) <= RTOL
+    assert max_weight_diff(got / weights, want / weights) <= ATOL
+
+
+@pytest.mark.dist
+def test_two_stages_match_one_process_full_1f1b_and_lora_gpipe(pp_runs: PPRuns, tmp_path: Path) -> None:
+    """Full fine-tuning under 1F1B and LoRA under GPipe on 2 stages: the single process's losses, norms and
+    weights; the LoRA run's evaluation (loss, exact match through the stages) is the single run's, its
+    adapter holds every stage's layers, and ``finetune merge`` folds it as it folds the single run's."""
+    from finetune.merge import merge
+
+    full, single = pp_runs.get("full-1f1b"), pp_runs.get("full-single")
+    _assert_parity(full, single, "model.safetensors")
+    assert full.joinpath("config.json").is_file()
+    assert len(load_file(full / "model.safetensors")) == len(load_file(single / "model.safetensors"))
+    plan = json.loads((full / "plan.json").read_text())["execution"]
+    assert (plan["pp"], plan["pp_layers"], plan["dp"]) == (2, [2, 2], 1)
+    assert step_rows(full)[-1]["loss"] < 0.85 * step_rows(full)[0]["loss"]
+
+    lora, lora_single = pp_runs.get("lora-gpipe"), pp_runs.get("lora-single")
+    _assert_parity(lora, lora_single, "adapter_model.safetensors")
+    adapter = load_file(lora / "adapter_model.safetensors")
+    assert len(adapter) == 4 * 2 * 2  # 4 layers x (q, v) x (A, B): both stages' adapters
+    assert "base_model.model.model.layers.3.self_attn.v_proj.lora_B.weight" in adapter
+    evals = [json.loads(line) for line in (lora / "metrics.jsonl").read_text().splitlines()]
+    evals_single = [json.loads(line) for line in (lora_single / "metrics.jsonl").read_text().splitlines()]
+    got = [r for r in evals if "eval_loss" in r][-1]
+    want = [r for r in evals_single if "eval_loss" in r][-1]
+    assert abs(got["eval_loss"] - want["eval_loss"]) <= RTOL * want["eval_loss"]
+    assert got["eval_exact_match"] == want["eval_exact_match"]
+    merge(lora, tmp_path / "merged-pp")
+    merge(lora_single, tmp_path / "merged-single")
+    merged = max_weight_diff(tmp_path / "merged-pp" / "model.safetensors", tmp_path / "merged-single" / "model.safetensors")
+    assert merged <= ATOL
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", ["full-pp2xdp2", "full-pp2xtp2", "full-interleaved"])
+def test_pipeline_composes_with_fsdp_tp_and_interleaving(pp_runs: PPRuns, layout: str) -> None:
+    """pp 2 x dp 2 (fsdp over each stage), pp 2 x tp 2 (each stage's linears split) and interleaved 1F1B
+    (2 stages per rank, 1 layer each) on a (pp, dp, tp) mesh: the single process's run."""
+    got = pp_runs.get(layout)
+    _assert_parity(got, pp_runs.get("full-single"), "model.safetensors")
+    execution = json.loads((got / "plan.json").read_text())["execution"]
+    want = {"full-pp2xdp2": (2, 2, 1, [2, 2]), "full-pp2xtp2": (2, 1, 2, [2, 2]), "full-interleaved": (2, 1, 1, [1, 1, 1, 1])}
+    assert (execution["pp"], execution["dp"], execution["tp"], execution["pp_layers"]) == want[layout]
+
+
+@pytest.mark.dist
+def test_checkpoint_resumes_across_pipeline_layouts(pp_runs: PPRuns) -> None:
+    """The step-4 checkpoint of 2 stages resumes on one process, and one process's on 2 stages: DCP matches the
+    whole model's names, model and AdamW state, so steps 5-8 and the final weights are the uninterrupted run's."""
+    for saved, resumed_as in (("full-1f1b", "full-single"), ("full-single", "full-1f1b")):
+        whole = pp_runs.get(saved)
+        out = pp_runs.root / f"{saved}-as-{resumed_as}"
+        said = pp_runs.run(resumed_as, out, "--resume", str(whole / "checkpoints" / "step-4"))
+        if said:
+            assert "resharded from" in said
+        got, want = step_rows(out), step_rows(whole)[4:]
+        assert [r["step"] for r in got] == list(range(5, STEPS + 1))
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(got, want, strict=True)) <= 1e-5
+        assert max_weight_diff(out / "model.safetensors", whole / "model.safetensors") <= 1e-5
+    shutil.rmtree(pp_runs.root / "full-single-as-full-1f1b" / "checkpoints", ignore_errors=True)
+
+
+REFUSED = [
+    ({"method": "qlora"}, "distributed.pp: 2 with method qlora is not supported"),
+    ({"data": {"packing": True}}, "data.packing: packed rows' document masks do not cross the stages"),
+    ({"distributed": {"strategy": "zero1"}}, "distributed.strategy: zero1 cannot run over"),
+    ({"train": {"compile": True}}, "distributed.pp: 2 with train.compile: true is not supported"),
+]
+
+
+def test_pipeline_refusals_name_the_key(tmp_path: Path, pp_model: Path) -> None:
+    """What pipeline stages do not run is refused by ``finetune validate`` and ``finetune run`` in one sentence
+    naming the key, before anything is written."""
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    for i, (changes, key) in enumerate(REFUSED):
+        r = parity_recipe(pp_model, tmp_path / "out", "full", "ddp")
+        r["distributed"].update({"pp": 2, "nproc": 2})
+        for section, value in changes.items():
+            if isinstance(value, dict):
+                r[section].update(value)
+            else:
+                r[section] = value
+        recipe = write_recipe(tmp_path / f"r{i}.yaml", r)
+        for command in ("validate", "run") if i == 0 else ("validate",):
+            res = CliRunner().invoke(app, [command, str(recipe)])
+            assert res.exit_code == 2, res.output
+            assert key in res.output and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "out").exists()
