@@ -179,9 +179,10 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, *, sequence_para
                 # the gathered input is a replicated DTensor (apply_sequence_parallel): lora_A, replicated,
                 # takes it as one (its gradient then sums the ranks' partial ones, as the norms' do)
                 replicated.append(f"{name}.lora_A.{adapter}")
-    parallelize_module(decoder, tp_mesh, styles)
-    for name in replicated:
-        distribute_module(decoder.get_submodule(name), tp_mesh)
+    with _frozen_kept(decoder):
+        parallelize_module(decoder, tp_mesh, styles)
+        for name in replicated:
+            distribute_module(decoder.get_submodule(name), tp_mesh)
     for name, style in styles.items():
         if isinstance(style, SequenceParallel):  # a row-parallel lora_B (above)
             decoder.get_submodule(name).register_forward_pre_hook(_contiguous_shard)
@@ -234,7 +235,8 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
     styles[names[id(embed)]] = PrepareModuleOutput(
         output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
     )
-    parallelize_module(decoder, tp_mesh, styles)
+    with _frozen_kept(decoder):
+        parallelize_module(decoder, tp_mesh, styles)
     # one all-gather at the input of each module that holds column-parallel linears
     block_ids, gathering = {id(b) for b in blocks}, set()
     for name, kind in tensor_parallel_plan(model).items():
@@ -260,6 +262,17 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
     for p in decoder.parameters():
         if p.requires_grad and _replicated(p):
             p.register_post_accumulate_grad_hook(_sum_partial_grad)
+
+
+@contextlib.contextmanager
+def _frozen_kept(module: torch.nn.Module) -> Any:
+    """Parameters frozen before (a LoRA base's norms) frozen after: torch's styles that replicate a weight
+    (``SequenceParallel``, ``distribute_module``) make it a new parameter that requires a gradient."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    yield
+    for name, p in module.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
 
 
 def _gather_sequence(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
