@@ -118,8 +118,8 @@ class PinnedPipeline(Step):
         """The sentence."""
         stages = self.pp * self.stages_per_rank
         how = (f"the recipe's split {list(self.split)}" if self.split else
-               "a split balanced by cost (the embeddings on the first stage and the head on the last counted as "
-               "layers)")
+               "a split balanced by cost, the embeddings on the first stage and the head on the last counted as "
+               "layers")
         per = f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
         return (
             f"Pipeline parallelism: pp {self.pp} as the recipe pins: the {self.layers} decoder layers in {stages} "
@@ -361,12 +361,14 @@ class PipelineLayout(Step):
     def render(self) -> str:
         """The sentence."""
         worst = max(range(len(self.stage_totals)), key=lambda i: self.stage_totals[i])
+        chunks = "micro-batches'" if len(self.layers) == self.pp else "stage micro-batches'"  # interleaved: per stage
+        m = self.microbatches
         return (
             f"Pipeline: {self.pp} ranks ({self.pp} x dp {self.dp} x tp {self.tp} mesh, pp outermost) run "
             f"{len(self.layers)} stages of {list(self.layers)} decoder layers (the first also the embeddings, the "
-            f"last the norm, head and loss), {self.schedule} over {self.microbatches} micro-batches (the gradient "
-            f"accumulation steps): rank 0 keeps {self.in_flight[0]} micro-batches' activations in flight, the last "
-            f"{self.in_flight[-1]}; the worst stage is rank {worst} at {fmt_bytes(self.stage_totals[worst])} "
+            f"last the norm, head and loss), {self.schedule} over {m} micro-batch{'es' if m != 1 else ''} (the "
+            f"gradient accumulation steps): rank 0 keeps {self.in_flight[0]} {chunks} activations in flight, the "
+            f"last {self.in_flight[-1]}; the worst stage is rank {worst} at {fmt_bytes(self.stage_totals[worst])} "
             f"(from {fmt_bytes(min(self.stage_totals))}); the bubble idles {self.bubble_fraction:.0%} of the step; "
             f"each GPU sends its neighbours {self.p2p_bytes / 1e9:.2f} GB per step (activations forward, their "
             f"gradients back), {self.p2p_seconds:.2f} s over {self.link}"

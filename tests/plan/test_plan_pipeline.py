@@ -207,6 +207,18 @@ def test_pipeline_recipe_errors_exit_2_with_one_sentence(tmp_path, sets, gpus, m
     assert "Traceback" not in output
 
 
+def test_validate_refuses_packed_rows_across_stages(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    recipe = tiny_recipe(tmp_path / "out", distributed={"strategy": "ddp", "pp": 2})
+    recipe["data"]["packing"] = True
+    out = CliRunner().invoke(app, ["validate", str(write_recipe(tmp_path / "pp.yaml", recipe))])
+    assert out.exit_code == 2, out.output
+    assert "packed rows' document masks do not cross the stages of distributed.pp: 2" in " ".join(out.output.split())
+
+
 @pytest.mark.slow  # plans the evaluation and the table's rows too
 def test_pinned_pipeline_reaches_the_execution_spec_through_the_cli(tmp_path) -> None:
     code, output = _plan(tmp_path, "distributed.pp_layers=[1,3]")
@@ -246,7 +258,7 @@ def test_405b_full_fine_tuning_on_16_nodes_says_which_pipeline_layouts_fit(tmp_p
     plan = build_plan(opts)
     warm = time.perf_counter() - start
     steps = {s["kind"]: s for s in plan.steps}
-    assert "TryPipeline" in steps and steps["TryPipeline"]["degrees"] == [2, 4, 8, 16]
+    assert "TryPipeline" in steps and list(steps["TryPipeline"]["degrees"]) == [2, 4, 8, 16]
     tried = steps["PipelineTried"]
     sized = [a for a in tried["attempts"] if not a["why"]]
     assert {(a["pp"], a["tp"]) for a in sized} == {(p, t) for p in (2, 4, 8, 16) for t in (1, 2, 4, 8)}
