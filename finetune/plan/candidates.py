@@ -197,7 +197,14 @@ def plan_evaluation(s: Setting, c: Candidate) -> tuple[Candidate, w.EvaluationPl
     setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, s.hw.device, execution.optimizer)
     # one TP rank's model; a single TP replica has no data-parallel wrapper (no DDP buckets)
     inv, config = s.inventory(c.tp), tp_config(s.req.config, c.tp)
-    strategy = "single" if c.tp > 1 and c.dp == 1 else str(c.strategy)
+    strategy = "single" if (c.tp > 1 or c.pp > 1) and c.dp == 1 else str(c.strategy)
+    if c.pp > 1 and c.stage_memory:  # the rank that peaks in training holds its stages' layers (and ends) only
+        from finetune.plan.pipeline import stage_inventory
+
+        st = pipeline_stages(c.pp_layers, c.pp, c.pp_schedule, c.grad_accum_steps)[
+            max(range(c.pp), key=lambda r: c.stage_memory[r].total)
+        ]
+        inv = stage_inventory(inv, st.layers, st.first, st.last, bool(getattr(s.req.config, "tie_word_embeddings", False)))
 
     def at(batch: int) -> tuple[int, Any]:
         return eval_memory(inv, config, spec, strategy, setup, batch, s.req.eval_max_new_tokens)
