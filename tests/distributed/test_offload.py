@@ -208,7 +208,9 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 
 
 class Runs:
-    """Each run once per module, through the CLI; train.offload and train.optimizer given with --set."""
+    """Each run once per module; train.offload and train.optimizer given as --set overrides. The 2-process runs
+    through the CLI; the single-process reference through the same launch() the CLI calls, in this process (no
+    interpreter start, as tests/distributed/test_distributed.py's references)."""
 
     def __init__(self, root: Path, model: Path) -> None:
         self.root, self.model, self.done = root, model, {}
@@ -218,14 +220,19 @@ class Runs:
         if key not in self.done:
             out = self.root / key
             recipe = write_recipe(self.root / f"{key}.yaml", _recipe(self.model, out, strategy))
-            nproc = "1" if strategy == "single" else "2"
-            env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-            proc = subprocess.run(
-                [sys.executable, "-m", "finetune", "run", str(recipe), "--nproc", nproc,
-                 "--set", f"train.offload={offload}", "--set", f"train.optimizer={optimizer}"],
-                capture_output=True, text=True, timeout=900, env=env,
-            )
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+            overrides = [f"train.offload={offload}", f"train.optimizer={optimizer}"]
+            if strategy == "single":
+                from finetune.launch import LaunchOptions, launch
+
+                assert launch(str(recipe), overrides, LaunchOptions(nproc=1)) == 0
+            else:
+                env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+                proc = subprocess.run(
+                    [sys.executable, "-m", "finetune", "run", str(recipe), "--nproc", "2",
+                     *(arg for o in overrides for arg in ("--set", o))],
+                    capture_output=True, text=True, timeout=900, env=env,
+                )
+                assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
             self.done[key] = out
         return self.done[key]
 
