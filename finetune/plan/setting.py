@@ -236,7 +236,9 @@ def _resolve_pp(
     what = "processes" if hw.device == "cpu" or req.for_run else "GPUs"
     layers = inv.num_layers
     if req.pp == "auto":
-        if req.strategy in ("auto", "ddp", "zero2", "fsdp") and world > 1 and stage_problem(req.config) is None:
+        # a run's packed rows stay packed (the data is the recipe's), and stages take unpacked ones
+        runnable = stage_problem(req.config) is None and not (req.for_run and req.packed)
+        if req.strategy in ("auto", "ddp", "zero2", "fsdp") and world > 1 and runnable:
             return 1, pp_degrees(world, hw.gpus_per_node, hw.nodes, layers, v, req.tp)
         return 1, ()
     pp = int(req.pp)
