@@ -20,7 +20,9 @@ Every strategy is torch's own:
   decoder block are split over the ``tp`` ranks of a node by ``torch.distributed.tensor.parallel``
   (``ColwiseParallel`` / ``RowwiseParallel``, as transformers' ``config.base_model_tp_plan`` names them),
   then zero2/fsdp shard over the ``dp`` dimension (FSDP2 over TP's DTensors is 2-D). Embeddings, norms and
-  the head are replicated over ``tp``.
+  the head are replicated over ``tp``; with ``distributed.sequence_parallel`` (the default) the norms, the
+  residual stream, the embeddings' output and the head's rows in the loss are split over the sequence
+  (:func:`apply_sequence_parallel`).
 
 Order inside :func:`parallelize` (as torchtitan's ``parallelize``): tensor parallelism, then activation
 checkpointing per block, then ``torch.compile`` per block (``train.compile``), then sharding bottom-up
