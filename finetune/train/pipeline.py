@@ -523,7 +523,7 @@ class Pipeline:
             if self.ctx.is_main:
                 return whole
             if head_of_stage:
-                dist.send(whole.to(self.ctx.device), group=self.group, group_dst=0)
+                dist.send(whole.to(self.ctx.device).contiguous(), group=self.group, group_dst=0)
             return None
         if self.ctx.is_main:
             buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
@@ -553,11 +553,16 @@ def save_pipeline_final(
 ) -> None:
     """The final model (one HF directory, streamed from the stages) or adapter (one PEFT directory), written by
     rank 0 from every stage's tensors; every rank calls."""
+    from torch.distributed.fsdp import FSDPModule
+
     from finetune.safetensors_stream import SAFE_INDEX, ShardWriter, plan_shards, write_index
 
     ctx, model = pipe.ctx, pipe.model
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
+    for module in model.modules():  # an evaluation leaves the root unit gathered: back to the trained shards
+        if isinstance(module, FSDPModule):
+            module.reshard()
     hf: Any = model
     if adapters:  # the trained tensors only, each gathered whole on rank 0
         trained: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters() if p.requires_grad}

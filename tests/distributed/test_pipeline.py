@@ -70,7 +70,7 @@ class PPRuns:
         r = parity_recipe(self.model_dir, out, method, strategy)
         r["train"]["max_steps"] = STEPS
         r["output"]["save_every"] = 4
-        if method == "lora":  # evaluation at the end: loss and exact match through the stages
+        if method == "lora" or layout in ("full-single", "full-pp2xdp2"):  # evaluation at the end, through the stages
             r["data"]["eval"] = str(RECIPES / "data/reverse/eval.jsonl")
             r["eval"] = {"max_samples": 8, "max_new_tokens": 4, "batch_size": 4, "at_start": False}
         return write_recipe(self.root / f"{layout}.yaml", r)
@@ -109,6 +109,16 @@ def _assert_parity(got: Path, want: Path, weights: str) -> None:
     assert max_weight_diff(got / weights, want / weights) <= ATOL
 
 
+def _assert_same_evaluation(got: Path, want: Path) -> None:
+    """The final evaluation's loss (within 1e-5) and exact match of ``got`` are ``want``'s."""
+    last = [
+        [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line][-1]
+        for d in (got, want)
+    ]
+    assert abs(last[0]["eval_loss"] - last[1]["eval_loss"]) <= RTOL * last[1]["eval_loss"]
+    assert last[0]["eval_exact_match"] == last[1]["eval_exact_match"]
+
+
 @pytest.mark.dist
 def test_two_stages_match_one_process_full_1f1b_and_lora_gpipe(pp_runs: PPRuns, tmp_path: Path) -> None:
     """Full fine-tuning under 1F1B and LoRA under GPipe on 2 stages: the single process's losses, norms and
@@ -129,12 +139,7 @@ def test_two_stages_match_one_process_full_1f1b_and_lora_gpipe(pp_runs: PPRuns, 
     adapter = load_file(lora / "adapter_model.safetensors")
     assert len(adapter) == 4 * 2 * 2  # 4 layers x (q, v) x (A, B): both stages' adapters
     assert "base_model.model.model.layers.3.self_attn.v_proj.lora_B.weight" in adapter
-    evals = [json.loads(line) for line in (lora / "metrics.jsonl").read_text().splitlines()]
-    evals_single = [json.loads(line) for line in (lora_single / "metrics.jsonl").read_text().splitlines()]
-    got = [r for r in evals if "eval_loss" in r][-1]
-    want = [r for r in evals_single if "eval_loss" in r][-1]
-    assert abs(got["eval_loss"] - want["eval_loss"]) <= RTOL * want["eval_loss"]
-    assert got["eval_exact_match"] == want["eval_exact_match"]
+    _assert_same_evaluation(lora, lora_single)
     merge(lora, tmp_path / "merged-pp")
     merge(lora_single, tmp_path / "merged-single")
     merged = max_weight_diff(tmp_path / "merged-pp" / "model.safetensors", tmp_path / "merged-single" / "model.safetensors")
@@ -144,10 +149,13 @@ def test_two_stages_match_one_process_full_1f1b_and_lora_gpipe(pp_runs: PPRuns, 
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", ["full-pp2xdp2", "full-pp2xtp2", "full-interleaved"])
 def test_pipeline_composes_with_fsdp_tp_and_interleaving(pp_runs: PPRuns, layout: str) -> None:
-    """pp 2 x dp 2 (fsdp over each stage), pp 2 x tp 2 (each stage's linears split) and interleaved 1F1B
-    (2 stages per rank, 1 layer each) on a (pp, dp, tp) mesh: the single process's run."""
-    got = pp_runs.get(layout)
-    _assert_parity(got, pp_runs.get("full-single"), "model.safetensors")
+    """pp 2 x dp 2 (fsdp over each stage, with the final evaluation through the sharded stages), pp 2 x tp 2
+    (each stage's linears split) and interleaved 1F1B (2 stages per rank, 1 layer each) on a (pp, dp, tp)
+    mesh: the single process's run."""
+    got, single = pp_runs.get(layout), pp_runs.get("full-single")
+    _assert_parity(got, single, "model.safetensors")
+    if layout == "full-pp2xdp2":
+        _assert_same_evaluation(got, single)
     execution = json.loads((got / "plan.json").read_text())["execution"]
     want = {"full-pp2xdp2": (2, 2, 1, [2, 2]), "full-pp2xtp2": (2, 1, 2, [2, 2]), "full-interleaved": (2, 1, 1, [1, 1, 1, 1])}
     assert (execution["pp"], execution["dp"], execution["tp"], execution["pp_layers"]) == want[layout]
