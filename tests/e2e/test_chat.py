@@ -11,6 +11,7 @@ the same four words (reversed, in capitals), so an answer tells which adapter ga
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import select
 import subprocess
 import sys
 import time
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext, redirect_stdout, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,8 @@ import torch
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from tests.support import clean_env, finetune_run, micro_model_dir, tiny_recipe, write_jsonl, write_recipe
+from finetune.launch import LaunchOptions, launch
+from tests.support import clean_env, micro_model_dir, tiny_recipe, write_jsonl, write_recipe
 
 WORDS = ["abc", "hello", "tiny", "lora"]
 TASKS = {
@@ -81,11 +83,14 @@ def train(tmp: Path, task: str, method: str) -> Run:
         train={"max_steps": STEPS, "global_batch_size": 4, "micro_batch_size": 4, "lr": 5e-3},
         eval={"max_samples": 4, "max_new_tokens": 8, "batch_size": 4, "at_start": False},
     )
-    done = finetune_run(write_recipe(tmp / f"{task}.yaml", recipe))
-    assert done.returncode == 0, done.stdout + done.stderr
+    # the launch() `finetune run` calls, in this process (no interpreter start); what it printed is kept
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        code = launch(str(write_recipe(tmp / f"{task}.yaml", recipe)), [], LaunchOptions(nproc=1))
+    assert code == 0, printed.getvalue()[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     em = [r["eval_exact_match"] for r in rows if "eval_exact_match" in r][-1]
-    return Run(out, data, _samples(done.stdout), em)
+    return Run(out, data, _samples(printed.getvalue()), em)
 
 
 def chat(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from finetune.launch import LaunchOptions, launch
 from tests.support import (
     RECIPES,
     TINY_MODEL,
     clean_env,
-    finetune_run,
     max_weight_diff,
     tiny_recipe,
     write_jsonl,
@@ -72,13 +72,12 @@ def scored_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
             eval={"max_new_tokens": MAX_NEW, "batch_size": N_EVAL, "at_start": False, "max_samples": None},
         )
 
-    done = finetune_run(write_recipe(d / "first.yaml", recipe(d / "first", first_eval)))
-    assert done.returncode == 0, done.stderr[-3000:]
+    # both trainings through the launch() `finetune run` calls, in this process (no interpreter start)
+    assert launch(str(write_recipe(d / "first.yaml", recipe(d / "first", first_eval))), [], LaunchOptions(nproc=1)) == 0
     answers = own_answers(d / "first")
     scored = [{**r, "output": answers[i]} if i % 2 == 0 else r for i, r in enumerate(rows)]
     second_eval = write_jsonl(d / "eval-second.jsonl", scored)
-    done = finetune_run(write_recipe(d / "second.yaml", recipe(d / "second", second_eval)))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert launch(str(write_recipe(d / "second.yaml", recipe(d / "second", second_eval))), [], LaunchOptions(nproc=1)) == 0
     # the eval file changes nothing in training: the same weights, so the first run's answers are the second's
     assert max_weight_diff(d / "first" / "model.safetensors", d / "second" / "model.safetensors") == 0.0
     return {"run": d / "second", "answers": answers, "dir": d}
