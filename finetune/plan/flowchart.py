@@ -392,6 +392,17 @@ def _pipeline_layout(s: Setting, c: Candidate) -> w.PipelineLayout:
     from finetune.plan.pipeline import boundaries_across_nodes, bubble_fraction, in_flight
 
     v = max(1, len(c.pp_layers) // c.pp)
+    by_memory = s.pp_layers is None and tuple(c.pp_layers) != s.pp_split(c.pp, c.tp)
+    settings: list[str] = []
+    if s.pp == 1:  # the walk chose the pipeline: what the recipe sets to run it
+        settings += [f"distributed.pp: {c.pp}", *([f"distributed.tp: {c.tp}"] if c.tp > 1 else [])]
+        settings += [f"distributed.strategy: {c.strategy}"]
+        if by_memory:
+            settings.append(f"distributed.pp_layers: {list(c.pp_layers)}")
+        if s.req.packed:
+            settings.append("data.packing: false")
+        if c.tp > 1 and s.req.sequence_parallel:
+            settings.append("distributed.sequence_parallel: false")
     crossing = boundaries_across_nodes(c.pp, s.world, s.hw.gpus_per_node)
     link = s.hw.interconnect if crossing else ("nvlink (inside a node)" if s.hw.device == "cuda" else s.hw.interconnect)
     bandwidth = s.hw.bandwidth if crossing else s.intra_node_bandwidth
@@ -402,7 +413,7 @@ def _pipeline_layout(s: Setting, c: Candidate) -> w.PipelineLayout:
         stage_totals=tuple(m.total for m in c.stage_memory),
         bubble_fraction=bubble_fraction(c.pp_schedule, c.pp, v, c.grad_accum_steps),
         p2p_bytes=c.pp_comm_bytes_per_step, p2p_seconds=c.pp_comm_bytes_per_step / bandwidth, link=link,
-        crossing=crossing,
+        crossing=crossing, by_memory=by_memory, settings=tuple(settings),
     )
 
 

@@ -357,6 +357,8 @@ class PipelineLayout(Step):
     p2p_seconds: float
     link: str
     crossing: int  # stage boundaries between nodes
+    by_memory: bool = False  # the layers split by memory (the split by cost did not fit)
+    settings: tuple[str, ...] = ()  # the recipe settings that run this layout (the walk chose it)
 
     def render(self) -> str:
         """The sentence."""
@@ -373,6 +375,8 @@ class PipelineLayout(Step):
             f"each GPU sends its neighbours {self.p2p_bytes / 1e9:.2f} GB per step (activations forward, their "
             f"gradients back), {self.p2p_seconds:.2f} s over {self.link}"
             f"{f', {self.crossing} of {self.pp - 1} boundaries between nodes' if self.crossing else ''}."
+            + (" The layers are split by memory: the split by cost does not fit." if self.by_memory else "")
+            + (f" To run it: {', '.join(self.settings)}." if self.settings else "")
         )
 
 

@@ -167,6 +167,21 @@ def test_gpipe_holds_every_micro_batch_and_its_time_has_a_bubble() -> None:
     assert one.time is not None and one.time.bubble == pytest.approx(one.time.compute * (1 / 5) / (4 / 5))
 
 
+def test_a_layout_the_walk_chooses_says_what_runs_it() -> None:
+    from finetune.plan.flowchart import _pipeline_layout
+
+    hw = Hardware("cpu", 2, 2, 2**40, False, "cpu", "ethernet", 1e9, True)
+    s = settle(Request(config=CFG, source="tiny", method="full", seq_len=64, global_batch_size=8, tp="auto",
+                       pp="auto", packed=True), hw)
+    assert s.pp == 1 and s.pp_auto == (2,)  # stages across the 2 nodes; tp inside one
+    c = evaluate(s, "full", "fsdp", 1, False, pp=2)
+    assert (c.pp, c.dp, c.grad_accum_steps) == (2, 2, 4)
+    step = _pipeline_layout(s, c)
+    assert step.settings == ("distributed.pp: 2", "distributed.strategy: fsdp", "data.packing: false")
+    assert step.crossing == 1 and step.in_flight == (2, 1) and step.bubble_fraction == pytest.approx(1 / 5)
+    assert "To run it: distributed.pp: 2, distributed.strategy: fsdp, data.packing: false." in step.render()
+
+
 # -- the recipe's checks through the CLI --------------------------------------------------------------------------
 def _plan(tmp_path: Path, *sets: str, gpus: int = 2) -> tuple[int, str]:
     from typer.testing import CliRunner
