@@ -120,14 +120,20 @@ EIGHT_BIT_RTOL = 1e-3
 @pytest.mark.slow  # two CLI runs
 def test_8bit_adamw_through_the_cli_follows_the_plain_run(tmp_path):
     """`finetune run` with train.optimizer adamw8bit: the plan records it, and each step's loss stays within
-    EIGHT_BIT_RTOL of the same run with torch's AdamW."""
+    EIGHT_BIT_RTOL of the same run with torch's AdamW (the reference: the launch() the CLI calls, in this
+    process)."""
+    from finetune.launch import LaunchOptions, launch
+
     losses = {}
     for name in ("adamw", "adamw8bit"):
         out = tmp_path / name
         recipe = write_recipe(tmp_path / f"{name}.yaml", tiny_recipe(out, train={"optimizer": name, "max_steps": 8}))
-        proc = subprocess.run([sys.executable, "-m", "finetune", "run", str(recipe)], capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        if name == "adamw":
+            assert launch(str(recipe), [], LaunchOptions(nproc=1)) == 0
+        else:
+            proc = subprocess.run([sys.executable, "-m", "finetune", "run", str(recipe)], capture_output=True,
+                                  text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-2000:]
         assert json.loads((out / "plan.json").read_text())["chosen"]["optimizer"] == name
         losses[name] = [row["loss"] for row in step_rows(out)]
     assert len(losses["adamw8bit"]) == 8
