@@ -655,7 +655,8 @@ def _communication(s: Setting, chosen: Candidate, table: list[Candidate]) -> lis
         out.append(w.TensorParallelCommunication(
             chosen.tp, chosen.activation_checkpointing, chosen.micro_batch_size, s.req.seq_len,
             s.req.config.hidden_size, chosen.tp_comm_bytes_per_step,
-            chosen.tp_comm_bytes_per_step / s.intra_node_bandwidth, link, s.req.sequence_parallel,
+            chosen.tp_comm_bytes_per_step / s.intra_node_bandwidth, link,
+            s.req.sequence_parallel and chosen.pp == 1,  # pipeline stages pass whole hidden states
         ))
     by = {c.strategy: c for c in table if c.method == chosen.method and c.micro_batch_size == 1 and c.tp == 1}
     ddp, z2, fs = by.get(Strategy.DDP), by.get(Strategy.ZERO2), by.get(Strategy.FSDP)
