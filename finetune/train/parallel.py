@@ -123,7 +123,9 @@ def tensor_parallel_plan(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, *, sequence_parallel: bool = False) -> None:
+def apply_tensor_parallel(
+    model: torch.nn.Module, tp_mesh: Any, *, sequence_parallel: bool = False, pipeline_stage: bool = False
+) -> None:
     """Split every decoder block's linears over ``tp_mesh`` (Megatron's column-then-row pairs).
 
     A column-parallel linear (q/k/v, gate/up) keeps ``out/tp`` output features on each rank and returns them
@@ -136,7 +138,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, *, sequence_para
     local columns; on a row-parallel layer lora_A is row-split (its input is the local shard) and lora_B
     replicated, after lora_A's all-reduce.
 
-    ``sequence_parallel``: Megatron's sequence parallelism on top (:func:`apply_sequence_parallel`).
+    ``sequence_parallel``: Megatron's sequence parallelism on top (:func:`apply_sequence_parallel`;
+    ``pipeline_stage``: the model is a pipeline stage, which may lack the embeddings and the final norm).
     """
     from torch.distributed.tensor import Shard, distribute_module
     from torch.distributed.tensor.parallel import (
@@ -189,10 +192,10 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, *, sequence_para
         if isinstance(style, SequenceParallel):  # a row-parallel lora_B (above)
             decoder.get_submodule(name).register_forward_pre_hook(_contiguous_shard)
     if sequence_parallel:
-        apply_sequence_parallel(model, tp_mesh)
+        apply_sequence_parallel(model, tp_mesh, pipeline_stage=pipeline_stage)
 
 
-def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
+def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any, *, pipeline_stage: bool = False) -> None:
     """Megatron's sequence parallelism over TP's ranks (torch's ``SequenceParallel``, as torchtitan applies it):
     between the blocks' linears every rank holds ``T/tp`` positions of the residual stream.
 
@@ -211,6 +214,9 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
 
     Llama-style blocks have no dropout on the residual stream; the attention's dropout runs on each rank's
     heads as without sequence parallelism.
+
+    ``pipeline_stage``: ``model`` is a pipeline stage (finetune.train.pipeline), whose embeddings exist on the
+    first stage only and whose final norm and head on the last only; the stages pass each rank's rows.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel, parallelize_module
@@ -228,15 +234,20 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
                 styles[f"{names[id(block)]}.{child_name}"] = SequenceParallel()
     final = [n for n, m in decoder.named_children() if "Norm" in type(m).__name__]
     embed = base.get_input_embeddings()
-    if len(final) != 1 or id(embed) not in names or not styles:
+    found = len(final) == 1 and id(embed) in names
+    if pipeline_stage:  # a stage without the embeddings (not the first) or the final norm (not the last)
+        found = len(final) <= 1 and (embed is None or id(embed) in names)
+    if not found or not styles:
         raise UserError(
             f"distributed.sequence_parallel: finetune cannot find the embeddings and norms of "
             f"{type(base).__name__}'s residual stream; set distributed.sequence_parallel: false"
         )
-    styles[final[0]] = SequenceParallel()
-    styles[names[id(embed)]] = PrepareModuleOutput(
-        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
-    )
+    if final:
+        styles[final[0]] = SequenceParallel()
+    if embed is not None:
+        styles[names[id(embed)]] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        )
     with _frozen_kept(decoder):
         parallelize_module(decoder, tp_mesh, styles)
     # one all-gather at the input of each module that holds column-parallel linears
@@ -257,7 +268,8 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any) -> None:
     head = base.get_output_embeddings()
     if head is not None:
         setattr(head, SEQUENCE_SHARD, shard)
-    decoder.get_submodule(final[0]).register_forward_hook(lambda m, a, out: shard.hand_over(out))
+    if final:
+        decoder.get_submodule(final[0]).register_forward_hook(lambda m, a, out: shard.hand_over(out))
     # Without FSDP the replicated weights that run on sequence shards (norms, a row-parallel lora_B) keep their
     # gradients as partial sums until summed here; FSDP2 sums them itself before its reduce-scatter (and its
     # parameters are other tensors, on which these hooks do not run).

@@ -12,10 +12,16 @@ every ``pp`` stages: looped placement) in one such model; each stage is a view t
 One device mesh ``(pp, dp, tp)``, pp outermost and tp innermost (the ranks of a TP group are neighbours,
 inside one node): tensor parallelism over ``tp`` and FSDP2 (zero2/fsdp) over ``dp`` apply to each stage
 model as to a whole one, then the schedule sends the hidden states between the ``pp`` ranks of the same
-``(dp, tp)`` position.
+``(dp, tp)`` position. With sequence parallelism (``distributed.sequence_parallel``, the default with tp) each
+stage runs it as a whole model does (finetune.train.parallel.apply_sequence_parallel): the first stage's
+embeddings output this tp rank's rows, a stage sends its rows ``(B, T/tp, H)`` as a plain tensor and the next
+wraps them back into the sequence-sharded DTensor, and the last stage's final norm, head and loss run on the
+rank's rows (:class:`finetune.loss.SequenceShard`, the loss summed over tp). The rows are padded to a multiple
+of ``tp`` so the shards are even.
 
 The step: the gradient-accumulation micro-batches are the pipeline's micro-batches, padded to
-``data.max_seq_len`` (a stage's receive buffers have one shape for the whole run). The last stage computes
+``data.max_seq_len`` (rounded up to a multiple of ``tp`` under sequence parallelism: a stage's receive buffers
+have one shape for the whole run). The last stage computes
 each micro-batch's summed token loss (the fused head) and scales it by ``dp / global target tokens``, the
 count every rank knows before the step (every rank has the batch's labels), with the schedule's own
 scaling off (``scale_grads=False``): gradients are exactly one process's. The summed loss is broadcast from
@@ -45,6 +51,8 @@ from finetune.loss import (
     FUSED_HEAD,
     IGNORE_INDEX,
     LOSS_CHUNK_BYTES,
+    SEQUENCE_SHARD,
+    SequenceShard,
     _ChunkedCrossEntropy,
     fusable_head,
     fused_head,
@@ -171,14 +179,22 @@ def _mask_and_positions(
     return mask, decoder.rotary_emb(hidden, position_ids=position_ids), position_ids
 
 
-def head_loss(base: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy of the head over ``hidden`` against the shifted ``targets`` (the fused
-    head where the model allows it, as :func:`finetune.loss.causal_lm_loss`)."""
+def head_loss(base: Any, norm: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of the head over ``norm(hidden)`` against the shifted ``targets`` (the
+    fused head where the model allows it, as :func:`finetune.loss.causal_lm_loss`). Under sequence parallelism
+    the final norm hands the fused head this tp rank's rows and the loss is summed over the tp ranks
+    (:class:`finetune.loss.SequenceShard`, as ``causal_lm_loss`` runs it); an unfused head gets the whole
+    sequence."""
     head = fusable_head(base)
     if head is not None and FUSED_HEAD:
+        shard: SequenceShard | None = getattr(head, SEQUENCE_SHARD, None)
+        if shard is not None:
+            start, end = shard.bounds(targets.shape[1])
+            with shard.rows(), fused_head(head, targets[:, start:end], None, shard.group):
+                return shard.total(head(norm(hidden)))
         with fused_head(head, targets):
-            return head(hidden)
-    logits = base.get_output_embeddings()(hidden)
+            return head(norm(hidden))
+    logits = base.get_output_embeddings()(norm(hidden))
     rows = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1]))
     return _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), rows)
 
@@ -186,35 +202,52 @@ def head_loss(base: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.T
 class StageRunner:
     """What a rank's stage model computes for each of its stages (its forward is patched to :meth:`forward`)."""
 
-    def __init__(self, model: torch.nn.Module, spec: ExecSpec, stages: list[int], autocast: Callable[[], Any]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, spec: ExecSpec, stages: list[int], autocast: Callable[[], Any],
+        tp_mesh: Any = None,
+    ) -> None:
         self.model, self.stages, self.autocast = model, stages, autocast
         self.layers = stage_layers(spec)
         self.n_stages = len(self.layers)
+        self.tp_mesh = tp_mesh  # under sequence parallelism: the stages pass each tp rank's rows
 
     def run(
         self, stage: int, x: torch.Tensor, labels: torch.Tensor | None = None, *,
         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-        last_logits: bool = False,
+        last_logits: bool = False, length: int | None = None,
     ) -> torch.Tensor:
         """Stage ``stage`` on ``x`` (token ids on the first stage, hidden states after): the hidden states, or on
-        the last stage the summed loss against ``labels`` (the last position's logits with ``last_logits``)."""
+        the last stage the summed loss against ``labels`` (the last position's logits with ``last_logits``).
+
+        Under sequence parallelism the hidden states in and out are this tp rank's rows of the sequence, a plain
+        ``(B, rows, H)`` tensor; ``length``: the whole sequence's (the rows times tp when not given)."""
+        from torch.distributed.tensor import DTensor, Shard
+
         base, decoder = _decoder(self.model)
         if not getattr(self.model, attention.MARK, False):
             attention.enable(self.model)
         with self.autocast():
-            hidden = decoder.embed_tokens(x) if stage == 0 else x
+            if stage == 0:
+                hidden = decoder.embed_tokens(x)  # under sequence parallelism: a Shard(1) DTensor
+            elif self.tp_mesh is not None:
+                b, rows, h = x.shape
+                t = rows * self.tp_mesh.size() if length is None else length
+                hidden = DTensor.from_local(
+                    x, self.tp_mesh, [Shard(1)], run_check=False, shape=torch.Size((b, t, h)), stride=(t * h, h, 1)
+                )
+            else:
+                hidden = x
             mask, rotary, positions = _mask_and_positions(decoder, hidden, attention_mask, position_ids)
             for i in self.layers[stage]:
                 hidden = decoder.layers[str(i)](
                     hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions
                 )
             if stage < self.n_stages - 1:
-                return hidden
-            hidden = decoder.norm(hidden)
-            if last_logits:
-                return base.get_output_embeddings()(hidden[:, -1:]).float()[:, 0]
+                return hidden.to_local() if isinstance(hidden, DTensor) else hidden
+            if last_logits:  # the final norm hands the head the whole sequence (SequenceShard)
+                return base.get_output_embeddings()(decoder.norm(hidden)[:, -1:]).float()[:, 0]
             assert labels is not None, "the last stage's loss needs the labels"
-            return head_loss(base, hidden, labels)
+            return head_loss(base, decoder.norm, hidden, labels)
 
 
 class _VirtualStage(torch.nn.Module):
@@ -283,7 +316,7 @@ def build_stage_model(
         model, [i for s in stages for i in layers[s]], first=0 in stages, last=len(layers) - 1 in stages
     )
     if spec.tensor_parallel:
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=spec.sequence_parallel, pipeline_stage=True)
     if spec.strategy.uses_fsdp:
         model = _fully_shard(model, spec, ctx, mesh["dp"])
     materialize(model, loaded, spec, ctx.device, None)
@@ -315,7 +348,7 @@ class Pipeline:
     mesh: Any
     stages: list[int]
     runner: StageRunner
-    width: int  # every micro-batch's columns (data.max_seq_len)
+    width: int  # every micro-batch's columns (data.max_seq_len; a multiple of tp under sequence parallelism)
     pad_id: int
     n_microbatches: int
     scaler: Any = None
@@ -455,21 +488,26 @@ class Pipeline:
         self, ids: torch.Tensor, *, labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None, last_logits: bool = False,
     ) -> torch.Tensor:
-        """One batch through every stage in turn (point-to-point sends of the hidden states, fp32 on the wire);
-        the last stage's output (the summed loss, or the last position's logits) on every rank of the group."""
+        """One batch through every stage in turn (point-to-point sends of the hidden states, fp32 on the wire:
+        this tp rank's rows of them under sequence parallelism); the last stage's output (the summed loss, or the
+        last position's logits) on every rank of the group."""
         hidden_size = _decoder(self.model)[0].config.hidden_size
         b, t = ids.shape
+        start, end = 0, t
+        if self.runner.tp_mesh is not None:  # the rows torch.chunk gives this tp rank (any length)
+            start, end = SequenceShard(self.runner.tp_mesh.get_local_rank(), self.spec.tp, None).bounds(t)
         x: torch.Tensor = ids
         out: torch.Tensor | None = None
         for s in range(self.runner.n_stages):
             if s not in self.stages:
                 continue
             if s > 0:
-                x = torch.empty((b, t, hidden_size), dtype=torch.float32, device=self.ctx.device)
+                x = torch.empty((b, end - start, hidden_size), dtype=torch.float32, device=self.ctx.device)
                 dist.recv(x, group=self.group, group_src=self._peer(s - 1))
             # through the module's call, so FSDP2's hooks gather the stage's parameters
             y = self.model(
-                x, labels, stage=s, attention_mask=attention_mask, position_ids=position_ids, last_logits=last_logits
+                x, labels, stage=s, attention_mask=attention_mask, position_ids=position_ids, last_logits=last_logits,
+                length=t,
             )
             if s < self.runner.n_stages - 1:
                 dist.send(y.float().contiguous(), group=self.group, group_dst=self._peer(s + 1))
@@ -539,10 +577,13 @@ def build_pipeline(
     """This rank's stage model on the run's mesh and its schedule; and the whole model's parameter counts."""
     mesh = build_mesh(spec, ctx)
     model, stages, counts = build_stage_model(loaded, spec, ctx, mesh, base_dir)
-    runner = StageRunner(model, spec, stages, autocast)
+    runner = StageRunner(model, spec, stages, autocast, mesh["tp"] if spec.sequence_parallel else None)
     _patch_forward(model, runner)
+    width = loaded.recipe.data.max_seq_len
+    if spec.sequence_parallel:  # even sequence shards: one receive shape on every tp rank
+        width = -(-width // spec.tp) * spec.tp
     pipe = Pipeline(
-        model, spec, ctx, mesh, stages, runner, width=loaded.recipe.data.max_seq_len, pad_id=pad_id,
+        model, spec, ctx, mesh, stages, runner, width=width, pad_id=pad_id,
         n_microbatches=n_microbatches,
     )
     return pipe, counts

@@ -3,7 +3,8 @@ layouts, merge of a pipelined LoRA run, and the capability table's refusals.
 
 The same fp32 recipe (4-layer Llama, global batch 8 in micro-batches of 2: 4 pipeline micro-batches per
 step, 8 steps) as one process and as ``--set distributed.pp=2``: 1F1B (full fine-tuning), GPipe (LoRA, with
-evaluation), pp 2 x dp 2 under fsdp, pp 2 x tp 2, and interleaved 1F1B with 2 stages per rank. Every one gives
+evaluation), pp 2 x dp 2 under fsdp, pp 2 x tp 2 with sequence parallelism (the stages pass each tp rank's
+rows; with evaluation), and interleaved 1F1B with 2 stages per rank. Every one gives
 the single process's losses and gradient norms within 1e-5 relative and its final weights within 1e-5: the
 last stage normalises each micro-batch's summed loss by the step's global target-token count, with the
 schedule's own scaling off. Stages keep the whole model's names, so a DCP checkpoint saved by 2 stages
@@ -70,7 +71,7 @@ class PPRuns:
         r = parity_recipe(self.model_dir, out, method, strategy)
         r["train"]["max_steps"] = STEPS
         r["output"]["save_every"] = 4
-        if method == "lora" or layout in ("full-single", "full-pp2xdp2"):  # evaluation at the end, through the stages
+        if method == "lora" or layout in ("full-single", "full-pp2xdp2", "full-pp2xtp2"):  # evaluation, through the stages
             r["data"]["eval"] = str(RECIPES / "data/reverse/eval.jsonl")
             r["eval"] = {"max_samples": 8, "max_new_tokens": 4, "batch_size": 4, "at_start": False}
         return write_recipe(self.root / f"{layout}.yaml", r)
@@ -150,13 +151,15 @@ def test_two_stages_match_one_process_full_1f1b_and_lora_gpipe(pp_runs: PPRuns, 
 @pytest.mark.parametrize("layout", ["full-pp2xdp2", "full-pp2xtp2", "full-interleaved"])
 def test_pipeline_composes_with_fsdp_tp_and_interleaving(pp_runs: PPRuns, layout: str) -> None:
     """pp 2 x dp 2 (fsdp over each stage, with the final evaluation through the sharded stages), pp 2 x tp 2
-    (each stage's linears split) and interleaved 1F1B (2 stages per rank, 1 layer each) on a (pp, dp, tp)
-    mesh: the single process's run."""
+    (each stage's linears split, with sequence parallelism: the stages pass each tp rank's rows, the last
+    stage's head and loss run on them; the final evaluation's loss and greedy exact match through the stages)
+    and interleaved 1F1B (2 stages per rank, 1 layer each) on a (pp, dp, tp) mesh: the single process's run."""
     got, single = pp_runs.get(layout), pp_runs.get("full-single")
     _assert_parity(got, single, "model.safetensors")
-    if layout == "full-pp2xdp2":
+    if layout in ("full-pp2xdp2", "full-pp2xtp2"):
         _assert_same_evaluation(got, single)
     execution = json.loads((got / "plan.json").read_text())["execution"]
+    assert execution["sequence_parallel"] is (layout == "full-pp2xtp2")
     want = {"full-pp2xdp2": (2, 2, 1, [2, 2]), "full-pp2xtp2": (2, 1, 2, [2, 2]), "full-interleaved": (2, 1, 1, [1, 1, 1, 1])}
     assert (execution["pp"], execution["dp"], execution["tp"], execution["pp_layers"]) == want[layout]
 
