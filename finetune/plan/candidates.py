@@ -34,7 +34,7 @@ def evaluate(
     the (method, checkpointing, tp) the walk traced (the table's other rows are marked not traced). With
     ``pp`` pipeline ranks the memory is the worst rank's (every rank's in ``stage_memory``)."""
     world = 1 if strategy == "single" else s.world
-    if spec_pp(strategy, pp) > 1:  # stages take unpacked rows, whole hidden states (finetune/plan/pipeline.py)
+    if spec_pp(strategy, pp) > 1:  # stages take unpacked rows (finetune/plan/pipeline.py)
         s = s.for_pipeline()
     dp = world // (tp * pp)
     accum = max(1, s.global_batch // (mbs * dp))

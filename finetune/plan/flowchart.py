@@ -401,8 +401,6 @@ def _pipeline_layout(s: Setting, c: Candidate) -> w.PipelineLayout:
             settings.append(f"distributed.pp_layers: {list(c.pp_layers)}")
         if s.req.packed:
             settings.append("data.packing: false")
-        if c.tp > 1 and s.req.sequence_parallel:
-            settings.append("distributed.sequence_parallel: false")
     crossing = boundaries_across_nodes(c.pp, s.world, s.hw.gpus_per_node)
     link = s.hw.interconnect if crossing else ("nvlink (inside a node)" if s.hw.device == "cuda" else s.hw.interconnect)
     bandwidth = s.hw.bandwidth if crossing else s.intra_node_bandwidth
@@ -656,7 +654,7 @@ def _communication(s: Setting, chosen: Candidate, table: list[Candidate]) -> lis
             chosen.tp, chosen.activation_checkpointing, chosen.micro_batch_size, s.req.seq_len,
             s.req.config.hidden_size, chosen.tp_comm_bytes_per_step,
             chosen.tp_comm_bytes_per_step / s.intra_node_bandwidth, link,
-            s.req.sequence_parallel and chosen.pp == 1,  # pipeline stages pass whole hidden states
+            s.req.sequence_parallel,
         ))
     by = {c.strategy: c for c in table if c.method == chosen.method and c.micro_batch_size == 1 and c.tp == 1}
     ddp, z2, fs = by.get(Strategy.DDP), by.get(Strategy.ZERO2), by.get(Strategy.FSDP)

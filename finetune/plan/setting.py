@@ -24,7 +24,7 @@ from finetune.spec import AdapterSpec, ExecSpec, adapter_spec, execution_spec
 
 # -- the settled request ------------------------------------------------------------------------------------
 #: What a pipeline layout the walk chooses runs with (Setting.for_pipeline), for the capability table's check.
-PIPELINE_CELL = {"packing": False, "sequence_parallel": False}
+PIPELINE_CELL = {"packing": False}
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,10 @@ class Setting:
         return INTERCONNECTS["nvlink"]
 
     def for_pipeline(self) -> Setting:
-        """This setting as pipeline stages run it: unpacked rows (padded to data.max_seq_len) and no sequence
-        parallelism (the stages pass whole hidden states): what the walk plans a PP layout with."""
-        return replace(self, req=replace(self.req, packed=False, sequence_parallel=False))
+        """This setting as pipeline stages run it: unpacked rows (padded to data.max_seq_len), with sequence
+        parallelism as the recipe sets it (each tp rank's stage passes its shard of the sequence): what the walk
+        plans a PP layout with."""
+        return replace(self, req=replace(self.req, packed=False))
 
     def at_seq_len(self, seq: int) -> Setting:
         """This setting at ``seq`` tokens per sample (the traces are shared: they are keyed by length)."""
@@ -122,7 +123,7 @@ class Setting:
             adapter=r.adapter, tp=tp, compile=r.compile, optimizer=optimizer or r.optimizer,
             offload=offload or r.offload, objective=r.objective, reference=r.reference, nodes=self.hw.nodes,
             pp=pp, pp_schedule=self.pp_schedule, pp_layers=pp_layers or self.pp_split(pp, tp),
-            sequence_parallel=r.sequence_parallel and pp == 1,  # pipeline stages pass whole hidden states
+            sequence_parallel=r.sequence_parallel,
         )
 
     def profile(self, spec: ExecSpec) -> ActivationProfile:
