@@ -235,7 +235,7 @@ def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     mem_file = out / "memory.json"
     if proc.returncode != 0 or not mem_file.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
         return {"config": name, "error": f"run failed ({proc.returncode}): {' | '.join(tail)}"}
     measured = json.loads(mem_file.read_text())
     plan = Plan.from_dict(json.loads((out / "plan.json").read_text()))

@@ -338,6 +338,25 @@ def _write_seeded_base(loaded: LoadedRecipe, spec: ExecSpec, base_dir: Path) -> 
 # -- the pipeline: the step, the gradient norm, evaluation, the final save -----------------------------------
 
 
+def stage_meta_args(spec: ExecSpec, stage: int, n_stages: int, rows: int, width: int, hidden: int) -> dict[str, Any]:
+    """``input_args`` and ``output_args`` of (virtual) stage ``stage`` for torch's ``PipelineStage``, as meta
+    tensors of one micro-batch of ``rows`` rows and ``width`` columns: token ids into the first stage, hidden
+    states between stages (this tp rank's ``width / tp`` rows of the sequence under sequence parallelism) in the
+    residual stream's dtype (FSDP2's compute dtype, else the stored weights'), the summed loss out of the last.
+    Given both, the stages skip the schedule's shape inference on the first step, whose ``autograd.grad`` the
+    memory probe's module hooks refuse on CPU."""
+    tokens = width // spec.tp if spec.sequence_parallel else width
+    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[
+        spec.fsdp_param_dtype or spec.base_dtype(False)])
+    states = torch.empty((rows, tokens, hidden), dtype=dtype, device="meta", requires_grad=True)  # gradients back
+    ids = torch.empty((rows, width), dtype=torch.long, device="meta")
+    loss = torch.empty((), dtype=torch.float32, device="meta")
+    return {
+        "input_args": ids if stage == 0 else states,
+        "output_args": loss if stage == n_stages - 1 else states,
+    }
+
+
 @dataclass
 class Pipeline:
     """A rank's stages, their schedule and the pp group: what the trainer calls instead of the plain step."""
@@ -374,8 +393,9 @@ class Pipeline:
         """The pp index of the rank that runs the last stage."""
         return (self.runner.n_stages - 1) % self.spec.pp
 
-    def build_schedule(self) -> None:
-        """The schedule over this rank's stages (scale_grads off: the loss is normalised by the global count)."""
+    def build_schedule(self, rows: int = 1) -> None:
+        """The schedule over this rank's stages (scale_grads off: the loss is normalised by the global count),
+        each stage given the shapes of its micro-batches of ``rows`` rows (:func:`stage_meta_args`)."""
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -385,8 +405,12 @@ class Pipeline:
 
         n = self.runner.n_stages
         submods = [self.model] if len(self.stages) == 1 else [_VirtualStage(self.model, s) for s in self.stages]
+        config: Any = self.model.config
         stages = [
-            PipelineStage(m, stage_index=s, num_stages=n, device=self.ctx.device, group=self.group)
+            PipelineStage(
+                m, stage_index=s, num_stages=n, device=self.ctx.device, group=self.group,
+                **stage_meta_args(self.spec, s, n, rows, self.width, int(config.hidden_size)),
+            )
             for m, s in zip(submods, self.stages, strict=True)
         ]
         kind = self.spec.pp_schedule
@@ -426,16 +450,16 @@ class Pipeline:
     def step(self, micro: list[dict[str, torch.Tensor]], global_tokens: torch.Tensor) -> torch.Tensor:
         """Forward and backward the step's micro-batches through the schedule (host copies, as the data gives
         them); returns this replica's summed token loss (float64, on the device) on every stage."""
-        if self.schedule is None:
-            self.build_schedule()
         assert len(micro) == self.n_microbatches, f"{len(micro)} micro-batches, the schedule runs {self.n_microbatches}"
         ids, labels = self._padded(micro)
+        if self.schedule is None:
+            self.build_schedule(ids.shape[0] // self.n_microbatches)
         device = ids.device
         self._scale = self.ctx.dp_size / torch.as_tensor(global_tokens, dtype=torch.float64, device=device).clamp(min=1.0)
         self._sums = []
         args = (ids,) if self.first else ()
         self.schedule.step(*args, target=labels, return_outputs=False, labels=labels)
-        # the last n: the schedule's first step also runs the loss once on its shape-inference output
+        # the step's micro-batches (the stages have static shapes: no shape-inference loss before them)
         sums = self._sums[-self.n_microbatches :]
         loss_sum = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=device)
         return self.broadcast_from_last(loss_sum)
