@@ -60,10 +60,18 @@ def evaluate(
         else:
             mem, comm = candidate_memory(inv, s.profile(spec), setup, first_step)
         status = Status.FITS if mem.total <= s.capacity else Status.OVER
-    tp_comm = tp_comm_bytes(
-        s.req.config, tp, seq_len=s.req.seq_len, micro_batch_size=mbs, grad_accum_steps=accum,
-        compute_bytes=spec.compute_bytes, checkpointing=ac,
-        sequence_parallel=spec.sequence_parallel, head_trained=not spec.method.adapters,
+    # a pipeline rank's TP collectives are its own layers' (and its ends'): the busiest rank's
+    ranks: list[tuple[int | None, bool, bool]] = [(None, True, True)]  # the whole model
+    if spec.pipeline:
+        ranks = [(r.layers, r.first, r.last) for r in pipeline_stages(spec.pp_layers, spec.pp, spec.pp_schedule, accum)]
+    tp_comm = max(
+        tp_comm_bytes(
+            s.req.config, tp, seq_len=s.req.seq_len, micro_batch_size=mbs, grad_accum_steps=accum,
+            compute_bytes=spec.compute_bytes, checkpointing=ac,
+            sequence_parallel=spec.sequence_parallel, head_trained=not spec.method.adapters,
+            layers=layers, first=first, last=last,
+        )
+        for layers, first, last in ranks
     )
     intra, inter = _links(s, inv, setup, comm)
     intra_secs, inter_secs = intra / s.intra_node_bandwidth, inter / s.hw.bandwidth

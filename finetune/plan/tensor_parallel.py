@@ -95,9 +95,14 @@ def tp_comm_bytes(
     checkpointing: bool,
     sequence_parallel: bool = False,
     head_trained: bool = False,
+    layers: int | None = None,
+    first: bool = True,
+    last: bool = True,
 ) -> int:
     """Bytes each rank sends per optimizer step for TP's collectives (ring: an all-reduce sends 2 (tp-1)/tp of
-    the tensor, an all-gather or a reduce-scatter (tp-1)/tp).
+    the tensor, an all-gather or a reduce-scatter (tp-1)/tp), over ``layers`` decoder layers (the model's, or a
+    pipeline rank's) and the embeddings' and the head's collectives where the rank holds them (``first``,
+    ``last``).
 
     Without sequence parallelism: 4 all-reduces per block per micro-batch (6 with recomputation). With it,
     each all-reduce becomes an all-gather and a reduce-scatter, the same bytes; what it adds is the all-gather
@@ -107,11 +112,12 @@ def tp_comm_bytes(
     if tp == 1:
         return 0
     per = micro_batch_size * seq_len * config.hidden_size * compute_bytes
-    count = (4 + (2 if checkpointing else 0)) * config.num_hidden_layers * grad_accum_steps
+    blocks = config.num_hidden_layers if layers is None else layers
+    count = (4 + (2 if checkpointing else 0)) * blocks * grad_accum_steps
     total = 2 * (tp - 1) / tp * per * count
     if sequence_parallel:
-        total += (tp - 1) / tp * per * grad_accum_steps
-        if head_trained:
+        total += (tp - 1) / tp * per * grad_accum_steps if first else 0
+        if head_trained and last:
             total += 2 * (tp - 1) / tp * config.vocab_size * config.hidden_size * 4 * grad_accum_steps
     return int(total)
 

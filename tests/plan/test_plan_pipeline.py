@@ -182,6 +182,10 @@ def test_sequence_parallel_stages_divide_their_boundaries_and_residual_stream_by
                                row).layer_acts(2)
     assert plain_layer < whole_layer
     assert c_sp.stage_memory[0].activations < c_whole.stage_memory[0].activations
+    # TP's collectives of the busiest rank, the last: its 2 layers' 4 per micro-batch (2 rows x 48 x 256 fp32,
+    # a ring's 2 (tp-1)/tp each) over 4 micro-batches, and the trained head's fp32 gradient all-reduce
+    per = 2 * 48 * 256 * 4
+    assert c_sp.tp_comm_bytes_per_step == per * 4 * 2 * 4 + 264 * 256 * 4 * 4
 
 
 def test_gpipe_holds_every_micro_batch_and_its_time_has_a_bubble() -> None:
