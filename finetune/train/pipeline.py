@@ -620,7 +620,7 @@ def save_pipeline_final(
     rank 0 from every stage's tensors; every rank calls."""
     from torch.distributed.fsdp import FSDPModule
 
-    from finetune.safetensors_stream import SAFE_INDEX, ShardWriter, plan_shards, write_index
+    from finetune.train.save import unique_tensors, write_shards
 
     ctx, model = pipe.ctx, pipe.model
     if ctx.is_main:
@@ -646,33 +646,12 @@ def save_pipeline_final(
             renamed = {k.replace(name, "."): v.contiguous() for k, v in state.items()}
             save_file(renamed, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     else:  # streamed: the files are planned from the shapes, then one tensor at a time reaches rank 0
-        named: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        tensors.update(model.named_buffers(remove_duplicate=False))
-        for name in model.state_dict(keep_vars=True):
-            if id(tensors[name]) not in seen:
-                seen.add(id(tensors[name]))
-                named[name] = tensors[name]
-        specs = pipe.named_specs(named)
-        where = {name: (owner, shape, dtype) for owner, name, shape, dtype in specs}
-        shards = plan_shards([(n, shape, dtype) for _, n, shape, dtype in specs], max_shard_bytes)
+        named = unique_tensors(model)
+        where = {name: (owner, shape, dtype) for owner, name, shape, dtype in pipe.named_specs(named)}
+        specs = [(name, shape, dtype) for name, (_, shape, dtype) in where.items()]
+        write_shards(out_dir, specs, lambda name: pipe.to_main(where[name][0], name, *where[name][1:], named), ctx,
+                     max_shard_bytes)
         if ctx.is_main:
-            for old in [*out_dir.glob("model*.safetensors"), out_dir / SAFE_INDEX]:
-                old.unlink(missing_ok=True)  # an earlier run's shards would mix with these
-        for file, file_specs in shards:
-            writer = ShardWriter(out_dir / file, file_specs) if ctx.is_main else None
-            for name, _, _ in file_specs:
-                owner, shape, dtype = where[name]
-                whole = pipe.to_main(owner, name, shape, dtype, named)
-                if writer is not None:
-                    assert whole is not None
-                    writer.write(name, whole)
-                del whole
-            if writer is not None:
-                writer.close()
-        if ctx.is_main:
-            write_index(out_dir, shards)
             hf.config.save_pretrained(out_dir)
             if getattr(model, "generation_config", None) is not None:
                 hf.generation_config.save_pretrained(out_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -98,6 +99,56 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return full.detach().cpu()
 
 
+def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict tensors by name, in its order; a weight shared by two names (tied embeddings) is
+    kept once, under its first name, as ``save_pretrained`` writes it."""
+    named: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    for name in model.state_dict(keep_vars=True):
+        t = tensors[name]
+        if id(t) not in seen:
+            seen.add(id(t))
+            named[name] = t
+    return named
+
+
+def write_shards(
+    out_dir: Path,
+    specs: list[tuple[str, list[int], torch.dtype]],
+    fetch: Callable[[str], torch.Tensor | None],
+    ctx: DistContext,
+    max_shard_bytes: int,
+) -> list[str]:
+    """Safetensors files of at most ``max_shard_bytes`` and their index, written one tensor at a time (every rank
+    calls, in the same order).
+
+    ``specs``: (name, shape, dtype) of every tensor, so the headers and the split are fixed before any tensor is
+    whole; ``fetch(name)``: that tensor whole on rank 0 (other ranks may get None), a collective where the
+    tensor is sharded. Rank 0 removes an earlier run's shards first. Returns the file names (on every rank).
+    """
+    from finetune.safetensors_stream import SAFE_INDEX, ShardWriter, plan_shards, write_index
+
+    shards = plan_shards(specs, max_shard_bytes)
+    if ctx.is_main:
+        for old in [*out_dir.glob("model*.safetensors"), out_dir / SAFE_INDEX]:
+            old.unlink(missing_ok=True)  # an earlier run's shards would mix with these
+    for file, file_specs in shards:
+        writer = ShardWriter(out_dir / file, file_specs) if ctx.is_main else None
+        for name, _, _ in file_specs:
+            whole = fetch(name)
+            if writer is not None:
+                assert whole is not None
+                writer.write(name, whole)
+            del whole
+        if writer is not None:
+            writer.close()
+    if ctx.is_main:
+        write_index(out_dir, shards)
+    return [file for file, _ in shards]
+
+
 def write_model_streamed(inner: torch.nn.Module, out_dir: Path, ctx: DistContext, max_shard_bytes: int) -> list[str]:
     """The model's weights as ``from_pretrained`` reads them, one tensor at a time (every rank calls).
 
@@ -107,34 +158,9 @@ def write_model_streamed(inner: torch.nn.Module, out_dir: Path, ctx: DistContext
     names (tied embeddings) is written once, under its first name, as ``save_pretrained`` does. Returns the
     file names (on every rank).
     """
-    from finetune.safetensors_stream import SAFE_INDEX, ShardWriter, plan_shards, write_index
-
-    named: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    tensors: dict[str, torch.Tensor] = dict(inner.named_parameters(remove_duplicate=False))
-    tensors.update(inner.named_buffers(remove_duplicate=False))
-    for name in inner.state_dict(keep_vars=True):
-        t = tensors[name]
-        if id(t) not in seen:
-            seen.add(id(t))
-            named[name] = t
+    named = unique_tensors(inner)
     specs = [(name, list(t.shape), t.dtype) for name, t in named.items()]
-    shards = plan_shards(specs, max_shard_bytes)
-    if ctx.is_main:
-        for old in [*out_dir.glob("model*.safetensors"), out_dir / SAFE_INDEX]:
-            old.unlink(missing_ok=True)  # an earlier run's shards would mix with these
-    for file, file_specs in shards:
-        writer = ShardWriter(out_dir / file, file_specs) if ctx.is_main else None
-        for name, _, _ in file_specs:
-            whole = _whole(named[name])
-            if writer is not None:
-                writer.write(name, whole)
-            del whole
-        if writer is not None:
-            writer.close()
-    if ctx.is_main:
-        write_index(out_dir, shards)
-    return [file for file, _ in shards]
+    return write_shards(out_dir, specs, lambda name: _whole(named[name]), ctx, max_shard_bytes)
 
 
 def write_run_files(loaded: LoadedRecipe, plan_dict: dict[str, Any]) -> Path:
