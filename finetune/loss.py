@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 
 from finetune import attention
 from finetune.adapters import base_model_of
+from finetune.loss_chunks import FUSED_CHUNK_BYTES, FUSED_HEAD, LOSS_CHUNK_BYTES  # set here by tests
 
 IGNORE_INDEX = -100
 
@@ -156,12 +156,6 @@ class SequenceShard:
         return loss_sum + (whole - loss_sum.detach())
 
 
-# Cross-entropy runs over chunks of about this many bytes of fp32 logits, in one autograd node that keeps
-# only the logits and the targets for backward and computes the gradient chunk by chunk into one buffer of the
-# logits' dtype. torch's cross_entropy keeps an fp32 log-softmax of the whole (B, T, V) block and makes an
-# fp32 copy of it too: for Llama 3's 128k vocabulary at 4096 tokens that is 4 GiB more per sample.
-LOSS_CHUNK_BYTES = 256 * 2**20
-
 
 def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the label tokens of ``batch``, and how many tokens were counted.
@@ -203,14 +197,6 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
     return loss_sum, (shifted != IGNORE_INDEX).sum()
 
 
-# The fused head + loss holds no (B, T, V) buffer, only a chunk's logits and their fp32 temporaries (a few
-# times this), so its chunks are smaller: 64 MiB of fp32 logits is 130 rows of Llama 3's 128k vocabulary,
-# still a matmul large enough to run at full speed.
-FUSED_CHUNK_BYTES = 64 * 2**20
-
-# Whether causal_lm_loss fuses the head into the loss; FINETUNE_FUSED_HEAD=0 turns it off (benchmarks, and
-# comparing plans with and without it).
-FUSED_HEAD = os.environ.get("FINETUNE_FUSED_HEAD", "1") != "0"
 
 
 def fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:

@@ -3,8 +3,9 @@
     python scripts/plan_speed.py [--runs 3] [-- extra plan flags]
 
 Each run is a fresh `finetune plan --model llama-3.1-405b --gpus 64 --gpu-memory 80GiB` process (imports
-included, as a user waits for them). Cold: an empty $FINETUNE_CACHE (activations traced, inventories and FLOPs
-counted from a built model); warm: the same cache again. Prints wall and CPU seconds of each (run it on an idle
+included, as a user waits for them). Cold: an empty $FINETUNE_CACHE (the config read by transformers,
+activations traced, inventories and FLOPs counted from a built model); warm: the same cache again (the
+config, traces, inventories and FLOPs read back: neither torch nor transformers is imported). Prints wall and CPU seconds of each (run it on an idle
 machine: other work stretches both).
 """
 
@@ -45,7 +46,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as cache:
             cold.append(run_once(cache, args.extra))
             warm.append(run_once(cache, args.extra))
-    print(f"finetune {' '.join(COMMAND)}  ({os.cpu_count()} cores)")
+    print(f"finetune {' '.join(COMMAND + args.extra)}  ({os.cpu_count()} cores; later flags win)")
     for name, rows in (("cold cache", cold), ("warm cache", warm)):
         wall, cpu = min(rows)
         print(f"  {name}: {wall:5.2f} s wall, {cpu:5.2f} s CPU (best of {len(rows)}; all walls: "

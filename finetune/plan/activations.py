@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from finetune.plan.config import concrete
 from finetune.plan.shapes import decoder_layer_names, reduced_config
 from finetune.spec import AdapterSpec, ExecSpec, Method
 from finetune.units import torch_dtype
@@ -210,9 +211,13 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
 def _disk_path(key: Any) -> Any:
     """``$FINETUNE_CACHE/traces/<digest>.json`` for a trace (keyed also by the loss's chunking, which changes
     what a trace records), or None when there is no cache directory."""
-    from finetune import loss
+    import sys
+
+    from finetune import loss_chunks
     from finetune.plan.cache import cache_file
 
+    # finetune.loss's own values when it is imported (tests set them there); else the defaults, without torch
+    loss = sys.modules.get("finetune.loss", loss_chunks)
     return cache_file("traces", key, TRACE_VERSION, loss.LOSS_CHUNK_BYTES, loss.FUSED_CHUNK_BYTES, loss.FUSED_HEAD)
 
 
@@ -249,7 +254,7 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
     # Built on the meta device (peft's dtype moves do not work on fake parameters), then every parameter
     # and buffer is replaced by a fake CPU tensor of the same shape, dtype and sharing.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=_traced_kernel(spec))
+        model = AutoModelForCausalLM.from_config(concrete(cfg), dtype=dtype, attn_implementation=_traced_kernel(spec))
     model.train()
     if Method(spec.method).quantized:
         _emulate_kbit_preparation(model)

@@ -7,6 +7,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, cast
 
 from finetune.errors import UserError
@@ -111,7 +112,8 @@ def check_flags(opts: PlanOptions) -> None:
 def build_plan(opts: PlanOptions) -> Plan:
     """The plan for ``opts``: a recipe (with --set overrides and its hardware section) and/or flags."""
     check_flags(opts)
-    from finetune.locate import resolve_model_config
+    from finetune.locate import locate_model
+    from finetune.plan.config import planning_config
     from finetune.plan.flowchart import make_plan
     from finetune.plan.hardware import detect_hardware
     from finetune.plan.request import request_from_recipe
@@ -129,7 +131,7 @@ def build_plan(opts: PlanOptions) -> Plan:
     hw_section: Any = loaded.recipe.hardware
     overridden = {o.split("=", 1)[0].strip() for o in opts.overrides}
     if opts.model and opts.recipe:
-        config, source = resolve_model_config(opts.model)
+        config, source = planning_config(locate_model(opts.model, Path.cwd()))
         req = replace(req, config=config, source=source)
     changes: dict[str, Any] = {}
     for key in ("method", "strategy", "precision", "seq_len", "micro_batch_size"):

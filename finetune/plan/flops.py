@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.plan.config import concrete
+
 # What the first decoder layer's attention calls the projections that read the layer's input.
 INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value", "Wqkv", "W_pack")
 
@@ -97,7 +99,7 @@ def config_flops_per_token(config: Any, *, seq_len: float, adapter: Any = None) 
     from finetune.methods import inject
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(concrete(config))
     if adapter is not None:
         model = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)
     return training_flops_per_token(model, seq_len=seq_len)
@@ -206,7 +208,7 @@ def _build_shape(config: Any, adapter: Any) -> FlopsShape:
     from finetune.plan.shapes import decoder_layer_names, reduced_config
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(reduced_config(config, 1))
+        model = AutoModelForCausalLM.from_config(concrete(reduced_config(config, 1)))
     if adapter is not None:
         model = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)
     layers = decoder_layer_names(model)

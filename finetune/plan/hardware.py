@@ -7,7 +7,10 @@ host's RAM divided by the processes on it.
 
 from __future__ import annotations
 
+import glob
+import os
 import re
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -295,7 +298,19 @@ def _measure_matmul(dtype: str) -> float:
     return 2.0 * n**3 / max(best, 1e-9)
 
 
+def _no_gpu_device() -> bool:
+    """Whether this machine surely has no CUDA or ROCm device, so that torch (seconds to import) need not be
+    asked: Linux without an NVIDIA (/dev/nvidia0...), AMD (/dev/kfd) or WSL (/dev/dxg) device node, or macOS."""
+    if sys.platform == "darwin":
+        return True
+    if sys.platform.startswith("linux"):
+        return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))
+    return False
+
+
 def _visible_gpus() -> tuple[int, tuple[str, int, bool, bool] | None]:
+    if _no_gpu_device():
+        return 0, None
     try:
         import torch
 

@@ -49,11 +49,11 @@ class Request:
 
 def request_from_recipe(loaded: LoadedRecipe) -> Request:
     """A :class:`Request` from a validated recipe (model config from its path, the catalog or the cache)."""
-    from finetune.locate import model_config
+    from finetune.plan.config import planning_config
 
     r = loaded.recipe
     assert loaded.inputs is not None, "load_recipe resolves the inputs"
-    config, source = model_config(loaded.inputs.model, r.model.trust_remote_code)
+    config, source = planning_config(loaded.inputs.model, r.model.trust_remote_code)
     mbs = r.train.micro_batch_size
     ac = r.train.activation_checkpointing
     return Request(
@@ -94,10 +94,11 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
 def reference_config(loaded: LoadedRecipe) -> Any:
     """The config of ``dpo.reference_model`` when a dpo run names one (its weights are counted from it), else
     None."""
-    from finetune.locate import locate_model, model_config
+    from finetune.locate import locate_model
+    from finetune.plan.config import planning_config
 
     r = loaded.recipe
     if not r.dpo.reference_model or r.train.objective != "dpo":
         return None
-    config, _ = model_config(locate_model(r.dpo.reference_model, loaded.base_dir), r.model.trust_remote_code)
+    config, _ = planning_config(locate_model(r.dpo.reference_model, loaded.base_dir), r.model.trust_remote_code)
     return config

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetune.plan.config import concrete
 from finetune.spec import DTYPE_BYTES, AdapterSpec, ExecSpec, QuantSpec, adapter_spec
 
 # bitsandbytes 4-bit layout (Params4bit + QuantState with double quantization), per quantized weight of n values
@@ -262,7 +263,7 @@ def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> I
 
     cfg = reduced_config(config, 1)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = AutoModelForCausalLM.from_config(concrete(cfg))
     layers = decoder_layer_names(model)
     block_prefix = layers[0] + "." if layers else "\0"
     out_emb = model.get_output_embeddings()

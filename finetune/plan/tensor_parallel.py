@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from finetune.plan.config import config_class_name
+
 # The config keys TP divides (Llama, Qwen2, Mistral, Gemma, ... : every architecture whose
 # base_model_tp_plan splits q/k/v/o and gate/up/down)
 HEADS, KV_HEADS, INTERMEDIATE = "num_attention_heads", "num_key_value_heads", "intermediate_size"
@@ -39,7 +41,7 @@ def tp_problem(config: Any, tp: int) -> str | None:
     """Why ``config``'s model cannot be split over ``tp`` ranks (one sentence with the numbers), or None."""
     if tp == 1:
         return None
-    arch = (getattr(config, "architectures", None) or [type(config).__name__.replace("Config", "")])[0]
+    arch = (getattr(config, "architectures", None) or [config_class_name(config).replace("Config", "")])[0]
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
         return (
