@@ -856,21 +856,55 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
 
     r = loaded.recipe
     problems = [loaded.problem(found.key, found.message) for found in refusals(Cell.of_recipe(r))]
-    if r.method == "adapter" and r.adapter.size is not None and inputs.model.problem() is None:
-        from finetune.errors import UserError
-        from finetune.locate import model_config
+    pp = r.distributed.pp
+    if pp == 1 and r.distributed.pp_layers is not None:
+        problems.append(loaded.problem(
+            "distributed.pp_layers",
+            "set without a pipeline (distributed.pp is 1); set distributed.pp or remove distributed.pp_layers",
+        ))
+    pipelined = isinstance(pp, int) and pp > 1
+    if not (pipelined or (r.method == "adapter" and r.adapter.size is not None)) or inputs.model.problem():
+        return problems
+    from finetune.errors import UserError
+    from finetune.plan.config import planning_config
 
-        try:
-            hidden = int(model_config(inputs.model, r.model.trust_remote_code)[0].hidden_size)
-        except (OSError, ValueError, UserError):  # the model's own problem is reported by model.path
-            hidden = None
-        if hidden is not None and r.adapter.size > hidden:
-            problems.append(loaded.problem(
-                "adapter.size",
-                f"{r.adapter.size} is wider than the model's hidden size {hidden}: a bottleneck must be narrower; "
-                f"use at most {hidden} (e.g. {max(1, hidden // 16)})",
-            ))
+    try:
+        config = planning_config(inputs.model, r.model.trust_remote_code)[0]
+    except (OSError, ValueError, UserError):  # the model's own problem is reported by model.path
+        return problems
+    hidden = int(config.hidden_size)
+    if r.method == "adapter" and r.adapter.size is not None and r.adapter.size > hidden:
+        problems.append(loaded.problem(
+            "adapter.size",
+            f"{r.adapter.size} is wider than the model's hidden size {hidden}: a bottleneck must be narrower; "
+            f"use at most {hidden} (e.g. {max(1, hidden // 16)})",
+        ))
+    if pipelined:
+        problems += [loaded.problem(key, message) for key, message in pipeline_problems(r, config)]
     return problems
+
+
+def pipeline_problems(r: Recipe, config: Any) -> list[tuple[str, str]]:
+    """(key, sentence) for each way a pinned pipeline (``distributed.pp`` above 1) cannot cut ``config``'s model
+    as the recipe asks: the model's decoder or tied head, more stages than layers, a ``pp_layers`` split that
+    does not add up. What depends on the process count is checked by plan and run."""
+    from finetune.plan.pipeline import INTERLEAVED, pipeline_problem, split_problem, stage_problem
+
+    d = r.distributed
+    pp = int(d.pp)
+    v = d.pp_stages_per_rank or (2 if d.pp_schedule == INTERLEAVED else 1)
+    layers = int(config.num_hidden_layers)
+    tp = d.tp if isinstance(d.tp, int) else 1
+    found = stage_problem(config) or pipeline_problem(
+        pp=pp, tp=tp, world=pp * tp, what="processes", schedule=d.pp_schedule, v=v, num_layers=layers,
+        pinned_v=d.pp_stages_per_rank,
+    )
+    if found is None and d.pp_layers is not None:
+        found = split_problem(d.pp_layers, pp * v, layers, pp, v)
+    if found is None:
+        return []
+    key, _, message = found.partition(": ")
+    return [(key, message)]
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

@@ -186,6 +186,11 @@ REFUSED = [
     ({"data": {"packing": True}}, "data.packing: packed rows' document masks do not cross the stages"),
     ({"distributed": {"strategy": "zero1"}}, "distributed.strategy: zero1 cannot run over"),
     ({"train": {"compile": True}}, "distributed.pp: 2 with train.compile: true is not supported"),
+    # what the model decides (4 decoder layers): read from its config by validate, as plan and run read it
+    ({"distributed": {"pp_layers": [3, 2]}}, "distributed.pp_layers: [3, 2] has 2 stages of 5 layers; pp 2 x 1"),
+    ({"distributed": {"pp": 8}}, "distributed.pp: 8 ranks x 1 stage each need at least 8 decoder layers and the "
+                                 "model has 4; use a pp of at most 4"),
+    ({"distributed": {"pp": 1, "pp_layers": [2, 2]}}, "distributed.pp_layers: set without a pipeline"),
 ]
 
 
@@ -209,4 +214,23 @@ def test_pipeline_refusals_name_the_key(tmp_path: Path, pp_model: Path) -> None:
             res = CliRunner().invoke(app, [command, str(recipe)])
             assert res.exit_code == 2, res.output
             assert key in res.output and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_head_is_refused_by_validate_plan_and_run(tmp_path: Path) -> None:
+    """A model whose head is its input embeddings cannot be cut into stages: one sentence from validate, plan
+    and run alike, naming distributed.pp."""
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    tied = micro_model_dir(tmp_path / "tied", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    r = parity_recipe(tied, tmp_path / "out", "full", "ddp")
+    r["distributed"].update({"pp": 2, "nproc": 2})
+    recipe = write_recipe(tmp_path / "tied.yaml", r)
+    for command in ("validate", "plan", "run"):
+        res = CliRunner().invoke(app, [command, str(recipe)])
+        assert res.exit_code == 2, res.output
+        assert "distributed.pp: llama ties its output head to its input embeddings" in res.output, res.output
     assert not (tmp_path / "out").exists()
