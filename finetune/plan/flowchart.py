@@ -9,7 +9,8 @@
    Activation checkpointing is tried only when a method fits under no strategy without it.
 4. If nothing fits yet, what still helps: the optimizer state in 8 bits, then paged (on GPUs), then the
    optimizer state offloaded to host memory, then the parameters too; then shorter sequences or more GPUs.
-5. The largest micro-batch that fits, and gradient accumulation that keeps the recipe's global batch.
+5. The largest micro-batch that fits (under a pipeline, the one with the shortest predicted step), and gradient
+   accumulation that keeps the recipe's global batch.
 Where several strategies fit at the same step, the predicted time per step breaks the tie.
 Everything the recipe pins is respected and checked. Every step is recorded as a typed
 :mod:`finetune.plan.walk` step with the numbers that decided it; the request and hardware are never changed.
@@ -495,12 +496,15 @@ def _smaller_state(wk: _Walk, mbs1: int, acs: list[bool]) -> Candidate | None:
 
 
 def _largest_micro_batch(wk: _Walk, c: Candidate) -> Candidate:
-    """Step 5: the largest micro-batch that fits (a divisor of each rank's share of the global batch)."""
+    """Step 5: the largest micro-batch that fits (a divisor of each rank's share of the global batch); under a
+    pipeline, the one whose predicted step is the shortest (smaller ones make more micro-batches, a smaller
+    bubble)."""
     s = wk.s
     per_rank = s.global_batch // c.dp
     if s.req.micro_batch_size is not None:
         return c
     best = c
+    fitting = [c]
     for b in sorted(b for b in range(2, per_rank + 1) if per_rank % b == 0):
         if c.pp > 1 and microbatch_problem(c.pp_schedule, c.pp, per_rank // b):
             break  # fewer micro-batches than the schedule needs (more would only come from smaller ones)
@@ -509,6 +513,17 @@ def _largest_micro_batch(wk: _Walk, c: Candidate) -> Candidate:
         if not cand.fits:
             break
         best = cand
+        fitting.append(cand)
+    if c.pp > 1 and all(f.time is not None for f in fitting):
+        # a pipeline's bubble shrinks with more, smaller micro-batches: the fastest step, the larger on a tie
+        fastest = min(reversed(fitting), key=lambda f: f.time.step if f.time else 0.0)
+        if fastest is not best and best.time is not None and fastest.time is not None:
+            wk.log.append(w.PipelineMicroBatch(
+                s.req.seq_len, fastest.micro_batch_size, fastest.activation_checkpointing, fastest.memory.total,
+                fastest.grad_accum_steps, s.global_batch, fastest.time.step, fastest.time.bubble,
+                best.micro_batch_size, best.time.step, best.time.bubble,
+            ))
+            return fastest
     wk.log.append(w.LargestMicroBatch(
         s.req.seq_len, best.micro_batch_size, best.activation_checkpointing, best.memory.total,
         best.grad_accum_steps, s.global_batch,

@@ -428,6 +428,35 @@ class LargestMicroBatch(Step):
 
 
 @dataclass(frozen=True)
+class PipelineMicroBatch(Step):
+    """Step 4 under a pipeline: a micro-batch smaller than the largest that fits, for a shorter step."""
+
+    seq_len: int
+    micro_batch_size: int
+    checkpointing: bool
+    total: int
+    grad_accum_steps: int
+    global_batch: int
+    step_seconds: float
+    bubble_seconds: float
+    largest: int
+    largest_step_seconds: float
+    largest_bubble_seconds: float
+
+    def render(self) -> str:
+        """The sentence."""
+        ac = "on" if self.checkpointing else "off"
+        return (
+            f"Micro-batch at {self.seq_len} tokens: {self.micro_batch_size}, not the largest that fits "
+            f"({self.largest}): its {self.grad_accum_steps} micro-batches a step leave the pipeline idle "
+            f"{self.bubble_seconds:.2f} s of a {self.step_seconds:.2f} s step, against "
+            f"{self.largest_bubble_seconds:.2f} s of {self.largest_step_seconds:.2f} s (activation checkpointing "
+            f"{ac}, {fmt_bytes(self.total)} per GPU); gradient accumulation {self.grad_accum_steps} keeps the global "
+            f"batch at {self.global_batch}."
+        )
+
+
+@dataclass(frozen=True)
 class FasterChoice(Step):
     """Several configurations fit at the same step of the walk: the one with the shortest predicted step."""
 

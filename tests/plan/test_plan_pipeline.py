@@ -277,6 +277,31 @@ def test_pinned_pipeline_reaches_the_execution_spec_through_the_cli(tmp_path) ->
     assert any(s["kind"] == "PipelineLayout" for s in p["steps"])
 
 
+def test_under_a_pipeline_the_walk_takes_the_micro_batch_with_the_shortest_step(tmp_path) -> None:
+    """Every micro-batch of 1, 2 and 4 rows fits the tiny model; with 8 rows a step on one pipeline of 2 stages,
+    1 makes 8 micro-batches (bubble 1/9 of the step) and 4 makes 2 (1/3): the walk takes 1 and says why. A
+    pinned micro-batch is kept."""
+    code, output = _plan(tmp_path, "train.micro_batch_size=auto")
+    assert code == 0, output
+    p = json.loads(output)
+    c = p["chosen"]
+    assert (c["pp"], c["micro_batch_size"], c["grad_accum_steps"]) == (2, 1, 8)
+    (step,) = [s for s in p["steps"] if s["kind"] == "PipelineMicroBatch"]
+    assert (step["micro_batch_size"], step["largest"]) == (1, 4)
+    assert step["step_seconds"] == pytest.approx(c["time"]["step"])
+    assert step["step_seconds"] < step["largest_step_seconds"]
+    # bubble = compute x f / (1 - f): f 1/9 here, 1/3 for micro-batch 4, with the step's compute the same
+    assert step["bubble_seconds"] == pytest.approx(c["time"]["bubble"])
+    assert c["time"]["bubble"] / c["time"]["compute"] == pytest.approx(1 / 8, rel=1e-6)
+    assert step["largest_bubble_seconds"] / step["bubble_seconds"] == pytest.approx(4, rel=1e-6)
+    assert not any(s["kind"] == "LargestMicroBatch" for s in p["steps"])
+    code, output = _plan(tmp_path)  # micro_batch_size: 2 pinned
+    assert code == 0, output
+    pinned = json.loads(output)
+    assert pinned["chosen"]["micro_batch_size"] == 2
+    assert not any(s["kind"] == "PipelineMicroBatch" for s in pinned["steps"])
+
+
 def test_the_table_shows_pp_dp_tp(tmp_path) -> None:
     from rich.console import Console
 
