@@ -134,11 +134,12 @@ def resolve_resume(spec: str, out_dir: str | os.PathLike[str]) -> Path:
 
 
 def run_identity(
-    method: str, model_path: str, world_size: int, strategy: str, precision: str, recipe: Any, tp: int = 1
+    method: str, model_path: str, world_size: int, strategy: str, precision: str, recipe: Any, tp: int = 1,
+    pp: int = 1,
 ) -> dict[str, Any]:
     """What a checkpoint records about its run; a resume must match all of it but the world size, the
-    strategy and the tensor-parallel degree (:data:`RESHARDABLE`: the sharded checkpoint is re-sliced for
-    the resuming run's layout)."""
+    strategy and the tensor- and pipeline-parallel degrees (:data:`RESHARDABLE`: the sharded checkpoint is
+    re-sliced for the resuming run's layout)."""
     ident = {
         "method": method,
         "model": str(model_path),
@@ -146,6 +147,7 @@ def run_identity(
         "world_size": int(world_size),
         "strategy": strategy,
         "tp": int(tp),
+        "pp": int(pp),
         "global_batch_size": recipe.train.global_batch_size,
         "seed": recipe.train.seed,
     }
@@ -155,8 +157,9 @@ def run_identity(
 
 #: Recorded, but a resume may change them: DCP reshards the checkpoint to the resuming run's layout. The
 #: tensor-parallel degree too: TP's DTensors are saved as slices of whole tensors, and the data order and the
-#: loss normalisation depend on the global batch, not on how many replicas (dp = world / tp) share it.
-RESHARDABLE = frozenset({"world_size", "strategy", "tp"})
+#: loss normalisation depend on the global batch, not on how many replicas (dp = world / tp) share it. The
+#: pipeline degree too: stages save their parameters under the whole model's names.
+RESHARDABLE = frozenset({"world_size", "strategy", "tp", "pp"})
 
 _WHAT = {
     "method": ("method", "the method"),
@@ -165,6 +168,7 @@ _WHAT = {
     "world_size": ("--nproc", "the number of processes"),
     "strategy": ("distributed.strategy", "the strategy"),
     "tp": ("distributed.tp", "the tensor-parallel degree"),
+    "pp": ("distributed.pp", "the pipeline-parallel degree"),
     "global_batch_size": ("train.global_batch_size", "the global batch size"),
     "seed": ("train.seed", "the seed"),
     "lora": ("lora", "the adapter shape (lora.r, lora.target_modules)"),

@@ -38,7 +38,7 @@ def identity_for(loaded: LoadedRecipe, plan: Plan) -> dict[str, Any]:
     """What this run's checkpoints record and a resume must match."""
     c = plan.chosen
     return ck.run_identity(
-        c.method, loaded.recipe.model.path, c.world_size, c.strategy, c.precision, loaded.recipe, c.tp
+        c.method, loaded.recipe.model.path, c.world_size, c.strategy, c.precision, loaded.recipe, c.tp, c.pp
     )
 
 
@@ -74,9 +74,9 @@ def preflight_resume(loaded: LoadedRecipe, plan: Plan, resume: str | None, overw
     return str(path)
 
 
-def _tp(degree: int) -> str:
-    """`` tp N`` for a tensor-parallel layout, nothing otherwise (the resume note)."""
-    return f" tp {degree}" if degree > 1 else ""
+def _layout(tp: int, pp: int) -> str:
+    """`` tp N`` and `` pp N`` for a tensor- or pipeline-parallel layout, nothing otherwise (the resume note)."""
+    return (f" tp {tp}" if tp > 1 else "") + (f" pp {pp}" if pp > 1 else "")
 
 
 def resume_command(loaded: LoadedRecipe) -> str:
@@ -145,11 +145,12 @@ class RunCheckpoints:
             note = f"; removed newer checkpoints {', '.join(p.name for p in dropped)}" if dropped else ""
             saved_by = meta.get("saved_by", {}).get("world_size", self.ctx.world_size)
             saved_tp, tp = int(meta["identity"].get("tp", 1)), self.plan.chosen.tp
-            was = (saved_by, meta["identity"].get("strategy"), saved_tp)
-            if was != (self.ctx.world_size, self.plan.chosen.strategy, tp):
+            saved_pp, pp = int(meta["identity"].get("pp", 1)), self.plan.chosen.pp
+            was = (saved_by, meta["identity"].get("strategy"), saved_tp, saved_pp)
+            if was != (self.ctx.world_size, self.plan.chosen.strategy, tp, pp):
                 note += (
-                    f"; resharded from {meta['identity'].get('strategy')} x{saved_by}{_tp(saved_tp)} to "
-                    f"{self.plan.chosen.strategy} x{self.ctx.world_size}{_tp(tp)}"
+                    f"; resharded from {meta['identity'].get('strategy')} x{saved_by}{_layout(saved_tp, saved_pp)} "
+                    f"to {self.plan.chosen.strategy} x{self.ctx.world_size}{_layout(tp, pp)}"
                 )
             self.say(
                 f"resumed from {path} at step {state.step} of {self.total_steps} "
