@@ -170,9 +170,11 @@ class Trainer:
         writer = MetricsWriter(
             self.out_dir / "metrics.jsonl", ctx.is_main, open_trackers(self.loaded, self.plan, ctx, resumed_at)
         )
+        inner = unwrap(self.model)
         mfu = MfuMeter(
-            unwrap(self.model), r.hardware.gpu_type or self.plan.hardware.get("gpu_type"), self.spec.compute_dtype,
+            inner, r.hardware.gpu_type or self.plan.hardware.get("gpu_type"), self.spec.compute_dtype,
             ctx.world_size, ctx.device.type,
+            whole=(inner.config, self.spec.adapter) if self.pipeline is not None else None,
         )
         self.metrics = MetricsProcessor(writer, mfu, log_every=r.output.log_every, total_steps=self.total, start_step=start)
         self.step_memory = StepMemory(

@@ -83,6 +83,13 @@ def test_the_mfu_meter_is_linear_in_the_row_width_and_none_off_a_gpu() -> None:
     assert meter(0.0, 128.0) is None and meter(5000.0, 0.0) is None
     assert MfuMeter(model, "h100", "bf16", 2, "cpu")(5000.0, 128.0) is None
     assert MfuMeter(model, "no-such-gpu", "bf16", 2, "cuda")(5000.0, 128.0) is None
+    # a pipeline rank holds only its stage's layers: its meter counts the whole model, from the config
+    with torch.device("meta"):
+        stage = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL))
+    del stage.model.layers[2:]
+    alone = MfuMeter(stage, "h100", "bf16", 2, "cuda").flops_per_token(128.0)
+    whole = MfuMeter(stage, "h100", "bf16", 2, "cuda", whole=(stage.config, None)).flops_per_token(128.0)
+    assert whole == pytest.approx(meter.flops_per_token(128.0), rel=1e-12) and alone < 0.8 * whole
 
 
 def test_row_widths_weight_each_row_by_its_real_tokens() -> None:
