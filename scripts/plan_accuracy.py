@@ -114,6 +114,10 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama full fp32 pp2 gpipe", "llama",
      {"method": "full", "precision": "fp32", "mbs": 4, "strategy": "ddp", "pp": 2, "pp_schedule": "gpipe",
       "packing": False}, 2),
+    # with activation checkpointing a held micro-batch keeps little beside the stage's gradients
+    ("llama full fp32 pp2 gpipe ckpt", "llama",
+     {"method": "full", "precision": "fp32", "mbs": 4, "strategy": "ddp", "pp": 2, "pp_schedule": "gpipe",
+      "packing": False, "ac": True}, 2),
 ]
 FAST = ["llama full fp32 mb16", "llama lora fp32 mb16"]
 # On a CUDA GPU (scripts/gpu_check.sh): torch.cuda.max_memory_allocated against the plan.

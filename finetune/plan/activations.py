@@ -117,13 +117,18 @@ class WindowPeaks:
 
 @dataclass
 class TraceResult:
-    """One trace: window peaks, and what one decoder layer adds (retained activations, their autocast
-    weight copies, its gradients), in bytes."""
+    """One trace: window peaks, what one decoder layer adds (retained activations, their autocast weight
+    copies, its gradients), and the activations kept around the decoder layers (``position_acts``: alive as
+    the first layer starts beside the embeddings' output: the position embeddings, a mask; ``head_acts``: what
+    the final norm, the head and the loss add to the last layer's output and keep until the backward), in
+    bytes."""
 
     windows: dict[str, WindowPeaks]
     layer_acts: int = 0
     layer_copies: int = 0
     layer_grads: int = 0
+    position_acts: int = 0
+    head_acts: int = 0
 
 
 class ActivationProfile:
@@ -179,7 +184,7 @@ class ActivationProfile:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 9  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
+TRACE_VERSION = 10  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
@@ -227,7 +232,9 @@ def _load(path: Any) -> TraceResult | None:
     r = read_json(path)
     try:
         windows = {w: WindowPeaks(**v) for w, v in r["windows"].items()}
-        return TraceResult(windows, r["layer_acts"], r["layer_copies"], r["layer_grads"])
+        return TraceResult(
+            windows, r["layer_acts"], r["layer_copies"], r["layer_grads"], r["position_acts"], r["head_acts"]
+        )
     except (AttributeError, KeyError, TypeError):
         return None
 
@@ -277,6 +284,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
     """One fake-tensor trace of a training micro-step; the peak of each window, in bytes."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_leaves
 
     from finetune.loss import causal_lm_loss
 
@@ -297,18 +305,43 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
         kernels = _attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
         step = causal_lm_loss if spec.objective == "sft" else _preference_step(spec, batch_dict)
+        # activations alive as the first decoder layer starts and as the last one returns, and the embeddings'
+        # output (the first call of each: checkpointing's recomputation calls the layers again in the backward)
+        marks: dict[str, int] = {}
+
+        def mark(name: str) -> Callable[..., None]:
+            def hook(*_: Any) -> None:  # returns None: the module's inputs and output stay as they are
+                marks.setdefault(name, tracker.acts)
+
+            return hook
+
+        def embedded(_m: Any, _a: Any, out: Any) -> None:
+            first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+            marks.setdefault("embedded", first.untyped_storage().nbytes() if first is not None else 0)
+
+        hooks = [
+            model.get_submodule(layers[0]).register_forward_pre_hook(mark("embed")),
+            model.get_submodule(layers[-1]).register_forward_hook(mark("layers")),
+            model.get_input_embeddings().register_forward_hook(embedded),
+        ]
         with tracker, kernels, _mask_checks(spec), _sequence_parallel(model, spec):
             if autocast:
                 with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype or "fp32")):
                     loss, _ = step(model, batch_dict)
             else:
                 loss, _ = step(model, batch_dict)
+            retained = tracker.acts  # what the forward and the loss keep for the backward
             loss.backward()
+        for h in hooks:
+            h.remove()
         layer = model.get_submodule(layers[-1])
         grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
         assert tracker.layer_in is not None and tracker.layer_out is not None, "the first layer ran"
         (a_in, c_in), (a_out, c_out) = tracker.layer_in, tracker.layer_out
-        return TraceResult(tracker.windows, a_out - a_in, c_out - c_in, grads)
+        return TraceResult(
+            tracker.windows, a_out - a_in, c_out - c_in, grads,
+            max(0, marks.get("embed", 0) - marks.get("embedded", 0)), max(0, retained - marks.get("layers", retained)),
+        )
 
 
 def _sequence_parallel(model: Any, spec: TraceSpec) -> Any:

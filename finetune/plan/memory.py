@@ -386,35 +386,65 @@ def zero1_accounting_note(trainable: int, world: int, compute_dtype: str = "bf16
 class StageProfile(ActivationProfile):
     """One pp rank's activations as an :class:`ActivationProfile` of the whole model's traces (nothing is
     traced per stage): the window peaks of one micro-batch through ``depth`` decoder layers (the rank's current
-    stage), the head's window only where the rank runs the last stage, plus the retained activations of the other
-    micro-batches the schedule keeps in flight (``in_flight - 1`` of them, each ``depth`` layers' worth and,
-    on the first stage, the embeddings' output that is its input).
+    stage), the head's window only where the rank runs the last stage, plus what the other micro-batches the
+    schedule keeps in flight retain (``in_flight - 1`` of them, :meth:`held_per_micro_batch` each).
 
     The traced profile is linear in depth (finetune/plan/activations.py): the per-layer term is a decoder
     layer's retained activations, the rest is once per model. The ``first`` and ``last`` windows are the
     backward of the layers (their once-per-model part is the layer's backward transient and the stage's input),
-    which every stage has; the ``head`` window (logits, loss) only the last stage has."""
+    which every stage has; the ``head`` window (logits, loss) only the last stage has.
+
+    A held micro-batch keeps what torch.distributed.pipelining's stage keeps until its backward: the graph of
+    the stage's forward (its layers' retained activations, its own position embeddings: every stage computes
+    them), its output in the stage's forward cache (the last layer's output, already in the layers' term), and
+    its input: the embeddings' output on the first stage, a receive buffer elsewhere (counted with the
+    receive buffers, :func:`stage_memory`). ``held_last``: the held micro-batches are the last stage's, which
+    also keep what the final norm, the head and the loss retain (one stage per rank; an interleaved rank's last
+    stage runs each micro-batch's backward right after its forward, so it holds none beside the current one).
+    Without it, the held micro-batches are counted as ``first`` says (every one as the first stage's, or as a
+    middle stage's)."""
 
     def __init__(
         self, base: ActivationProfile, depth: int, in_flight: int, head: bool, first: bool, boundary_per_row: int,
+        held_last: bool | None = None,
     ) -> None:
         super().__init__(base.points, base._trace)
         self.base, self.depth, self.in_flight = base, depth, in_flight
         self.head, self.first, self.boundary_per_row = head, first, boundary_per_row
+        self.held_last = head if held_last is None else held_last
 
     def point(self, batch: int) -> TraceResult:
         """The whole model's trace at ``batch`` (the per-layer gradients are the same)."""
         return self.base.point(batch)
+
+    def _traced(self, name: str, batch: int) -> int:
+        """A trace's figure ``name`` at micro-batch ``batch`` (1 and 2 traced, larger ones on the line through
+        the traces at 2 and 4, as :meth:`ActivationProfile.at` extrapolates)."""
+        if batch <= 2:
+            return int(getattr(self.base.point(batch), name))
+        two, four = getattr(self.base.point(2), name), getattr(self.base.point(4), name)
+        return max(0, int(two + (batch - 2) * (four - two) / 2))
 
     def layer_acts(self, batch: int) -> int:
         """Retained activations of one decoder layer for one micro-batch of ``batch`` rows."""
         two, three = self.base.at(TRACE_LAYERS, batch), self.base.at(TRACE_LAYERS + 1, batch)
         return max(0, three["first"].acts - two["first"].acts)
 
+    def held_per_micro_batch(self, batch: int) -> int:
+        """Bytes one micro-batch of ``batch`` rows keeps on this rank from its forward to its backward, beyond its
+        receive buffer: ``depth`` layers' retained activations and the stage's position embeddings (what the
+        trace keeps beside the embeddings' output as the first layer starts); on the first stage the embeddings'
+        output (``boundary_per_row`` a row), on the last what the final norm, the head and the loss retain."""
+        outside = self._traced("position_acts", batch)
+        if self.first:
+            outside += self.boundary_per_row * batch
+        if self.held_last:
+            outside += self._traced("head_acts", batch)
+        return self.depth * self.layer_acts(batch) + outside
+
     def held(self, batch: int) -> int:
         """Bytes the other micro-batches in flight keep on this rank."""
-        per_micro = self.depth * self.layer_acts(batch) + (self.boundary_per_row * batch if self.first else 0)
-        return max(0, self.in_flight - 1) * per_micro
+        return max(0, self.in_flight - 1) * self.held_per_micro_batch(batch)
 
     def at(self, layers: int, batch: int) -> dict[str, WindowPeaks]:
         """The rank's window peaks at micro-batch ``batch`` (``layers`` is ignored: the rank's stage depth
@@ -431,8 +461,9 @@ class StageProfile(ActivationProfile):
 @dataclass(frozen=True)
 class Stage:
     """What one pp rank runs: its decoder layers (all its stages'), whether it runs the first and the last
-    stage, the layers of one of its stages (the depth of one micro-batch's pass), and the micro-batches its
-    schedule keeps in flight."""
+    stage, the layers of one of its stages (the depth of one micro-batch's pass), the micro-batches its
+    schedule keeps in flight at its first backward (the most) and at a later one (when the stage's gradients
+    exist: finetune/plan/pipeline.py, in_flight_with_gradients), and its stages (more than one: interleaved)."""
 
     rank: int
     layers: int
@@ -440,12 +471,14 @@ class Stage:
     first: bool
     last: bool
     in_flight: int
+    in_flight_with_gradients: int
+    stages: int = 1
 
 
 def pipeline_stages(split: tuple[int, ...], pp: int, schedule: str, microbatches: int) -> list[Stage]:
     """The :class:`Stage` of every pp rank for ``split`` (decoder layers per (virtual) stage) under
     ``schedule`` with ``microbatches`` micro-batches per step."""
-    from finetune.plan.pipeline import in_flight, rank_stages
+    from finetune.plan.pipeline import in_flight, in_flight_with_gradients, rank_stages
 
     v = max(1, len(split) // pp)
     out = []
@@ -455,6 +488,7 @@ def pipeline_stages(split: tuple[int, ...], pp: int, schedule: str, microbatches
         out.append(Stage(
             rank=r, layers=layers, depth=max(split[i] for i in mine), first=0 in mine, last=len(split) - 1 in mine,
             in_flight=in_flight(schedule, pp, v, microbatches, r),
+            in_flight_with_gradients=in_flight_with_gradients(schedule, pp, v, microbatches, r), stages=v,
         ))
     return out
 
@@ -477,14 +511,34 @@ def stage_memory(
     over the data-parallel ranks by the strategy) with :class:`StageProfile`'s activations, plus the
     point-to-point buffers torch.distributed.pipelining's stages allocate for every micro-batch of a step:
     one received activation on every stage but the first, one received gradient on every stage but the last
-    (the current micro-batch's are already in the traced window)."""
+    (the current micro-batch's are already in the traced window).
+
+    The peak is the larger of two backwards (finetune/plan/pipeline.py's module docstring): a later one, with
+    every gradient of the stage allocated (gradient accumulation's counting) beside
+    ``stage.in_flight_with_gradients`` micro-batches; and the rank's first, with ``stage.in_flight`` micro-batches
+    and the gradients the traced window has allocated by its peak (none of an earlier micro-batch: the optimizer
+    sets them to None after every step). FSDP2's stages keep the strategy's own counting (the later backward,
+    every micro-batch in flight)."""
     from finetune.plan.pipeline import stage_inventory
 
     sub = stage_inventory(inv, stage.layers, stage.first, stage.last, tied)
-    prof = None
-    if profile is not None:
-        prof = StageProfile(profile, stage.depth, stage.in_flight, stage.last, stage.first, boundary_per_row)
-    mem, comm = candidate_memory(sub, prof, s, first_step)
+    if profile is None:
+        mem, comm = candidate_memory(sub, None, s, first_step)
+    else:
+        held_last = stage.last and stage.stages == 1
+
+        def prof(in_flight: int) -> StageProfile:
+            return StageProfile(profile, stage.depth, in_flight, stage.last, stage.first, boundary_per_row, held_last)
+
+        plain_gradients = s.grad_accum_steps > 1 and not s.spec.strategy.uses_fsdp
+        later = stage.in_flight_with_gradients if plain_gradients else stage.in_flight
+        mem, comm = candidate_memory(sub, prof(later), s, first_step)
+        if plain_gradients:
+            from dataclasses import replace
+
+            first, _ = candidate_memory(sub, prof(stage.in_flight), replace(s, grad_accum_steps=1), first_step)
+            if first.total > mem.total:
+                mem = first
     ends = (0 if stage.first else 1) + (0 if stage.last else 1)
     p2p = ends * max(0, s.grad_accum_steps - 1) * boundary_per_row * s.micro_batch_size
     if p2p:

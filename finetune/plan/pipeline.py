@@ -17,6 +17,14 @@ schedules run them (:func:`in_flight`):
   interleaved-1f1b  torch's ScheduleInterleaved1F1B warms up ``(v - 1) x pp + 2 (pp - 1 - r)`` forwards of its
                     virtual stages on rank ``r`` (capped at ``m x v``), then one forward, one backward: one more.
 
+Every schedule runs a rank's first backward with the most micro-batches in flight and none of the stage's
+gradients allocated (the optimizer sets them to None after every step): they appear as that backward runs. Its
+later backwards find every gradient of the stage (accumulating) beside :func:`in_flight_with_gradients`
+micro-batches: as many as at the first when a forward runs between two backwards (1F1B's steady state), one
+fewer when every forward came first (GPipe; a 1F1B rank whose warm-up takes every micro-batch). The planner
+takes the larger of the two peaks (finetune/plan/memory.py: stage_memory): under GPipe the first backward's,
+unless the stage's gradients outweigh one micro-batch's activations.
+
 The bubble (idle fraction of a step) is ``(pp - 1) / (m + pp - 1)`` for gpipe and 1f1b and
 ``(pp - 1) / (v m + pp - 1)`` for interleaved-1f1b.
 
@@ -192,6 +200,15 @@ def in_flight(schedule: str, pp: int, v: int, microbatches: int, rank: int) -> i
     per_round = m // rounds
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
     return min(warmup + 1, m * v)
+
+
+def in_flight_with_gradients(schedule: str, pp: int, v: int, microbatches: int, rank: int) -> int:
+    """(Stage, micro-batch) activations pp rank ``rank`` holds at a backward after its first, when the stage's
+    gradients exist: :func:`in_flight` when the schedule runs a forward between the first backward and the next
+    (more micro-batches than its warm-up took), one fewer when every forward came before the first backward
+    (GPipe); 0 with a single micro-batch (there is no later backward)."""
+    k = in_flight(schedule, pp, v, microbatches, rank)
+    return k if max(1, microbatches) * v > k else k - 1
 
 
 def bubble_fraction(schedule: str, pp: int, v: int, microbatches: int) -> float:

@@ -20,6 +20,7 @@ from finetune.plan.pipeline import (
     boundaries_across_nodes,
     bubble_fraction,
     in_flight,
+    in_flight_with_gradients,
     memory_balanced_split,
     microbatch_problem,
     pipeline_note,
@@ -69,6 +70,52 @@ def _torch_interleaved_in_flight(pp: int, v: int, m: int, rank: int) -> int:
         live += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}.get(action.computation_type, 0)
         peak = max(peak, live)
     return peak
+
+
+def _torch_interleaved_backwards(pp: int, v: int, m: int, rank: int) -> tuple[int, int]:
+    """(Micro-batches in flight at ``rank``'s first backward, the most at a later one) in torch's own
+    interleaved-1F1B order (the backward's own micro-batch included)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    s = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    s.pp_group_size, s.n_local_stages, s._n_microbatches, s.rank = pp, v, m, rank
+    s.number_of_rounds = max(1, m // pp)
+    s.microbatches_per_round = m // s.number_of_rounds
+    live, first, later = 0, None, 0
+    last_stage = most_of_last = 0  # the last stage's micro-batches in flight on its rank
+    for action in s._calculate_single_rank_operations(rank):
+        if action is None:
+            continue
+        last = action.stage_index == pp * v - 1
+        if action.computation_type == _ComputationType.FORWARD:
+            live += 1
+            last_stage += last
+        elif action.computation_type == _ComputationType.FULL_BACKWARD:
+            if first is None:
+                first = live
+            else:
+                later = max(later, live)
+            live -= 1
+            last_stage -= last
+        most_of_last = max(most_of_last, last_stage)
+    assert first is not None
+    # the last stage runs each micro-batch's backward right after its forward: it holds none beside the current
+    # one (memory.StageProfile's held_last is off on an interleaved rank)
+    assert most_of_last <= 1
+    return first, later
+
+
+def test_micro_batches_in_flight_at_the_first_and_at_later_backwards() -> None:
+    # gpipe: every forward first; the second backward has one micro-batch fewer
+    assert [in_flight_with_gradients("gpipe", 2, 1, 4, r) for r in range(2)] == [3, 3]
+    # 1f1b: a forward runs between two backwards while micro-batches remain; rank 0's warm-up of 4 takes all 4
+    assert [in_flight_with_gradients("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_with_gradients("1f1b", 4, 1, 4, r) for r in range(4)] == [3, 3, 2, 1]
+    assert in_flight_with_gradients("gpipe", 2, 1, 1, 0) == 0  # one micro-batch: no later backward
+    for pp, v, m in ((4, 2, 8), (2, 2, 4), (4, 3, 8), (2, 2, 2), (4, 2, 4)):
+        for r in range(pp):
+            ours = (in_flight("interleaved-1f1b", pp, v, m, r), in_flight_with_gradients("interleaved-1f1b", pp, v, m, r))
+            assert ours == _torch_interleaved_backwards(pp, v, m, r), (pp, v, m, r)
 
 
 def test_micro_batches_in_flight_per_schedule() -> None:
@@ -134,7 +181,10 @@ def test_per_stage_memory_of_the_tiny_model_by_hand() -> None:
     layer = prof.at(3, 2)["first"].acts - windows["first"].acts
     row = 48 * 256 * 4
     largest = 688 * 256  # the largest trainable tensor: an MLP weight (the embedding is 264 x 256)
-    held = 2 * layer + 2 * row
+    # rank 0's held micro-batch: its 2 layers, the embeddings' output (2 rows) and the position embeddings
+    positions = prof.point(2).position_acts
+    assert 2 * 48 * 64 * 4 <= positions < row  # cos and sin: 48 positions x head_dim 64, fp32
+    held = 2 * layer + 2 * row + positions
     # grad_accum > 1: every gradient exists from the start; the largest gradient's temporary on top
     acts0 = max(max(w.acts, w.grads_and_acts - w.grads_at_peak) for k, w in windows.items() if k != "head")
     acts0 += held + 4 * largest
@@ -150,14 +200,61 @@ def test_stage_profile_in_flight_on_the_first_stage() -> None:
     s = _setting()
     spec = s.exec_spec("full", "ddp", False, 2, 1, pp=2)
     stages = pipeline_stages(spec.pp_layers, 2, "1f1b", 4)
-    assert [(x.layers, x.first, x.last, x.in_flight) for x in stages] == [(2, True, False, 2), (2, False, True, 1)]
+    assert [(x.layers, x.first, x.last, x.in_flight, x.in_flight_with_gradients) for x in stages] == [
+        (2, True, False, 2, 2), (2, False, True, 1, 1)]
     prof = s.profile(spec)
     p0 = StageProfile(prof, 2, 2, False, True, 48 * 256 * 4)
     assert set(p0.at(4, 1)) == {"first", "last"}  # no head on the first stage
-    assert p0.held(1) == 2 * p0.layer_acts(1) + 48 * 256 * 4
+    assert p0.held(1) == 2 * p0.layer_acts(1) + 48 * 256 * 4 + prof.point(1).position_acts
     setup = Setup(spec, 1, 4, 1, "cpu", "adamw")
     mem, _ = stage_memory(s.inventory(1), prof, setup, stages[0], 48 * 256 * 4)
     assert mem.activations > 0 and mem.buffers == 3 * 48 * 256 * 4
+
+
+def test_gpipe_peaks_at_the_first_backward_with_every_micro_batch_and_no_earlier_gradients() -> None:
+    """GPipe's 4 micro-batches of 4 rows of 128 tokens on 2 stages of 2 layers (scripts/plan_accuracy.py's
+    "llama full fp32 pp2 gpipe"), by hand from the trace. Every forward runs before the first backward, and the
+    optimizer set the gradients to None after the last step: at the first backward's peak a stage holds 3
+    micro-batches beside the current one and only the gradients that backward has made (the traced window's);
+    a later backward holds every gradient of the stage beside 2. A held micro-batch keeps its 2 layers'
+    activations and its own position embeddings; on the first stage also the embeddings' output, on the last
+    what the final norm, the head and the loss retain (its input is a receive buffer, counted apart)."""
+    s = _setting(pp_schedule="gpipe", seq_len=128, micro_batch_size=4, global_batch_size=16)
+    c = evaluate(s, "full", "ddp", 4, False, pp=2)
+    assert c.grad_accum_steps == 4
+    spec = s.exec_spec("full", "ddp", False, 4, 1, pp=2)
+    prof = activation_profile(CFG, TraceSpec.of(spec, seq_len=128, packed=False, attn_implementation="sdpa",
+                                                device="cpu"))
+    windows = prof.at(2, 4)
+    layer = prof.at(3, 4)["first"].acts - windows["first"].acts
+    row = 128 * 256 * 4
+    positions, head = prof.point(4).position_acts, prof.point(4).head_acts
+    assert 2 * 128 * 64 * 4 <= positions < row  # cos and sin of 128 positions x head_dim 64, fp32 (and indices)
+    assert head > 4 * row  # the final norm's output (4 rows) among what the final norm, head and loss keep
+    held = (2 * layer + 4 * row + positions, 2 * layer + positions + head)
+    largest = 688 * 256 * 4
+    r0, r1 = c.stage_memory
+    for m, n, h, names in ((r0, 2 * LAYER + EMBED, held[0], ("first", "last")),
+                           (r1, 2 * LAYER + 256 + EMBED, held[1], ("head", "first", "last"))):
+        assert (m.params, m.optimizer, m.buffers) == (4 * n, 8 * n, 3 * 4 * row)
+        first = max(((w.grads_at_peak, w.grads_and_acts - w.grads_at_peak + 3 * h) for w in map(windows.get, names)),
+                    key=sum)
+        later = (4 * n, max(max(w.acts, w.grads_and_acts - w.grads_at_peak) for w in map(windows.get, names))
+                 + largest + 2 * h)
+        assert sum(first) > sum(later)  # the first backward's peak: a micro-batch's activations outweigh the grads
+        assert (m.grads, m.activations) == first
+        assert m.grads < 4 * n  # not the stage's whole gradients
+    # 1f1b's rank 0 peaks in its steady state: 2 micro-batches in flight and every gradient of the stage
+    one = evaluate(_setting(seq_len=128, micro_batch_size=4, global_batch_size=16), "full", "ddp", 4, False, pp=2)
+    assert one.stage_memory[0].grads == 4 * (2 * LAYER + EMBED)
+    assert one.stage_memory[0].activations == (
+        max(max(w.acts, w.grads_and_acts - w.grads_at_peak) for w in (windows["first"], windows["last"]))
+        + largest + held[0])
+    # StageProfile's count of the held micro-batches, and the in-flight counts stage_memory takes
+    assert StageProfile(prof, 2, 4, True, False, row).held(4) == 3 * held[1]
+    assert StageProfile(prof, 2, 4, False, True, row).held(4) == 3 * held[0]
+    stages = pipeline_stages(spec.pp_layers, 2, "gpipe", 4)
+    assert [(x.in_flight, x.in_flight_with_gradients) for x in stages] == [(4, 3), (4, 3)]
 
 
 def test_sequence_parallel_stages_divide_their_boundaries_and_residual_stream_by_tp() -> None:
