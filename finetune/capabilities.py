@@ -589,6 +589,83 @@ def check(cell: Cell) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
+# Pipeline rules that need the model's config or the layout's numbers: validate (with the model's config),
+# the planner (finetune/plan/setting.py) and the trainer (finetune/train/pipeline.py) refuse with these.
+# ------------------------------------------------------------------------------------------------------
+#: the interleaved schedule's name (several stages per rank)
+INTERLEAVED = "interleaved-1f1b"
+
+
+def split_problem(layers: list[int] | tuple[int, ...], stages: int, num_layers: int, pp: int, v: int) -> str | None:
+    """The sentence refusing a pinned ``distributed.pp_layers`` (None: it is a valid split)."""
+    if len(layers) != stages or sum(layers) != num_layers:
+        return (
+            f"distributed.pp_layers: {list(layers)} has {len(layers)} stages of {sum(layers)} layers; pp {pp} x "
+            f"{v} stage{'s' if v > 1 else ''} per rank needs {stages} numbers summing to the model's "
+            f"{num_layers} decoder layers (or leave it unset for a balanced split)"
+        )
+    return None
+
+
+def pipeline_problem(
+    *, pp: int, tp: int, world: int, what: str, schedule: str, v: int, num_layers: int,
+    pinned_v: int | None = None,
+) -> str | None:
+    """The one sentence refusing a pinned pipeline before anything is traced (None: it can run); the micro-batch
+    rules, which depend on the walk's micro-batch, are :func:`microbatch_problem`'s."""
+    if world % (pp * tp):
+        return (
+            f"distributed.pp: {pp} x distributed.tp {tp} = {pp * tp} does not divide the {world} {what}; use a pp "
+            f"that divides {world // tp if world % tp == 0 else world}"
+        )
+    if schedule == INTERLEAVED and v < 2:
+        return (
+            "distributed.pp_stages_per_rank: interleaved-1f1b runs 2 or more stages on each rank; set it to 2 or "
+            "more (or leave it unset)"
+        )
+    if schedule != INTERLEAVED and pinned_v is not None and pinned_v > 1:
+        return (
+            f"distributed.pp_stages_per_rank: {pinned_v} stages per rank need distributed.pp_schedule: "
+            f"interleaved-1f1b ({schedule} runs one stage per rank); set the schedule or leave it unset"
+        )
+    if pp * v > num_layers:
+        return (
+            f"distributed.pp: {pp} ranks x {v} stage{'s' if v > 1 else ''} each need at least {pp * v} decoder "
+            f"layers and the model has {num_layers}; use a pp of at most {max(1, num_layers // v)}"
+        )
+    return None
+
+
+#: model types whose decoder the trainer's pipeline stages run (finetune/train/pipeline.py): Llama's family
+STAGE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def stage_problem(config: Any) -> str | None:
+    """The sentence refusing to cut ``config``'s model into pipeline stages (None: it can be), as the trainer
+    refuses it: a decoder the stages do not reproduce, a head tied to the input embeddings (the first and the
+    last stage cannot share one weight), sliding-window attention layers."""
+    kind = getattr(config, "model_type", type(config).__name__)
+    if kind not in STAGE_MODEL_TYPES:
+        return (
+            f"distributed.pp: pipeline stages run the decoders of {', '.join(STAGE_MODEL_TYPES)} models, not "
+            f"{kind}; set distributed.pp: 1 and shard the model with fsdp instead"
+        )
+    if getattr(config, "tie_word_embeddings", False):
+        return (
+            f"distributed.pp: {kind} ties its output head to its input embeddings, which the first and the last "
+            "pipeline stage cannot share; set distributed.pp: 1 and shard the model with fsdp instead"
+        )
+    if getattr(config, "use_sliding_window", False) or any(
+        t != "full_attention" for t in (getattr(config, "layer_types", None) or [])
+    ):
+        return (
+            f"distributed.pp: {kind} has sliding-window attention layers, which pipeline stages do not mask; "
+            "set distributed.pp: 1"
+        )
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------
 # The support matrix (README), rendered from the table
 # ------------------------------------------------------------------------------------------------------
 

@@ -866,10 +866,10 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
     if not (pipelined or (r.method == "adapter" and r.adapter.size is not None)) or inputs.model.problem():
         return problems
     from finetune.errors import UserError
-    from finetune.plan.config import planning_config
+    from finetune.locate import model_config
 
     try:
-        config = planning_config(inputs.model, r.model.trust_remote_code)[0]
+        config = model_config(inputs.model, r.model.trust_remote_code)[0]
     except (OSError, ValueError, UserError):  # the model's own problem is reported by model.path
         return problems
     hidden = int(config.hidden_size)
@@ -888,7 +888,7 @@ def pipeline_problems(r: Recipe, config: Any) -> list[tuple[str, str]]:
     """(key, sentence) for each way a pinned pipeline (``distributed.pp`` above 1) cannot cut ``config``'s model
     as the recipe asks: the model's decoder or tied head, more stages than layers, a ``pp_layers`` split that
     does not add up. What depends on the process count is checked by plan and run."""
-    from finetune.plan.pipeline import INTERLEAVED, pipeline_problem, split_problem, stage_problem
+    from finetune.capabilities import INTERLEAVED, pipeline_problem, split_problem, stage_problem
 
     d = r.distributed
     pp = int(d.pp)

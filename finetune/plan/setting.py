@@ -6,17 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from finetune.capabilities import Cell, check, first_refusal
+from finetune.capabilities import Cell, check, first_refusal, pipeline_problem, split_problem, stage_problem
 from finetune.errors import UserError
 from finetune.plan import walk as w
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.hardware import GPU_TYPES, INTERCONNECTS, Hardware
-from finetune.plan.pipeline import (
-    pipeline_problem,
-    split_problem,
-    stage_problem,
-    stages_per_rank,
-)
+from finetune.plan.pipeline import stages_per_rank
 from finetune.plan.request import Request
 from finetune.plan.shapes import Inventory, build_inventory
 from finetune.plan.tensor_parallel import degrees, tp_config, tp_problem

@@ -63,10 +63,6 @@ from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.train.distributed import DistContext
 
-#: model types whose decoder forward the stage forward reproduces (embeddings, rotary positions, a causal
-#: mask, the layers, the final norm): Llama's and the families that share it
-STAGE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
 
 @dataclass
 class PipelineContext(DistContext):
@@ -125,26 +121,12 @@ def _decoder(model: torch.nn.Module) -> tuple[Any, Any]:
 
 def check_stageable(model: torch.nn.Module) -> None:
     """One sentence naming ``distributed.pp`` when the model cannot be cut into stages."""
+    from finetune.capabilities import stage_problem
+
     base, decoder = _decoder(model)
-    config = base.config
-    kind = getattr(config, "model_type", type(base).__name__)
-    if kind not in STAGE_MODEL_TYPES:
-        raise UserError(
-            f"distributed.pp: pipeline stages run the decoders of {', '.join(STAGE_MODEL_TYPES)} models, not "
-            f"{kind}; set distributed.pp: 1 and shard the model with fsdp instead"
-        )
-    if getattr(config, "tie_word_embeddings", False):
-        raise UserError(
-            f"distributed.pp: {kind} ties its output head to its input embeddings, which the first and the last "
-            "pipeline stage cannot share; set distributed.pp: 1 and shard the model with fsdp instead"
-        )
-    if getattr(config, "use_sliding_window", False) or any(
-        t != "full_attention" for t in (getattr(config, "layer_types", None) or [])
-    ):
-        raise UserError(
-            f"distributed.pp: {kind} has sliding-window attention layers, which pipeline stages do not mask; "
-            "set distributed.pp: 1"
-        )
+    problem = stage_problem(base.config)  # the stage forward reproduces Llama's family's decoder forward
+    if problem is not None:
+        raise UserError(problem)
     assert isinstance(decoder.layers, torch.nn.ModuleList), "a decoder's layers are a ModuleList"
 
 
