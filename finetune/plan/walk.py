@@ -428,15 +428,9 @@ class LargestMicroBatch(Step):
 
 
 @dataclass(frozen=True)
-class PipelineMicroBatch(Step):
+class PipelineMicroBatch(LargestMicroBatch):
     """Step 4 under a pipeline: a micro-batch smaller than the largest that fits, for a shorter step."""
 
-    seq_len: int
-    micro_batch_size: int
-    checkpointing: bool
-    total: int
-    grad_accum_steps: int
-    global_batch: int
     step_seconds: float
     bubble_seconds: float
     largest: int
