@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,28 +23,16 @@ import time
 from pathlib import Path
 
 import yaml
-from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "recipes" / "models" / "tiny-llama"
+sys.path.insert(0, str(ROOT))
+
+from tests.support import max_rel, max_weight_diff, micro_model_dir  # noqa: E402
 
 #: layout -> (distributed.strategy, processes, --set arguments besides pp and the schedule)
 LAYOUTS = {"pp2": ("ddp", 2, []), "pp2xdp2": ("fsdp", 4, []), "pp2xtp2": ("ddp", 4, ["distributed.tp=2"])}
 SCHEDULES = ("1f1b", "gpipe")
 METHODS = ("full", "lora")
-
-
-def micro_model(d: Path) -> Path:
-    """tiny-llama's tokenizer with a 4-layer, 64-wide config (2 KV heads, so tp 2 splits them)."""
-    d.mkdir(parents=True, exist_ok=True)
-    for f in TINY.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, d / f.name)
-    config = json.loads((TINY / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16)
-    (d / "config.json").write_text(json.dumps(config))
-    return d
 
 
 def run(work: Path, model: Path, name: str, method: str, strategy: str, nproc: int, sets: list[str],
@@ -81,21 +68,6 @@ def series(out: Path, key: str) -> list[float]:
     return [r[key] for r in rows if "loss" in r]
 
 
-def max_rel(a: list[float], b: list[float]) -> float:
-    """Largest relative difference of two series of the same length."""
-    if len(a) != len(b):
-        raise SystemExit(f"{len(a)} steps against {len(b)}")
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
-
-
-def weight_diff(a: Path, b: Path) -> float:
-    """Largest absolute difference of two safetensors files with the same keys."""
-    wa, wb = load_file(a), load_file(b)
-    if sorted(wa) != sorted(wb):
-        raise SystemExit(f"{a} and {b} hold different tensors")
-    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
-
-
 def main() -> None:
     """Run the single-process references, then each requested pipeline run, and print the comparison."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,7 +82,9 @@ def main() -> None:
     names = [n for n in names if not args.only or n in args.only]
     work = args.work or Path(tempfile.mkdtemp(prefix="pipeline-parity-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = micro_model(work / "model")
+    # tiny-llama's tokenizer with 4 layers, 64 wide (2 KV heads, so tp 2 splits them): the suite's model
+    model = micro_model_dir(work / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     reference = {m: run(work, model, f"{m}-single", m, "single", 1, [], args.steps)[0]
                  for m in METHODS if any(n.startswith(m) for n in names)}
     print(f"{args.steps} fp32 steps, 4 micro-batches a step, against one process ({os.cpu_count()} cores)")
@@ -124,7 +98,7 @@ def main() -> None:
         weights = "model.safetensors" if method == "full" else "adapter_model.safetensors"
         print(f"{name:24} {nproc:5d} {max_rel(series(out, 'loss'), series(want, 'loss')):10.1e} "
               f"{max_rel(series(out, 'grad_norm'), series(want, 'grad_norm')):10.1e} "
-              f"{weight_diff(out / weights, want / weights):12.1e} {seconds:7.1f}", flush=True)
+              f"{max_weight_diff(out / weights, want / weights):12.1e} {seconds:7.1f}", flush=True)
 
 
 if __name__ == "__main__":
