@@ -503,8 +503,7 @@ def _largest_micro_batch(wk: _Walk, c: Candidate) -> Candidate:
     per_rank = s.global_batch // c.dp
     if s.req.micro_batch_size is not None:
         return c
-    best = c
-    fitting = [c]
+    fitting = [c]  # the micro-batches that fit, smallest first
     for b in sorted(b for b in range(2, per_rank + 1) if per_rank % b == 0):
         if c.pp > 1 and microbatch_problem(c.pp_schedule, c.pp, per_rank // b):
             break  # fewer micro-batches than the schedule needs (more would only come from smaller ones)
@@ -512,8 +511,8 @@ def _largest_micro_batch(wk: _Walk, c: Candidate) -> Candidate:
                         offload=c.offload, pp=c.pp)
         if not cand.fits:
             break
-        best = cand
         fitting.append(cand)
+    best = fitting[-1]
     if c.pp > 1 and all(f.time is not None for f in fitting):
         # a pipeline's bubble shrinks with more, smaller micro-batches: the fastest step, the larger on a tie
         fastest = min(reversed(fitting), key=lambda f: f.time.step if f.time else 0.0)
