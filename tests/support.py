@@ -65,6 +65,60 @@ def micro_model_dir(d: Path, **config: object) -> Path:
     return d
 
 
+# Tiny models of current architectures, dense and mixtures of experts (transformers 5 stores every MoE here with
+# fused 3-D expert weights): each a config small enough to trace and train in seconds, with tiny-llama's
+# byte-level tokenizer (vocabulary 264). What every one shares, then what each architecture adds.
+ARCH_COMMON: dict[str, object] = {
+    "vocab_size": 264, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512, "pad_token_id": 0,
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+}
+ARCHITECTURES: dict[str, dict[str, object]] = {
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "intermediate_size": 128},
+    "gemma3_text": {
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "intermediate_size": 128,
+        "sliding_window": 16, "tie_word_embeddings": True,
+    },
+    "olmo2": {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "intermediate_size": 128},
+    "smollm3": {"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "intermediate_size": 128},
+    "granite": {"model_type": "granite", "architectures": ["GraniteForCausalLM"], "intermediate_size": 128},
+    "qwen3_moe": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+        "norm_topk_prob": True, "router_aux_loss_coef": 0.001,
+    },
+    "mixtral": {
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "intermediate_size": 32,
+        "num_local_experts": 4, "num_experts_per_tok": 2,
+    },
+    "gpt_oss": {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "intermediate_size": 32,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    # multi-head latent attention (as many key/value heads as query heads), a shared expert, a dense first layer
+    "deepseek_v3": {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "intermediate_size": 128,
+        "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4,
+    },
+}
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+
+
+def arch_model_dir(d: Path, arch: str, **config: object) -> Path:
+    """A model directory in ``d`` for the tiny ``arch`` of :data:`ARCHITECTURES` (config keys in ``config``
+    changed), with tiny-llama's tokenizer: ``model.init: random`` trains it from a seed."""
+    d.mkdir(parents=True, exist_ok=True)
+    for f in TINY_MODEL.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, d / f.name)
+    cfg = {**ARCH_COMMON, **ARCHITECTURES[arch], **config, "torch_dtype": "float32"}
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return d
+
+
 STEPS = 10
 
 
