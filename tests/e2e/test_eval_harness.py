@@ -128,6 +128,7 @@ def _refused(done: subprocess.CompletedProcess, out: Path, starts: str) -> str:
 
 
 def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
+    pytest.importorskip("lm_eval", reason="finetune eval needs lm-evaluation-harness (pip install -e '.[eval]')")
     (tmp_path / "notes").mkdir()
     out = tmp_path / "r.json"
     line = _refused(finetune_eval(str(tmp_path / "notes"), "--tasks", "run", "-o", str(out)), out, "RUN_OR_MODEL:")
