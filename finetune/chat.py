@@ -389,18 +389,28 @@ class PromptFormat:
         raise UserError(f"{where}: expected {wanted}; the row has {', '.join(map(repr, row)) or 'no keys'}")
 
     def _conversation(self, row: dict[str, Any], where: str) -> tuple[list[int], str | None]:
-        msgs = row[self.columns["messages"]]
-        ok = isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
-        )
-        if not ok:
-            raise UserError(
-                f"{where}: `{self.columns['messages']}` must be a non-empty list of {{role, content}} strings"
+        """A conversation row (tool calls, tool results, tools and reasoning as training reads them): up to its last
+        assistant message, whose content is the expected answer unless that message calls tools or reasons."""
+        from finetune.train.data.chat import read_conversation
+        from finetune.train.data.rows import BadRow
+
+        try:
+            conv = read_conversation(
+                row, self.columns["messages"], self.columns.get("tools", "tools"), reasoning=self.encoder.reasoning,
+                need_assistant=False,
             )
-        msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        except BadRow as err:
+            raise UserError(f"{where}: {err}") from None
+        msgs = conv.messages
+
+        def prompt(messages: list[dict[str, Any]]) -> list[int]:
+            return self._ids(self.encoder.render(messages, tools=conv.tools, add_generation_prompt=True))
+
         if msgs[-1]["role"] == "assistant":
-            return self.render(msgs[:-1]), msgs[-1]["content"]
-        return self.render(msgs), None
+            final = msgs[-1]
+            plain = not set(final) & {"tool_calls", "reasoning_content"}
+            return prompt(msgs[:-1]), final["content"] if plain else None
+        return prompt(msgs), None
 
 
 def prompt_format(t: Target, tokenizer: Any) -> PromptFormat:
@@ -421,8 +431,9 @@ def prompt_format(t: Target, tokenizer: Any) -> PromptFormat:
     kind: Literal["chat", "instruction", "text"] = (
         "chat" if fmt == "chat" else "instruction" if fmt == "instruction" else "text"
     )
+    reasoning = str(data.get("reasoning", "train")) if fmt == "chat" else "train"
     encoder = Encoder(tokenizer, "instruction" if kind == "instruction" else "chat" if kind == "chat" else "text",
-                      columns, 1 << 30, chat_template=template)
+                      columns, 1 << 30, chat_template=template, reasoning=reasoning)
     return PromptFormat(kind, tokenizer, encoder, columns)
 
 

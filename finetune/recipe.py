@@ -154,7 +154,14 @@ class DataColumnsConfig(Section):
     )
     output: str = Field("output", description="Column of the expected answer (instruction format).")
     messages: str = Field(
-        "messages", description="Column of the conversation (chat format): a list of {role, content} messages."
+        "messages",
+        description="Column of the conversation (chat format): a list of {role, content} messages; assistant "
+        "messages may hold tool_calls and reasoning_content (or thinking), tool messages a tool_call_id.",
+    )
+    tools: str = Field(
+        "tools",
+        description="Column of the function schemas a conversation's assistant may call (chat format; optional): "
+        'a list of {"type": "function", "function": {"name", "description", "parameters"}}.',
     )
     input_ids: str = Field("input_ids", description="Column of the token ids (tokenized format).")
     prompt: str = Field(
@@ -211,6 +218,17 @@ class DataConfig(Section):
     train_on_prompt: bool = Field(
         False, description="Count the prompt tokens in the loss too (default: completion-only loss)."
     )
+    reasoning: Literal["train", "mask", "drop"] = Field(
+        "train",
+        description="Chat format: what happens to an assistant message's reasoning (reasoning_content or thinking): "
+        "train (in the loss), mask (kept in the context, out of the loss) or drop (removed before the chat "
+        "template renders the conversation).",
+    )
+    assistant_turns: Literal["all", "last"] = Field(
+        "all",
+        description="Chat format: which assistant messages are in the loss: all, or only the last one (the earlier "
+        "ones stay in the context). Tool results and the other roles never are.",
+    )
     on_bad_row: Literal["error", "skip"] = Field(
         "error",
         description="error: stop before training at the first bad row (file, line, field); skip: leave bad rows "
@@ -225,6 +243,26 @@ class DataConfig(Section):
     def _one_eval_source(self) -> DataConfig:
         if self.eval is not None and self.eval_fraction is not None:
             raise ValueError("both `data.eval` and `data.eval_fraction` are set; choose one")
+        return self
+
+    @model_validator(mode="after")
+    def _chat_loss(self) -> DataConfig:
+        chosen = [
+            (f"data.{key}", value)
+            for key, value, default in (("reasoning", self.reasoning, "train"), ("assistant_turns", self.assistant_turns, "all"))
+            if value != default
+        ]
+        if chosen and self.format != "chat":
+            key, value = chosen[0]
+            raise ValueError(
+                f"`{key}: {value}` chooses what a conversation trains on, but data.format is {self.format}; set "
+                f"data.format: chat, or remove {key}"
+            )
+        if chosen and self.train_on_prompt:
+            key, value = chosen[0]
+            raise ValueError(
+                f"data.train_on_prompt trains every token, so `{key}: {value}` would change nothing; remove one of them"
+            )
         return self
 
 

@@ -184,10 +184,12 @@ def test_chat_errors_name_the_message(tmp_path, tok):
     assert bad_load(tmp_path, tok, train=str(f), format="chat").startswith(
         f"{f}:2: field `messages`: the conversation is empty"
     )
-    tool = [*CONVERSATION[:3], {"role": "tool", "content": "42"}, *CONVERSATION[3:]]
+    call = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
+    tool = [*CONVERSATION[:2], call, {"role": "tool", "content": "42"}, *CONVERSATION[2:]]
     f = write_jsonl(tmp_path / "c.jsonl", [{"messages": tool}])
     assert bad_load(tmp_path, tok, train=str(f), format="chat").startswith(
-        f"{f}:1: field `messages[3].role`: the chat template refuses this message (role `tool`: unknown role: tool)"
+        f"{f}:1: field `messages[3].role`: the chat template of `{TINY_MODEL}` refuses this message (role `tool`: "
+        "unknown role: tool)"
     )
     f = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": None}]}])
     assert bad_load(tmp_path, tok, train=str(f), format="chat").startswith(

@@ -26,6 +26,7 @@ from typing import Any
 
 from finetune.errors import UserError
 from finetune.locate import DataLocation
+from finetune.loss import IGNORE_INDEX
 from finetune.recipe import LoadedRecipe
 from finetune.train.data.batches import BatchStream, Example, collate, pack
 from finetune.train.data.formats import (
@@ -37,7 +38,7 @@ from finetune.train.data.formats import (
     TRUNCATED,
     Encoder,
 )
-from finetune.train.data.sources import Source, read_hf, read_sources
+from finetune.train.data.sources import WHERE_COLUMN, Source, read_hf, read_sources
 
 __all__ = [
     "PROMPT_TEMPLATE",
@@ -45,13 +46,14 @@ __all__ = [
     "BatchStream",
     "EvalPrompt",
     "Example",
+    "SourceStats",
     "TaskData",
     "collate",
     "load_data",
     "pack",
 ]
 
-CACHE_VERSION = "1"  # bump when the encoding changes
+CACHE_VERSION = "2"  # bump when the encoding changes
 
 
 @dataclass
@@ -67,10 +69,12 @@ class TaskData:
     """Everything the trainer needs from the data.
 
     ``stats``: train (rows: packed rows with packing), train_samples, eval, eval_prompts, tokens (in train),
-    truncated, dropped (drop_long, or no label token left after truncation), skipped_bad_rows,
-    padding_fraction (packed rows, else 0: it depends on the micro-batch, see BatchStream.padding_fraction),
-    cached_sources (sources read back from the tokenization cache). ``notes``: one sentence per thing the
-    user should know (truncation, skipped rows with the first reason), each said once.
+    trained_tokens (the train samples' tokens that are targets of the loss), truncated, dropped (drop_long, or
+    no label token left after truncation), skipped_bad_rows, padding_fraction (packed rows, else 0: it depends
+    on the micro-batch, see BatchStream.padding_fraction), cached_sources (sources read back from the
+    tokenization cache). ``notes``: one sentence per thing the user should know (truncation, skipped rows with
+    the first reason), each said once. ``samples`` are the training samples before packing, ``where`` the row
+    each came from (``file:line``), ``sources`` each source's counts and ``bad`` every bad row's error.
     """
 
     train: list[Example]
@@ -78,11 +82,48 @@ class TaskData:
     eval_prompts: list[EvalPrompt] = field(default_factory=list)
     stats: dict[str, int | float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    samples: list[Example] = field(default_factory=list)
+    where: list[str] = field(default_factory=list)
+    sources: list[SourceStats] = field(default_factory=list)
+    bad: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SourceStats:
+    """One source's rows: ``rows`` read = ``rows_used`` (training samples) + ``held_out`` (by data.eval_fraction) +
+    ``dropped`` (too long under drop_long, or no target left after truncation) + ``bad`` (bad rows, skipped);
+    ``tokens`` and ``trained_tokens`` count the used samples, ``truncated`` the usable ones (used or held out)
+    that were longer than data.max_seq_len. A data.eval source's ``rows_used`` are
+    the samples evaluated (eval.max_samples may leave the others out)."""
+
+    key: str  # the recipe key that names it: data.train, data.train.1, data.eval
+    name: str  # its file, or `dataset [split]`
+    rows: int = 0
+    rows_used: int = 0
+    held_out: int = 0
+    dropped: int = 0
+    bad: int = 0
+    truncated: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+
+    def count(self, example: Example) -> None:
+        """Count ``example`` as one of the source's used samples."""
+        self.rows_used += 1
+        self.tokens += len(example.input_ids)
+        self.trained_tokens += trained_tokens(example)
+
+
+def trained_tokens(example: Example) -> int:
+    """How many of a sample's tokens are targets of the loss (the first never is: nothing predicts it)."""
+    labels = example.labels
+    return len(labels) - labels.count(IGNORE_INDEX) - int(bool(labels) and labels[0] != IGNORE_INDEX)
 
 
 @dataclass
 class _Encoded:
-    """The usable samples of one or more sources, with their eval prompts and counts."""
+    """The usable samples of one or more sources, with their eval prompts, rows (``file:line``) and counts;
+    ``origin[i]``: the index in ``sources`` of the source of ``examples[i]``."""
 
     examples: list[Example] = field(default_factory=list)
     prompts: list[EvalPrompt | None] = field(default_factory=list)
@@ -90,6 +131,9 @@ class _Encoded:
     dropped: int = 0
     bad: list[str] = field(default_factory=list)
     cached: int = 0
+    where: list[str] = field(default_factory=list)
+    origin: list[int] = field(default_factory=list)
+    sources: list[SourceStats] = field(default_factory=list)
 
     def extend(self, other: _Encoded) -> None:
         self.examples += other.examples
@@ -98,6 +142,16 @@ class _Encoded:
         self.dropped += other.dropped
         self.bad += other.bad
         self.cached += other.cached
+        self.where += other.where
+        self.origin += [len(self.sources) + i for i in other.origin]
+        self.sources += other.sources
+
+    def keep(self, chosen: list[int]) -> _Encoded:
+        """The samples at the indices ``chosen``, with their prompts, rows and sources (the counts stay here)."""
+        return _Encoded(
+            examples=[self.examples[i] for i in chosen], prompts=[self.prompts[i] for i in chosen],
+            where=[self.where[i] for i in chosen], origin=[self.origin[i] for i in chosen], sources=self.sources,
+        )
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -118,8 +172,11 @@ def default_cache_dir() -> Path:
     return Path(datasets.config.HF_DATASETS_CACHE) / "finetune-tokenized"
 
 
-def encode_source(src: Source, encoder: Encoder, cache_dir: Path, num_proc: int | None) -> _Encoded:
-    """Tokenize one source through ``datasets.map`` into the cache (or read it back), then collect its samples.
+def encode_source(
+    src: Source, encoder: Encoder, cache_dir: Path, num_proc: int | None, recipe_key: str = "data.train"
+) -> _Encoded:
+    """Tokenize one source through ``datasets.map`` into the cache (or read it back), then collect its samples
+    (``recipe_key``: the recipe key that names the source, for its counts).
 
     The cache key holds the source's name too: error messages in the cached rows name its file.
     """
@@ -151,9 +208,11 @@ def encode_source(src: Source, encoder: Encoder, cache_dir: Path, num_proc: int 
         new_fingerprint=key,  # our key already covers the data, tokenizer and settings: no hashing
         desc=f"Tokenizing {Path(src.name).name}",
     )
-    out = _Encoded(bad=list(src.bad_rows), cached=int(hit))
+    stats = SourceStats(recipe_key, src.name, rows=len(src.dataset) + len(src.bad_rows), bad=len(src.bad_rows))
+    out = _Encoded(bad=list(src.bad_rows), cached=int(hit), sources=[stats])
     cols = ds.to_dict()
-    for ids, labels, prompt_ids, answer, status, error in zip(
+    rows = src.dataset[WHERE_COLUMN] if src.is_json_rows else None
+    for i, (ids, labels, prompt_ids, answer, status, error) in enumerate(zip(
         cols["input_ids"],
         cols["labels"],
         cols["prompt_ids"],
@@ -161,15 +220,20 @@ def encode_source(src: Source, encoder: Encoder, cache_dir: Path, num_proc: int 
         cols["status"],
         cols["error"],
         strict=True,
-    ):
+    )):
         if status == BAD:
             out.bad.append(error)
+            stats.bad += 1
         elif status in (DROPPED_LONG, NO_LABELS):
             out.dropped += 1
+            stats.dropped += 1
         else:
             out.truncated += status == TRUNCATED
+            stats.truncated += status == TRUNCATED
             out.examples.append(Example(ids, labels))
             out.prompts.append(EvalPrompt(prompt_ids, answer) if prompt_ids else None)
+            out.where.append(rows[i] if rows is not None else f"{src.name}: row {i}")
+            out.origin.append(0)
     return out
 
 
@@ -231,12 +295,31 @@ def resolve_chat_template(loaded: LoadedRecipe, tokenizer: Any) -> str:
     return spec
 
 
+def chat_template_name(loaded: LoadedRecipe) -> str:
+    """Which chat template a chat-format run renders with, in words for messages."""
+    spec = loaded.recipe.data.chat_template
+    if spec is None:
+        return f"the chat template of `{loaded.recipe.model.path}`"
+    return f"data.chat_template `{spec}`" if "{" not in spec else "data.chat_template"
+
+
+def data_encoder(loaded: LoadedRecipe, tokenizer: Any) -> Encoder:
+    """The :class:`Encoder` of the recipe's data.train and data.eval (its format, columns and settings)."""
+    d = loaded.recipe.data
+    chat = d.format == "chat"
+    return Encoder(
+        tokenizer, d.format, d.columns.model_dump(), d.max_seq_len, d.drop_long, d.train_on_prompt,
+        resolve_chat_template(loaded, tokenizer) if chat else None, reasoning=d.reasoning,
+        assistant_turns=d.assistant_turns, template_name=chat_template_name(loaded) if chat else "",
+    )
+
+
 def _encode_spec(location: DataLocation, key: str, loaded: LoadedRecipe, encoder: Encoder, split: str) -> _Encoded:
     d = loaded.recipe.data
     cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
     out = _Encoded()
     for src in read_sources(location, key, split, encoder.required_columns()):
-        out.extend(encode_source(src, encoder, cache_dir, d.num_proc))
+        out.extend(encode_source(src, encoder, cache_dir, d.num_proc, key))
     return out
 
 
@@ -252,10 +335,7 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
     """Read, check and tokenize the recipe's train and eval data (every bad row is found before training)."""
     r = loaded.recipe
     d = r.data
-    template = resolve_chat_template(loaded, tokenizer) if d.format == "chat" else None
-    encoder = Encoder(
-        tokenizer, d.format, d.columns.model_dump(), d.max_seq_len, d.drop_long, d.train_on_prompt, template
-    )
+    encoder = data_encoder(loaded, tokenizer)
     inputs = loaded.inputs
     assert inputs is not None, "load_recipe resolves the inputs"
     with _local_rank_zero_first():
@@ -269,7 +349,7 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
             if inputs.eval.kind == "split":  # another split of the data.train dataset
                 cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
                 src = read_hf(inputs.train[0].value, inputs.eval.value, "data.eval", encoder.required_columns())
-                held = encode_source(src, encoder, cache_dir, d.num_proc)
+                held = encode_source(src, encoder, cache_dir, d.num_proc, "data.eval")
             else:
                 held = _encode_spec(inputs.eval, "data.eval", loaded, encoder, d.split)
             _check_bad_rows(held, d.on_bad_row)
@@ -281,12 +361,21 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
                 f"data.eval_fraction: {d.eval_fraction} of {n} samples leaves none to train on; lower it"
             )
         chosen = set(random.Random(r.train.seed).sample(range(n), k))
-        held.examples = [e for i, e in enumerate(train.examples) if i in chosen]
-        held.prompts = [p for i, p in enumerate(train.prompts) if i in chosen]
-        train.examples = [e for i, e in enumerate(train.examples) if i not in chosen]
+        for i in chosen:
+            train.sources[train.origin[i]].held_out += 1
+        held = train.keep([i for i in range(n) if i in chosen])
+        kept = train.keep([i for i in range(n) if i not in chosen])
+        train.examples, train.prompts, train.where, train.origin = kept.examples, kept.prompts, kept.where, kept.origin
+    for e, o in zip(train.examples, train.origin, strict=True):
+        train.sources[o].count(e)
     if r.eval.max_samples:
         held.examples = held.examples[: r.eval.max_samples]
         held.prompts = held.prompts[: r.eval.max_samples]
+        held.origin = held.origin[: r.eval.max_samples]
+        held.where = held.where[: r.eval.max_samples]
+    if held.sources is not train.sources:  # data.eval's own sources
+        for e, o in zip(held.examples, held.origin, strict=True):
+            held.sources[o].count(e)
     if not train.examples:
         raise UserError(f"data.train: no usable training samples in `{d.train}`")
 
@@ -300,6 +389,7 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
         "eval": len(held.examples),
         "eval_prompts": sum(p is not None for p in held.prompts),
         "tokens": tokens,
+        "trained_tokens": sum(s.trained_tokens for s in train.sources),
         "truncated": train.truncated + held.truncated,
         "dropped": train.dropped + held.dropped,
         "skipped_bad_rows": skipped,
@@ -325,4 +415,8 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
         eval_prompts=[p for p in held.prompts if p is not None],
         stats=stats,
         notes=notes,
+        samples=samples,
+        where=train.where,
+        sources=train.sources + (held.sources if held.sources is not train.sources else []),
+        bad=train.bad + held.bad,
     )

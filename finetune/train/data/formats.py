@@ -6,49 +6,34 @@ in the ``error`` column, so that every bad row can be reported or counted after 
 in a worker does not kill the pool.
 
 Labels are IGNORE_INDEX (-100) where the loss does not count: the prompt of an instruction, everything but
-the assistant turns of a conversation (completion-only loss), unless ``data.train_on_prompt`` is set.
+the assistant turns of a conversation (completion-only loss; ``data.assistant_turns``, ``data.reasoning``:
+finetune/train/data/chat.py), unless ``data.train_on_prompt`` is set.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.loss import IGNORE_INDEX
+from finetune.train.data.chat import (
+    ChatTemplate,
+    assistant_spans,
+    check_rendered,
+    read_conversation,
+    reasoning_spans,
+    render_checked,
+    span_labels,
+)
+from finetune.train.data.rows import BadRow, describe, list_value
 from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN
 
 PROMPT_TEMPLATE = "{instruction}\n{input}\nAnswer: "
 PROMPT_TEMPLATE_NO_INPUT = "{instruction}\nAnswer: "
-GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 # status of an encoded row
 OK, TRUNCATED, DROPPED_LONG, NO_LABELS, BAD = "ok", "truncated", "dropped_long", "no_labels", "bad"
-
-
-class BadRow(Exception):
-    """A row that cannot be used: which field, and what is wrong with it."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"field `{field}`: {problem}")
-
-
-def describe(value: Any) -> str:
-    """A short description of a JSON value's type, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"a boolean ({value})"
-    if isinstance(value, (int, float)):
-        return f"a number ({value})"
-    if isinstance(value, str):
-        return f"a string ({value[:30]!r})"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
 
 
 def _string(row: dict[str, Any], col: str, *, optional: bool = False) -> str:
@@ -62,18 +47,8 @@ def _string(row: dict[str, Any], col: str, *, optional: bool = False) -> str:
     return value
 
 
-def _list_value(value: Any) -> Any:
-    """A list written as JSON text (how a .csv cell holds one) is read as the list; anything else is kept."""
-    if isinstance(value, str) and value.lstrip().startswith("["):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
 def _int_list(row: dict[str, Any], col: str, *, allow_ignore: bool) -> list[int]:
-    value = _list_value(row[col])
+    value = list_value(row[col])
     if not isinstance(value, list):
         raise BadRow(col, f"expected a list of token ids, got {describe(value)}")
     for i, v in enumerate(value):
@@ -107,6 +82,9 @@ class Encoder:
     drop_long: bool = False
     train_on_prompt: bool = False
     chat_template: str | None = None
+    reasoning: str = "train"  # data.reasoning: train | mask | drop
+    assistant_turns: str = "all"  # data.assistant_turns: all | last
+    template_name: str = "the chat template"  # which template, in messages
 
     def __post_init__(self) -> None:
         tok = self.tokenizer
@@ -119,7 +97,9 @@ class Encoder:
             [bos] if bos is not None and with_special[:1] == [bos] and plain[:1] != [bos] else []
         )
         self.vocab_size = len(tok)
-        self.generation_marks = bool(self.chat_template and GENERATION_MARK.search(self.chat_template))
+        text = self.chat_template or getattr(tok, "chat_template", None)
+        self.template = ChatTemplate(tok, text, self.template_name) if isinstance(text, str) else None
+        self.generation_marks = bool(self.template and self.template.marks)
 
     def settings(self) -> dict[str, Any]:
         """Everything besides the tokenizer and the data that decides the output (for the cache key)."""
@@ -130,6 +110,9 @@ class Encoder:
             "drop_long": self.drop_long,
             "train_on_prompt": self.train_on_prompt,
             "chat_template": self.chat_template,
+            "reasoning": self.reasoning,
+            "assistant_turns": self.assistant_turns,
+            "template_name": self.template_name,
             # the prompt layout is part of the output: a changed template must not read stale cache entries
             "instruction_templates": [PROMPT_TEMPLATE, PROMPT_TEMPLATE_NO_INPUT],
         }
@@ -235,110 +218,37 @@ class Encoder:
 
     # ------------------------------------------------------------------------------------------- chat
 
-    def _messages(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        col = self.columns["messages"]
-        if col not in row:
-            raise BadRow(col, "missing (set data.columns.messages if your data names it differently)")
-        msgs = _list_value(row[col])
-        if not isinstance(msgs, list):
-            raise BadRow(col, f"expected a list of {{role, content}} messages, got {describe(msgs)}")
-        if not msgs:
-            raise BadRow(col, "the conversation is empty")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise BadRow(f"{col}[{i}]", f"expected an object with role and content, got {describe(m)}")
-            for key in ("role", "content"):
-                if key not in m:
-                    raise BadRow(f"{col}[{i}].{key}", "missing")
-                if not isinstance(m[key], str):
-                    raise BadRow(f"{col}[{i}].{key}", f"expected a string, got {describe(m[key])}")
-        if not self.train_on_prompt and not any(m["role"] == "assistant" for m in msgs):
-            raise BadRow(col, "the conversation has no assistant message, so nothing to learn from")
-        return [{"role": m["role"], "content": m["content"]} for m in msgs]
-
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
         """The conversation as text, through the chat template."""
-        return self.tokenizer.apply_chat_template(
-            messages,
-            chat_template=self.chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
-
-    def _render_checked(self, msgs: list[dict[str, Any]]) -> str:
-        from jinja2 import TemplateError
-
-        try:
-            return self.render(msgs)
-        except TemplateError as exc:
-            # find the first message the template refuses
-            col = self.columns["messages"]
-            for j in range(1, len(msgs) + 1):
-                try:
-                    self.render(msgs[:j])
-                except TemplateError:
-                    raise BadRow(
-                        f"{col}[{j - 1}].role",
-                        f"the chat template refuses this message (role `{msgs[j - 1]['role']}`: {exc})",
-                    ) from None
-            raise BadRow(col, f"the chat template refuses the conversation ({exc})") from None
+        assert self.template is not None, "a conversation is rendered with a chat template"
+        return self.template.render(messages, tools, add_generation_prompt=add_generation_prompt)
 
     def _encode_chat(self, row: dict[str, Any]) -> Encoded:
-        msgs = self._messages(row)
-        text = self._render_checked(msgs)
-        if self.generation_marks and not self.train_on_prompt:
-            out = self.tokenizer.apply_chat_template(
-                msgs,
-                chat_template=self.chat_template,
-                tokenize=True,
-                return_dict=True,
-                return_assistant_tokens_mask=True,
-            )
-            ids = list(out["input_ids"])
-            labels = [t if m else IGNORE_INDEX for t, m in zip(ids, out["assistant_masks"], strict=True)]
+        t = self.template
+        assert t is not None, "the chat format has a chat template (data.chat_template or the tokenizer's)"
+        conv = read_conversation(
+            row, self.columns["messages"], self.columns.get("tools", "tools"), reasoning=self.reasoning,
+            need_assistant=not self.train_on_prompt,
+        )
+        text = render_checked(t, conv)
+        check_rendered(t, conv)
+        if self.train_on_prompt:
+            ids = self._ids(text)
+            labels = list(ids)
         else:
-            enc = self.tokenizer(
-                text, add_special_tokens=False, return_offsets_mapping=not self.train_on_prompt
-            )
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             ids = list(enc["input_ids"])
-            labels = (
-                list(ids)
-                if self.train_on_prompt
-                else self._assistant_labels(msgs, text, ids, enc["offset_mapping"])
-            )
-        last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
-        if last is None:
+            turns = conv.assistants[-1:] if self.assistant_turns == "last" else conv.assistants
+            trained = assistant_spans(t, conv, text, turns)
+            masked = reasoning_spans(t, conv, text, turns) if self.reasoning == "mask" else []
+            labels = span_labels(ids, enc["offset_mapping"], trained, masked)
+        # exact match: the conversation up to its last assistant message, whose content is the answer (not when
+        # that message calls tools or reasons first: its text is more than the content)
+        last = conv.assistants[-1] if conv.assistants else None
+        if last is None or set(conv.messages[last]) & {"tool_calls", "reasoning_content"}:
             return Encoded(ids, labels)
-        prompt = self.render(msgs[:last], add_generation_prompt=True)
-        return Encoded(ids, labels, self._ids(prompt), msgs[last]["content"])
-
-    def _assistant_labels(
-        self, msgs: list[dict[str, Any]], text: str, ids: list[int], offsets: list[tuple[int, int]]
-    ) -> list[int]:
-        """Labels on the tokens of each assistant turn, found by rendering the conversation prefix by prefix.
-
-        The turn of message k is the text between the rendering of messages[:k] with the generation prompt
-        and the rendering of messages[:k+1] (without the whitespace the template adds after it).
-        """
-        spans = []
-        for k, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            before = (
-                self.render(msgs[:k], add_generation_prompt=True)
-                if k
-                else self.render([], add_generation_prompt=True)
-            )
-            upto = self.render(msgs[: k + 1])
-            if not (upto.startswith(before) and text.startswith(upto)):
-                raise BadRow(
-                    self.columns["messages"],
-                    "the chat template does not render this conversation prefix by prefix, so the assistant "
-                    "tokens cannot be found; mark them with {% generation %}...{% endgeneration %} in data.chat_template",
-                )
-            spans.append((len(before), len(upto.rstrip())))
-        labels = [IGNORE_INDEX] * len(ids)
-        for i, (a, b) in enumerate(offsets):
-            if b > a and any(s <= a and b <= e for s, e in spans):
-                labels[i] = ids[i]
-        return labels
+        prompt = t.render(conv.messages[:last], conv.tools, add_generation_prompt=True)
+        return Encoded(ids, labels, self._ids(prompt), conv.messages[last]["content"])
