@@ -292,6 +292,24 @@ def plan(
 
 
 @app.command()
+def data(
+    recipe: Annotated[str, typer.Argument(help="Recipe YAML file.")],
+    set_: SetOpt = None,
+    show: Annotated[int, typer.Option(min=0, help="Show this many training samples with their trained tokens marked.")] = 2,
+    json_: Annotated[bool, typer.Option("--json", help="Print the report as JSON (trained tokens as spans).")] = False,
+) -> None:
+    """What a run would train on: rows, tokens, trained tokens, truncation, and the first samples with the trained
+    tokens marked (tokenizer only: no GPU, no weights)."""
+    from finetune.commands.data import DataOptions, run_data
+
+    try:
+        code = run_data(DataOptions(recipe, list(set_ or []), show=show, as_json=json_))
+    except (RecipeError, UserError) as err:
+        _fail(err)
+    raise typer.Exit(code)
+
+
+@app.command()
 def report(
     run_dirs: Annotated[list[str], typer.Argument(metavar="RUN_DIR...", help="Output directories of runs (overlaid).")],
     out: Annotated[

@@ -39,9 +39,10 @@ from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe
 from finetune.train.checkpoint import ModelState, OptimizerState, RNGState
 from finetune.train.console import Reporter
-from finetune.train.data import BatchStream, TaskData, load_data
-from finetune.train.data.preference import PreferenceStream, load_preference_data
+from finetune.train.data import BatchStream, TaskData
+from finetune.train.data.preference import PreferenceStream
 from finetune.train.data.retain import RetainData, load_retain
+from finetune.train.data.task import load_task_data
 from finetune.train.determinism import seed_everything
 from finetune.train.distributed import DistContext
 from finetune.train.evaluate import EvalResult, evaluate
@@ -113,9 +114,7 @@ class Trainer:
         r, ctx, chosen = self.loaded.recipe, self.ctx, self.plan.chosen
         seed_everything(r.train.seed)
         self.tokenizer = load_tokenizer(self.loaded)
-        # preference pairs (finetune/train/data/preference.py), or rows of the other formats
-        load = load_preference_data if r.data.format == "preference" else load_data
-        self.data: TaskData = load(self.loaded, self.tokenizer)
+        self.data: TaskData = load_task_data(self.loaded, self.tokenizer)
         self.retain: RetainData | None = load_retain(self.loaded, self.tokenizer)  # eval.retain
         if self.retain is not None:
             self.data.notes.append(self.retain.describe())

@@ -22,6 +22,7 @@ LAYERS = {
     "finetune.chat": 3,
     "finetune.loading": 3,
     "finetune.harness": 3,
+    "finetune.commands": 3,
     "finetune.cli": 4,
     "finetune.__main__": 4,
 }

@@ -1,0 +1,18 @@
+"""The training data of a recipe as the trainer reads it, whatever its format (``finetune data`` reads it so too)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.recipe import LoadedRecipe
+from finetune.train.data import TaskData, load_data
+from finetune.train.data.preference import load_preference_data
+
+
+def load_task_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
+    """The recipe's train and eval data: preference pairs (data.format: preference), else the rows of the other
+    formats, tokenized through the cache."""
+    if loaded.recipe.data.format == "preference":
+        data: TaskData = load_preference_data(loaded, tokenizer)
+        return data
+    return load_data(loaded, tokenizer)
