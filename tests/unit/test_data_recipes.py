@@ -39,3 +39,21 @@ def test_validate_reports_a_missing_chat_template_file():
     assert [str(p) for p in check_files(loaded)] == [
         "--set: data.chat_template: no template file at `missing.jinja` (a template itself contains {%)"
     ]
+
+
+def test_agent_recipe_loads_the_shipped_agent_data(tmp_path):
+    """recipes/agent-tools.yaml: every conversation's tool call and reasoning reach its template and train."""
+    loaded = load_recipe(RECIPES / "agent-tools.yaml", [f"data.cache_dir={tmp_path}"])
+    assert check_files(loaded) == []
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    data = load_data(loaded, tok)
+    s = data.stats
+    assert (s["train_samples"], s["eval"], s["truncated"], s["dropped"], s["skipped_bad_rows"]) == (600, 50, 0, 0, 0)
+    # exact match where the last answer is the tool's result; a follow-up answered after reasoning has no prompt
+    assert s["eval_prompts"] == sum("Now in capitals." not in tok.decode(e.input_ids) for e in data.eval)
+    first = data.samples[0]
+    trained = tok.decode([t for t, label in zip(first.input_ids, first.labels, strict=True) if label != -100])
+    assert trained == (
+        "<think>\neufmned has 7 letters. The reverse tool spells it backwards.\n</think>\n\n<tool_call>\n"
+        '{"name": "reverse", "arguments": {"word": "eufmned"}}\n</tool_call><|im_end|></s>denmfue<|im_end|></s>'
+    )
