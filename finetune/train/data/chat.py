@@ -40,8 +40,6 @@ from finetune.train.data.rows import BadRow, describe, list_value
 
 #: The spellings of an assistant message's reasoning, the first one present wins.
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-#: What data.reasoning does with an assistant message's reasoning.
-REASONING_MODES = ("train", "mask", "drop")
 #: A template's marks around what the assistant writes.
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 #: The shipped template that renders every field of a conversation.
@@ -147,9 +145,7 @@ def _assistant(
     return msg, found[0][0]
 
 
-def _function(
-    value: dict[str, Any], where: str, what: str
-) -> tuple[dict[str, Any], str]:
+def _function(value: dict[str, Any], where: str, what: str) -> tuple[dict[str, Any], str]:
     """The function object of a tool call or a tool (nested under ``function``, or the object itself) and its
     field's name."""
     kind = value.get("type", "function")
