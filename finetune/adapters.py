@@ -361,13 +361,15 @@ def init_prefix_from_text(model: Any, ids: list[int]) -> None:
     this process (not sharded)."""
     import torch
 
+    from finetune.versions import output_cache
+
     encoder = model.prompt_encoder[model.active_adapter]
     weight = encoder.embedding.weight
     base = model.get_base_model()
     device = weight.device
     with torch.no_grad(), model.disable_adapter():
         out = base(input_ids=torch.tensor([ids], device=device), use_cache=True)
-    cache = out.cache  # transformers 5 (past_key_values is its deprecated name)
+    cache = output_cache(out)
     rows = []
     for layer in range(len(cache.layers)):
         for t in (cache.layers[layer].keys, cache.layers[layer].values):  # (1, kv heads, tokens, head dim)

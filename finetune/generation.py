@@ -46,6 +46,7 @@ def greedy_tokens(
     by the prefix length a second time, so evaluation saw positions training never did.
     """
     from finetune.adapters import prefix_tokens
+    from finetune.versions import kv_cache_kwarg, output_cache
 
     virtual = prefix_tokens(model)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -58,8 +59,9 @@ def greedy_tokens(
             if virtual:
                 out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=False)
             else:
-                out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache, use_cache=True)
-        cache = None if virtual else out.cache
+                out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True,
+                            **kv_cache_kwarg(cache))
+        cache = None if virtual else output_cache(out)
         logits = out.logits[:, -1]
         nxt = logits.argmax(-1, keepdim=True) if pick is None else pick(logits)
         del out, logits  # the prompt's (B, T, V) logits must not outlive the step that needs them

@@ -375,6 +375,8 @@ def data_parallel(model: torch.nn.Module, ctx: DistContext, bucket_view: bool = 
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    from finetune.versions import ddp_no_buffer_sync
+
     # Frozen weights (a LoRA base, QLoRA's 4-bit codes) are identical on every rank by construction (same
     # checkpoint, or the same seed) and never change: broadcasting them at wrap time would only cost time.
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
@@ -383,7 +385,7 @@ def data_parallel(model: torch.nn.Module, ctx: DistContext, bucket_view: bool = 
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # No buffer sync before every forward: the only buffers are rotary tables, identical on every rank.
     return DistributedDataParallel(
-        model, device_ids=device_ids, forward_sync_buffers=False, gradient_as_bucket_view=bucket_view
+        model, device_ids=device_ids, gradient_as_bucket_view=bucket_view, **ddp_no_buffer_sync()
     )
 
 

@@ -150,13 +150,15 @@ def _mask_and_positions(
     computes them (training rows: no mask, positions 0..T-1, the causal kernel)."""
     from transformers.masking_utils import create_causal_mask
 
+    from finetune.versions import kv_cache_kwarg
+
     if position_ids is None:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
     unpacked = known_documents({}) if attention_mask is None else contextlib.nullcontext()
     with unpacked:
         mask = create_causal_mask(
-            config=decoder.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
-            position_ids=position_ids,
+            config=decoder.config, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids,
+            **kv_cache_kwarg(None),
         )
     return mask, decoder.rotary_emb(hidden, position_ids=position_ids), position_ids
 

@@ -317,6 +317,7 @@ def test_prefix_init_text_puts_the_bases_own_keys_and_values_in_the_prefix(tmp_p
     keys and values of the text's tokens, repeated (short text) or cut (long text) to the virtual tokens."""
     from finetune.adapters import init_prefix_from_text, prefix_text_ids
     from finetune.train.model import load_tokenizer
+    from finetune.versions import output_cache
 
     tokens = 8
     loaded = _loaded(
@@ -333,7 +334,7 @@ def test_prefix_init_text_puts_the_bases_own_keys_and_values_in_the_prefix(tmp_p
     init_prefix_from_text(model, ids)
     prompt = model.get_prompt(batch_size=1)  # peft's cache of the prefix, as the forward receives it
     with torch.no_grad():
-        ref = model.get_base_model()(input_ids=torch.tensor([ids]), use_cache=True).cache
+        ref = output_cache(model.get_base_model()(input_ids=torch.tensor([ids]), use_cache=True))
     assert len(prompt.layers) == len(ref.layers) == LAYERS
     for got, want, old in zip(prompt.layers, ref.layers, before.layers, strict=True):
         assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)

@@ -1,12 +1,15 @@
-"""The dependency floors in pyproject.toml are true: the installed versions satisfy them, and the APIs the code
-relies on, each introduced at or below its floor, exist (a failing assertion names the API and the floor).
+"""The dependency floors in pyproject.toml are true: the installed versions satisfy them, the APIs the code
+relies on at every version from the floor up exist (a failing assertion names the API and the floor), and
+finetune.versions picks the spelling of those a later release renamed. scripts/check_versions.sh runs this
+file and the CLI in a venv with exactly the floors, and the fast tier with the newest releases.
 
 Where a floor comes from (checked against the released packages):
 
-- torch 2.13: ``DistributedDataParallel(forward_sync_buffers=...)`` (finetune.train.parallel); 2.12 has no
-  such keyword.
-- transformers 5.24: the KV cache is the ``cache`` argument and output field (finetune.generation,
-  finetune.adapters); 5.23 still calls it ``past_key_values``.
+- torch 2.11: FSDP2 and DTensor under their public names, ``FSDPModule``'s prefetch and gradient-sync
+  setters, ``nn.Module.compile()`` in place; 2.13's ``DistributedDataParallel(forward_sync_buffers=)`` is
+  detected (``broadcast_buffers=`` before it).
+- transformers 5.17: ``transformers.initialization``'s init guards, ``create_causal_mask``'s signature, the
+  KV cache's layers; 5.24's rename of the KV cache (``past_key_values`` -> ``cache``) is detected.
 - peft 0.19: prefix tuning moves the caller's ``position_ids`` past its virtual tokens (greedy generation
   relies on it); 0.18 drops them.
 - bitsandbytes 0.50: CPU kernels for the 8-bit optimizers (``train.optimizer: adamw8bit`` on CPU).
@@ -15,6 +18,7 @@ Where a floor comes from (checked against the released packages):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from importlib.metadata import version
@@ -74,12 +78,6 @@ def test_installed_version_satisfies_the_floor(name: str) -> None:
 
 
 def test_torch_apis() -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
-    params = inspect.signature(DistributedDataParallel.__init__).parameters
-    assert "forward_sync_buffers" in params, (
-        f"DistributedDataParallel(forward_sync_buffers=) needs {floor('torch')}"
-    )
     # FSDP2 and DTensor under their public names, and the distributed state-dict helpers
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: F401
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: F401
@@ -96,22 +94,76 @@ def test_torch_apis() -> None:
     assert block._compiled_call_impl is not None, f"nn.Module.compile() in place needs {floor('torch')}"
 
 
-def test_transformers_cache_is_named_cache() -> None:
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def test_ddp_is_built_with_the_buffer_keyword_this_torch_has(tmp_path: Path) -> None:
+    """data_parallel asks DDP not to sync buffers before every forward under the keyword the installed torch
+    takes (no deprecation warning), and the wrapped model's gradients are the plain model's (world size 1)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from finetune.train.distributed import DistContext
+    from finetune.train.parallel import data_parallel
+    from finetune.versions import ddp_has_forward_sync_buffers, ddp_no_buffer_sync
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    chosen = ddp_no_buffer_sync()
+    assert list(chosen) == (["forward_sync_buffers"] if "forward_sync_buffers" in params else ["broadcast_buffers"])
+    assert ddp_has_forward_sync_buffers() == ("forward_sync_buffers" in params) and chosen == {next(iter(chosen)): False}
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    plain.register_buffer("table", torch.arange(3.0))
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    twin.load_state_dict(plain.state_dict(), strict=False)
+    twin.register_buffer("table", torch.arange(3.0))
+    x = torch.randn(5, 4)
+    plain(x).square().sum().backward()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # the deprecated spelling warns on torch >= 2.13
+            ddp = data_parallel(twin, DistContext(0, 1, 0, torch.device("cpu")))
+        assert ddp.forward_sync_buffers is False if hasattr(ddp, "forward_sync_buffers") else not ddp.broadcast_buffers
+        ddp(x).square().sum().backward()
+    finally:
+        dist.destroy_process_group()
+    for a, b in zip(plain.parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-7)
+
+
+def test_the_kv_cache_goes_in_and_out_under_this_transformers_name() -> None:
+    """finetune.versions names the KV cache as the installed transformers does (the models' keyword, the
+    masks' keyword, the outputs' field), and a cached greedy continuation equals the uncached one."""
+    import warnings
+
+    from transformers.masking_utils import create_causal_mask
     from transformers.models.llama.modeling_llama import LlamaModel
 
+    from finetune.generation import greedy_tokens
+    from finetune.versions import kv_cache_kwarg, kv_cache_name, output_cache
+
     need = floor("transformers")
-    assert "cache" in inspect.signature(LlamaModel.forward).parameters, f"model(cache=...) needs {need}"
-    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
-    assert "cache" in fields, f"CausalLMOutputWithPast.cache needs {need}"
+    name = kv_cache_name()
+    assert name in inspect.signature(LlamaModel.forward).parameters, f"model({name}=...) with {need}"
+    assert name in inspect.signature(create_causal_mask).parameters, f"create_causal_mask({name}=...) with {need}"
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    assert name in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
     model = _tiny_llama().eval()
     ids = torch.tensor([[1, 2, 3, 4]])
-    with torch.no_grad():
-        first = model(input_ids=ids, use_cache=True)
-        layer = first.cache.layers[0]  # what finetune.adapters reads for prefix.init: text
-        assert layer.keys.shape == layer.values.shape == (1, 1, 4, 16), f"cache.layers[i].keys needs {need}"
-        step = model(input_ids=torch.tensor([[5]]), cache=first.cache, use_cache=True)
-    assert step.cache.get_seq_length() == 5, f"passing the cache back as `cache=` needs {need}"
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # a deprecated name would warn
+        first = model(input_ids=ids, use_cache=True, **kv_cache_kwarg(None))
+        layer = output_cache(first).layers[0]  # what finetune.adapters reads for prefix.init: text
+        assert layer.keys.shape == layer.values.shape == (1, 1, 4, 16), f"cache.layers[i].keys with {need}"
+        step = model(input_ids=torch.tensor([[5]]), use_cache=True, **kv_cache_kwarg(output_cache(first)))
+        assert output_cache(step).get_seq_length() == 5, f"passing the cache back as `{name}=` with {need}"
+        cached = greedy_tokens(model, ids, torch.ones_like(ids), 5, contextlib.nullcontext)
+        seq = ids
+        for _ in range(5):  # the same continuation recomputing the whole sequence at every step
+            nxt = model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(cached, seq[:, 4:])
     from transformers.initialization import guard_torch_init_functions, no_tie_weights  # noqa: F401
 
 
