@@ -1,20 +1,28 @@
-"""The GPU check: what a first contact with a CUDA machine must show, in timed sections.
+"""The GPU check: what a first contact with a CUDA machine must show, in one call of at most 480 seconds.
 
-``bash scripts/gpu_check.sh [--dry-run] [--part 1|2|all]`` runs the sections of a part one after the other,
-each in its own process under its own time limit (coreutils ``timeout``), and carries on after a section fails
-or times out. Every section writes ``$OUT/<section>.json`` (its status, figures and checks); the script ends
-with a summary table on stdout and ``$OUT/summary.json``. The sections (:mod:`scripts.gpu_check.registry`):
+``bash scripts/gpu_check.sh [--dry-run] [--only a,b]`` runs the sections of :mod:`scripts.gpu_check.registry`
+in order, in one worker process that a supervisor (:mod:`scripts.gpu_check.__main__`) watches: a section past
+its limit is killed and reported ``timed out``, one whose process dies is ``failed``, and a new worker goes on
+with the next. A section starts only while the budget covers its estimate. After every section ``$OUT`` gets
+``summary.json`` (every section's record) and ``logs.tar.gz`` (the logs), and nothing else
+(:mod:`scripts.gpu_check.report`). The sections, in the order they run:
 
-    part 1  preconditions  versions, the wheels carried, bitsandbytes' CUDA binary, device -> gpu_type -> peak
-            harness        FSDP2, DCP and the checkpointer over NCCL at world size 1 (the tool's own functions)
-            memory         plan vs measured memory through `finetune run`: full, LoRA, QLoRA 4-bit and 8-bit in
-                           bf16 and fp16, with evaluation and a resume
-    part 2  optimizer8bit  8-bit AdamW against AdamW
-            compile        train.compile with LoRA and activation checkpointing on more than 8 blocks
-            attention      flex attention's loss against sdpa's (and eager) on one batch
-            vocab          a 128k vocabulary through the fused head
-            smollm2        SmolLM2-135M tokens/s and MFU, against TRL's SFTTrainer on the same job
+    preconditions  versions against pyproject's floors (reported), bitsandbytes' CUDA binary, device -> peak
+    harness        the trainer's process group at world size 1; FSDP2 with CPU offload, bf16 + fused AdamW, the
+                   checkpointer and DCP, QLoRA's sharded codes, fp16 (harness.py, as the four after it)
+    optimizer8bit  the sharded 8-bit optimizer's save: its device memory, the state restored exactly
+    hsdp           a (1, 1) (replicate, shard) mesh against the unsharded run
+    qlora8         8-bit QLoRA's bytes saved for backward against the plan's
+    pipeline       every stage of a 2-stage split in one process against the whole model
+    memory         plan vs measured (finetune run --measure-memory): bf16 full, LoRA, QLoRA
+    attention      4096 tokens: sdpa, sdpa packed, flex attention packed
+    moe_experts    eager, grouped_mm and batched_mm experts (moe.py)
+    moe_lora       LoRA on the experts, where this build adapts them
+    compile        train.compile + LoRA + activation checkpointing against eager
+    dpo            train.objective: dpo through finetune run (flows.py, as the two after it)
+    chat_eval      finetune chat and finetune eval on a LoRA run
+    throughput     tokens/s and MFU of SmolLM2-135M's architecture
 
-``--dry-run`` runs what a CPU can: the harness on gloo with CPU tensors, the CLI runs for two steps of the
-tiny model; a section that needs CUDA writes status ``skipped`` with the reason and what it would measure.
+``--dry-run`` runs what a CPU can: the harness on gloo with CPU tensors, CLI runs of micro models for at most
+2 steps; a section that needs CUDA for a part says so in its record.
 """

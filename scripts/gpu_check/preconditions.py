@@ -1,11 +1,14 @@
-"""Section preconditions: can the rest run here, and on what?
+"""Section preconditions: can the rest run here, and on what? Reported, never failed: a version below
+pyproject's floor or a wheel for another Python is a note in the record, and the sections that need what is
+missing say so themselves.
 
 - Python against the wheels carried in ``.whl/`` (a ``cp312`` wheel needs Python 3.12);
-- the installed torch, transformers, peft, bitsandbytes, datasets, pydantic against pyproject's minimums,
-  and where each was imported from (the carried wheels in /tmp/site, or the machine's image);
+- the installed torch, transformers, peft, bitsandbytes, datasets, pydantic against pyproject's floors, where
+  each was imported from (the carried wheels in /tmp/site, or the machine's image), and what
+  ``finetune.versions`` detects in them (DDP's buffer keyword, the KV cache's name);
 - torch's CUDA build, the device, NCCL's version;
 - bitsandbytes' native library: the CUDA one must load (its class is ``CudaBNBNativeLibrary``), and a 4-bit
-  quantize/dequantize round trip must run on the device;
+  quantize/dequantize round trip must run on the device (checks: the QLoRA sections depend on them);
 - the device name -> ``gpu_type`` -> peak FLOP/s through the tool's own functions
   (``finetune.plan.hardware.gpu_type_of``, ``peak_flops``, ``detect_hardware``): MFU is only reported for a
   GPU the table knows.
@@ -25,7 +28,8 @@ from typing import Any
 from scripts.gpu_check.jobs import ROOT
 from scripts.gpu_check.report import Check
 
-PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "datasets", "pydantic", "safetensors", "accelerate", "trl")
+PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "datasets", "pydantic", "safetensors", "accelerate",
+            "pyarrow", "huggingface_hub", "lm_eval")
 #: What an H200 reports (torch.cuda.get_device_name, total memory): the mapping's dry-run input.
 H200 = ("NVIDIA H200", 143771 * 2**20)
 
@@ -130,19 +134,30 @@ def run(check: Check) -> None:
         {"version": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
          "device_count": torch.cuda.device_count()},
     )
+    from finetune import versions
+
+    check.figure("detected", versions.report())
     unmet = [f"{n} {p['version']} < {p['minimum']}" for n, p in pkgs.items() if p["ok"] is False and n in mins]
-    if not check.dry_run:  # the dry run installs no wheels: they are for the lent machine's Python
-        check.expect("wheels fit this Python", all(w["fits"] for w in carried),
-                     [w["wheel"] for w in carried if not w["fits"]])
-    check.expect("pyproject's minimum versions", not unmet, unmet or None)
+    check.figure("floors_met", not unmet)
+    if unmet:
+        check.note(f"below pyproject's floors: {', '.join(unmet)}")
+    misfit = [w["wheel"] for w in carried if not w["fits"]]
+    if misfit and not check.dry_run:  # the dry run installs no wheels: they are for the lent machine's Python
+        check.note(f"carried wheels for another Python: {', '.join(misfit)}")
     if check.dry_run:
         mapped = check.figure("gpu_mapping_of_h200", gpu_mapping(*H200))
         check.expect("the H200's name maps to a gpu_type with a bf16 peak",
                      mapped["gpu_type"] is not None and mapped["peak_flops"]["bf16"] is not None, mapped["gpu_type"])
         check.figure("bitsandbytes", bitsandbytes_native("cpu"))
-        check.figure("headline", f"torch {torch.__version__}; H200 -> {mapped['gpu_type']}; CUDA checks need a GPU")
+        det = check.figures["detected"]
+        check.figure("headline", f"torch {det['torch']}, transformers {det['transformers']} (KV cache "
+                                 f"`{det['kv_cache_name']}`); floors {'met' if not unmet else 'not met'}; "
+                                 f"H200 -> {mapped['gpu_type']}")
         return
-    check.expect("torch sees a CUDA device", torch.cuda.is_available())
+    if not torch.cuda.is_available():
+        check.note("torch sees no CUDA device: every section takes its GPU path and fails on that")
+        check.figure("headline", f"no CUDA device; torch {torch.__version__}")
+        return
     props = torch.cuda.get_device_properties(0)
     check.figure(
         "device",
@@ -155,10 +170,13 @@ def run(check: Check) -> None:
     detected = hardware.detect_hardware().to_dict()
     check.figure("detect_hardware", detected)
     bnb = check.figure("bitsandbytes", bitsandbytes_native("cuda"))
-    check.expect("bitsandbytes loaded its CUDA binary", bnb.get("compiled_with_cuda") is True,
-                 bnb.get("library") or bnb.get("error"))
-    check.expect("bitsandbytes' NF4 round trip on the GPU", bnb.get("nf4_round_trip_rel_error", 1.0) < 0.15,
-                 bnb.get("nf4_round_trip_rel_error"))
+    if str(bnb.get("error", "")).startswith("ModuleNotFoundError"):
+        check.note("bitsandbytes is not installed (scripts/gpu_wheels.sh carries it): QLoRA and 8-bit fail")
+    else:
+        check.expect("bitsandbytes loaded its CUDA binary", bnb.get("compiled_with_cuda") is True,
+                     bnb.get("library") or bnb.get("error"))
+        check.expect("bitsandbytes' NF4 round trip on the GPU", bnb.get("nf4_round_trip_rel_error", 1.0) < 0.15,
+                     bnb.get("nf4_round_trip_rel_error"))
     check.expect("the device maps to a gpu_type", mapped["gpu_type"] is not None, props.name)
     check.expect("that gpu_type has a bf16 peak (MFU)", mapped["peak_flops"]["bf16"] is not None)
     check.expect("detect_hardware agrees", detected.get("gpu_type") == mapped["gpu_type"], detected.get("gpu_type"))

@@ -1,12 +1,16 @@
-"""The sections of the GPU check: their part, time limit, estimated time and what each measures.
+"""The sections of the GPU check, in the order they run (what a first contact with CUDA teaches first), each with
+its expected seconds on one H200, its time limit there, and what it measures.
 
-The limits of a part add up to at most :data:`PART_BUDGET_S` with the wheels' installation
-(:data:`SETUP_S`), so that a part ends inside one 7-minute call of the lent machine even when every section
-runs to its limit. The estimates are expected times on one H200 with 16 cores (Python's start and the imports
-included), from the sizes of the jobs; summary.json sets them beside the measured seconds. ``--dry-run`` takes
-its own, much shorter, path through each section, under its own generous limits.
+The check plans for one call of the lent machine: :data:`BUDGET_S` seconds at most (``GPU_CHECK_BUDGET`` may
+lower it), counted from the script's start (the carried wheels' installation included), which leaves a rerun of
+the failed sections inside the machine's 15 minutes. A section starts only while what is left of the budget
+covers its estimate, and runs under the smaller of its limit and what is left; the others are reported as
+skipped with the seconds that were left. The estimates add up to :func:`planned_s`, under the budget.
 
-No heavy import here: the shell script reads this table before any section runs.
+``--dry-run`` takes each section's CPU path (tiny models, at most 2 training steps), every section in one
+process, under its own limits and budget (:data:`DRY_BUDGET_S`: a shared 2-core CPU, not the GPU's plan).
+
+No heavy import here: the supervisor reads this table before any section runs.
 """
 
 from __future__ import annotations
@@ -14,78 +18,104 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-#: A part must end inside one call of at most 7 minutes.
-PART_BUDGET_S = 420
-#: Installing the carried wheels and listing the sections, before the first section starts.
-SETUP_S = 20
+#: The most a GPU call plans for: two of them (a first and a rerun) and the machine's start fit its 15 minutes
+#: only if a first call leaves room; 8 minutes leave 5 for the rerun of what failed.
+BUDGET_S = 480
+#: The dry run's budget on a CPU shared with other work (what gates its sections; its summary still records
+#: the GPU plan's BUDGET_S).
+DRY_BUDGET_S = 1200
+#: Kept free at the end of the budget: the last summary and the logs' packing.
+RESERVE_S = 5
 
 
 @dataclass(frozen=True)
 class Section:
-    """One timed section of the check."""
+    """One section of the check: ``target`` is ``module:function`` in scripts.gpu_check, called with its Check."""
 
     name: str
-    part: int
-    limit_s: int  # the `timeout` it runs under on a GPU
-    estimate_s: int  # expected seconds on one H200 (16 cores)
-    dry_limit_s: int  # the `timeout` under --dry-run: generous, for 2 CPU cores shared with other work
-    module: str  # scripts.gpu_check.<module>, whose run(check) is the section
+    estimate_s: int  # expected seconds on one H200 (16 cores), the section's Python work included
+    limit_s: int  # the most it may run on the GPU (less when the budget has less left)
+    dry_limit_s: int  # the most its CPU path may run under --dry-run
+    target: str
     measures: str  # one sentence: what the section measures
 
 
 SECTIONS: tuple[Section, ...] = (
     Section(
-        "preconditions", 1, 45, 15, 120, "preconditions",
-        "Python against the carried wheels, torch/transformers/peft/bitsandbytes against pyproject's minimums, "
-        "bitsandbytes' CUDA binary, and the device name -> gpu_type -> peak FLOP/s the tool maps it to.",
+        "preconditions", 8, 40, 120, "preconditions:run",
+        "Python against the carried wheels; torch, transformers, peft, bitsandbytes, datasets, pydantic against "
+        "pyproject's floors and what finetune.versions detects (reported, never failed); bitsandbytes' CUDA "
+        "binary and an NF4 round trip; the device name -> gpu_type -> peak FLOP/s the tool maps it to.",
     ),
     Section(
-        "harness", 1, 110, 55, 300, "harness",
-        "parallelize, materialize and the checkpointer at world size 1 over NCCL: FSDP2 full fine-tuning with "
-        "fused AdamW on DTensors, DCP save/load (the tool's checkpointer and the default process group), QLoRA's "
-        "sharded 4-bit codes through the all-gather into bitsandbytes' dequantize, fp16 with the GradScaler.",
+        "harness", 40, 110, 240, "harness:harness",
+        "the process group of the trainer's initialisation at world size 1 (its backend, a CPU collective), then "
+        "the tool's sharded path on it: FSDP2 with CPUOffloadPolicy (train.offload) for two steps, FSDP2 bf16 "
+        "with fused AdamW against the unsharded run, the Checkpointer and DCP restoring weights and moments "
+        "exactly, QLoRA's sharded 4-bit codes, fp16 with the GradScaler.",
     ),
     Section(
-        "memory", 1, 245, 170, 600, "memory",
-        "finetune run --measure-memory for full, LoRA, QLoRA 4-bit and 8-bit (LLM.int8) in bf16 and fp16 with "
-        "evaluation: the plan's prediction against the allocated peak (and reserved, device used where "
-        "memory.json has them), plus a resume from a checkpoint that must repeat the uninterrupted losses.",
+        "optimizer8bit", 15, 60, 120, "harness:optimizer8bit",
+        "8-bit AdamW over FSDP2's local shards (LocalShardOptimizer): the extra device memory of a checkpoint's "
+        "save (bytes per trainable parameter) and the state restored exactly by a load.",
     ),
     Section(
-        "optimizer8bit", 2, 70, 40, 240, "optimizer8bit",
-        "train.optimizer adamw8bit against adamw on the same full fine-tuning run: losses, the plan's "
-        "optimizer-state bytes and the measured peak.",
+        "hsdp", 10, 45, 120, "harness:hsdp",
+        "HSDP on a (1, 1) (replicate, shard) mesh: its losses against the unsharded run.",
     ),
     Section(
-        "compile", 2, 110, 75, 180, "compiled",
-        "train.compile with LoRA and activation checkpointing on a 12-block model: compile time, tokens/s "
-        "against the eager run, and the same losses.",
+        "qlora8", 10, 45, 120, "harness:qlora8",
+        "8-bit QLoRA (bitsandbytes' LLM.int8 layers): the bytes its forward saves for backward against the "
+        "activations the plan counts for the same micro-batch (10%).",
     ),
     Section(
-        "attention", 2, 60, 35, 180, "attention",
-        "flex attention's loss and gradient norm against sdpa's and eager's on the same packed batch and "
-        "weights.",
+        "pipeline", 15, 60, 120, "harness:pipeline",
+        "every pipeline stage of a 2-stage split in one process (the stages' own runner, masks and fused head): "
+        "the loss and gradients through the stages against the whole model's.",
     ),
     Section(
-        "vocab", 2, 45, 25, 240, "vocab",
-        "a micro Llama with Llama 3's 128256-token vocabulary through the fused head and loss: the plan "
-        "against the measured peak, against the unfused logits, and the same first loss unfused.",
+        "memory", 70, 150, 300, "memory:run",
+        "finetune run --measure-memory for bf16 full, LoRA and QLoRA: the plan against the allocated peak (10%), "
+        "with the reserved and device-used figures memory.json records.",
     ),
     Section(
-        "smollm2", 2, 115, 80, 60, "peers",
-        "SmolLM2-135M (its architecture, seeded weights) LoRA in bf16: finetune's tokens/s and MFU against TRL's "
-        "SFTTrainer on the same samples, batches and steps.",
+        "attention", 25, 80, 120, "attention:run",
+        "forward + backward at 4096 tokens under sdpa (one document), sdpa packed (documents by position_ids: a "
+        "dense mask) and flex attention packed (a block mask): milliseconds, and the packed losses agreeing.",
+    ),
+    Section(
+        "moe_experts", 20, 60, 120, "moe:experts",
+        "a mixture of experts' forward + backward under each experts implementation transformers offers "
+        "(eager, grouped_mm, batched_mm): tokens/s, the same loss.",
+    ),
+    Section(
+        "moe_lora", 15, 60, 120, "moe:lora",
+        "LoRA on the experts' fused weights (where this build adapts them): adapters on every layer's experts, "
+        "two steps that train them.",
+    ),
+    Section(
+        "compile", 60, 120, 120, "compiled:run",
+        "train.compile with LoRA and activation checkpointing on 12 blocks: compile time, tokens/s against "
+        "eager, the same losses (the dry run: the plan of the compiled recipe).",
+    ),
+    Section(
+        "dpo", 20, 60, 180, "flows:dpo",
+        "train.objective: dpo with LoRA through finetune run: finite losses, reward accuracy and margin logged, "
+        "an evaluation.",
+    ),
+    Section(
+        "chat_eval", 25, 75, 180, "flows:chat_eval",
+        "a LoRA run's adapter through finetune chat (a reply) and finetune eval --tasks run (its exact match; "
+        "lm-evaluation-harness where installed).",
+    ),
+    Section(
+        "throughput", 35, 90, 180, "flows:throughput",
+        "full fine-tuning of SmolLM2-135M's architecture in bf16 on packed 2048-token rows: tokens/s and MFU "
+        "(against the detected GPU's peak) from metrics.jsonl.",
     ),
 )
 
 BY_NAME = {s.name: s for s in SECTIONS}
-
-
-def sections_of(part: str) -> list[Section]:
-    """The sections of ``part`` (1, 2 or all), in order."""
-    if part == "all":
-        return list(SECTIONS)
-    return [s for s in SECTIONS if str(s.part) == part]
 
 
 def limit_of(section: Section, dry_run: bool) -> int:
@@ -97,6 +127,23 @@ def limit_of(section: Section, dry_run: bool) -> int:
     return section.dry_limit_s if dry_run else section.limit_s
 
 
-def part_limit(part: str) -> int:
-    """The worst case of ``part`` on a GPU: every section at its limit, plus the setup."""
-    return SETUP_S + sum(s.limit_s for s in sections_of(part))
+def budget_s() -> int:
+    """The GPU plan's budget: :data:`BUDGET_S`, or less with ``GPU_CHECK_BUDGET``."""
+    asked = os.environ.get("GPU_CHECK_BUDGET", "").strip()
+    return min(BUDGET_S, int(asked)) if asked.isdigit() else BUDGET_S
+
+
+def planned_s(sections: list[Section] | tuple[Section, ...] = SECTIONS) -> int:
+    """The GPU estimates of ``sections``, added up."""
+    return sum(s.estimate_s for s in sections)
+
+
+def selected(only: str | None) -> list[Section]:
+    """Every section in order, or those ``only`` names (comma-separated); ValueError names an unknown one."""
+    if not only:
+        return list(SECTIONS)
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise ValueError(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
+    return [s for s in SECTIONS if s.name in names]

@@ -1,13 +1,17 @@
-"""What a section records and how: ``$OUT/<section>.json``, written after every figure (so a section stopped
-by its time limit leaves what it had measured), and the summary of a part.
+"""What the check records and how, so that a call stopped at any moment still brings back what it measured.
 
-A section's JSON::
+Each section writes ``WORK/sections/<name>.json`` after every figure; its output goes to ``WORK/logs/<name>.log``.
+After every section the supervisor (or the worker) folds every section's JSON into ``$OUT/summary.json`` and
+packs the logs and the JSONs into ``$OUT/logs.tar.gz`` (each through a temporary file and a rename): ``$OUT``
+holds those two files alone, well under the 8 files a lent machine returns.
 
-    {"section", "part", "mode": "gpu" | "dry-run", "status": "ok" | "failed" | "timed out" | "skipped" | "running",
-     "reason": one line (why it failed or was skipped), "measures": what it measures, "limit_s", "estimate_s",
-     "seconds", "cpu_seconds" (this process and its children), "figures": {...},
-     "checks": [{"name", "ok", "detail"}], "error": the traceback's tail, "log": its log file,
-     "exit_code" and "log_tail" (the log's last lines) when it did not end ok}
+A section's record::
+
+    {"section", "mode": "gpu" | "dry-run", "status": "ok" | "failed" | "timed out" | "skipped" | "running",
+     "reason": one line (why it failed or was skipped), "measures", "estimate_s", "limit_s" (the limit it ran
+     under), "started_at", "seconds", "cpu_seconds", "figures": {...}, "checks": [{"name", "ok", "detail"}],
+     "notes": [preconditions and other facts that fail nothing], "log", and when it did not end ok:
+     "error" (the traceback's tail), "exit_code", "log_tail"}
 
 A section fails when it raises or when one of its checks is false; its figures are kept either way.
 """
@@ -16,11 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
 
-from scripts.gpu_check.registry import Section, limit_of
+from scripts.gpu_check.registry import Section
 
 STATUSES = ("ok", "failed", "timed out", "skipped")
 
@@ -29,34 +34,45 @@ class Skip(Exception):
     """Raised by a section that cannot run here: status ``skipped`` with this reason."""
 
 
+def sections_dir(work: Path) -> Path:
+    """Where the sections' JSONs are written."""
+    return work / "sections"
+
+
+def logs_dir(work: Path) -> Path:
+    """Where the sections' logs are written."""
+    return work / "logs"
+
+
 class Check:
-    """The record of one section while it runs: its figures and checks, written to ``$OUT/<section>.json``.
+    """The record of one section while it runs: its figures, checks and notes.
 
-    ``work``: a scratch directory of the section (outside ``$OUT``: only the JSON and the logs come back).
-    """
+    ``work``: the section's scratch directory (models, runs); ``root``: the check's work directory, whose
+    ``sections/`` holds the JSON."""
 
-    def __init__(self, section: Section, out: Path, dry_run: bool, work: Path) -> None:
-        self.section, self.out, self.dry_run, self.work = section, out, dry_run, work
+    def __init__(self, section: Section, root: Path, dry_run: bool, work: Path, limit_s: float) -> None:
+        self.section, self.root, self.dry_run, self.work = section, root, dry_run, work
         self.started = time.perf_counter()
         self.data: dict[str, Any] = {
             "section": section.name,
-            "part": section.part,
             "mode": "dry-run" if dry_run else "gpu",
             "status": "running",
             "reason": None,
             "measures": section.measures,
-            "limit_s": limit_of(section, dry_run),
             "estimate_s": section.estimate_s,
+            "limit_s": round(limit_s, 1),
+            "started_at": time.time(),
             "seconds": 0.0,
             "figures": {},
             "checks": [],
+            "notes": [],
             "log": f"logs/{section.name}.log",
         }
 
     @property
     def path(self) -> Path:
-        """``$OUT/<section>.json``."""
-        return self.out / f"{self.section.name}.json"
+        """``WORK/sections/<section>.json``."""
+        return sections_dir(self.root) / f"{self.section.name}.json"
 
     @property
     def figures(self) -> dict[str, Any]:
@@ -75,8 +91,14 @@ class Check:
         self.save()
         return bool(ok)
 
+    def note(self, text: str) -> None:
+        """Record a fact that fails nothing (a precondition not met, a feature this build lacks)."""
+        self.data["notes"].append(text)
+        self.save()
+        self.say(f"note: {text}")
+
     def say(self, text: str) -> None:
-        """A line in the section's log (stdout, which the script sends to the log)."""
+        """A line in the section's log."""
         elapsed = time.perf_counter() - self.started
         print(f"[{self.section.name} {elapsed:6.1f}s] {text}", flush=True)
 
@@ -84,7 +106,7 @@ class Check:
         """Set the final status (a false check turns ok into failed) and write the JSON."""
         failed = [c["name"] for c in self.data["checks"] if not c["ok"]]
         if status == "ok" and failed:
-            status, reason = "failed", f"check(s) failed: {', '.join(failed)}"
+            status, reason = "failed", f"check(s) failed: {', '.join(failed)}"[:400]
         self.data["status"], self.data["reason"] = status, reason
         if error:
             self.data["error"] = error
@@ -124,87 +146,91 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return ""
 
 
-def record_end(
-    section: Section, out: Path, dry_run: bool, rc: int, seconds: float, skipped: str | None = None
-) -> dict[str, Any]:
-    """After the section's process ended with ``rc``: its JSON completed with what only the script knows.
+def section_record(work: Path, section: Section) -> dict[str, Any] | None:
+    """The section's JSON as written so far (None when it never started)."""
+    return read_json(sections_dir(work) / f"{section.name}.json")
 
-    ``timeout`` exits 124 (137 after its kill): status ``timed out``, the figures written so far kept. A
-    process that died without its final JSON (a crash, a kill, a CUDA error that aborts) is ``failed`` with
-    its exit code. The log's tail goes into the JSON of a section that did not end ok or skipped. ``skipped``:
-    the section was not started (its reason).
-    """
-    path = out / f"{section.name}.json"
-    data = read_json(path) or {
-        "section": section.name, "part": section.part, "mode": "dry-run" if dry_run else "gpu",
-        "status": "running", "reason": None, "measures": section.measures, "figures": {}, "checks": [],
-        "log": f"logs/{section.name}.log",
-    }
-    data["limit_s"] = limit_of(section, dry_run)
-    data["estimate_s"] = section.estimate_s
-    data["seconds"] = round(seconds, 2)
+
+def write_skipped(work: Path, section: Section, dry_run: bool, reason: str) -> None:
+    """The record of a section that was not started."""
+    write_json(sections_dir(work) / f"{section.name}.json", {
+        "section": section.name, "mode": "dry-run" if dry_run else "gpu", "status": "skipped", "reason": reason,
+        "measures": section.measures, "estimate_s": section.estimate_s, "limit_s": 0, "seconds": 0.0,
+        "figures": {}, "checks": [], "notes": [], "log": None,
+    })
+
+
+def record_death(work: Path, section: Section, rc: int | None, timed_out: bool) -> dict[str, Any]:
+    """The record of a section whose process ended before the section did: killed at its limit (``timed
+    out``, the figures written so far kept) or dead with exit code ``rc`` (a crash, an abort in CUDA)."""
+    path = sections_dir(work) / f"{section.name}.json"
+    data = read_json(path) or {"section": section.name, "measures": section.measures, "figures": {},
+                               "checks": [], "notes": [], "log": f"logs/{section.name}.log"}
     data["exit_code"] = rc
-    if skipped:
-        data["status"], data["reason"] = "skipped", skipped
-    elif rc in (124, 137):
+    if "started_at" in data:
+        data["seconds"] = round(time.time() - data["started_at"], 2)
+    if timed_out:
         data["status"] = "timed out"
-        data["reason"] = f"stopped at its limit of {data['limit_s']} s; the figures are those written before"
-    elif data.get("status") not in STATUSES or (rc != 0 and data.get("status") == "ok"):
+        data["reason"] = f"stopped at its limit of {data.get('limit_s')} s; the figures are those written before"
+    else:
         data["status"] = "failed"
-        data["reason"] = data.get("reason") or f"the section's process exited with code {rc} before its end"
-    if data["status"] not in ("ok", "skipped"):
-        data["log_tail"] = log_tail(out / "logs" / f"{section.name}.log")
+        data["reason"] = f"the section's process exited with code {rc} before its end"
+    data["log_tail"] = log_tail(logs_dir(work) / f"{section.name}.log")
     write_json(path, data)
     return data
 
 
-def summarize(out: Path, sections: list[Section], dry_run: bool, part: str) -> dict[str, Any]:
-    """``$OUT/summary.json`` over ``sections`` and the table printed at the end of a part."""
+def summarize(out: Path, work: Path, sections: list[Section], dry_run: bool, budget: int, started: float,
+              planned: int) -> dict[str, Any]:
+    """``$OUT/summary.json``: every section's record (a section not reached yet: ``pending``), the budget
+    planned for, the seconds spent; then the logs and JSONs packed into ``$OUT/logs.tar.gz``."""
     rows = []
     for s in sections:
-        data = read_json(out / f"{s.name}.json") or {"status": "failed", "reason": "no JSON was written"}
-        rows.append(
-            {
-                "section": s.name,
-                "part": s.part,
-                "status": data.get("status"),
-                "reason": data.get("reason"),
-                "seconds": data.get("seconds"),
-                "limit_s": limit_of(s, dry_run),
-                "estimate_s": s.estimate_s,
-                "headline": headline(s.name, data.get("figures") or {}),
-            }
-        )
+        data = section_record(work, s) or {"section": s.name, "status": "pending", "reason": None,
+                                           "estimate_s": s.estimate_s, "figures": {}, "checks": [], "notes": []}
+        rows.append(data)
     summary = {
         "mode": "dry-run" if dry_run else "gpu",
-        "part": part,
+        "budget_s": budget,
+        "planned_s": planned,
+        "elapsed_s": round(time.time() - started, 1),
         "ok": all(r["status"] in ("ok", "skipped") for r in rows),
         "sections": rows,
     }
     write_json(out / "summary.json", summary)
+    pack(out, work)
     return summary
 
 
-def headline(name: str, figures: dict[str, Any]) -> str:
-    """A section's one-line result for the table (its figures' ``headline``, else nothing)."""
-    value = figures.get("headline")
-    return str(value) if value else ""
+def pack(out: Path, work: Path) -> None:
+    """``$OUT/logs.tar.gz``: ``logs/`` and ``sections/`` of the work directory, replaced atomically."""
+    tmp = out / ".logs.tar.gz.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for sub in (logs_dir(work), sections_dir(work)):
+            if sub.is_dir():
+                for f in sorted(sub.iterdir()):
+                    if f.is_file() and not f.name.startswith("."):
+                        tar.add(f, arcname=f"{sub.name}/{f.name}")
+    tmp.replace(out / "logs.tar.gz")
+
+
+def headline(data: dict[str, Any]) -> str:
+    """A section's one-line result for the table."""
+    if data.get("status") == "ok":
+        return str((data.get("figures") or {}).get("headline") or "")
+    return str(data.get("reason") or "")
 
 
 def table(summary: dict[str, Any]) -> str:
     """The summary as a fixed-width table."""
     lines = [
-        f"GPU check ({summary['mode']}, part {summary['part']}): "
+        f"GPU check ({summary['mode']}; budget {summary['budget_s']} s, planned {summary['planned_s']} s, "
+        f"spent {summary['elapsed_s']:.0f} s): "
         + ("every section ok or skipped" if summary["ok"] else "some section failed or timed out"),
-        f"{'section':15s} {'status':28s} {'s':>6s} {'limit':>6s} {'est.':>5s}  result",
+        f"{'section':14s} {'status':10s} {'s':>6s} {'est.':>5s}  result",
     ]
     for r in summary["sections"]:
-        status = r["status"] or "?"
-        if status == "skipped" and r["reason"]:
-            status = f"skipped: {r['reason']}"
-        secs = f"{r['seconds']:.0f}" if isinstance(r["seconds"], (int, float)) else "-"
-        detail = r["headline"] if r["status"] == "ok" else (r["reason"] or "")
-        lines.append(
-            f"{r['section']:15s} {status[:28]:28s} {secs:>6s} {r['limit_s']:>6d} {r['estimate_s']:>5d}  {detail}"
-        )
+        secs = f"{r['seconds']:.0f}" if isinstance(r.get("seconds"), (int, float)) else "-"
+        status = r.get("status") or "?"
+        lines.append(f"{r['section']:14s} {status:10s} {secs:>6s} {r.get('estimate_s', 0):>5d}  {headline(r)}"[:220])
     return "\n".join(lines)
