@@ -197,6 +197,8 @@ def supervise(sections: list[Section], out: Path, work: Path, dry_run: bool) -> 
                     if s.name not in seen:
                         seen.add(s.name)
                         summarize(out, work, sections, dry_run, budget, started, planned)
+                        print(f"{s.name}: {data['status']} after {data.get('seconds', 0):.0f} s"
+                              + (f" ({data['reason']})" if data.get("reason") else ""), flush=True)
                     continue
                 if time.time() > data.get("started_at", time.time()) + data.get("limit_s", 0) + 2:
                     timed_out = s
@@ -209,7 +211,8 @@ def supervise(sections: list[Section], out: Path, work: Path, dry_run: bool) -> 
         rest = [s for s in pending if s not in finished]
         if rest:
             current = rest[0]
-            record_death(work, current, None if timed_out is current else rc, timed_out is current)
+            data = record_death(work, current, None if timed_out is current else rc, timed_out is current)
+            print(f"{current.name}: {data['status']} ({data['reason']})", flush=True)
             rest = rest[1:]
         pending = rest
         summarize(out, work, sections, dry_run, budget, started, planned)

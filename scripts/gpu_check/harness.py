@@ -66,6 +66,11 @@ def release() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    for key, value in _SHARED.saved_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     _SHARED = None
     gc.collect()
     if torch.cuda.is_available():
@@ -93,9 +98,12 @@ class Harness:
             raise RuntimeError("no CUDA device visible")
         self.work = check.root / "scratch" / "harness-shared"
         self.work.mkdir(parents=True, exist_ok=True)
-        # torchrun's environment of a one-process job, then the trainer's own initialisation
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+        # torchrun's environment of a one-process job (restored by release()), then the trainer's own
+        # initialisation
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        self.saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         base = DistContext.from_env()
         self.device = base.device
         if dist.is_initialized():
