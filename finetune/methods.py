@@ -187,8 +187,20 @@ class LoRA(TrainingMethod):
 
     def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
         from finetune.adapters import LORA_INIT_ATTR, peft_inject
+        from finetune.experts import (
+            fused_experts,
+            lora_config_with_experts,
+            peft_as_targeted,
+            resolve_lora_targets,
+        )
 
-        adapted = peft_inject(model, self.peft_config(model.config, stand_in=stand_in), "lora.target_modules")
+        config = self.peft_config(model.config, stand_in=stand_in)
+        if fused_experts(model):  # a mixture of experts: its expert weights and routers as finetune.experts says
+            targets = resolve_lora_targets(model, config.target_modules)
+            with peft_as_targeted():
+                adapted = peft_inject(model, lora_config_with_experts(config, model, targets), "lora.target_modules")
+        else:
+            adapted = peft_inject(model, config, "lora.target_modules")
         if self.decomposes and not stand_in:
             initial = {n: p.detach().clone() for n, p in adapted.named_parameters() if p.requires_grad}
             setattr(adapted, LORA_INIT_ATTR, initial)
