@@ -574,7 +574,9 @@ def _load_model(path: Path, dtype: Any, device: Any, trust: bool, quantization: 
                               "device_map": {"": device}}
     if quantization is not None:
         kwargs["quantization_config"] = quantization
-    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    from finetune.kernels import use_experts_kernel
+
+    return use_experts_kernel(AutoModelForCausalLM.from_pretrained(str(path), **kwargs), device, dtype).eval()
 
 
 def _max_positions(model_dir: Path) -> int | None:

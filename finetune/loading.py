@@ -131,10 +131,12 @@ def _plain(d: Path, trust_remote_code: bool = False) -> Any:
     """A Hugging Face model directory, in its saved dtype, on the device."""
     from transformers import AutoModelForCausalLM
 
+    from finetune.kernels import use_experts_kernel
+
     model = AutoModelForCausalLM.from_pretrained(
         str(d), dtype="auto", local_files_only=True, trust_remote_code=trust_remote_code
     )
-    return model.to(_device())
+    return use_experts_kernel(model.to(_device()), _device())
 
 
 def _quantized(base: Path, recipe: dict[str, Any], run: Path) -> Any:
@@ -142,6 +144,7 @@ def _quantized(base: Path, recipe: dict[str, Any], run: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from finetune.kernels import use_experts_kernel
     from finetune.merge import _compute_dtype_of_run
     from finetune.recipe import Recipe
     from finetune.train.quantize import bnb_config, disable_cpu_packed_inference
@@ -152,7 +155,7 @@ def _quantized(base: Path, recipe: dict[str, Any], run: Path) -> Any:
         device_map={"": _device()}, local_files_only=True,
         trust_remote_code=bool((recipe.get("model") or {}).get("trust_remote_code", False)),
     )
-    return disable_cpu_packed_inference(model)
+    return disable_cpu_packed_inference(use_experts_kernel(model, _device(), compute))
 
 
 def inspect_dir(value: str, key: str = "RUN_OR_MODEL") -> tuple[Path, dict[str, Any] | None]:
@@ -228,11 +231,13 @@ def load_base_of(loaded: LoadedModel) -> LoadedModel:
     recipe = loaded.recipe or {}
     model_cfg = recipe.get("model") or {}
     if loaded.kind == "model" and model_cfg.get("init") == "random":
+        from finetune.kernels import use_experts_kernel
         from finetune.recipe import recipe_from_dict
         from finetune.train.quantize import build_random_base
 
         config_dir = _resolve(str(model_cfg.get("path", "")), "--baseline")
         model = build_random_base(recipe_from_dict(recipe, base_dir=loaded.path), str(config_dir)).to(_device())
+        use_experts_kernel(model, _device())
         model.eval()
         _stop_at_eos(model, loaded.tokenizer)
         return LoadedModel(model, loaded.tokenizer, config_dir, "model", notes=[

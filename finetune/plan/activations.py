@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from finetune.kernels import experts_implementation, set_experts_kernel
 from finetune.plan.config import concrete
 from finetune.plan.shapes import decoder_layer_names, reduced_config
 from finetune.spec import AdapterSpec, ExecSpec, Method
@@ -64,6 +65,9 @@ class TraceSpec:
     # TP's sequence parallelism: the tp degree whose rank 0 is traced with the residual stream split over the
     # sequence (finetune.plan.tensor_parallel.sequence_parallel_trace); 1: none. Out of the repr, as above.
     sequence_parallel: int = field(default=1, repr=False)
+    # a mixture of experts' kernel (finetune.kernels): grouped_mm wherever one is traced (its memory does not
+    # depend on the routing; eager's per-expert loop reads values fake tensors do not have). Out of the repr.
+    experts: str = field(default="grouped_mm", repr=False)
 
     @property
     def preference_key(self) -> tuple[str, ...]:
@@ -102,6 +106,7 @@ class TraceSpec:
             objective=spec.objective,
             reference=spec.reference,
             sequence_parallel=spec.tp if spec.sequence_parallel else 1,
+            experts=experts_implementation(device, spec.compute_dtype),
         )
 
 
@@ -262,6 +267,7 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
     # and buffer is replaced by a fake CPU tensor of the same shape, dtype and sharing.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(concrete(cfg), dtype=dtype, attn_implementation=_traced_kernel(spec))
+    set_experts_kernel(model, spec.experts)
     model.train()
     if Method(spec.method).quantized:
         _emulate_kbit_preparation(model)
@@ -324,7 +330,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
             model.get_submodule(layers[-1]).register_forward_hook(mark("layers")),
             model.get_input_embeddings().register_forward_hook(embedded),
         ]
-        with tracker, kernels, _mask_checks(spec), _sequence_parallel(model, spec):
+        with tracker, kernels, _mask_checks(spec), _sequence_parallel(model, spec), _grouped_mm_any_dtype():
             if autocast:
                 with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype or "fp32")):
                     loss, _ = step(model, batch_dict)
@@ -419,6 +425,40 @@ def _mask_checks(spec: TraceSpec) -> Any:
     stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", document_ids))
     stack.enter_context(mock.patch.object(masking_utils, "fast_all", lambda tensor: True))
     return stack
+
+
+def _grouped_mm_any_dtype() -> Any:
+    """A mode under which ``aten._grouped_mm`` runs on fake tensors of any dtype, as its CPU kernel and CUDA's
+    per-group fallback run: torch's meta registration (what fake tensors execute) checks for the bf16 that
+    only CUDA's fused kernel needs, so an fp32 or fp16 mixture of experts could not be traced. The output has
+    the shape the meta registration gives, in the inputs' dtype, contiguous as the real kernels return it;
+    what autograd keeps for the backward (the input and the weights) is decided above this mode, so the trace
+    counts what the real kernel keeps. bf16 calls run torch's own registration unchanged."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    grouped = torch.ops.aten._grouped_mm.default
+
+    class GroupedMM(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is not grouped or (args[0].dtype == torch.bfloat16 and args[1].dtype == torch.bfloat16):
+                return func(*args, **kwargs)
+            a, b = args[0], args[1]
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 and args[4] is not None else a.dtype)
+            shape: tuple[int, ...]
+            if a.dim() == 2 and b.dim() == 2:  # the weights' gradient: one (M, N) block per group
+                shape = (offs.shape[0], a.shape[0], b.shape[1])
+            elif a.dim() == 2:  # tokens grouped along a's rows, one weight per group
+                shape = (a.shape[0], b.shape[-1])
+            elif b.dim() == 2:
+                shape = (a.shape[1], b.shape[1])
+            else:
+                shape = (a.shape[0], a.shape[1], b.shape[-1])
+            return torch.empty(shape, dtype=dtype, device=a.device)
+
+    return GroupedMM()
 
 
 def _attention_kernels(attn_implementation: str) -> Any:

@@ -25,6 +25,7 @@ from finetune.plan.activations import (
     _attention_kernels,
     _disk_path,
     _fakeify,
+    _grouped_mm_any_dtype,
 )
 from finetune.plan.shapes import decoder_layer_names
 
@@ -79,7 +80,7 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
         ids = torch.zeros(batch, spec.seq_len, dtype=torch.long)
         mask = torch.ones_like(ids)
         tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
-        with tracker, _attention_kernels(spec.attn_implementation), ac():
+        with tracker, _attention_kernels(spec.attn_implementation), ac(), _grouped_mm_any_dtype():
             if spec.objective == "sft":
                 causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask})
             else:  # preference pairs, 2 rows a sample (dpo's reference forward, or its precompute pass, alike)
@@ -99,7 +100,7 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
 
         hook = model.register_forward_pre_hook(next_call)
         try:
-            with tracker, _attention_kernels(spec.attn_implementation):
+            with tracker, _attention_kernels(spec.attn_implementation), _grouped_mm_any_dtype():
                 out = greedy_tokens(model, ids, mask, 3, ac)
                 del out
         finally:

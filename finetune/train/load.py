@@ -31,6 +31,7 @@ import torch
 from finetune import flex
 from finetune.adapters import base_model_of
 from finetune.errors import UserError
+from finetune.kernels import use_experts_kernel
 from finetune.methods import training_of
 from finetune.recipe import LoadedRecipe
 from finetune.safetensors_stream import SAFE_SINGLE, ShardWriter, StoredTensor, read_header, stored_name
@@ -60,8 +61,9 @@ def loads_sharded(spec: ExecSpec, world_size: int) -> bool:
     return not (spec.quant is not None and spec.adapter is not None and spec.adapter.use_dora)
 
 
-def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
-    """The base model (storage dtype, parameters on meta, buffers real) with adapters, ready for parallelize."""
+def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec, device: torch.device | str) -> torch.nn.Module:
+    """The base model (storage dtype, parameters on meta, buffers real) with adapters, ready for parallelize
+    and to run on ``device`` (its experts kernel, finetune.kernels)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -83,6 +85,7 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
         )
     # Outside the context, whose register_parameter would give the tied head a fresh meta parameter again.
     model.tie_weights()
+    use_experts_kernel(model, device, spec.compute_dtype)
     if spec.quant is not None:
         from finetune.train.quantize import quantize_on_meta
 

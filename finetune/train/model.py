@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from finetune import flex
+from finetune.kernels import use_experts_kernel
 from finetune.methods import training_of
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
@@ -72,7 +73,7 @@ def load_base_model(
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True, device_map={"": device}, **common
         )
-    return model.to(device)
+    return use_experts_kernel(model.to(device), device, spec.compute_dtype)
 
 
 def add_adapters(

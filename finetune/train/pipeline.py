@@ -283,7 +283,7 @@ def build_stage_model(
     from finetune.train.model import count_parameters
     from finetune.train.parallel import _fully_shard, apply_activation_checkpointing, apply_tensor_parallel
 
-    model = build_on_meta(loaded, spec)
+    model = build_on_meta(loaded, spec, ctx.device)
     check_stageable(model)
     counts = count_parameters(model)
     n_layers = len(_decoder(model)[1].layers)

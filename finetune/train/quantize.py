@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from finetune.recipe import LoadedRecipe, QuantizationConfig, Recipe
     from finetune.spec import ExecSpec, QuantSpec
+from finetune.kernels import use_experts_kernel
 from finetune.units import torch_dtype
 
 #: Values per quantization block (bitsandbytes' and transformers' default for 4-bit weights).
@@ -109,18 +110,22 @@ def load_quantized(
         "trust_remote_code": r.model.trust_remote_code,
         "attn_implementation": r.model.attn_implementation,
     }
+    def load(source: str) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        return _cpu_training_paths(use_experts_kernel(model, device, compute_dtype))
+
     if r.model.init != "random":
-        return _cpu_training_paths(AutoModelForCausalLM.from_pretrained(path, **kwargs))
+        return load(path)
     model = build_random_base(loaded, path)
     if base_dir is not None:
         base_dir.mkdir(parents=True, exist_ok=True)
         _save_unquantized(model, base_dir)
         del model
-        return _cpu_training_paths(AutoModelForCausalLM.from_pretrained(str(base_dir), **kwargs))
+        return load(str(base_dir))
     with tempfile.TemporaryDirectory(prefix="finetune-random-base-") as tmp:
         _save_unquantized(model, Path(tmp))
         del model
-        return _cpu_training_paths(AutoModelForCausalLM.from_pretrained(tmp, **kwargs))
+        return load(tmp)
 
 
 def _save_unquantized(model: torch.nn.Module, directory: Path) -> None:

@@ -75,7 +75,7 @@ def build_reference_model(loaded: LoadedRecipe, spec: ExecSpec, ctx: DistContext
         reshard_after_forward=True,
     )
     if loads_sharded(spec, ctx.world_size):
-        model = build_on_meta(loaded, ref_spec)
+        model = build_on_meta(loaded, ref_spec, ctx.device)
         model.requires_grad_(False)
         model = parallelize(model, ref_spec, ctx)
         materialize(model, loaded, ref_spec, ctx.device)

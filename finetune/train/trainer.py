@@ -213,7 +213,7 @@ class Trainer:
         # Sharded: built on meta, wrapped, then each rank materialises only its shards (finetune/train/load.py).
         # (prefix.init: text is refused there by the capability table when the plan is made.)
         assert text is None, "prefix.init: text on a sharded load is refused by the capability table"
-        model = build_on_meta(self.loaded, spec)
+        model = build_on_meta(self.loaded, spec, ctx.device)
         check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
         self.trainable, self.total_params = count_parameters(model)
         model = parallelize(model, spec, ctx)

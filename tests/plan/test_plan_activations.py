@@ -6,11 +6,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
+from finetune.kernels import experts_kernel_of, use_experts_kernel
 from finetune.loss import causal_lm_loss
 from finetune.plan.activations import TraceSpec, activation_profile, trace_windows
 from finetune.spec import execution_spec
 from finetune.train.memory import mem_tracker_class
-from tests.support import TINY_MODEL
+from tests.support import ARCH_COMMON, ARCHITECTURES, TINY_MODEL
 
 LORA = (8, 16.0, 0.0, ("q_proj", "v_proj"))
 
@@ -38,6 +39,7 @@ def measured_peak_above_params(
     torch.manual_seed(0)
     base_dtype = torch.float32 if method == "full" or precision == "fp32" else torch.bfloat16
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=base_dtype)
+    use_experts_kernel(model, "cpu", precision)  # a mixture of experts runs the trainer's kernel on CPU
     model.train()
     if method == "lora":
         from peft import LoraConfig, get_peft_model
@@ -171,3 +173,46 @@ def test_flex_plan_drops_exactly_the_packed_mask_bytes():
     assert mask_bytes > cfg.num_hidden_layers * 4 * seq * seq  # quadratic: every layer's saved copy at least
     assert planned["sdpa"] - planned["flex_attention"] == pytest.approx(mask_bytes, rel=0.01)
     assert planned["flex_attention"] == pytest.approx(causal, rel=0.01)
+
+
+def arch_config(arch: str, **changes):
+    """The config of a tiny model of :data:`tests.support.ARCHITECTURES`."""
+    from transformers import AutoConfig
+
+    values = {**ARCH_COMMON, **ARCHITECTURES[arch], **changes}
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+@pytest.mark.parametrize(
+    ("arch", "method", "precision"),
+    [("qwen3_moe", "full", "fp32"), ("qwen3_moe", "lora", "fp32"), ("qwen3_moe", "full", "bf16"), ("mixtral", "full", "fp32")],
+)
+def test_mixture_of_experts_trace_in_any_dtype_matches_measurement(arch, method, precision):
+    """torch's meta registration of the experts' grouped matmul accepts bf16 only, while its CPU kernel (and
+    CUDA's fallback) runs fp32: the trace runs it in the model's dtype and keeps what the real kernel keeps.
+    Three layers (traced with two, extrapolated), one causal row per sample (a packed row's document boundaries
+    drop targets the trace cannot see); the real run routes its random tokens however the router sends them,
+    and grouped_mm's memory does not depend on it."""
+    cfg = arch_config(arch, num_hidden_layers=3)
+    spec = trace_spec(method, precision, False, 64, packed=False, lora=LORA if method == "lora" else None)
+    assert spec.experts == "grouped_mm"
+    windows = activation_profile(cfg, spec).at(cfg.num_hidden_layers, 2)
+    predicted = max(w.grads_and_acts for w in windows.values())
+    measured = measured_peak_above_params(cfg, method, precision, False, batch=2, seq=64, packed=False)
+    assert abs(predicted - measured) / measured < 0.002, (predicted, measured)
+
+
+def test_experts_kernel_is_chosen_per_device_for_models_with_fused_experts():
+    """grouped_mm on CPU and CUDA (any dtype), eager where torch has no grouped matmul (mps); a dense model has
+    no experts kernel to choose."""
+    from finetune.kernels import experts_implementation
+
+    assert [experts_implementation(d, t) for d, t in [("cpu", "fp32"), ("cpu", torch.bfloat16), ("cuda", "bf16"),
+                                                      ("cuda", "fp32"), ("mps", "fp32")]] == [
+        "grouped_mm", "grouped_mm", "grouped_mm", "grouped_mm", "eager"]
+    with torch.device("meta"):
+        moe = AutoModelForCausalLM.from_config(arch_config("qwen3_moe"))
+        dense = AutoModelForCausalLM.from_config(arch_config("qwen3"))
+    assert experts_kernel_of(use_experts_kernel(moe, "mps", "fp32")) == "eager"
+    assert experts_kernel_of(use_experts_kernel(moe, torch.device("cpu"), "fp32")) == "grouped_mm"
+    assert experts_kernel_of(use_experts_kernel(dense, "cpu")) is None
