@@ -284,7 +284,7 @@ def experts_forward(
         rows = hidden_states.repeat_interleave(top_k, dim=0)
         routing = _Routing(kernel, num_experts, ids.clamp(max=num_experts - 1), valid=valid)
         if _quantized(experts) and not fake:
-            routing.sizes = torch.bincount(routing.ids, minlength=num_experts).tolist()
+            routing.sizes = torch.histc(routing.ids.float(), bins=num_experts, min=0, max=num_experts - 1).long().tolist()
         perm = None
     else:
         sorted_ids, perm = torch.sort(ids)
@@ -292,7 +292,9 @@ def experts_forward(
         weights = weights[perm]
         valid = valid[perm] if valid is not None else None
         clamped = sorted_ids.clamp(max=num_experts - 1)
-        counts = torch.bincount(sorted_ids[sorted_ids < num_experts], minlength=num_experts)
+        # histc (fixed bins, values past the last expert dropped: expert parallelism's sentinels), as transformers
+        # counts them: a bincount's size would depend on the values, which fake tensors do not have
+        counts = torch.histc(sorted_ids.float(), bins=num_experts, min=0, max=num_experts - 1).long()
         routing = _Routing(kernel, num_experts, clamped, torch.cumsum(counts, 0, dtype=torch.int32), valid=valid)
         if not fake and (kernel == "eager" or _quantized(experts)):
             routing.sizes = counts.tolist()
@@ -522,13 +524,13 @@ def packed_width(rows: int, cols: int, itemsize: int) -> int:
     return (rows * cols + 1) // (itemsize * 2)
 
 
-def quantize_experts(model: Any, quant: Any, *, on_meta: bool = False, stand_in: bool = False) -> list[str]:
+def quantize_experts(model: Any, quant: Any, *, on_meta: bool = False) -> list[str]:
     """Every fused expert weight of ``model`` in NF4 (``quant``: the execution spec's ``QuantSpec``), in place;
     returns the qualified names of the quantized weights.
 
     A real weight is quantized expert by expert on its device and its 16-bit tensor freed; ``on_meta``: the
     codes are meta tensors of the packed shape, filled by :func:`quantize_expert_weight` as the sharded load
-    reads each weight; ``stand_in``: the planner's model keeps its compute-dtype weights as the codes.
+    reads each weight (:func:`quantize_expert_slices`).
     """
     import torch
 
@@ -542,10 +544,8 @@ def quantize_experts(model: Any, quant: Any, *, on_meta: bool = False, stand_in:
         for w in expert_weight_names(experts):
             p = getattr(experts, w)
             n_exp, rows, cols = p.shape
-            layouts[w] = NF4Experts((rows, cols), compute, stand_in=stand_in)
-            if stand_in:
-                p.requires_grad_(False)
-            elif on_meta or p.device.type == "meta":
+            layouts[w] = NF4Experts((rows, cols), compute)
+            if on_meta or p.device.type == "meta":
                 codes = torch.empty(n_exp, packed_width(rows, cols, storage.itemsize), dtype=storage, device="meta")
                 setattr(experts, w, nf4_codes_class()(codes, requires_grad=False))
             else:
@@ -616,6 +616,19 @@ def dequantized_expert_weight(weight: Any, quant: Any) -> Any:
 
     codes, states = _quantize_all(weight.cpu(), quant)
     return torch.stack([bnbf.dequantize_4bit(codes[e].reshape(-1, 1), s) for e, s in enumerate(states)]).float()
+
+
+def stand_in_nf4(model: Any) -> None:
+    """The planner's QLoRA model (meta or fake weights): every fused expert weight frozen and run as NF4 is,
+    with a copy of the routed experts' weights in the compute dtype standing in for each dequantization."""
+    for experts in fused_experts(model).values():
+        layouts = {}
+        for w in expert_weight_names(experts):
+            p = getattr(experts, w)
+            p.requires_grad_(False)
+            layouts[w] = NF4Experts(tuple(p.shape[1:]), p.dtype, stand_in=True)
+        setattr(experts, NF4_ATTR, layouts)
+        quantized_forward(experts)
 
 
 def quantized_forward(experts: Any) -> None:

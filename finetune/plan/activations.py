@@ -189,7 +189,7 @@ class ActivationProfile:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 10  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
+TRACE_VERSION = 11  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
@@ -495,10 +495,14 @@ def _emulate_kbit_preparation(model: Any) -> None:
     """QLoRA as the trainer runs it: frozen base, non-quantized parameters in the compute dtype.
 
     The 4-bit linear weights are stood in for by compute-dtype weights: bitsandbytes dequantizes one weight at
-    a time into a transient of that size, which :mod:`finetune.plan.memory` adds.
+    a time into a transient of that size, which :mod:`finetune.plan.memory` adds. A mixture's fused expert
+    weights run finetune.experts' NF4 forward, whose dequantized copy of the routed experts (on fake tensors:
+    every expert) is a traced tensor of its own.
     """
     from torch import nn
     from transformers.pytorch_utils import Conv1D
+
+    from finetune.experts import stand_in_nf4
 
     out_emb = model.get_output_embeddings()
     for p in model.parameters():
@@ -506,6 +510,7 @@ def _emulate_kbit_preparation(model: Any) -> None:
     for m in model.modules():
         if (type(m) is nn.Linear or isinstance(m, Conv1D)) and m is not out_emb:
             m.forward = functools.partial(_four_bit_forward, m)  # type: ignore[method-assign]
+    stand_in_nf4(model)  # a mixture's fused experts: NF4 per expert, the routed ones dequantized in the trace
 
 
 def _four_bit_forward(module: Any, x: Any) -> Any:

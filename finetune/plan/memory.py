@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.plan.activations import TRACE_LAYERS, ActivationProfile, TraceResult, WindowPeaks
-from finetune.plan.shapes import Inventory, Tensor, quantized_bytes
+from finetune.plan.shapes import Inventory, Tensor, quantized_bytes, quantized_under
 from finetune.plan.types import MemoryBreakdown
 from finetune.spec import DTYPE_BYTES, ExecSpec, Strategy
 
@@ -100,8 +100,8 @@ def unsharded_bytes(inv: Inventory, spec: ExecSpec, block_only: bool = False, ro
     for t in inv.base:
         if (block_only and not t.in_block) or (root_only and t.in_block):
             continue
-        if spec.quant is not None and t.quantizable:
-            per = quantized_bytes(t, spec.quant)
+        if quantized_under(spec, t):
+            per = quantized_bytes(t, spec.quant)  # type: ignore[arg-type]  # quantized_under checked it
         else:
             per = t.numel * (cb or DTYPE_BYTES[spec.base_dtype(False)])
         total += per * (inv.num_layers if t.in_block and not block_only else 1)
@@ -152,11 +152,11 @@ def offloaded_bytes(inv: Inventory, s: Setup) -> int:
 
     params = grads = 0
     for t in inv.base:
-        if spec.quant is not None and t.quantizable:  # codes and their constants, split evenly
+        if quantized_under(spec, t):  # codes and their constants, split evenly
             per = -(-inv.base_bytes(spec, t) // n)
             params += (_pinned(per) if pin else per) * (inv.num_layers if t.in_block else 1)
         else:
-            params += shard(t, DTYPE_BYTES[spec.base_dtype(t.quantizable)])
+            params += shard(t, DTYPE_BYTES[spec.base_dtype(False)])
         if not spec.method.adapters:
             grads += shard(t, spec.trainable_bytes)
     for t in inv.adapters if spec.method.adapters else []:

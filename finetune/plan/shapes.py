@@ -49,6 +49,7 @@ class Tensor:
     quantizable: bool  # a Linear weight that bitsandbytes would quantize
     adapter: bool  # a trained adapter weight (LoRA/DoRA, prefix encoder, bottleneck)
     rows: int = 1  # output features of a quantizable weight (LLM.int8 keeps one scale per row)
+    experts: int = 0  # a fused expert weight (experts x rows x cols): its experts, each quantized on its own (NF4)
 
 
 @dataclass
@@ -89,15 +90,21 @@ class Inventory:
         return sum(t.numel for t in (self.adapters if adapters else self.base) if t.in_block)
 
     def largest_base_numel(self, quantizable_only: bool = False) -> int:
-        """The largest single base parameter (for transient copies)."""
-        ts = [t.numel for t in self.base if t.quantizable or not quantizable_only]
+        """The largest single base parameter (for transient copies); ``quantizable_only``: of the quantized
+        linear weights, which bitsandbytes dequantizes one at a time (the dequantized experts of a fused
+        weight are the trace's: finetune.experts dequantizes the routed ones inside the traced forward)."""
+        ts = [t.numel for t in self.base if (t.quantizable and not t.experts) or not quantizable_only]
         return max(ts) if ts else 0
+
+    def n_expert_weights(self) -> int:
+        """Values in the fused expert weights (all layers)."""
+        return sum(t.numel * (self.num_layers if t.in_block else 1) for t in self.base if t.experts)
 
     def base_bytes(self, spec: ExecSpec, t: Tensor) -> int:
         """Stored bytes of one base parameter under ``spec`` (quantized codes and their constants, or a dtype)."""
-        if spec.quant is not None and t.quantizable:
-            return quantized_bytes(t, spec.quant)
-        return t.numel * DTYPE_BYTES[spec.base_dtype(t.quantizable)]
+        if quantized_under(spec, t):
+            return quantized_bytes(t, spec.quant)  # type: ignore[arg-type]  # quantized_under checked it
+        return t.numel * DTYPE_BYTES[spec.base_dtype(quantized_under(spec, t))]
 
     def storage(self, spec: ExecSpec) -> StateBytes:
         """Bytes of parameters, and values trained, as ``spec`` stores them (see module docstring)."""
@@ -130,8 +137,11 @@ class Inventory:
         constants, which bitsandbytes keeps outside the parameters): what the trainer checks at run start."""
         out: dict[str, int] = {}
         for t in self.base:
-            dtype = spec.base_dtype(t.quantizable)
-            if spec.quant is not None and t.quantizable:
+            dtype = spec.base_dtype(quantized_under(spec, t))
+            if quantized_under(spec, t) and t.experts:  # each expert's codes packed on their own
+                per = DTYPE_BYTES[dtype]
+                n = t.experts * ((t.numel // t.experts + 1) // (2 * per)) * per
+            elif spec.quant is not None and quantized_under(spec, t):
                 n = (t.numel + 1) // 2 if spec.quant.bits == 4 else t.numel
                 n = -(-n // DTYPE_BYTES[dtype]) * DTYPE_BYTES[dtype]  # codes packed into a wider dtype
             else:
@@ -142,9 +152,17 @@ class Inventory:
         return out
 
 
+def quantized_under(spec: ExecSpec, t: Tensor) -> bool:
+    """Whether ``spec`` stores base parameter ``t`` quantized: a linear weight under QLoRA, a fused expert weight
+    under 4-bit QLoRA (NF4 per expert; LLM.int8 leaves the experts in the compute dtype)."""
+    return spec.quant is not None and t.quantizable and (not t.experts or spec.quant.bits == 4)
+
+
 def quantized_bytes(t: Tensor, quant: QuantSpec) -> int:
-    """Bytes bitsandbytes keeps for one quantized weight: NF4/FP4 codes and constants, or LLM.int8 codes and
-    one fp32 scale per output row."""
+    """Bytes bitsandbytes keeps for one quantized weight: NF4/FP4 codes and constants (a fused expert weight:
+    each expert's), or LLM.int8 codes and one fp32 scale per output row."""
+    if t.experts:
+        return t.experts * nf4_bytes(t.numel // t.experts, quant.double_quant)
     if quant.bits == 8:
         return t.numel + 4 * t.rows
     return nf4_bytes(t.numel, quant.double_quant)
@@ -212,7 +230,7 @@ _INV_CACHE: dict[Any, Inventory] = {}
 
 
 #: Bump when what an inventory records changes: invalidates the disk cache.
-INVENTORY_VERSION = 2
+INVENTORY_VERSION = 3
 
 
 def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec | None) -> Inventory:
@@ -255,6 +273,12 @@ def _save_inventory(path: Any, inv: Inventory) -> None:
     write_json(path, asdict(inv))
 
 
+def _weights(experts: Any) -> tuple[str, ...]:
+    from finetune.experts import expert_weight_names
+
+    return expert_weight_names(experts)
+
+
 def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> Inventory:
     """Count the parameters of ``config``'s model (one decoder layer, on the meta device) and of ``adapter``."""
     import torch
@@ -280,13 +304,19 @@ def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> I
                     flex=bool(getattr(model, "_supports_flex_attn", True)))
     if layers:
         inv.block_class = type(model.get_submodule(layers[0])).__name__
+    from finetune.experts import fused_experts
+
+    expert_weights = {f"{n}.{w}": m.num_experts for n, m in fused_experts(model).items() for w in _weights(m)}
     for name, p in params:
         owner = name.rsplit(".", 1)[0]
         quantizable = owner in quant_modules and name.endswith(".weight")
         rows = 1
         if quantizable:  # GPT-2's Conv1D stores [in, out]
             rows = p.shape[1] if isinstance(model.get_submodule(owner), Conv1D) else p.shape[0]
-        inv.base.append(Tensor(name, p.numel(), name.startswith(block_prefix), quantizable, False, rows))
+        experts = int(expert_weights.get(name, 0))
+        inv.base.append(
+            Tensor(name, p.numel(), name.startswith(block_prefix), quantizable or experts > 0, False, rows, experts)
+        )
     if adapter is not None:
         from finetune.methods import inject
 

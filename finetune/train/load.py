@@ -90,6 +90,12 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec, device: torch.device | s
         from finetune.train.quantize import quantize_on_meta
 
         quantize_on_meta(model, loaded, spec)
+        if spec.quant.bits == 4:
+            from finetune.experts import fused_experts, quantize_experts, quantized_forward
+
+            quantize_experts(model, spec.quant, on_meta=True)
+            for experts in fused_experts(model).values():
+                quantized_forward(experts)
     # peft builds the prefix encoder (and LoRA's first A) on CPU, drawing from the global generator; those
     # values are replaced in materialize, and must not move the generator that the base's init and the redrawn
     # adapters continue from.
@@ -127,6 +133,7 @@ def materialize(
     r = loaded.recipe
     targets = base_targets(model)
     quantized = quantized_targets(model, targets) if spec.quant is not None else {}
+    quantized.update(expert_targets(model, targets) if spec.quant is not None else {})
     from finetune.train.seeded import release_free_heap
 
     if r.model.init == "random":
@@ -344,12 +351,46 @@ def quantized_targets(
     return out
 
 
+def expert_targets(
+    model: torch.nn.Module, targets: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.nn.Module, bool]]:
+    """The NF4 fused expert weights among ``targets`` (taken out of it), each with an :class:`_ExpertWeight`
+    naming its experts module and weight (quantized as a whole checkpoint tensor, expert by expert)."""
+    from finetune.experts import NF4_ATTR, fused_experts
+
+    out: dict[str, tuple[torch.nn.Module, bool]] = {}
+    prefix = _peft_prefix(model)
+    for name, experts in fused_experts(model).items():
+        for w in getattr(experts, NF4_ATTR, {}):
+            key = _checkpoint_key(f"{name}.{w}", prefix)
+            targets.pop(key)
+            out[key] = (_ExpertWeight(experts, w), False)
+    return out
+
+
+class _ExpertWeight(torch.nn.Module):
+    """Which experts module and fused weight a checkpoint tensor quantizes into (not part of the model)."""
+
+    def __init__(self, experts: torch.nn.Module, name: str) -> None:
+        super().__init__()
+        self.__dict__["experts"] = experts  # not a child: this module is only a marker
+        self.weight_name = name
+
+
 def _quantize_into(module: torch.nn.Module, full: torch.Tensor, spec: ExecSpec, conv1d: bool) -> None:
     """Quantize one whole checkpoint weight, keep this rank's slice of its codes and the whole quantization
     state (which every rank needs when FSDP has gathered the codes for a forward)."""
     from finetune.train.quantize import quantize_weight
 
     assert spec.quant is not None
+    if isinstance(module, _ExpertWeight):  # a fused expert weight: each expert's slice quantized on its own
+        from finetune.experts import quantize_expert_slices, set_expert_states
+
+        codes = getattr(module.experts, module.weight_name)
+        packed, states = quantize_expert_slices(full.to(codes.device), spec.quant)
+        copy_slice(codes.detach(), packed)
+        set_expert_states(module.experts, module.weight_name, states)
+        return
     linear4bit: Any = module  # bitsandbytes' Linear4bit (nn.Module types attributes as tensors)
     device = linear4bit.weight.device
     # On the run's device, as the quantizing loader does (bitsandbytes' CUDA and CPU kernels may round apart).

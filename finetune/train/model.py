@@ -160,7 +160,7 @@ def check_model_storage(model: torch.nn.Module, spec: ExecSpec, expected: dict[s
     it is an ``AssertionError`` naming the first tensor (or dtype) that differs, not a user error.
     """
     for name, p in model.named_parameters():
-        quantized = type(p).__name__ in ("Params4bit", "Int8Params")
+        quantized = type(p).__name__ in ("Params4bit", "Int8Params", "ExpertCodes4bit")
         if p.requires_grad:
             want = spec.trainable_dtype
         elif quantized:
@@ -181,7 +181,7 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     trainable = total = 0
     for p in model.parameters():
         n = p.numel()
-        if type(p).__name__ == "Params4bit":
+        if type(p).__name__ in ("Params4bit", "ExpertCodes4bit"):
             # bitsandbytes packs two 4-bit codes per byte of its storage dtype (uint8, or bf16 under FSDP)
             n *= 2 * p.element_size()
         total += n
@@ -230,7 +230,11 @@ def init_adapters(model: torch.nn.Module, seed: int, *, gaussian: bool = False) 
             full = torch.zeros(p.shape, dtype=torch.float32)
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             if kind == "lora_A" and gaussian:
-                torch.nn.init.normal_(full, std=1 / p.shape[0], generator=g)
+                torch.nn.init.normal_(full, std=1 / p.shape[-2], generator=g)
+            elif kind == "lora_A" and p.dim() == 3:  # an expert weight's (experts x r x in): each (r x in) as peft draws it
+                from finetune.experts import init_lora_a
+
+                init_lora_a(full, g)
             elif kind == "lora_A":
                 torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=g)
             elif kind == "lora_embedding_B":

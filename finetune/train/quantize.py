@@ -110,9 +110,10 @@ def load_quantized(
         "trust_remote_code": r.model.trust_remote_code,
         "attn_implementation": r.model.attn_implementation,
     }
+
     def load(source: str) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        return _cpu_training_paths(use_experts_kernel(model, device, compute_dtype))
+        return quantize_fused_experts(_cpu_training_paths(use_experts_kernel(model, device, compute_dtype)), spec)
 
     if r.model.init != "random":
         return load(path)
@@ -157,6 +158,19 @@ def disable_cpu_packed_inference(model: torch.nn.Module) -> torch.nn.Module:
 
 def _cpu_training_paths(model: torch.nn.Module) -> torch.nn.Module:
     return int8_frozen_matmuls(disable_cpu_packed_inference(model))
+
+
+def quantize_fused_experts(model: torch.nn.Module, spec: ExecSpec) -> torch.nn.Module:
+    """A 4-bit QLoRA's fused expert weights in NF4 per expert (finetune.experts), each freed as it is quantized:
+    transformers' quantizer converts only ``nn.Linear`` layers, and a mixture's experts hold most of its weights."""
+    from finetune.experts import fused_experts, quantize_experts, quantized_forward
+
+    if spec.quant is None or spec.quant.bits != 4:
+        return model
+    quantize_experts(model, spec.quant)
+    for experts in fused_experts(model).values():
+        quantized_forward(experts)
+    return model
 
 
 def int8_frozen_matmuls(model: torch.nn.Module) -> torch.nn.Module:

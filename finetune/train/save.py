@@ -50,6 +50,7 @@ def save_final(
     from transformers.utils import logging as hf_logging
 
     from finetune.adapters import LORA_INIT_ATTR, has_bottlenecks, prefix_tokens, save_bottlenecks
+    from finetune.experts import add_to_peft_dir, experts_layer_names, peft_layout
     from finetune.train.parallel import is_sharded
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
@@ -78,6 +79,10 @@ def save_final(
                 save_bottlenecks(inner, out_dir, state, base=getattr(inner.config, "_name_or_path", None))
             elif getattr(inner, LORA_INIT_ATTR, None) is not None:
                 _save_plain_lora(inner, out_dir, state)
+            elif experts_layer_names(inner):  # expert adapters in peft's target_parameters layout
+                rest, tensors, targets = peft_layout(state, inner)
+                hf.save_pretrained(out_dir, state_dict=rest, safe_serialization=True)
+                add_to_peft_dir(out_dir, tensors, targets, experts_layer_names(inner))
             else:
                 hf.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
     else:
