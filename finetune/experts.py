@@ -878,3 +878,54 @@ def from_peft_layout(a: Any, b: Any, num_experts: int) -> tuple[Any, Any]:
     factors: A (experts x r x in), B (experts x out x r)."""
     r = a.shape[0] // num_experts
     return a.reshape(num_experts, r, a.shape[1]), b.reshape(b.shape[0], r, num_experts).permute(2, 0, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints that keep one tensor per expert (the Hub's layout, and transformers 5's save_pretrained)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertPiece:
+    """Where one per-expert checkpoint tensor lives in a fused weight: ``fused`` (the model's name), the
+    ``expert``, and rows ``part`` of ``parts`` equal blocks (``gate_proj`` then ``up_proj`` in ``gate_up_proj``)."""
+
+    fused: str
+    expert: int
+    part: int
+    parts: int
+    siblings: tuple[str, ...]  # the checkpoint keys of every part of this expert, in order
+
+
+def checkpoint_pieces(model_type: str, keys: Any) -> dict[str, ExpertPiece]:
+    """The checkpoint ``keys`` that transformers fuses into expert weights when it loads ``model_type`` (its
+    conversion mapping: per-expert ``experts.N.gate_proj.weight`` etc. stacked by expert, gate and up
+    concatenated), each with its :class:`ExpertPiece`; empty for a checkpoint that stores them fused."""
+    import re
+
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # transformers 4: no fused experts
+        return {}
+    renamings, converters = [], []
+    for conv in get_checkpoint_conversion_mapping(model_type) or []:
+        sources, target = list(conv.source_patterns), list(conv.target_patterns)
+        if type(conv).__name__ == "WeightRenaming":
+            renamings.append((sources[0], target[0]))
+        elif len(target) == 1 and all("*" in s for s in sources):
+            converters.append((sources, target[0]))
+    out: dict[str, ExpertPiece] = {}
+    for key in keys:
+        name = key
+        for src, tgt in renamings:
+            name = re.sub(src, tgt, name)
+        for sources, target in converters:
+            for i, src in enumerate(sources):
+                m = re.search(re.escape(src).replace(r"\*", r"(\d+)"), name)
+                if m is None:
+                    continue
+                fused = name[: m.start()] + target + name[m.end() :]
+                siblings = tuple(key[: key.rfind(src.split("*")[1])] + s.split("*")[1] for s in sources) \
+                    if len(sources) > 1 else (key,)
+                out[key] = ExpertPiece(fused, int(m.group(1)), i, len(sources), siblings)
+    return out

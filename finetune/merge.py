@@ -88,6 +88,8 @@ class LoraDelta:
     embedding: bool = False
     scaling: float = 1.0
     magnitude: torch.Tensor | None = None  # DoRA: the trained norm of each output feature's weight row
+    experts: int = 0  # a fused expert weight's adapter (peft's lora.ParamWrapper layout): its experts
+    transposed: bool = False  # ... stored (experts x in x out), as gpt-oss stores its experts
 
 
 @dataclass
@@ -141,7 +143,7 @@ def _read_adapter(run: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if config.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{cfg_path}: peft_type {config.get('peft_type')} cannot be merged; only LoRA adapters can")
     for key, what in (("trainable_token_indices", "trainable tokens"),
-                      ("layer_replication", "layer replication"), ("target_parameters", "target_parameters")):
+                      ("layer_replication", "layer replication")):
         if config.get(key):
             raise UserError(f"{cfg_path}: {what} adapters are not supported by finetune merge")
     if weights.suffix == ".safetensors":
@@ -307,12 +309,19 @@ def _delta_shape(d: LoraDelta, conv1d: bool) -> list[int]:
     """Shape of :func:`_delta_weight` without computing it."""
     assert d.a is not None and d.b is not None, "an incomplete adapter is refused when it is read"
     out, inp = d.b.shape[0], d.a.shape[-1]
+    if d.experts:
+        return [d.experts, inp, out] if d.transposed else [d.experts, out, inp]
     return [inp, out] if (d.embedding or conv1d) else [out, inp]
 
 
 def _delta_weight(d: LoraDelta, conv1d: bool) -> torch.Tensor:
     """``s·B·A`` in fp32, in the layout the base stores the weight in."""
     assert d.a is not None and d.b is not None, "an incomplete adapter is refused when it is read"
+    if d.experts:  # every expert's s·B_e·A_e, in the layout the fused weight is stored in
+        from finetune.experts import expert_delta, from_peft_layout
+
+        a3, b3 = from_peft_layout(d.a, d.b, d.experts)
+        return expert_delta(a3, b3, d.scaling, d.transposed)
     a, b = d.a.float(), d.b.float()
     if d.embedding:  # peft: A [r, num_embeddings], B [dim, r]; the embedding stores [num_embeddings, dim]
         return (b @ a).t() * d.scaling
@@ -357,6 +366,12 @@ class Fold:
     out_dtype: torch.dtype | None  # None: keep each tensor's dtype
     qcfg: QuantizationConfig | None = None
     compute_dtype: torch.dtype | None = None
+    quantized_experts: set[str] = field(default_factory=set)  # fused expert weights stored in NF4 per expert
+    # a checkpoint of one tensor per expert: each tensor's update (rows of its expert's fused update), the
+    # tensors a 4-bit run quantized with their siblings (gate and up together), and how to read a sibling
+    piece_delta: dict[str, tuple[LoraDelta, Any]] = field(default_factory=dict)
+    quantized_pieces: dict[str, Any] = field(default_factory=dict)
+    read: Any = None
 
     def dtype_of(self, stored: torch.dtype) -> torch.dtype:
         """Output dtype of a tensor stored as ``stored``."""
@@ -373,6 +388,17 @@ class Fold:
         if key in self.quantized:
             assert self.qcfg is not None and self.compute_dtype is not None, "set with --into-dequantized"
             w = dequantized_weight(tensor, self.qcfg, self.compute_dtype, conv1d=self.quantized[key])
+        elif key in self.quantized_experts:
+            assert self.qcfg is not None and self.compute_dtype is not None, "set with --into-dequantized"
+            w = _dequantized_experts(tensor, self.qcfg, self.compute_dtype)
+        elif key in self.quantized_pieces:
+            assert self.qcfg is not None and self.compute_dtype is not None, "set with --into-dequantized"
+            import torch
+
+            piece = self.quantized_pieces[key]
+            whole = torch.cat([tensor if k == key else self.read(k) for k in piece.siblings])
+            rows = tensor.shape[0]
+            w = _dequantized_experts(whole[None], self.qcfg, self.compute_dtype)[0, piece.part * rows : (piece.part + 1) * rows]
         elif self.compute_dtype is not None:
             w = tensor.to(self.compute_dtype).float()  # loaded in the compute dtype, then upcast for training
         if key in self.weight_delta:
@@ -384,11 +410,67 @@ class Fold:
                 dim = 0 if conv1d else 1  # Conv1D stores [in, out]
                 norm = torch.linalg.vector_norm(w, dim=dim, keepdim=True)
                 w = w * (d.magnitude.float().reshape(norm.shape) / norm)
+        if key in self.piece_delta:
+            d, piece = self.piece_delta[key]
+            rows = w.shape[0]
+            w = w + _expert_rows(d, piece.expert)[piece.part * rows : (piece.part + 1) * rows]
         if key in self.bias_delta:
             d = self.bias_delta[key]
             assert d.b_bias is not None, "bias_delta holds the deltas that have a bias"
             w = w + d.b_bias.float() * d.scaling
         return w.to(target)
+
+
+def _expert_weight_of(mod_name: str, modules: dict[str, Any], targets: list[str]) -> tuple[Any, str] | None:
+    """(the experts module, the fused weight) a peft ``lora.ParamWrapper`` named ``mod_name`` adapts, or None
+    for any other adapted module. ``targets``: the adapter's ``target_parameters``. peft nests one wrapper per
+    adapted weight in registration order, the first innermost: ``experts.lora_A`` is the last adapted weight's,
+    ``experts.base_layer.lora_A`` the one before."""
+    from finetune.experts import expert_weight_names
+
+    base = mod_name.split(".base_layer")[0]
+    experts = modules.get(base)
+    names = expert_weight_names(experts) if experts is not None else ()
+    adapted = [w for w in names if any(f"{base}.{w}" == t or f"{base}.{w}".endswith("." + t) for t in targets)]
+    if not adapted:
+        return None
+    depth = mod_name.count(".base_layer")
+    if depth >= len(adapted):
+        raise UserError(f"the adapter nests more wrappers at `{base}` than its target_parameters adapt there")
+    return experts, adapted[len(adapted) - 1 - depth]
+
+
+def _expert_rows(d: LoraDelta, expert: int) -> torch.Tensor:
+    """``s·B_e·A_e`` of one expert (out x in, fp32) from a fused weight's adapter."""
+    from finetune.experts import from_peft_layout
+
+    assert d.a is not None and d.b is not None, "an incomplete adapter is refused when it is read"
+    a3, b3 = from_peft_layout(d.a, d.b, d.experts)
+    return (b3[expert].float() @ a3[expert].float()) * d.scaling
+
+
+def _tensor_reader(base_dir: Path, layout: _Layout) -> Any:
+    """A function reading one checkpoint tensor whole by its key (for an expert's sibling tensors)."""
+    from safetensors import safe_open
+
+    def read(key: str) -> torch.Tensor:
+        stored = layout.source_of[key]
+        with safe_open(str(base_dir / stored.file), framework="pt") as f:
+            return f.get_tensor(stored.key)
+
+    return read
+
+
+def _dequantized_experts(tensor: torch.Tensor, qcfg: QuantizationConfig, compute_dtype: torch.dtype) -> torch.Tensor:
+    """A fused expert weight as the 4-bit run computed with it: NF4 per expert, dequantized (fp32)."""
+    from finetune.experts import dequantized_expert_weight
+    from finetune.spec import QuantSpec
+    from finetune.units import DTYPE_NAMES
+
+    names = {v: k for k, v in DTYPE_NAMES.items() if k != "bf16-pure"}
+    compute = names[str(compute_dtype).removeprefix("torch.")]
+    quant = QuantSpec(4, qcfg.quant_type, qcfg.double_quant, compute, "uint8")
+    return dequantized_expert_weight(tensor, quant)
 
 
 def _check_out_apart(out: Path, inp: Path, what: str) -> None:
@@ -451,6 +533,7 @@ class _Inputs:
     trust_remote_code: bool
     deltas: dict[str, LoraDelta]  # module name -> its low-rank update
     replacements: dict[str, torch.Tensor]  # modules_to_save: parameter name -> its trained value
+    target_parameters: list[str] = field(default_factory=list)  # the adapter's (fused expert weights, routers)
 
 
 @dataclass
@@ -517,7 +600,8 @@ def _read_inputs(
     _check_replaceable(out_path)
     trust = bool(((recipe or {}).get("model") or {}).get("trust_remote_code", False))
     deltas, replacements = _deltas(adapter_config, adapter)
-    return _Inputs(run, recipe, base_dir, trust, deltas, replacements)
+    targets = list(adapter_config.get("target_parameters") or [])
+    return _Inputs(run, recipe, base_dir, trust, deltas, replacements, targets)
 
 
 def _dequantization(
@@ -587,9 +671,42 @@ def _plan_fold(
     base_dir = inputs.base_dir
     modules = dict(meta.named_modules())
     shapes = layout.shapes
+    from finetune.experts import checkpoint_pieces
+
     weight_delta: dict[str, tuple[LoraDelta, bool]] = {}
     bias_delta: dict[str, LoraDelta] = {}
+    pieces = checkpoint_pieces(str(getattr(meta.config, "model_type", "")), layout.source_of)
+    piece_delta: dict[str, tuple[LoraDelta, Any]] = {}
     for mod_name, d in inputs.deltas.items():
+        param = _expert_weight_of(mod_name, modules, inputs.target_parameters)  # a fused expert weight's
+        if param is not None:
+            experts, weight = param
+            d.experts, d.transposed = int(experts.num_experts), bool(experts.is_transposed)
+            mod_name = mod_name.split(".base_layer")[0]
+            key = layout.locate(f"{mod_name}.{weight}")
+            expected = _delta_shape(d, False)
+            found = [k for k, p in pieces.items() if p.fused == f"{mod_name}.{weight}"]
+            if key is None and found:  # a checkpoint of one tensor per expert: each gets its rows of the update
+                rows = expected[1] // pieces[found[0]].parts
+                if len(found) != expected[0] * pieces[found[0]].parts or any(
+                    shapes[k] != [rows, expected[2]] for k in found
+                ):
+                    raise UserError(
+                        f"the adapter's update of `{mod_name}.{weight}` is {'x'.join(map(str, expected))} but the "
+                        f"base model {base_dir} stores {len(found)} expert tensors of another shape: the adapter was "
+                        "trained on another model; pass the right --base"
+                    )
+                for k in found:
+                    piece_delta[k] = (d, pieces[k])
+                continue
+            if key is None or shapes[key] != expected:
+                raise UserError(
+                    f"the adapter's update of `{mod_name}.{weight}` is {'x'.join(map(str, expected))} but the base "
+                    f"model {base_dir} has {'x'.join(map(str, shapes[key])) if key else 'no such weight'}: the "
+                    "adapter was trained on another model; pass the right --base"
+                )
+            weight_delta[key] = (d, False)
+            continue
         key = layout.locate(f"{mod_name}.weight")
         module = modules.get(mod_name)
         if key is None or module is None:
@@ -626,12 +743,27 @@ def _plan_fold(
             )
         replace[key] = tensor
     quantized: dict[str, bool] = {}
+    quantized_experts: set[str] = set()
+    quantized_pieces: dict[str, Any] = {}
     if into_dequantized:
         for mod_name, conv1d in quantized_modules(meta.config).items():
             key = layout.locate(f"{mod_name}.weight")
             if key is not None:
                 quantized[key] = conv1d
-    return Fold(weight_delta, bias_delta, replace, quantized, out_dtype, qcfg, compute_dtype)
+        if qcfg is not None and qcfg.bits == 4:  # a 4-bit run's fused expert weights: NF4 per expert
+            from finetune.experts import expert_weight_names, fused_experts
+
+            for mod_name, experts in fused_experts(meta).items():
+                for weight in expert_weight_names(experts):
+                    key = layout.locate(f"{mod_name}.{weight}")
+                    if key is not None:
+                        quantized_experts.add(key)
+            for key, piece in pieces.items():  # each expert's parts were quantized together, as one slice
+                quantized_pieces[key] = piece
+    return Fold(
+        weight_delta, bias_delta, replace, quantized, out_dtype, qcfg, compute_dtype, quantized_experts,
+        piece_delta, quantized_pieces, _tensor_reader(base_dir, layout),
+    )
 
 
 def _untie(layout: _Layout, fold: Fold) -> tuple[dict[str, list[tuple[str, str]]], list[str]]:
