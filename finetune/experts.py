@@ -113,7 +113,8 @@ def expert_weight_names(module: Any) -> tuple[str, ...]:
     if not hasattr(module, "is_transposed") or not hasattr(module, "num_experts"):
         return ()
     own = dict(module.named_parameters(recurse=False))
-    return tuple(n for n in own if n in EXPERT_WEIGHTS and own[n].dim() == 3)
+    nf4 = getattr(module, NF4_ATTR, None) or {}  # NF4 codes: (experts x packed values)
+    return tuple(n for n in own if n in EXPERT_WEIGHTS and (own[n].dim() == 3 or n in nf4))
 
 
 def resolve_lora_targets(model: Any, targets: list[str] | str) -> LoraTargets:
@@ -524,6 +525,15 @@ def packed_width(rows: int, cols: int, itemsize: int) -> int:
     return (rows * cols + 1) // (itemsize * 2)
 
 
+def storage_dtype(quant: Any) -> Any:
+    """The torch dtype the packed codes of ``quant`` (a ``QuantSpec``) are stored in."""
+    import torch
+
+    from finetune.units import torch_dtype
+
+    return torch.uint8 if quant.storage_dtype == "uint8" else torch_dtype(quant.storage_dtype)
+
+
 def quantize_experts(model: Any, quant: Any, *, on_meta: bool = False) -> list[str]:
     """Every fused expert weight of ``model`` in NF4 (``quant``: the execution spec's ``QuantSpec``), in place;
     returns the qualified names of the quantized weights.
@@ -537,7 +547,7 @@ def quantize_experts(model: Any, quant: Any, *, on_meta: bool = False) -> list[s
     from finetune.units import torch_dtype
 
     compute = torch_dtype(quant.compute_dtype)
-    storage = torch_dtype(quant.storage_dtype)
+    storage = storage_dtype(quant)
     done = []
     for name, experts in fused_experts(model).items():
         layouts: dict[str, NF4Experts] = {}
@@ -564,7 +574,7 @@ def _quantize_all(weight: Any, quant: Any) -> tuple[Any, list[Any]]:
 
     from finetune.units import torch_dtype
 
-    compute, storage = torch_dtype(quant.compute_dtype), torch_dtype(quant.storage_dtype)
+    compute, storage = torch_dtype(quant.compute_dtype), storage_dtype(quant)
     codes, states = [], []
     for e in range(weight.size(0)):
         packed, state = bnbf.quantize_4bit(
