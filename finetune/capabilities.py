@@ -63,6 +63,10 @@ class Cell:
     reference: str = "model"  # dpo.reference
     reference_model: bool = False  # dpo.reference_model is set (another checkpoint as the reference)
     data_format: str | None = None  # data.format (None: not known, as in `finetune plan` of a bare config)
+    # the model: a mixture of experts with fused expert weights, and whether LoRA's targets adapt them
+    # (finetune.experts; None: not known, as in `finetune validate` without a reason to read the config)
+    experts: bool | None = None
+    expert_lora: bool | None = None
 
     @classmethod
     def of(
@@ -71,7 +75,7 @@ class Cell:
         checkpointing: bool | None = None, lora: Any = None, prefix: Any = None, quantization: Any = None,
         offload: str = "none", objective: str = "sft", reference: str = "model", data_format: str | None = None,
         nodes: int | None = None, pp: int | str = 1, pp_schedule: str = "1f1b", sequence_parallel: bool = True,
-        reference_model: bool = False,
+        reference_model: bool = False, experts: bool | None = None, expert_lora: bool | None = None,
     ) -> Cell:
         """A cell from the recipe's values (``auto``: unknown) and its ``lora`` / ``prefix`` /
         ``quantization`` sections (None: their defaults)."""
@@ -103,6 +107,8 @@ class Cell:
             reference=reference,
             reference_model=bool(reference_model),
             data_format=data_format,
+            experts=experts,
+            expert_lora=expert_lora,
         )
 
     @classmethod
@@ -291,6 +297,14 @@ TABLE: tuple[Rule, ...] = (
         methods=("lora",),
     ),
     Rule(
+        "tp-experts", ("distributed.tp", "lora.target_modules"),
+        lambda c: c.split and c.lora_family and bool(c.expert_lora),
+        lambda c: f"{_tp(c)} with LoRA on a mixture's fused expert weights is not supported (tensor parallelism "
+        "splits linear layers, not the experts' adapters); use distributed.tp: 1 (fsdp shards the experts), or "
+        "lora.target_modules without the experts (e.g. [q_proj, k_proj, v_proj, o_proj])",
+        methods=("lora",),
+    ),
+    Rule(
         "tp-compile", ("distributed.tp", "train.compile"),
         lambda c: c.split and c.compile,
         lambda c: f"{_tp(c)} with train.compile: true is not supported (tensor parallelism runs eager blocks); "
@@ -391,6 +405,29 @@ TABLE: tuple[Rule, ...] = (
         lambda c: f"{c.lora_init} with DoRA cannot be saved as an adapter of the original base (the magnitudes "
         "are those of the rewritten weights); use init: default with use_dora, or use_dora: false",
         methods=("lora",), topic="options",
+    ),
+    # -- a mixture of experts' fused expert weights (finetune/experts.py) ---------------------------------
+    Rule(
+        "experts-dora", ("lora.use_dora", "lora.target_modules"),
+        lambda c: c.lora_family and c.use_dora and bool(c.expert_lora),
+        lambda c: "DoRA is not available on a mixture's fused expert weights (its per-row magnitudes are for "
+        "linear layers); set lora.use_dora: false, or lora.target_modules without the experts (e.g. [q_proj, "
+        "k_proj, v_proj, o_proj])",
+        methods=("lora", "qlora"), topic="options",
+    ),
+    Rule(
+        "experts-decomposing-init", ("lora.init", "lora.target_modules"),
+        lambda c: c.method == "lora" and c.lora_init in ("pissa", "olora") and bool(c.expert_lora),
+        lambda c: f"{c.lora_init} decomposes linear weights, not a mixture's fused expert weights; use init: "
+        "default, or lora.target_modules without the experts (e.g. [q_proj, k_proj, v_proj, o_proj])",
+        methods=("lora",), topic="options",
+    ),
+    Rule(
+        "qlora-8bit-experts", ("quantization.bits", "method"),
+        lambda c: c.method == "qlora" and c.quant_bits == 8 and bool(c.experts),
+        lambda c: "8 (LLM.int8) quantizes linear layers only, so this mixture's fused experts, most of its "
+        "weights, would stay in 16 bits; use quantization.bits: 4 (NF4, each expert on its own)",
+        methods=("qlora",), topic="options",
     ),
     # -- prefix tuning -----------------------------------------------------------------------------------
     Rule(
@@ -678,6 +715,8 @@ MATRIX_METHODS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("lora + PiSSA/OLoRA", {"method": "lora", "lora_init": "pissa"}),
     ("qlora 4-bit", {"method": "qlora"}),
     ("qlora 8-bit", {"method": "qlora", "quant_bits": 8}),
+    ("lora on a mixture's experts", {"method": "lora", "experts": True, "expert_lora": True}),
+    ("qlora 4-bit on a mixture's experts", {"method": "qlora", "experts": True, "expert_lora": True}),
     ("prefix", {"method": "prefix"}),
     ("prefix, init: text", {"method": "prefix", "prefix_init": "text", "prefix_init_text": "Answer."}),
     ("adapter", {"method": "adapter"}),
@@ -746,6 +785,9 @@ def _generic(rule: Rule) -> str:
 # dimensions beyond the matrix's rows and columns, to find a cell each other rule refuses
 _EXTRAS: tuple[dict[str, Any], ...] = (
     {},
+    {"experts": True, "expert_lora": True, "use_dora": True},
+    {"experts": True, "expert_lora": True, "lora_init": "pissa"},
+    {"experts": True, "quant_bits": 8},
     {"compile": True},
     {"optimizer": "adamw8bit"},
     {"offload": "optimizer"},

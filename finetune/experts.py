@@ -76,6 +76,19 @@ def adapts_experts(target_modules: Any, config: Any) -> bool:
     return has_fused_experts(config) and names_experts(target_modules)
 
 
+def expert_facts(config: Any, target_modules: Any) -> dict[str, bool]:
+    """The capability table's facts about a mixture of experts: whether ``config``'s model has fused expert
+    weights, and whether LoRA with ``lora.target_modules`` (None: peft's choice for the architecture) adapts
+    them."""
+    if not has_fused_experts(config):
+        return {"experts": False, "expert_lora": False}
+    if target_modules is None:  # as finetune.adapters.lora_targets resolves it
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+        target_modules = list(PEFT_DEFAULTS.get(str(config.model_type)) or []) or "all-linear"
+    return {"experts": True, "expert_lora": names_experts(target_modules)}
+
+
 def _matches(name: str, target: str) -> bool:
     """peft's rule for one ``target_modules`` entry: the whole name, or its last dotted parts."""
     return name == target or name.endswith("." + target)

@@ -901,7 +901,14 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
             "set without a pipeline (distributed.pp is 1); set distributed.pp or remove distributed.pp_layers",
         ))
     pipelined = isinstance(pp, int) and pp > 1
-    if not (pipelined or (r.method == "adapter" and r.adapter.size is not None)) or inputs.model.problem():
+    # rows about a mixture of experts' fused weights concern these settings only (the config is read for them)
+    tp = r.distributed.tp
+    expert_rows = r.method in ("lora", "qlora", "auto") and (
+        r.lora.use_dora or r.lora.init in ("pissa", "olora") or (isinstance(tp, int) and tp > 1)
+        or (r.method == "qlora" and r.quantization.bits == 8)
+    )
+    wanted = pipelined or (r.method == "adapter" and r.adapter.size is not None) or expert_rows
+    if not wanted or inputs.model.problem():
         return problems
     from finetune.errors import UserError
     from finetune.locate import model_config
@@ -910,6 +917,14 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
         config = model_config(inputs.model, r.model.trust_remote_code)[0]
     except (OSError, ValueError, UserError):  # the model's own problem is reported by model.path
         return problems
+    if expert_rows:
+        from finetune.experts import expert_facts
+
+        seen = {(p.key, p.message) for p in problems}
+        cell = Cell.of_recipe(r).with_(**expert_facts(config, r.lora.target_modules))
+        problems += [
+            loaded.problem(f.key, f.message) for f in refusals(cell) if (f.key, f.message) not in seen
+        ]
     hidden = int(config.hidden_size)
     if r.method == "adapter" and r.adapter.size is not None and r.adapter.size > hidden:
         problems.append(loaded.problem(

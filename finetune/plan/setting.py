@@ -8,6 +8,7 @@ from typing import Any
 
 from finetune.capabilities import Cell, check, first_refusal, pipeline_problem, split_problem, stage_problem
 from finetune.errors import UserError
+from finetune.experts import expert_facts
 from finetune.plan import walk as w
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.hardware import GPU_TYPES, INTERCONNECTS, Hardware
@@ -170,7 +171,7 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
         attention=req.attn_implementation, packing=req.packed, checkpointing=req.checkpointing,
         lora=lora, prefix=req.prefix, quantization=req.quantization, objective=req.objective,
         reference=req.reference, nodes=hw.nodes, pp=req.pp, pp_schedule=req.pp_schedule,
-        reference_model=req.reference_config is not None,
+        reference_model=req.reference_config is not None, **expert_facts(req.config, lora.target_modules),
     )
     check(cell)
     # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:
