@@ -145,6 +145,9 @@ class Decision:
             "checkpoint_bytes": _checkpoint_size(chosen.method, sb),
             "param_bytes": sb.param_bytes, "param_bytes_by_dtype": s.inv.bytes_by_dtype(self.execution),
         }
+        experts = expert_counts(s.inv, self.execution)
+        if experts:
+            model["experts"] = experts
         hw = s.hw.to_dict()
         hw["world"] = s.world
         return Plan(
@@ -743,6 +746,30 @@ def _check_host_memory(s: Setting, rows: list[Candidate]) -> tuple[list[Candidat
             c = replace(c, status=Status.HOST_OVER)
         out.append(c)
     return out, chosen_job, steps
+
+
+def expert_counts(inv: Any, spec: ExecSpec) -> dict[str, int]:
+    """A mixture's fused expert weights under ``spec`` (empty for a model without them): how many tensors
+    (over all layers) and values they hold, how many the method adapts (LoRA's per-expert A/B) and stores in
+    NF4 (QLoRA 4-bit), and the bytes they are stored in."""
+    from finetune.plan.shapes import quantized_under
+
+    fused = [t for t in inv.base if t.experts]
+    if not fused:
+        return {}
+    layers = inv.num_layers
+
+    def times(t: Any) -> int:
+        return layers if t.in_block else 1
+
+    adapted = sum(times(t) for t in inv.adapters if ".experts.lora_A." in t.name) if spec.method.adapters else 0
+    return {
+        "tensors": sum(times(t) for t in fused),
+        "values": sum(t.numel * times(t) for t in fused),
+        "adapted": adapted,
+        "quantized": sum(times(t) for t in fused if quantized_under(spec, t)),
+        "stored_bytes": sum(inv.base_bytes(spec, t) * times(t) for t in fused),
+    }
 
 
 def _checkpoint_size(method: str, sb: Any) -> int:

@@ -29,6 +29,15 @@ def print_plan(plan: Plan, console: Any = None) -> None:
         f"{model.get('global_batch_size')}; {hw.get('gpus_per_node')} x {hw.get('nodes')} "
         f"{'processes' if hw.get('device') == 'cpu' else 'GPUs'} of {compact_bytes(cap)} ({hw.get('name')})"
     )
+    experts = model.get("experts")
+    if experts:
+        share = experts["values"] / max(1, model.get("parameters", 0))
+        console.print(
+            f"experts: {experts['tensors']} fused expert weights hold {_count(experts['values'])} values "
+            f"({share:.0%} of the model), stored in {compact_bytes(experts['stored_bytes'])}; "
+            f"{plan.chosen.method} adapts {experts['adapted']} and stores {experts['quantized']} in NF4 (each expert "
+            "on its own)"
+        )
     t = Table(show_lines=False, header_style="bold")
     with_tp = any(c.tp > 1 for c in plan.candidates)
     with_pp = any(c.pp > 1 for c in plan.candidates)
