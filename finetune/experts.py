@@ -112,7 +112,7 @@ def fused_experts(model: Any) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name, module in model.named_modules():
-        if hasattr(module, "get_base_layer") and name.endswith(".base_layer"):
+        if name.endswith(".base_layer"):  # the experts inside a LoRA layer: counted under the layer's name
             continue
         base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         if expert_weight_names(base) and not isinstance(base, nn.Linear):

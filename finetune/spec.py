@@ -302,6 +302,11 @@ class ExecSpec:
     sequence_parallel: bool = False
 
     @property
+    def adapter_dora(self) -> bool:
+        """The adapters are DoRA's (a magnitude per output row of each adapted weight)."""
+        return self.adapter is not None and self.adapter.use_dora
+
+    @property
     def preference(self) -> bool:
         """The objective trains on chosen/rejected pairs (dpo, simpo, orpo)."""
         return self.objective != "sft"

@@ -46,13 +46,18 @@ from finetune.train.model import (
 from finetune.units import torch_dtype
 
 
-def loads_sharded(spec: ExecSpec, world_size: int) -> bool:
+def loads_sharded(spec: ExecSpec, world_size: int, experts: bool = False) -> bool:
     """Whether this run builds on meta and materialises per-rank shards (zero2/fsdp on several processes).
 
     Every method does, except LLM.int8 (8-bit) QLoRA and QLoRA with DoRA, which keep transformers' quantizing
     loader (each rank quantizes the whole base, then ``fully_shard`` shards it): peft computes DoRA's
     magnitudes from the dequantized weight when it injects, which a meta 4-bit weight cannot give.
+    A 4-bit QLoRA of a mixture of experts (``experts``) loads this way on one process too: transformers'
+    loader would hold its 16-bit experts, most of the model, before they are quantized.
     """
+    one = spec.strategy.value == "single" or world_size == 1
+    if experts and one and spec.quant is not None and spec.quant.bits == 4 and not spec.adapter_dora:
+        return True
     if not (spec.strategy.uses_fsdp and world_size > 1):
         return False
     if spec.quant is not None and not (spec.quant.bits == 4 and spec.quant.shardable):
@@ -421,13 +426,48 @@ class _CheckpointTensors:
         self.handles.clear()
 
     def get(self, key: str) -> torch.Tensor:
-        """The whole tensor ``key`` (or its name without the prefix in an older checkpoint)."""
+        """The whole tensor ``key`` (or its name without the prefix in an older checkpoint); a fused expert
+        weight that the checkpoint keeps one tensor per expert is assembled from them."""
         found = stored_name(key, self.stored, self.prefix)
         if found is None:
+            pieces = expert_pieces(self.path, self.stored, key, self.prefix)
+            if pieces:
+                return fused_from_pieces(pieces, self._read)
             raise UserError(
                 f"model.path: {self.path} has no tensor {key}; is it a checkpoint of this architecture?"
             )
-        return self.handles[self.stored[found].file].get_tensor(found)  # type: ignore[attr-defined]
+        return self._read(found)
+
+    def _read(self, name: str) -> torch.Tensor:
+        return self.handles[self.stored[name].file].get_tensor(name)  # type: ignore[attr-defined]
+
+
+def expert_pieces(path: Path, stored: dict[str, StoredTensor], key: str, prefix: str) -> dict[str, Any]:
+    """The checkpoint's per-expert tensors that transformers fuses into the model's ``key`` (empty when the
+    checkpoint does not keep them so), each with its place (finetune.experts.ExpertPiece)."""
+    import json
+
+    from finetune.experts import checkpoint_pieces
+
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    pieces = checkpoint_pieces(str(config.get("model_type", "")), stored)
+    bare = key[len(prefix) + 1 :] if prefix and key.startswith(prefix + ".") else None
+    return {k: p for k, p in pieces.items() if p.fused in (key, bare)}
+
+
+def fused_from_pieces(pieces: dict[str, Any], read: Any) -> torch.Tensor:
+    """A fused expert weight (experts x rows x cols) from its per-expert tensors: each expert's parts (gate,
+    then up) concatenated by rows, the experts stacked, one tensor read at a time."""
+    experts = max(p.expert for p in pieces.values()) + 1
+    order = sorted(pieces, key=lambda k: (pieces[k].expert, pieces[k].part))
+    first = read(order[0])
+    parts = pieces[order[0]].parts
+    out = torch.empty(experts, parts * first.shape[0], first.shape[1], dtype=first.dtype)
+    rows = first.shape[0]
+    for k in order:
+        piece = pieces[k]
+        out[piece.expert, piece.part * rows : (piece.part + 1) * rows] = first if k == order[0] else read(k)
+    return out
 
 
 def _seeded_args(loaded: LoadedRecipe, spec: ExecSpec) -> tuple[Any, torch.dtype, dict[str, Any]]:
@@ -509,11 +549,20 @@ def load_pretrained_shards(targets: dict[str, torch.Tensor], path: Path, prefix:
 
     have = read_header(path)
     wanted: dict[str, torch.Tensor] = {}
+    fused: dict[str, torch.Tensor] = {}  # fused expert weights the checkpoint keeps one tensor per expert
     for key, t in targets.items():
         found = stored_name(key, have, prefix)
+        if found is None and expert_pieces(path, have, key, prefix):
+            fused[key] = t
+            continue
         if found is None:
             raise UserError(
                 f"model.path: {path} has no tensor {key}; is it a checkpoint of this architecture?"
             )
         wanted[found] = t
-    dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    if wanted:
+        dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    if fused:
+        with torch.no_grad(), _CheckpointTensors(path, prefix) as files:
+            for key, t in fused.items():
+                copy_slice(t, files.get(key))

@@ -323,8 +323,10 @@ def quantize_on_meta(model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpe
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import HfQuantizer
 
+    from finetune.experts import storage_dtype
+
     assert spec.quant is not None and spec.quant.bits == 4, "only 4-bit weights are quantized on meta"
-    storage = torch_dtype(spec.quant.storage_dtype)
+    storage = storage_dtype(spec.quant)  # uint8 on one process, the compute dtype under FSDP2
     config = bnb_config(loaded.recipe, torch_dtype(spec.quant.compute_dtype), storage)
     hf = cast("PreTrainedModel", model)  # a transformers model built from its config
     skip = HfQuantizer.get_modules_to_not_convert(hf, None, getattr(model, "_keep_in_fp32_modules", None))
@@ -360,6 +362,8 @@ def quantize_weight(weight: torch.Tensor, q: QuantSpec, conv1d: bool = False) ->
     blocks of 64 with the spec's quant_type / double quantization, packed into the storage dtype."""
     import bitsandbytes.functional as bnbf
 
+    from finetune.experts import storage_dtype
+
     w = weight.to(torch_dtype(q.compute_dtype))
     if conv1d:
         w = w.t()
@@ -368,5 +372,5 @@ def quantize_weight(weight: torch.Tensor, q: QuantSpec, conv1d: bool = False) ->
         blocksize=BLOCKSIZE_4BIT,
         compress_statistics=q.double_quant,
         quant_type=q.quant_type,
-        quant_storage=torch_dtype(q.storage_dtype),
+        quant_storage=storage_dtype(q),
     )

@@ -197,7 +197,7 @@ class Trainer:
             )
             check_model_storage(self.pipeline.model, spec, None)  # a stage's bytes are not the plan's inventory
             return self.pipeline.model
-        if not loads_sharded(spec, ctx.world_size):
+        if not loads_sharded(spec, ctx.world_size, experts=bool(self.plan.model.get("experts"))):
             model = build_model(self.loaded, spec, ctx.device, base_dir=base_dir)
             broadcast_decomposed(model)
             # prefix.init: text: the base's own keys/values of the text, before any wrapper (every rank alike)
