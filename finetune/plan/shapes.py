@@ -161,8 +161,9 @@ def quantized_under(spec: ExecSpec, t: Tensor) -> bool:
 def quantized_bytes(t: Tensor, quant: QuantSpec) -> int:
     """Bytes bitsandbytes keeps for one quantized weight: NF4/FP4 codes and constants (a fused expert weight:
     each expert's), or LLM.int8 codes and one fp32 scale per output row."""
-    if t.experts:
-        return t.experts * nf4_bytes(t.numel // t.experts, quant.double_quant)
+    if t.experts:  # each expert's codes, absmax, code table and offset; the nested table is bitsandbytes' one
+        shared = 256 * 4 if quant.double_quant else 0
+        return t.experts * (nf4_bytes(t.numel // t.experts, quant.double_quant) - shared) + shared
     if quant.bits == 8:
         return t.numel + 4 * t.rows
     return nf4_bytes(t.numel, quant.double_quant)
