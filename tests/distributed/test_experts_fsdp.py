@@ -3,14 +3,20 @@ NF4 codes) sharded on dim 0 by expert train as one process does, and the saved a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from finetune.launch import LaunchOptions, launch
-from tests.support import LOSS_RTOL, arch_model_dir, finetune_run, max_rel, step_rows, tiny_recipe, write_recipe
+from tests.support import (
+    LOSS_RTOL,
+    arch_model_dir,
+    finetune_run,
+    max_rel,
+    step_rows,
+    tiny_recipe,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.dist
 
