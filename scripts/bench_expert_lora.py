@@ -9,6 +9,10 @@ For each experts implementation (eager, grouped_mm, batched_mm) and each way: se
 MemTracker) and the largest difference of the logits from the other way's with the same adapter values.
 ``--fsdp``: both ways also under FSDP2 (``fully_shard`` per decoder layer) on 2 gloo processes, each rank's
 losses against one process's. fp32 on CPU.
+``--nf4``: NF4 storage of one fused expert weight (experts x ffn*2 x hidden, bf16), bitsandbytes' functional
+``quantize_4bit`` per expert (what finetune stores) against torchao's ``NF4Tensor`` (installed apart: it takes
+2-D tensors, so the (experts*rows) x cols view): bytes per weight, error, seconds to quantize and to dequantize
+every expert, and whether one expert's rows can be dequantized alone.
 """
 
 from __future__ import annotations
@@ -165,6 +169,48 @@ def fsdp_compare(args: argparse.Namespace) -> None:
         print(f"fsdp x2 | {way:<24} | runs; losses within {diff:.1e} of one process")
 
 
+def nf4_compare(args: argparse.Namespace) -> None:
+    import bitsandbytes.functional as bnbf
+    import torch
+
+    w = torch.randn(args.experts, 2 * args.ffn, args.hidden, generator=torch.Generator().manual_seed(4)).bfloat16()
+    n_exp, rows, cols = w.shape
+    t = time.perf_counter()
+    states = [bnbf.quantize_4bit(w[e].contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4")
+              for e in range(n_exp)]
+    quantize = time.perf_counter() - t
+    t = time.perf_counter()
+    back = torch.stack([bnbf.dequantize_4bit(p, s) for p, s in states])
+    dequantize = time.perf_counter() - t
+    stored = sum(p.numel() + s.absmax.numel() + 4 * s.state2.absmax.numel() for p, s in states)
+    t = time.perf_counter()
+    bnbf.dequantize_4bit(*states[3])
+    one = time.perf_counter() - t
+    print(f"nf4 | bitsandbytes per expert | {stored / w.numel():.4f} B/weight | mean error "
+          f"{(back.float() - w.float()).abs().mean():.4f} | quantize {quantize:.3f}s | dequantize all {dequantize:.3f}s "
+          f"| one expert {one * 1e3:.1f}ms")
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    except ImportError:
+        print("nf4 | torchao NF4Tensor        | not installed (pip install torchao)")
+        return
+    t = time.perf_counter()
+    nf4 = to_nf4(w.reshape(n_exp * rows, cols), block_size=64, scaler_block_size=256)
+    quantize = time.perf_counter() - t
+    t = time.perf_counter()
+    back = nf4.get_original_weight().reshape(n_exp, rows, cols)
+    dequantize = time.perf_counter() - t
+    stored = sum(x.numel() * x.element_size() for x in (nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor))
+    try:
+        nf4[3 * rows : 4 * rows].get_original_weight()
+        alone = "one expert alone: yes"
+    except NotImplementedError as exc:
+        alone = f"one expert alone: no ({str(exc).splitlines()[0][:60]})"
+    print(f"nf4 | torchao NF4Tensor        | {stored / w.numel():.4f} B/weight | mean error "
+          f"{(back.float() - w.float()).abs().mean():.4f} | quantize {quantize:.3f}s | dequantize all {dequantize:.3f}s "
+          f"| {alone}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, default=32)
@@ -175,10 +221,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--nf4", action="store_true")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.nf4:
+        nf4_compare(args)
+        return
     ids = torch.randint(0, 512, (args.tokens // 256, 256), generator=torch.Generator().manual_seed(3))
     print(f"Qwen3-MoE, 2 layers, hidden {args.hidden}, {args.experts} experts of ffn {args.ffn}, top-{args.top_k}, "
           f"{ids.numel()} tokens, LoRA r 8 on q_proj + both expert weights, fp32, {args.threads} thread(s)")
