@@ -669,9 +669,12 @@ def load(adapters: list[Target], base: Base | None, model_target: Target | None,
         else:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, str(adapters[0].path), adapter_name=names[0])
-            for a in adapters[1:]:
-                model.load_adapter(str(a.path), adapter_name=a.name)
+            from finetune.experts import peft_as_targeted
+
+            with peft_as_targeted():  # each adapter's targets as saved (peft_as_targeted says why)
+                model = PeftModel.from_pretrained(model, str(adapters[0].path), adapter_name=names[0])
+                for a in adapters[1:]:
+                    model.load_adapter(str(a.path), adapter_name=a.name)
     except (RuntimeError, ValueError, KeyError) as err:
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
         raise UserError(

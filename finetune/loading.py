@@ -209,7 +209,10 @@ def load_for_inference(value: str, *, key: str = "RUN_OR_MODEL", base: str | Non
             else:
                 from peft import PeftModel
 
-                model = PeftModel.from_pretrained(model, str(d), is_trainable=False)
+                from finetune.experts import peft_as_targeted
+
+                with peft_as_targeted():  # the adapter's targets as saved (peft_as_targeted says why)
+                    model = PeftModel.from_pretrained(model, str(d), is_trainable=False)
         kept_base: Path | None = base_dir if base_dir.parent != Path(scratch) else None
         tokenizer = _tokenizer(d, base_dir)
         loaded = LoadedModel(model, tokenizer, d, method, kept_base, recipe, _autocast_of(d))

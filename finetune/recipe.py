@@ -80,7 +80,9 @@ class LoraConfig(Section):
     target_modules: Union[list[str], Literal["all-linear"], None] = Field(
         None,
         description="Module names that get adapters (e.g. [q_proj, v_proj]) or `all-linear`; unset: peft's choice "
-        "for the architecture (q_proj, v_proj for Llama; c_attn for GPT-2), all-linear where it has none.",
+        "for the architecture (q_proj, v_proj for Llama; c_attn for GPT-2), all-linear where it has none. On a "
+        "mixture of experts, all-linear and `experts` (or gate_up_proj, down_proj) adapt the fused expert weights, "
+        "one rank-r pair per expert; the router (gate, router) only when named.",
     )
     use_dora: bool = Field(
         False, description="DoRA: a trained magnitude per output feature times the LoRA-updated direction (peft)."

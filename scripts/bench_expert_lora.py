@@ -2,11 +2,13 @@
 finetune's experts layer (finetune/experts.py), side by side on the same model, adapters and batch.
 
     python scripts/bench_expert_lora.py [--experts 32] [--hidden 256] [--ffn 256] [--top-k 4] [--tokens 2048]
-                                        [--steps 5] [--threads 1] [--fsdp]
+                                        [--batched-tokens 256] [--steps 5] [--threads 1] [--fsdp] [--nf4]
 
 For each experts implementation (eager, grouped_mm, batched_mm) and each way: seconds per training step
 (forward + backward of a 2-layer Qwen3-MoE, median of ``--steps``), the step's peak tensor memory (torch's
 MemTracker) and the largest difference of the logits from the other way's with the same adapter values.
+batched_mm gathers a weight per token-expert pair (both ways: tokens x top-k copies of an expert's weight), so
+it runs on ``--batched-tokens``.
 ``--fsdp``: both ways also under FSDP2 (``fully_shard`` per decoder layer) on 2 gloo processes, each rank's
 losses against one process's. fp32 on CPU.
 ``--nf4``: NF4 storage of one fused expert weight (experts x ffn*2 x hidden, bf16), bitsandbytes' functional
@@ -218,6 +220,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--batched-tokens", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fsdp", action="store_true")
@@ -233,7 +236,9 @@ def main() -> None:
     print(f"Qwen3-MoE, 2 layers, hidden {args.hidden}, {args.experts} experts of ffn {args.ffn}, top-{args.top_k}, "
           f"{ids.numel()} tokens, LoRA r 8 on q_proj + both expert weights, fp32, {args.threads} thread(s)")
     print(f"{'kernel':<11} | {'way':<24} | {'s/step':>7} | {'peak MiB':>8} | logits vs the other way")
+    every = ids
     for kernel in KERNELS:
+        ids = every[: max(1, args.batched_tokens // 256)] if kernel == "batched_mm" else every
         ours, theirs = build(args, WAYS[1], kernel), build(args, WAYS[0], kernel)
         seed_adapters(ours, theirs)
         with torch.no_grad():
@@ -245,7 +250,7 @@ def main() -> None:
             s, peak = rows[way]
             print(f"{kernel:<11} | {way:<24} | {s:7.3f} | {peak / 2**20:8.1f} | {diff:.1e}")
         (s0, p0), (s1, p1) = rows[WAYS[0]], rows[WAYS[1]]
-        print(f"{kernel:<11} | finetune / peft          | {s1 / s0:7.2f} | {p1 / p0:8.2f} |")
+        print(f"{kernel:<11} | finetune / peft          | {s1 / s0:7.2f} | {p1 / p0:8.2f} | ({ids.numel()} tokens)")
     if args.fsdp:
         fsdp_compare(args)
 
