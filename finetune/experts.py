@@ -216,11 +216,11 @@ def peft_as_targeted() -> Iterator[None]:
     def as_given(peft_config: Any, model: Any, conversions: Any) -> None:
         return None
 
-    conversion.convert_peft_config_for_transformers = as_given  # type: ignore[assignment]
+    conversion.convert_peft_config_for_transformers = as_given
     try:
         yield
     finally:
-        conversion.convert_peft_config_for_transformers = kept  # type: ignore[assignment]
+        conversion.convert_peft_config_for_transformers = kept
 
 
 # --------------------------------------------------------------------------------------------------
@@ -386,8 +386,12 @@ def _grouped(x: Any, w: Any, offsets: Any) -> Any:
         usable = False  # torch's fake kernel of grouped_mm takes bf16 only
     if usable:
         out = torch.nn.functional.grouped_mm(x, w, offs=offsets)
-    else:
+    elif hasattr(torch.ops.transformers, "grouped_mm_fallback"):
         out = torch.ops.transformers.grouped_mm_fallback(x, w, offsets)
+    else:  # an older transformers: the same per-group products, through autograd
+        ends = [int(e) for e in offsets.tolist()]
+        parts = [x[a:b] @ w[g] for g, (a, b) in enumerate(zip([0, *ends[:-1]], ends, strict=True))]
+        out = _cat_rows(parts, x, w.size(-1))
     return _ContiguousGrad.apply(out)
 
 
@@ -703,7 +707,7 @@ def expert_lora_class() -> Any:
         def _get_in_out_features(self, module: nn.Module) -> tuple[None, None]:
             return None, None
 
-        def update_layer(  # type: ignore[override]  # peft's signature, with the weights to adapt
+        def update_layer(  # peft's signature, with the weights to adapt
             self, adapter_name: str, r: int, lora_alpha: float, config: Any,
             weight_names: tuple[str, ...] | None = None, **kwargs: Any,
         ) -> None:
@@ -734,12 +738,18 @@ def expert_lora_class() -> Any:
             for adapter in self.active_adapters:
                 if adapter not in self.lora_A:
                     continue
-                p = self.lora_dropout[adapter].p if self.training else 0.0
+                dropout: Any = self.lora_dropout[adapter]
+                p = float(dropout.p) if self.training else 0.0
                 for w in self.adapted[adapter]:
-                    out.setdefault(w, []).append(
-                        ExpertLoRA(self.lora_A[adapter][w], self.lora_B[adapter][w], self.scaling[adapter], p)
-                    )
+                    a, b = self.pair(adapter, w)
+                    out.setdefault(w, []).append(ExpertLoRA(a, b, float(self.scaling[adapter]), p))
             return out
+
+        def pair(self, adapter: str, weight: str) -> tuple[Any, Any]:
+            """(A, B) of ``adapter`` on fused weight ``weight``."""
+            a: Any = self.lora_A[adapter]
+            b: Any = self.lora_B[adapter]
+            return a[weight], b[weight]
 
         def forward(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
             factors = self.factors()
@@ -749,7 +759,7 @@ def expert_lora_class() -> Any:
             return experts_forward(experts, hidden_states, top_k_index, top_k_weights, factors)
 
         def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-            experts = self.get_base_layer()
+            experts: Any = self.get_base_layer()
             if _quantized(experts):
                 raise ValueError("cannot merge LoRA into NF4 expert weights; finetune merge folds into 16 bits")
             for adapter in adapter_names or self.active_adapters:
@@ -757,21 +767,19 @@ def expert_lora_class() -> Any:
                     with torch.no_grad():
                         for w in self.adapted[adapter]:
                             p = getattr(experts, w)
-                            delta = expert_delta(self.lora_A[adapter][w], self.lora_B[adapter][w],
-                                                 self.scaling[adapter], experts.is_transposed)
-                            p.add_(delta.to(p.dtype))
+                            a, b = self.pair(adapter, w)
+                            p.add_(expert_delta(a, b, self.scaling[adapter], experts.is_transposed).to(p.dtype))
                     self.merged_adapters.append(adapter)
 
         def unmerge(self) -> None:
-            experts = self.get_base_layer()
+            experts: Any = self.get_base_layer()
             while self.merged_adapters:
                 adapter = self.merged_adapters.pop()
                 with torch.no_grad():
                     for w in self.adapted[adapter]:
                         p = getattr(experts, w)
-                        delta = expert_delta(self.lora_A[adapter][w], self.lora_B[adapter][w],
-                                             self.scaling[adapter], experts.is_transposed)
-                        p.sub_(delta.to(p.dtype))
+                        a, b = self.pair(adapter, w)
+                        p.sub_(expert_delta(a, b, self.scaling[adapter], experts.is_transposed).to(p.dtype))
 
         def __repr__(self) -> str:
             return "lora." + super().__repr__()

@@ -165,13 +165,14 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
         lora = LoraConfig()
     # What the recipe pins, checked against the capability table before anything is traced. A preview on
     # one GPU leaves the process count open (a sharded strategy is planned as it would run on more).
+    facts = expert_facts(req.config, lora.target_modules)
     cell = Cell.of(
         method=req.method, strategy=req.strategy, processes=world if req.for_run or world > 1 else None,
         tp=req.tp, precision=req.precision, optimizer=req.optimizer, offload=req.offload, compile=req.compile,
         attention=req.attn_implementation, packing=req.packed, checkpointing=req.checkpointing,
         lora=lora, prefix=req.prefix, quantization=req.quantization, objective=req.objective,
         reference=req.reference, nodes=hw.nodes, pp=req.pp, pp_schedule=req.pp_schedule,
-        reference_model=req.reference_config is not None, **expert_facts(req.config, lora.target_modules),
+        reference_model=req.reference_config is not None, experts=facts["experts"], expert_lora=facts["expert_lora"],
     )
     check(cell)
     # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:

@@ -197,3 +197,33 @@ def test_nf4_experts_compute_with_their_dequantized_weights(tmp_path):
         torch.testing.assert_close(X.experts_forward(experts, x, idx, w), reference[kernel], atol=1e-5, rtol=1e-5)
     routing = X._Routing("eager", 8, idx.reshape(-1), sizes=torch.bincount(idx.reshape(-1), minlength=8).tolist())
     assert routing.hit() == sorted(set(idx.reshape(-1).tolist())) and 7 not in routing.hit()
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"method": "lora", "lora": {"target_modules": "all-linear", "use_dora": True}},
+         "lora.use_dora: DoRA is not available on a mixture's fused expert weights"),
+        ({"method": "lora", "lora": {"target_modules": ["experts"], "init": "pissa"}},
+         "lora.init: pissa decomposes linear weights, not a mixture's fused expert weights"),
+        ({"method": "lora", "lora": {"target_modules": "all-linear"}, "distributed": {"strategy": "fsdp", "tp": 2}},
+         "distributed.tp: 2 with LoRA on a mixture's fused expert weights is not supported"),
+        ({"method": "qlora", "quantization": {"bits": 8}},
+         "quantization.bits: 8 (LLM.int8) quantizes linear layers only"),
+    ],
+)
+def test_validate_refuses_what_expert_weights_cannot_take(tmp_path, sections, message):
+    """The capability rows about a mixture's experts, read from the model's config by validate."""
+    from finetune.recipe import check_files, load_recipe
+    from tests.support import tiny_recipe, write_recipe
+
+    model = arch_model_dir(tmp_path / "model", "qwen3_moe")
+    recipe = tiny_recipe(tmp_path / "out", model={"path": str(model), "init": "random"}, **sections)
+    problems = [str(p) for p in check_files(load_recipe(write_recipe(tmp_path / "r.yaml", recipe)))]
+    assert any(message in p for p in problems), problems
+    # the same settings with the experts left out are not refused by these rows
+    recipe["lora"] = {**recipe.get("lora", {}), "target_modules": ["q_proj", "v_proj"]}
+    if sections.get("method") == "qlora":
+        return
+    problems = [str(p) for p in check_files(load_recipe(write_recipe(tmp_path / "r2.yaml", recipe)))]
+    assert not any(message in p for p in problems), problems
