@@ -376,12 +376,15 @@ def _cat_rows(parts: list[Any], x: Any, width: int) -> Any:
 
 def _grouped(x: Any, w: Any, offsets: Any) -> Any:
     """``x`` (rows x in, sorted by group) times ``w`` (groups x in x out) per group, through torch's grouped
-    matmul where its kernel takes the operands (16-byte strides; bf16 on fake tensors), else transformers'
+    matmul where its kernel takes the operands and their transposes (16-byte strides; bf16 on fake tensors), else transformers'
     per-group fallback (the same saved tensors)."""
     import torch
     import transformers.integrations.moe  # noqa: F401  # registers transformers::grouped_mm_fallback
 
-    usable = hasattr(torch.nn.functional, "grouped_mm") and _aligned(x) and _aligned(w)
+    # The backward multiplies the transposes too, so every matrix dimension must give 16-byte strides.
+    widths = (x.size(-1), w.size(-2), w.size(-1))
+    usable = (hasattr(torch.nn.functional, "grouped_mm") and _aligned(x) and _aligned(w)
+              and all(n * x.element_size() % 16 == 0 for n in widths))
     if usable and _is_fake(x) and x.dtype != torch.bfloat16:
         usable = False  # torch's fake kernel of grouped_mm takes bf16 only
     if usable:

@@ -194,7 +194,7 @@ class Harness:
         from finetune.train.parallel import parallelize
 
         self.torch.manual_seed(0)
-        model = parallelize(build_on_meta(loaded, spec), spec, self.ctx)
+        model = parallelize(build_on_meta(loaded, spec, self.device), spec, self.ctx)
         materialize(model, loaded, spec, self.device)
         return model
 
@@ -662,7 +662,7 @@ def pipeline(check: Check) -> None:
     stages = []
     for s, rng in enumerate(stage_layers(spec)):
         torch.manual_seed(0)
-        model = build_on_meta(loaded, spec)
+        model = build_on_meta(loaded, spec, h.device)
         check_stageable(model)
         prune_to_stages(model, list(rng), first=s == 0, last=s == len(split) - 1)
         materialize(model, loaded, spec, h.device)

@@ -78,7 +78,7 @@ def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) 
         )
         assert loads_sharded(spec, 2)
         torch.manual_seed(1234)  # the global generator as the whole-model load below finds it
-        model = parallelize(build_on_meta(loaded, spec), spec, ctx)
+        model = parallelize(build_on_meta(loaded, spec, ctx.device), spec, ctx)
         # Rank 0 of an adapter run from a random init writes the seeded base, tensor by tensor, as the trainer does.
         keep_base = rank == 0 and method != "full" and loaded.recipe.model.init == "random"
         materialize(model, loaded, spec, ctx.device, Path(out) / "base" if keep_base else None)

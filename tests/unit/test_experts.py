@@ -227,3 +227,23 @@ def test_validate_refuses_what_expert_weights_cannot_take(tmp_path, sections, me
         return
     problems = [str(p) for p in check_files(load_recipe(write_recipe(tmp_path / "r2.yaml", recipe)))]
     assert not any(message in p for p in problems), problems
+
+
+def test_grouped_kernel_traces_narrow_adapters_in_bf16_on_fake_tensors(tmp_path):
+    """The planner traces bf16 LoRA of rank 4 (8-byte rows) through the grouped kernel on fake tensors: the
+    backward's transposed products must not reach torch's grouped matmul, which wants 16-byte strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = _model(tmp_path, "qwen3_moe").to(torch.bfloat16)
+    experts = next(iter(X.fused_experts(model).values()))
+    experts.config._experts_implementation = "grouped_mm"
+    x, idx, w = _routing(experts, 12, model.config.num_experts_per_tok)
+    factors = {n: [X.ExpertLoRA(f[0].a.detach().bfloat16().requires_grad_(),
+                                f[0].b.detach().bfloat16().requires_grad_(), 2.0)]
+               for n, f in _factors(experts).items()}
+    real = X.experts_forward(experts, x.bfloat16(), idx, w.bfloat16(), factors)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fx = mode.from_tensor(x.bfloat16()).requires_grad_()
+        out = X.experts_forward(experts, fx, mode.from_tensor(idx), mode.from_tensor(w.bfloat16()), factors)
+        out.sum().backward()
+        assert tuple(out.shape) == tuple(real.shape) and tuple(fx.grad.shape) == tuple(x.shape)
