@@ -72,7 +72,9 @@ def use_experts_kernel(model: Any, device: Any, dtype: Any = None) -> Any:
 
 
 def experts_kernel_of(model: Any) -> str | None:
-    """The experts implementation ``model`` runs (None: it has no fused experts)."""
-    if not has_experts_kernel(model):
-        return None
-    return str(model.config._experts_implementation)
+    """The experts implementation ``model`` (any wrapper of a transformers model: peft, DDP, a pipeline stage)
+    runs its fused experts with (None: it has none)."""
+    for module in model.modules():
+        if hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "config"):
+            return str(module.config._experts_implementation)
+    return None

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from finetune import attention
+from finetune import attention, router
 from finetune.adapters import base_model_of
 from finetune.loss_chunks import FUSED_CHUNK_BYTES, FUSED_HEAD, LOSS_CHUNK_BYTES  # set here by tests
 
@@ -163,7 +163,9 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
     The output head and the loss are fused (:func:`fused_head`): the head's forward computes the fp32 loss
     from the last hidden state chunk by chunk, so the (B, T, V) logits never exist whole, nor their
     gradient. Models whose head is not a plain bias-free linear layer (a LoRA-adapted head, a biased head,
-    Gemma 2's logit soft-capping) fall back to the chunked loss over materialised logits. Attention with
+    Gemma 2's logit soft-capping) fall back to the chunked loss over materialised logits. A mixture of experts
+    whose router :func:`finetune.router.enable` set up adds its load-balancing loss times its coefficient per
+    target token (:mod:`finetune.router`), and has its routing counted. Attention with
     dropout on CPU keeps no (B, H, T, T) tensor for backward (:mod:`finetune.attention`, enabled on the model
     here, so the trainer and the planner's trace run the same attention). Returning the
     *sum* lets the trainer normalise by the number of label tokens in the whole global batch, so that
@@ -187,14 +189,18 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
             with shard.rows(), fused_head(head, shifted[:, start:end], rows, shard.group), known_documents(batch):
                 loss_sum = shard.total(model(**kwargs).logits)
             return loss_sum, (shifted != IGNORE_INDEX).sum()
-        with fused_head(head, shifted, batch.get("target_rows")), known_documents(batch):
-            loss_sum = model(**kwargs).logits
-        return loss_sum, (shifted != IGNORE_INDEX).sum()
-    with known_documents(batch):
-        logits = model(**kwargs).logits
+        with fused_head(head, shifted, batch.get("target_rows")), known_documents(batch), \
+                router.training_forward(model) as extra:
+            out = model(**kwargs, **extra)
+        targets = (shifted != IGNORE_INDEX).sum()
+        return router.add_aux_loss(model, out, out.logits, targets), targets
+    with known_documents(batch), router.training_forward(model) as extra:
+        out = model(**kwargs, **extra)
+    logits = out.logits
     rows = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1]))
     loss_sum = _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), rows)
-    return loss_sum, (shifted != IGNORE_INDEX).sum()
+    targets = (shifted != IGNORE_INDEX).sum()
+    return router.add_aux_loss(model, out, loss_sum, targets), targets
 
 
 

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from finetune.locate import (
     DataLocation,
@@ -313,6 +321,13 @@ class TrainConfig(Section):
         description="sft: next-token loss on the completions; dpo, simpo, orpo: preference tuning on "
         "data.format: preference pairs (the `dpo` section sets beta, the loss, the reference, SimPO's gamma and "
         "ORPO's lambda).",
+    )
+    router_aux_loss_coef: Union[NonNegativeFloat, Literal["auto"]] = Field(
+        "auto",
+        description="A mixture of experts' load-balancing loss, added to the loss times this coefficient "
+        "(per target token, as the loss is normalised; logged as aux_loss beside the cross-entropy); auto: the "
+        "model config's router_aux_loss_coef (Qwen3-MoE, Mixtral and gpt-oss define the loss; DeepSeek-V3 "
+        "balances its experts without one); 0: off.",
     )
     on_nonfinite: Literal["auto", "stop", "skip"] = Field(
         "auto",

@@ -15,6 +15,7 @@ Pure Python (no torch): dtypes are the recipe's names (fp32, bf16, fp16; uint8/i
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
@@ -300,6 +301,15 @@ class ExecSpec:
     # with tp > 1: norms, dropout and the residual stream sharded over the sequence between the blocks' linears,
     # and the head and loss computed on each rank's positions (distributed.sequence_parallel)
     sequence_parallel: bool = False
+    # the attention implementation the model is built with: the recipe's model.attn_implementation, or eager for
+    # an architecture transformers has no sdpa attention for (gpt-oss's attention sinks)
+    attention: str = "sdpa"
+    # base tensors the architecture keeps in fp32 whatever the dtypes above say (transformers'
+    # _keep_in_fp32_modules_strict in a 16-bit base, also _keep_in_fp32_modules in fp16: DeepSeek-V3's router
+    # weights and its e_score_correction_bias), as patterns searched in a tensor's name, as transformers does
+    fp32_tensors: tuple[str, ...] = ()
+    # a mixture of experts' load-balancing loss, added per target token times this (0: none; finetune/router.py)
+    aux_loss_coef: float = 0.0
 
     @property
     def adapter_dora(self) -> bool:
@@ -356,6 +366,17 @@ class ExecSpec:
         """dtype of an FSDP2 unit once all-gathered for compute (its policy's, else the stored one)."""
         return self.fsdp_param_dtype or self.trainable_dtype
 
+    def keeps_fp32(self, name: str) -> bool:
+        """Whether the architecture keeps the tensor ``name`` in fp32 (``fp32_tensors``)."""
+        return any(re.search(p.replace("*", ".*"), name) for p in self.fp32_tensors)
+
+    def tensor_dtype(self, name: str, quantizable: bool) -> str:
+        """Stored dtype of the base parameter ``name``: :meth:`base_dtype`, or fp32 for a tensor the architecture
+        keeps in fp32 (never a quantized weight)."""
+        if self.fp32_tensors and not (quantizable and self.quant is not None) and self.keeps_fp32(name):
+            return "fp32"
+        return self.base_dtype(quantizable)
+
     def base_dtype(self, quantizable: bool) -> str:
         """Stored dtype of a base parameter: the master dtype (full), the quantized codes, or frozen."""
         if not self.method.adapters:
@@ -375,8 +396,9 @@ class ExecSpec:
         d = dict(d)
         quant = d.pop("quant", None)
         adapter = d.pop("adapter", None)
-        if isinstance(d.get("pp_layers"), list):
-            d["pp_layers"] = tuple(d["pp_layers"])
+        for key in ("pp_layers", "fp32_tensors"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
         if adapter and isinstance(adapter.get("target_modules"), list):
             adapter["target_modules"] = tuple(adapter["target_modules"])
         d.pop("dp", None)
@@ -413,6 +435,9 @@ def execution_spec(
     pp_schedule: str = "1f1b",
     pp_layers: tuple[int, ...] | list[int] = (),
     sequence_parallel: bool = False,
+    attention: str = "sdpa",
+    keep_fp32: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
+    aux_loss_coef: float = 0.0,
 ) -> ExecSpec:
     """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
 
@@ -432,7 +457,10 @@ def execution_spec(
     ``objective``: train.objective; ``reference``: dpo.reference (model | precomputed), which becomes the spec's
     reference kind (:func:`reference_kind`). ``pp``: pipeline ranks, ``pp_layers`` the decoder layers of each
     stage (pp x stages per rank of them), ``pp_schedule`` their schedule; ``world_size`` is pp x dp x tp.
-    ``sequence_parallel``: TP's sequence parallelism (kept only with tp > 1).
+    ``sequence_parallel``: TP's sequence parallelism (kept only with tp > 1). ``attention``: the attention
+    implementation the model is built with. ``keep_fp32``: the architecture's (strict, fp16-only) patterns of
+    tensors kept in fp32 (the inventory's): the strict ones apply to a 16-bit base, both to an fp16 one.
+    ``aux_loss_coef``: a mixture of experts' load-balancing loss coefficient (0: none; the sft objective only).
     """
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
     compute = p.compute
@@ -493,7 +521,21 @@ def execution_spec(
         pp_schedule=pp_schedule if pp > 1 else "1f1b",
         pp_layers=layers,
         sequence_parallel=bool(sequence_parallel) and tp > 1,
+        attention=attention,
+        fp32_tensors=_fp32_tensors(keep_fp32, frozen if m.adapters else trainable),
+        aux_loss_coef=float(aux_loss_coef) if objective == "sft" else 0.0,
     )
+
+
+def _fp32_tensors(keep_fp32: tuple[tuple[str, ...], tuple[str, ...]], base: str | None) -> tuple[str, ...]:
+    """The patterns of tensors kept in fp32 in a base stored in ``base``, as transformers applies them when it
+    loads a model in that dtype."""
+    strict, fp16_only = keep_fp32
+    if base == "bf16":
+        return tuple(sorted(strict))
+    if base == "fp16":
+        return tuple(sorted({*strict, *fp16_only}))
+    return ()
 
 
 def reference_kind(objective: str, method: str | Method, reference: str) -> str:

@@ -68,6 +68,19 @@ class TraceSpec:
     # a mixture of experts' kernel (finetune.kernels): grouped_mm wherever one is traced (its memory does not
     # depend on the routing; eager's per-expert loop reads values fake tensors do not have). Out of the repr.
     experts: str = field(default="grouped_mm", repr=False)
+    # the traced depth: TRACE_LAYERS, or more for a model whose layers differ (up to two layers of its last kind,
+    # the one the rest of the model repeats: finetune.plan.shapes.Inventory.trace_depth). Out of the repr, as
+    # above: the disk key names it when it is not TRACE_LAYERS (depth_key).
+    depth: int = field(default=TRACE_LAYERS, repr=False)
+    # a mixture of experts' load-balancing loss in the traced loss (finetune/router.py): the router logits kept
+    # for it, its few small tensors. Out of the repr; the disk key names it when on (depth_key).
+    aux_loss: bool = field(default=False, repr=False)
+
+    @property
+    def depth_key(self) -> tuple[Any, ...]:
+        """What a deeper trace, or one with a load-balancing loss, adds to its disk cache key (nothing for a
+        two-layer trace without)."""
+        return (() if self.depth == TRACE_LAYERS else ("depth", self.depth)) + (("aux_loss",) if self.aux_loss else ())
 
     @property
     def preference_key(self) -> tuple[str, ...]:
@@ -83,7 +96,7 @@ class TraceSpec:
     @classmethod
     def of(
         cls, spec: ExecSpec, *, seq_len: int, packed: bool, attn_implementation: str, lora: tuple | None = None,
-        device: str = "cuda",
+        device: str = "cuda", depth: int = 2,
     ) -> TraceSpec:
         """The trace of one execution spec at ``seq_len`` tokens per row on ``device`` (the plan's hardware;
         it matters only for flex attention, whose CPU path materialises a mask) (``lora``: (r, alpha, dropout,
@@ -107,6 +120,8 @@ class TraceSpec:
             reference=spec.reference,
             sequence_parallel=spec.tp if spec.sequence_parallel else 1,
             experts=experts_implementation(device, spec.compute_dtype),
+            depth=depth,
+            aux_loss=spec.aux_loss_coef > 0,
         )
 
 
@@ -145,9 +160,13 @@ class ActivationProfile:
     only when asked for: at micro-batch 1 the first trace is the answer.
     """
 
-    def __init__(self, points: dict[int, TraceResult], trace: Callable[[int], TraceResult] | None = None) -> None:
+    def __init__(
+        self, points: dict[int, TraceResult], trace: Callable[[int], TraceResult] | None = None,
+        depth: int = TRACE_LAYERS,
+    ) -> None:
         self.points = points
         self._trace = trace
+        self.depth = depth  # the traced decoder layers
 
     def point(self, batch: int) -> TraceResult:
         """The trace at micro-batch ``batch`` (1, 2 or 4), traced now if it was not yet."""
@@ -160,9 +179,9 @@ class ActivationProfile:
     def at(self, layers: int, batch: int) -> dict[str, WindowPeaks]:
         """The window peaks extrapolated to ``layers`` decoder layers and micro-batch ``batch``."""
         if batch <= 2:
-            return self._deepen(self.point(batch), layers - TRACE_LAYERS)
-        two = self._deepen(self.point(2), layers - TRACE_LAYERS)
-        four = self._deepen(self.point(4), layers - TRACE_LAYERS)
+            return self._deepen(self.point(batch), layers - self.depth)
+        two = self._deepen(self.point(2), layers - self.depth)
+        four = self._deepen(self.point(4), layers - self.depth)
         out: dict[str, WindowPeaks] = {}
         for w in WINDOWS:
             vals = {}
@@ -207,14 +226,15 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
                 ((*key, batch, "dense_flex") if spec.dense_flex else (*key, batch))
                 + spec.preference_key
                 + spec.sequence_parallel_key
+                + spec.depth_key
             )
             result = _load(path) if path else None
             if result is None:
-                result = trace_windows(config, spec, TRACE_LAYERS, batch)
+                result = trace_windows(config, spec, spec.depth, batch)
                 _save(path, result)
             return result
 
-        _CACHE[key] = ActivationProfile({}, trace)
+        _CACHE[key] = ActivationProfile({}, trace, spec.depth)
     return _CACHE[key]
 
 
@@ -283,6 +303,10 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
                 prm.data = prm.data.to(compute)
     if spec.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.aux_loss:  # the trainer's router (the coefficient does not change the memory)
+        from finetune import router
+
+        router.enable(model, 1.0)
     return model, torch_dtype(spec.autocast_dtype) if autocast and spec.autocast_dtype else None, autocast
 
 

@@ -20,7 +20,10 @@ gradient reaches the first layer's input, so its query/key/value projections com
 them), and only the small adapters' weights get gradients: about 4N. The attention term counts the score
 (Q K^T) and value (A V) matmuls over the whole T x T square, as PaLM does and as FLOP counters see an eager
 or math attention (a causal kernel skips about half of it; the convention keeps figures comparable).
-Prefix tuning's virtual tokens lengthen every row's keys and values.
+Prefix tuning's virtual tokens lengthen every row's keys and values. A mixture of experts' fused experts
+count as the weights a token computes with: top-k of each layer's routed experts (``experts x top-k / experts``
+of the fused weights); a model whose layers differ (DeepSeek-V3's dense first layers) counts each kind of
+layer as many times as it has it.
 """
 
 from __future__ import annotations
@@ -55,8 +58,6 @@ def training_flops_per_token(model: Any, *, seq_len: float) -> TrainingFlops:
     or not: sizes come from the modules' declared shapes, not their storage, so 4-bit weights and FSDP shards
     count whole). Trainable means ``weight.requires_grad``.
     """
-    from torch import nn
-    from transformers.pytorch_utils import Conv1D
 
     from finetune.adapters import prefix_tokens
     from finetune.plan.shapes import decoder_layer_names
@@ -65,16 +66,14 @@ def training_flops_per_token(model: Any, *, seq_len: float) -> TrainingFlops:
     first = layers[0] + "." if layers else None
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     frozen_input = embeddings is None or not any(p.requires_grad for p in embeddings.parameters())
-    total = no_input_grad = trainable = 0
+    total = no_input_grad = trainable = 0.0
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            size = module.in_features * module.out_features
-        elif isinstance(module, Conv1D):  # GPT-2's projections: weight stored (in, out)
-            size = module.weight.shape[0] * module.weight.shape[1]
-        else:
+        found = matmul_weights(module, model.config)
+        if found is None:
             continue
+        size, trained = found
         total += size
-        trainable += size if module.weight.requires_grad else 0
+        trainable += trained
         if frozen_input and first is not None and _reads_layer_input(name, first):
             no_input_grad += size
     config = model.config
@@ -87,6 +86,27 @@ def training_flops_per_token(model: Any, *, seq_len: float) -> TrainingFlops:
         input_gradients=2.0 * (total - no_input_grad) + 8.0 * attention,
         weight_gradients=2.0 * trainable,
     )
+
+
+def matmul_weights(module: Any, config: Any) -> tuple[float, float] | None:
+    """(the matmul weights one token computes with, those of them trained) of ``module``: a linear layer's, or
+    a mixture of experts' fused experts' top-k share; None for anything else."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, nn.Linear):
+        return module.in_features * module.out_features, module.in_features * module.out_features * float(
+            module.weight.requires_grad
+        )
+    if isinstance(module, Conv1D):  # GPT-2's projections: weight stored (in, out)
+        size = module.weight.shape[0] * module.weight.shape[1]
+        return size, size * float(module.weight.requires_grad)
+    if hasattr(module, "has_gate") and hasattr(module, "num_experts"):  # transformers' fused experts
+        share = float(getattr(config, "num_experts_per_tok", 1) or 1) / max(1, int(module.num_experts))
+        weights = [p for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        size = sum(p.numel() for p in weights) * share
+        return size, sum(p.numel() for p in weights if p.requires_grad) * share
+    return None
 
 
 def config_flops_per_token(config: Any, *, seq_len: float, adapter: Any = None) -> TrainingFlops:
@@ -168,7 +188,7 @@ def flops_shape(config: Any, adapter: Any = None) -> FlopsShape:
 
 
 #: Bump when what a FlopsShape records changes: invalidates the disk cache.
-FLOPS_SHAPE_VERSION = 1
+FLOPS_SHAPE_VERSION = 2
 
 
 def _shape_path(key: Any) -> Any:
@@ -199,49 +219,59 @@ def _save_shape(path: Any, shape: FlopsShape) -> None:
 
 def _build_shape(config: Any, adapter: Any) -> FlopsShape:
     import torch
-    from torch import nn
     from transformers import AutoModelForCausalLM
-    from transformers.pytorch_utils import Conv1D
 
     from finetune.adapters import prefix_tokens
     from finetune.methods import inject
-    from finetune.plan.shapes import decoder_layer_names, reduced_config
+    from finetune.plan.shapes import decoder_layer_names, layer_kinds, reduced_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(concrete(reduced_config(config, 1)))
+    kinds = layer_kinds(config, model)
+    if len(kinds) > 1:  # one layer of each kind, each weighted by its share of the layers
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(concrete(reduced_config(config, kinds[-1][0] + 1)))
     if adapter is not None:
         model = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)
     layers = decoder_layer_names(model)
     first = layers[0] + "." if layers else None
+    weight = {f"{layers[i]}.": n / config.num_hidden_layers for i, n in kinds} if len(kinds) > 1 else (
+        {first: 1.0} if first is not None else {})
+
+    def layer_weight(name: str) -> float | None:  # None: outside the layers; 0: a repeat of a counted kind
+        for prefix in layers:
+            if name.startswith(prefix + ".") or f"{prefix}." in name:
+                return weight.get(prefix + ".", 0.0)
+        return None
+
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     frozen_input = embeddings is None or not any(p.requires_grad for p in embeddings.parameters())
-    block = block_trained = outside = outside_trained = no_input_grad = 0
+    block = block_trained = outside = outside_trained = no_input_grad = 0.0
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            size = module.in_features * module.out_features
-        elif isinstance(module, Conv1D):
-            size = module.weight.shape[0] * module.weight.shape[1]
-        else:
+        found = matmul_weights(module, model.config)
+        if found is None:
             continue
-        trained = size if module.weight.requires_grad else 0
-        if first is not None and name.startswith(first):
-            block, block_trained = block + size, block_trained + trained
-            if frozen_input and _reads_layer_input(name, first):
+        size, trained = found
+        share = layer_weight(name)
+        if share is not None:
+            block, block_trained = block + size * share, block_trained + trained * share
+            if frozen_input and first is not None and _reads_layer_input(name, first):
                 no_input_grad += size
         else:
             outside, outside_trained = outside + size, outside_trained + trained
-    params = block_params = 0
+    params = block_params = 0.0
     for name, p in model.named_parameters():
         if p.requires_grad:
-            in_block = first is not None and name.startswith(first)
-            params += p.numel() * (config.num_hidden_layers if in_block else 1)
-            block_params += p.numel() if in_block else 0
+            share = layer_weight(name)
+            params += p.numel() * (config.num_hidden_layers * share if share is not None else 1)
+            block_params += p.numel() * share if share is not None else 0
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return FlopsShape(
-        layers=config.num_hidden_layers, block=block, block_trainable=block_trained, outside=outside,
-        outside_trainable=outside_trained, no_input_grad=no_input_grad, attention_channels=heads * head_dim,
-        prefix_tokens=prefix_tokens(model), trainable_params=params, block_trainable_params=block_params,
+        layers=config.num_hidden_layers, block=round(block), block_trainable=round(block_trained),
+        outside=round(outside), outside_trainable=round(outside_trained), no_input_grad=round(no_input_grad),
+        attention_channels=heads * head_dim, prefix_tokens=prefix_tokens(model), trainable_params=round(params),
+        block_trainable_params=round(block_params),
     )
 
 

@@ -30,7 +30,7 @@ from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION
 from finetune.plan.pipeline import microbatch_problem, pipeline_note
 from finetune.plan.request import Request, request_from_recipe
 from finetune.plan.setting import Setting, settle
-from finetune.plan.shapes import lora_targets
+from finetune.plan.shapes import lora_targets, moe_summary
 from finetune.plan.types import Candidate, MemoryBreakdown, Plan, Status
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec, Method, Precision, Strategy
@@ -144,10 +144,14 @@ class Decision:
             "global_batch_size": s.global_batch, "packed": s.req.packed,
             "checkpoint_bytes": _checkpoint_size(chosen.method, sb),
             "param_bytes": sb.param_bytes, "param_bytes_by_dtype": s.inv.bytes_by_dtype(self.execution),
+            # the attention the architecture needs when it has no sdpa (gpt-oss's sinks): eager, said in the run header
+            "attention_for_architecture": not s.inv.sdpa and self.execution.attention == "eager",
         }
         experts = expert_counts(s.inv, self.execution)
         if experts:
             model["experts"] = experts
+        if s.inv.moe is not None:
+            model.update(moe_summary(s.inv, self.execution))
         hw = s.hw.to_dict()
         hw["world"] = s.world
         return Plan(
@@ -757,10 +761,8 @@ def expert_counts(inv: Any, spec: ExecSpec) -> dict[str, int]:
     fused = [t for t in inv.base if t.experts]
     if not fused:
         return {}
-    layers = inv.num_layers
-
     def times(t: Any) -> int:
-        return layers if t.in_block else 1
+        return inv.copies(t)
 
     adapted = sum(times(t) for t in inv.adapters if ".experts.lora_A." in t.name) if spec.method.adapters else 0
     return {

@@ -89,7 +89,7 @@ def optimizer_state_bytes(inv: Inventory, adapters: bool, optimizer: str, value_
             per = 2 * (t.numel + 4 * -(-t.numel // BNB_BLOCK) + 4 * 256)
         else:
             per = 2 * t.numel * 4
-        total += per * (inv.num_layers if t.in_block else 1)
+        total += per * inv.copies(t)
     return total
 
 
@@ -98,17 +98,17 @@ def unsharded_bytes(inv: Inventory, spec: ExecSpec, block_only: bool = False, ro
     cb = DTYPE_BYTES[spec.gathered_dtype] if spec.fsdp_param_dtype else None
     total = 0
     for t in inv.base:
-        if (block_only and not t.in_block) or (root_only and t.in_block):
+        if (block_only and not inv.in_unit(t)) or (root_only and t.in_block):
             continue
         if quantized_under(spec, t):
             per = quantized_bytes(t, spec.quant)  # type: ignore[arg-type]  # quantized_under checked it
         else:
-            per = t.numel * (cb or DTYPE_BYTES[spec.base_dtype(False)])
-        total += per * (inv.num_layers if t.in_block and not block_only else 1)
+            per = t.numel * (cb or DTYPE_BYTES[spec.tensor_dtype(t.name, False)])
+        total += per * (1 if block_only else inv.copies(t))
     for t in inv.adapters if spec.method.adapters else []:
-        if (block_only and not t.in_block) or (root_only and t.in_block):
+        if (block_only and not inv.in_unit(t)) or (root_only and t.in_block):
             continue
-        total += t.numel * (cb or spec.trainable_bytes) * (inv.num_layers if t.in_block and not block_only else 1)
+        total += t.numel * (cb or spec.trainable_bytes) * (1 if block_only else inv.copies(t))
     return total
 
 
@@ -119,7 +119,7 @@ def reference_bytes(inv: Inventory, spec: ExecSpec) -> int:
         return 0
     per = DTYPE_BYTES[spec.reference_dtype]
     ref = inv.reference or inv  # dpo.reference_model: counted from its own config
-    return sum(t.numel * per * (ref.num_layers if t.in_block else 1) for t in ref.base)
+    return sum(t.numel * per * ref.copies(t) for t in ref.base)
 
 
 def offloads_to_host(s: Setup) -> bool:
@@ -148,15 +148,15 @@ def offloaded_bytes(inv: Inventory, s: Setup) -> int:
     def shard(t: Tensor, value_bytes: int) -> int:
         values = -(-t.rows // n) * (t.numel // t.rows) if t.rows > 1 else -(-t.numel // n)
         per = values * value_bytes
-        return (_pinned(per) if pin else per) * (inv.num_layers if t.in_block else 1)
+        return (_pinned(per) if pin else per) * inv.copies(t)
 
     params = grads = 0
     for t in inv.base:
         if quantized_under(spec, t):  # codes and their constants, split evenly
             per = -(-inv.base_bytes(spec, t) // n)
-            params += (_pinned(per) if pin else per) * (inv.num_layers if t.in_block else 1)
+            params += (_pinned(per) if pin else per) * inv.copies(t)
         else:
-            params += shard(t, DTYPE_BYTES[spec.base_dtype(False)])
+            params += shard(t, DTYPE_BYTES[spec.tensor_dtype(t.name, False)])
         if not spec.method.adapters:
             grads += shard(t, spec.trainable_bytes)
     for t in inv.adapters if spec.method.adapters else []:

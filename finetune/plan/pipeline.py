@@ -153,13 +153,14 @@ def stage_inventory(inv: Any, layers: int, first: bool, last: bool, tied: bool =
 
     def keep(t: Tensor) -> bool:
         if t.in_block:
-            return True
+            return inv.in_unit(t)  # layers of different kinds: a stage's layers sized as the largest kind
         return first if (t.adapter or is_first_stage_tensor(t.name)) else last
 
-    base = [t for t in inv.base if keep(t)]
+    base = [replace(t, layers=0) if t.in_block else t for t in inv.base if keep(t)]
     if last and not first and tied and not any("lm_head" in t.name for t in inv.base):
         base += [replace(t, name="lm_head.weight") for t in inv.base if not t.in_block and "embed_tokens" in t.name]
-    sub = replace(inv, num_layers=layers, base=base, adapters=[t for t in inv.adapters if keep(t)])
+    adapters = [replace(t, layers=0) if t.in_block else t for t in inv.adapters if keep(t)]
+    sub = replace(inv, num_layers=layers, base=base, adapters=adapters)
     _STAGE_INVENTORIES[key] = (inv, sub)
     return sub
 

@@ -15,6 +15,19 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
+def moe_text(model: dict[str, Any]) -> str:
+    """What the plan's header says of a mixture of experts ('' for a dense model): the experts per layer, the
+    top-k, the shared experts, what the experts hold and what a token computes with."""
+    moe = model.get("moe")
+    if not moe:
+        return ""
+    shared = f" + {moe['shared_experts']} shared" if moe.get("shared_experts") else ""
+    routed = model.get("routed_activation_bytes_per_token", 0)
+    return (f" ({moe['experts']} experts{shared}, top-{moe['top_k']}, in {moe['layers']} layers: the experts hold "
+            f"{100 * model.get('expert_fraction', 0):.0f}% of the weights; {_count(model.get('active_parameters', 0))} "
+            f"active per token; its routed experts keep {compact_bytes(routed)} of activations per token)")
+
+
 def print_plan(plan: Plan, console: Any = None) -> None:
     """The table (chosen row first, highlighted), then the walk."""
     from rich.console import Console
@@ -24,7 +37,7 @@ def print_plan(plan: Plan, console: Any = None) -> None:
     hw, model = plan.hardware, plan.model
     cap = hw.get("memory_bytes", 0)
     console.print(
-        f"[bold]{model.get('source')}[/]: {_count(model.get('parameters', 0))} parameters, "
+        f"[bold]{model.get('source')}[/]: {_count(model.get('parameters', 0))} parameters{moe_text(model)}, "
         f"{model.get('layers')} layers; {model.get('seq_len')} tokens per sample, global batch "
         f"{model.get('global_batch_size')}; {hw.get('gpus_per_node')} x {hw.get('nodes')} "
         f"{'processes' if hw.get('device') == 'cpu' else 'GPUs'} of {compact_bytes(cap)} ({hw.get('name')})"

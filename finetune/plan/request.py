@@ -45,6 +45,7 @@ class Request:
     objective: str = "sft"  # train.objective: dpo/simpo/orpo run every micro-batch's pairs (2 rows a sample)
     reference: str = "model"  # dpo.reference: model (a frozen copy under full fine-tuning) or precomputed
     reference_config: Any = None  # dpo.reference_model's config (None: the reference is the policy's start)
+    aux_loss_coef: float | str = "auto"  # train.router_aux_loss_coef: a mixture of experts' load-balancing loss
 
 
 def request_from_recipe(loaded: LoadedRecipe) -> Request:
@@ -88,6 +89,7 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         objective=r.train.objective,
         reference=r.dpo.reference,
         reference_config=reference_config(loaded),
+        aux_loss_coef=r.train.router_aux_loss_coef,
     )
 
 

@@ -11,6 +11,7 @@ from finetune.errors import UserError
 from finetune.experts import expert_facts
 from finetune.plan import walk as w
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
+from finetune.plan.config import config_class_name
 from finetune.plan.hardware import GPU_TYPES, INTERCONNECTS, Hardware
 from finetune.plan.pipeline import stages_per_rank
 from finetune.plan.request import Request
@@ -119,14 +120,15 @@ class Setting:
             adapter=r.adapter, tp=tp, compile=r.compile, optimizer=optimizer or r.optimizer,
             offload=offload or r.offload, objective=r.objective, reference=r.reference, nodes=self.hw.nodes,
             pp=pp, pp_schedule=self.pp_schedule, pp_layers=pp_layers or self.pp_split(pp, tp),
-            sequence_parallel=r.sequence_parallel,
+            sequence_parallel=r.sequence_parallel, attention=r.attn_implementation, keep_fp32=self.inv.keep_fp32,
+            aux_loss_coef=aux_loss_coef(r, self.inv),
         )
 
     def profile(self, spec: ExecSpec) -> ActivationProfile:
         """The traced activations of ``spec`` at this setting's sequence length (one TP rank's)."""
         trace = TraceSpec.of(
             spec, seq_len=self.req.seq_len, packed=self.req.packed,
-            attn_implementation=self.req.attn_implementation, device=self.hw.device,
+            attn_implementation=self.req.attn_implementation, device=self.hw.device, depth=self.inv.trace_depth,
         )
         key = (spec.tp, trace)
         if key not in self.profiles:
@@ -182,6 +184,11 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
     v = stages_per_rank(req.pp_schedule, req.pp_stages_per_rank)
     pp, pp_auto = _resolve_pp(req, hw, world, tp, v, inv, log)
     req = _resolve_attention(req, inv, log)
+    if inv.moe is not None:
+        log.append(w.MixtureOfExperts(
+            config_class_name(req.config).replace("Config", ""), inv.moe.experts, inv.moe.top_k, inv.moe.shared_experts,
+            inv.moe.layers, inv.expert_params, inv.n_params, inv.active_params, aux_loss_coef(req, inv), req.method,
+        ))
     precision = _resolve_precision(req, hw, log)
     global_batch = _resolve_batch(req, world // (tp * pp), tp * pp, log)
     return Setting(
@@ -277,11 +284,12 @@ def pp_degrees(world: int, per_node: int, nodes: int, layers: int, v: int, tp: i
 
 def _resolve_attention(req: Request, inv: Inventory, log: list[w.Step]) -> Request:
     """The request with the attention kernel the architecture has in transformers (``inv`` knows)."""
-    arch = type(req.config).__name__.replace("Config", "")
+    arch = config_class_name(req.config).replace("Config", "")
     if req.attn_implementation == "sdpa" and not inv.sdpa:
         log.append(w.Note(
-            f"{arch} has no sdpa attention in transformers: planned with eager attention (set "
-            "model.attn_implementation: eager in the recipe to train it)."
+            f"{arch} has no sdpa attention in transformers: planned and trained with eager attention "
+            "(model.attn_implementation: flex_attention is the other kernel it has)."
+            if inv.flex else f"{arch} has no sdpa attention in transformers: planned and trained with eager attention."
         ))
         return replace(req, attn_implementation="eager")
     if req.attn_implementation == "flex_attention" and not inv.flex:
@@ -290,6 +298,22 @@ def _resolve_attention(req: Request, inv: Inventory, log: list[w.Step]) -> Reque
             "carry a T x T mask)"
         )
     return req
+
+
+def aux_loss_coef(req: Request, inv: Inventory) -> float:
+    """train.router_aux_loss_coef resolved: auto is the model config's coefficient (0 for a model without a
+    load-balancing loss, dense ones included); one sentence when a number is asked of a model that has none."""
+    own = inv.moe.aux_loss_coef if inv.moe is not None else None
+    if req.aux_loss_coef == "auto":
+        return float(own or 0.0)
+    value = float(req.aux_loss_coef)
+    if value and own is None:
+        kind = "a mixture of experts without a load-balancing loss" if inv.moe is not None else "not a mixture of experts"
+        raise UserError(
+            f"train.router_aux_loss_coef: {value:g} asks for a load-balancing loss, but {inv.model_type} is {kind}; "
+            "leave it at auto (or 0)"
+        )
+    return value
 
 
 def _resolve_precision(req: Request, hw: Hardware, log: list[w.Step]) -> str:

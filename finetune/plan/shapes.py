@@ -1,10 +1,17 @@
 """Model inventory without weights: exact parameter counts by block, dtype and trainability.
 
-The model is built on the meta device from its config with ONE decoder layer (decoder layers of one model
-are identical in shape), adapters are injected by finetune.adapters.inject (peft for LoRA/DoRA and prefix
+The model is built on the meta device from its config with ONE decoder layer when its decoder layers are
+identical in shape, adapters are injected by finetune.adapters.inject (peft for LoRA/DoRA and prefix
 tuning, whose prompt encoder is sized for every layer and counted outside the blocks; our bottleneck
 modules), and the totals are
-``outside-the-blocks + num_layers x one-block``: exact, and instant even for 405B parameters.
+``outside-the-blocks + num_layers x one-block``: exact, and instant even for 405B parameters. A model whose
+layers differ (DeepSeek-V3's first three layers are dense, the other 58 mixtures of experts) is built with one
+layer of each kind (the first ``k`` layers, up to the first of the last kind), each kind's tensors counted as
+many times as the model has layers of that kind (:func:`layer_kinds`).
+
+A mixture of experts (transformers 5 stores its experts fused: ``mlp.experts.gate_up_proj`` is experts x 2*ffn x
+hidden) is known as one: which tensors are expert weights and which the router, the experts per layer, how
+many a token is routed to, the shared experts (:class:`MoE`).
 
 Storage follows the execution spec (finetune/spec.py), which the trainer builds exactly:
   full   every parameter in the master dtype (fp32; bf16 for bf16-pure), all trainable.
@@ -50,6 +57,43 @@ class Tensor:
     adapter: bool  # a trained adapter weight (LoRA/DoRA, prefix encoder, bottleneck)
     rows: int = 1  # output features of a quantizable weight (LLM.int8 keeps one scale per row)
     experts: int = 0  # a fused expert weight (experts x rows x cols): its experts, each quantized on its own (NF4)
+    # layers of different kinds (layer_kinds): the decoder layers this tensor's kind has (0: all of them), and
+    # which layer of the built model holds it
+    layers: int = 0
+    layer: int = 0
+    role: str = ""  # a mixture of experts' tensor: experts (fused routed experts), shared (shared experts), router
+
+
+@dataclass(frozen=True)
+class MoE:
+    """What a mixture of experts is made of (per layer that has experts)."""
+
+    experts: int  # routed experts
+    top_k: int  # experts each token is routed to
+    shared_experts: int  # experts every token goes through (DeepSeek-V3: 1; 0 for most)
+    layers: int  # decoder layers with experts (the others are dense)
+    expert_params: int  # values of one routed expert (its slice of every fused weight), one layer
+    aux_loss_coef: float | None  # the load-balancing loss's coefficient in the config (None: the model has none)
+    hidden: int = 0  # the experts' input width
+    ffn: int = 0  # one expert's intermediate width
+
+    def routed_bytes_per_token(self, value_bytes: int) -> int:
+        """Activations the routed experts keep for the backward per token, over every layer with experts, in
+        transformers' grouped_mm path with weights of ``value_bytes``: per routed slot the gathered input and the
+        weighted output (2 x hidden), the gate and up projections, the activation and their product (4 x ffn),
+        and 40 bytes of sort and scatter indices (measured against the trace: tests/unit/test_moe.py)."""
+        return self.layers * self.top_k * ((2 * self.hidden + 4 * self.ffn) * value_bytes + 40)
+
+    @property
+    def active_fraction(self) -> float:
+        """The fraction of a layer's routed experts each token computes with."""
+        return self.top_k / max(1, self.experts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the plan's ``model.moe``)."""
+        from dataclasses import asdict
+
+        return asdict(self)
 
 
 @dataclass
@@ -64,16 +108,59 @@ class Inventory:
     adapters: list[Tensor] = field(default_factory=list)
     sdpa: bool = True  # transformers builds the architecture with SDPA attention
     flex: bool = True  # ... and with flex attention
+    # the architecture's tensors kept in fp32 (transformers' _keep_in_fp32_modules_strict: in any 16-bit
+    # base; _keep_in_fp32_modules: in an fp16 one), as name patterns
+    fp32_strict: tuple[str, ...] = ()
+    fp32_fp16: tuple[str, ...] = ()
+    moe: MoE | None = None  # a mixture of experts (None: dense)
+    unit_layer: int = 0  # layers of different kinds: the built layer with the most parameters (one FSDP unit)
+    kinds: tuple[tuple[int, int], ...] = ()  # layers of different kinds: (first layer, layers) of each (layer_kinds)
+
+    @property
+    def trace_depth(self) -> int:
+        """Decoder layers the activation trace runs (finetune.plan.activations): two, or for layers of different
+        kinds up to two layers of the last kind (the one the rest of the model repeats), at most every layer."""
+        if len(self.kinds) <= 1:
+            return 2
+        return min(self.num_layers, max(2, self.kinds[-1][0] + 2))
     # dpo.reference_model's parameters (None: the reference, if any, is a copy of this model's)
     reference: Inventory | None = field(default=None, compare=False, repr=False)
 
-    def count(self, tensors: list[Tensor], **where: bool) -> int:
-        """Total values over the whole model of ``tensors`` matching the flags in ``where``."""
+    def copies(self, t: Tensor) -> int:
+        """How many times the model holds ``t``: once outside the decoder layers, else once per layer of its
+        kind."""
+        if not t.in_block:
+            return 1
+        return t.layers or self.num_layers
+
+    def in_unit(self, t: Tensor) -> bool:
+        """Whether ``t`` belongs to one decoder layer as an FSDP unit sizes it (the largest kind of layer)."""
+        return t.in_block and (not t.layers or t.layer == self.unit_layer)
+
+    @property
+    def keep_fp32(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The (strict, fp16-only) patterns of tensors the architecture keeps in fp32 (the execution spec's)."""
+        return self.fp32_strict, self.fp32_fp16
+
+    def count(self, tensors: list[Tensor], **where: Any) -> int:
+        """Total values over the whole model of ``tensors`` matching the fields in ``where``."""
         n = 0
         for t in tensors:
             if all(getattr(t, k) == v for k, v in where.items()):
-                n += t.numel * (self.num_layers if t.in_block else 1)
+                n += t.numel * self.copies(t)
         return n
+
+    @property
+    def expert_params(self) -> int:
+        """Values of the routed experts' weights over the whole model (0 for a dense model)."""
+        return self.count(self.base, role="experts")
+
+    @property
+    def active_params(self) -> int:
+        """Base values one token computes with: every weight but the routed experts it is not sent to."""
+        if self.moe is None:
+            return self.n_params
+        return self.n_params - round(self.expert_params * (1 - self.moe.active_fraction))
 
     @property
     def n_params(self) -> int:
@@ -86,8 +173,8 @@ class Inventory:
         return self.count(self.adapters)
 
     def block_numel(self, adapters: bool = False) -> int:
-        """Values in one decoder layer (base, or adapters)."""
-        return sum(t.numel for t in (self.adapters if adapters else self.base) if t.in_block)
+        """Values in one decoder layer (base, or adapters; the largest kind of layer)."""
+        return sum(t.numel for t in (self.adapters if adapters else self.base) if self.in_unit(t))
 
     def largest_base_numel(self, quantizable_only: bool = False) -> int:
         """The largest single base parameter (for transient copies); ``quantizable_only``: of the quantized
@@ -98,21 +185,21 @@ class Inventory:
 
     def n_expert_weights(self) -> int:
         """Values in the fused expert weights (all layers)."""
-        return sum(t.numel * (self.num_layers if t.in_block else 1) for t in self.base if t.experts)
+        return sum(t.numel * self.copies(t) for t in self.base if t.experts)
 
     def base_bytes(self, spec: ExecSpec, t: Tensor) -> int:
         """Stored bytes of one base parameter under ``spec`` (quantized codes and their constants, or a dtype)."""
         if quantized_under(spec, t):
             return quantized_bytes(t, spec.quant)  # type: ignore[arg-type]  # quantized_under checked it
-        return t.numel * DTYPE_BYTES[spec.base_dtype(quantized_under(spec, t))]
+        return t.numel * DTYPE_BYTES[spec.tensor_dtype(t.name, False)]
 
     def storage(self, spec: ExecSpec) -> StateBytes:
         """Bytes of parameters, and values trained, as ``spec`` stores them (see module docstring)."""
         base = block = 0
         for t in self.base:
             per = self.base_bytes(spec, t)
-            base += per * (self.num_layers if t.in_block else 1)
-            block += per if t.in_block else 0
+            base += per * self.copies(t)
+            block += per if self.in_unit(t) else 0
         if not spec.method.adapters:
             return StateBytes(
                 param_bytes=base,
@@ -137,7 +224,7 @@ class Inventory:
         constants, which bitsandbytes keeps outside the parameters): what the trainer checks at run start."""
         out: dict[str, int] = {}
         for t in self.base:
-            dtype = spec.base_dtype(quantized_under(spec, t))
+            dtype = spec.tensor_dtype(t.name, quantized_under(spec, t))
             if quantized_under(spec, t) and t.experts:  # each expert's codes packed on their own
                 per = DTYPE_BYTES[dtype]
                 n = t.experts * ((t.numel // t.experts + 1) // (2 * per)) * per
@@ -146,7 +233,7 @@ class Inventory:
                 n = -(-n // DTYPE_BYTES[dtype]) * DTYPE_BYTES[dtype]  # codes packed into a wider dtype
             else:
                 n = t.numel * DTYPE_BYTES[dtype]
-            out[dtype] = out.get(dtype, 0) + n * (self.num_layers if t.in_block else 1)
+            out[dtype] = out.get(dtype, 0) + n * self.copies(t)
         if spec.method.adapters:
             out[spec.trainable_dtype] = out.get(spec.trainable_dtype, 0) + self.n_adapter * spec.trainable_bytes
         return out
@@ -156,6 +243,21 @@ def quantized_under(spec: ExecSpec, t: Tensor) -> bool:
     """Whether ``spec`` stores base parameter ``t`` quantized: a linear weight under QLoRA, a fused expert weight
     under 4-bit QLoRA (NF4 per expert; LLM.int8 leaves the experts in the compute dtype)."""
     return spec.quant is not None and t.quantizable and (not t.experts or spec.quant.bits == 4)
+
+
+def moe_summary(inv: Inventory, spec: ExecSpec) -> dict[str, Any]:
+    """What the plan's ``model`` says of a mixture of experts: its :class:`MoE`, the expert weights' count and
+    share of the weights, the weights a token computes with, the activations its routed experts keep per token
+    (computed in their weights' dtype: transformers' grouped matmul is not autocast's) and the load-balancing
+    loss's coefficient."""
+    assert inv.moe is not None, "a mixture of experts"
+    expert = next((t for t in inv.base if t.role == "experts"), None)
+    dtype = spec.fsdp_param_dtype or (spec.tensor_dtype(expert.name, False) if expert else spec.compute_dtype)
+    return {
+        "moe": inv.moe.to_dict(), "expert_parameters": inv.expert_params, "active_parameters": inv.active_params,
+        "expert_fraction": inv.expert_params / max(1, inv.n_params), "aux_loss_coef": spec.aux_loss_coef,
+        "routed_activation_bytes_per_token": inv.moe.routed_bytes_per_token(DTYPE_BYTES[dtype]),
+    }
 
 
 def quantized_bytes(t: Tensor, quant: QuantSpec) -> int:
@@ -231,7 +333,7 @@ _INV_CACHE: dict[Any, Inventory] = {}
 
 
 #: Bump when what an inventory records changes: invalidates the disk cache.
-INVENTORY_VERSION = 3
+INVENTORY_VERSION = 5
 
 
 def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec | None) -> Inventory:
@@ -261,7 +363,12 @@ def _load_inventory(path: Any) -> Inventory | None:
     d = read_json(path)
     try:
         base, adapters = d.pop("base"), d.pop("adapters")
-        return Inventory(**d, base=[Tensor(**t) for t in base], adapters=[Tensor(**t) for t in adapters])
+        moe = d.pop("moe", None)
+        for key in ("fp32_strict", "fp32_fp16"):
+            d[key] = tuple(d.get(key, ()))
+        d["kinds"] = tuple(tuple(k) for k in d.get("kinds", ()))
+        return Inventory(**d, base=[Tensor(**t) for t in base], adapters=[Tensor(**t) for t in adapters],
+                         moe=MoE(**moe) if moe else None)
     except (AttributeError, KeyError, TypeError):
         return None
 
@@ -281,16 +388,20 @@ def _weights(experts: Any) -> tuple[str, ...]:
 
 
 def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> Inventory:
-    """Count the parameters of ``config``'s model (one decoder layer, on the meta device) and of ``adapter``."""
+    """Count the parameters of ``config``'s model (one decoder layer of each kind, on the meta device) and of
+    ``adapter``."""
     import torch
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    cfg = reduced_config(config, 1)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(concrete(cfg))
+        model = AutoModelForCausalLM.from_config(concrete(reduced_config(config, 1)))
+    kinds = layer_kinds(config, model)
+    if len(kinds) > 1:  # built again with the first layer of every kind
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(concrete(reduced_config(config, kinds[-1][0] + 1)))
     layers = decoder_layer_names(model)
-    block_prefix = layers[0] + "." if layers else "\0"
+    counted = {layers[i]: (i, n if len(kinds) > 1 else 0) for i, n in kinds} if layers else {}
     out_emb = model.get_output_embeddings()
     params = list(model.named_parameters())
     last = params[-1][0].rsplit(".", 1)[0] if params else ""
@@ -300,23 +411,36 @@ def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> I
         n for n, m in model.named_modules()
         if (type(m) is nn.Linear or isinstance(m, Conv1D)) and m is not out_emb and n != last
     }
+    roles = moe_roles(model)
     inv = Inventory(source, config.model_type, config.num_hidden_layers, type(model).__name__,
                     sdpa=bool(getattr(model, "_supports_sdpa", True)),
-                    flex=bool(getattr(model, "_supports_flex_attn", True)))
+                    flex=bool(getattr(model, "_supports_flex_attn", True)),
+                    fp32_strict=tuple(sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or ())),
+                    fp32_fp16=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())))
     if layers:
-        inv.block_class = type(model.get_submodule(layers[0])).__name__
+        inv.block_class = type(model.get_submodule(layers[-1])).__name__
     from finetune.experts import fused_experts
 
     expert_weights = {f"{n}.{w}": m.num_experts for n, m in fused_experts(model).items() for w in _weights(m)}
     for name, p in params:
+        layer, where = _layer_of(name, layers, counted)
+        if where is None:
+            continue  # a repeat of a kind already counted
         owner = name.rsplit(".", 1)[0]
         quantizable = owner in quant_modules and name.endswith(".weight")
         rows = 1
         if quantizable:  # GPT-2's Conv1D stores [in, out]
             rows = p.shape[1] if isinstance(model.get_submodule(owner), Conv1D) else p.shape[0]
         experts = int(expert_weights.get(name, 0))
-        inv.base.append(
-            Tensor(name, p.numel(), name.startswith(block_prefix), quantizable or experts > 0, False, rows, experts)
+        role = next((r for prefix, r in roles.items() if name.startswith(prefix + ".")), "")
+        inv.base.append(Tensor(name, p.numel(), layer is not None, quantizable or experts > 0, False, rows, experts,
+                               layers=where[1], layer=where[0], role=role))
+    inv.moe = moe_facts(config, model, inv, kinds)
+    inv.kinds = tuple(kinds) if len(kinds) > 1 else ()
+    if len(kinds) > 1:
+        inv.unit_layer = max(
+            (i for i, _ in kinds),
+            key=lambda i: sum(t.numel for t in inv.base if t.in_block and t.layer == i),
         )
     if adapter is not None:
         from finetune.methods import inject
@@ -325,5 +449,94 @@ def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> I
         adapted = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)
         for name, p in adapted.named_parameters():
             if p.requires_grad:
-                inv.adapters.append(Tensor(name, p.numel(), block_prefix in name, False, True))
+                layer, where = _layer_of(name, layers, counted, anywhere=True)
+                if where is not None:
+                    inv.adapters.append(Tensor(name, p.numel(), layer is not None, False, True,
+                                               layers=where[1], layer=where[0]))
     return inv
+
+
+def _layer_of(
+    name: str, layers: list[str], counted: dict[str, tuple[int, int]], anywhere: bool = False
+) -> tuple[str | None, tuple[int, int] | None]:
+    """The decoder layer (qualified name) ``name`` lives in (None: outside the layers) and, when it is counted,
+    (its built layer's index, the layers of its kind: 0 for all); (layer, None) for a layer of a kind already
+    counted. ``anywhere``: the layer's name may follow a prefix (peft's ``base_model.model.``)."""
+    for layer in layers:
+        if name.startswith(layer + ".") or (anywhere and f"{layer}." in name):
+            return layer, counted.get(layer)
+    return None, (0, 0)
+
+
+def layer_kinds(config: Any, model: Any) -> list[tuple[int, int]]:
+    """The kinds of decoder layer ``config``'s model has, as (the first layer of the kind, how many layers are
+    of it), in order of first appearance; [(0, num_layers)] when every layer has the same parameters.
+
+    Each layer is built alone on the meta device, with its index (what decides its kind in transformers:
+    DeepSeek-V3's ``first_k_dense_replace``, Qwen-MoE's ``decoder_sparse_step`` and ``mlp_only_layers``); a
+    layer class that cannot be built that way counts as one kind."""
+    import torch
+
+    layers = decoder_layer_names(model)
+    n = int(config.num_hidden_layers)
+    if not layers or n <= 1:
+        return [(0, n)]
+    cls = type(model.get_submodule(layers[0]))
+    full = concrete(config)
+    seen: dict[tuple[Any, ...], list[int]] = {}
+    try:
+        with torch.device("meta"):
+            for i in range(n):
+                layer = cls(full, i)
+                signature = tuple((k, tuple(v.shape)) for k, v in layer.named_parameters())
+                seen.setdefault(signature, [0, 0])
+                if seen[signature][1] == 0:
+                    seen[signature][0] = i
+                seen[signature][1] += 1
+    except Exception:  # a custom layer signature: counted as identical layers
+        return [(0, n)]
+    return sorted((first, count) for first, count in seen.values())
+
+
+def moe_roles(model: Any) -> dict[str, str]:
+    """The mixture-of-experts modules of ``model`` by qualified name: ``experts`` (the fused routed experts of
+    transformers' experts interface), ``shared`` (shared experts) and ``router`` (what scores the experts)."""
+    roles: dict[str, str] = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "num_experts"):
+            roles[name] = "experts"
+            parent = name.rpartition(".")[0]
+            for child, sub in model.get_submodule(parent).named_children() if parent else []:
+                qualified = f"{parent}.{child}"
+                if qualified == name:
+                    continue
+                kind = type(sub).__name__.lower()
+                if child.startswith("shared_expert") and "gate" not in child:
+                    roles[qualified] = "shared"
+                elif child in ("gate", "router") or "router" in kind:
+                    roles[qualified] = "router"
+    return roles
+
+
+def moe_facts(config: Any, model: Any, inv: Inventory, kinds: list[tuple[int, int]]) -> MoE | None:
+    """The :class:`MoE` of ``model`` (built from ``config`` with one layer of each kind), None for a dense
+    model."""
+    experts = [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "num_experts")]
+    if not experts:
+        return None
+    count = int(experts[0].num_experts)
+    per_expert = sum(p.numel() for p in experts[0].parameters()) // max(1, count)
+    down = getattr(experts[0], "down_proj", None)  # experts x hidden x ffn (x ffn x hidden when transposed)
+    hidden, ffn = (0, 0) if down is None or down.dim() != 3 else (
+        (down.shape[2], down.shape[1]) if getattr(experts[0], "is_transposed", False) else (down.shape[1], down.shape[2]))
+    layer_counts = {t.layer: (t.layers or inv.num_layers) for t in inv.base if t.role == "experts" and t.in_block}
+    moe_layers = sum(layer_counts.values())
+    shared = getattr(config, "n_shared_experts", None)
+    if shared is None:
+        shared = 1 if any(t.role == "shared" for t in inv.base) else 0
+    coef = getattr(config, "router_aux_loss_coef", None) if hasattr(config, "output_router_logits") else None
+    return MoE(
+        experts=count, top_k=int(getattr(config, "num_experts_per_tok", 1) or 1), shared_experts=int(shared or 0),
+        layers=moe_layers, expert_params=per_expert, aux_loss_coef=float(coef) if coef is not None else None,
+        hidden=int(hidden), ffn=int(ffn),
+    )

@@ -36,6 +36,11 @@ def _cap(text: str) -> str:
     return text[0].upper() + text[1:]
 
 
+def _count(n: float) -> str:
+    """30.53e9 -> '30.53B', 158080 -> '0.16M'."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def method_name(method: str) -> str:
     """How a sentence names a method: ``full fine-tuning``, ``LoRA``."""
     return Method(method).title
@@ -68,6 +73,38 @@ class Note(Step):
     def render(self) -> str:
         """The sentence as given."""
         return self.text
+
+
+@dataclass(frozen=True)
+class MixtureOfExperts(Step):
+    """The model is a mixture of experts: what its experts hold and what a token computes with."""
+
+    arch: str
+    experts: int
+    top_k: int
+    shared_experts: int
+    layers: int
+    expert_params: int  # the routed experts' weights, whole model
+    params: int
+    active_params: int
+    aux_loss_coef: float  # the load-balancing loss's coefficient (0: none)
+    method: str  # the recipe's method (auto: the walk's)
+
+    def render(self) -> str:
+        """The sentence."""
+        shared = f" and {self.shared_experts} shared" if self.shared_experts else ""
+        share = 100 * self.expert_params / max(1, self.params)
+        text = (
+            f"{self.arch} is a mixture of experts: {self.experts} routed experts{shared} in each of {self.layers} "
+            f"layers, each token routed to {self.top_k}; the experts hold {share:.0f}% of the weights "
+            f"({_count(self.expert_params)} of {_count(self.params)}) and a token computes with "
+            f"{_count(self.active_params)}"
+        )
+        if self.method in ("lora", "qlora"):
+            text += f"; LoRA on the linear layers leaves the experts ({share:.0f}%) frozen"
+        if self.aux_loss_coef:
+            text += f"; its load-balancing loss is added x {self.aux_loss_coef:g}"
+        return text + "."
 
 
 @dataclass(frozen=True)
