@@ -31,6 +31,11 @@ PREFERENCE_PANELS = ("reward accuracy", "reward margin", "chosen and rejected re
 #: The metrics.jsonl columns whose presence (train or eval) draws :data:`PREFERENCE_PANELS`.
 PREFERENCE_COLUMNS = ("rewards/accuracy", "rewards/margin", "rewards/chosen", "rewards/rejected")
 
+#: A row of panels drawn when a run trained a mixture of experts (metrics.jsonl's ``aux_loss`` and
+#: ``expert_load`` columns, finetune/router.py): its load-balancing loss and how unevenly its experts are loaded.
+MOE_PANELS = ("load-balancing loss", "expert load (busiest / mean expert)")
+MOE_COLUMNS = ("aux_loss", "expert_load")
+
 #: The plan's memory categories, bottom to top of the stacked bar.
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "overhead")
 
@@ -61,6 +66,11 @@ class RunData:
         keys = {*PREFERENCE_COLUMNS, *(f"eval_{k}" for k in PREFERENCE_COLUMNS)}
         return any(k in keys for r in self.rows for k in r)
 
+    @property
+    def moe(self) -> bool:
+        """Whether the run logged a mixture of experts' figures (``aux_loss``, ``expert_load``)."""
+        return any(k in MOE_COLUMNS for r in self.rows for k in r)
+
 
 def load_run(run_dir: str | Path) -> RunData:
     """Read metrics.jsonl (required) and plan.json, recipe.yaml, memory.json (when there) of ``run_dir``."""
@@ -88,16 +98,19 @@ def load_run(run_dir: str | Path) -> RunData:
 
 
 def build_figure(runs: list[RunData]) -> Figure:
-    """The report's figure: one panel per entry of :data:`PANELS`, every run overlaid, and a row of
-    :data:`PREFERENCE_PANELS` when a run logged preference figures.
+    """The report's figure: one panel per entry of :data:`PANELS`, every run overlaid, a row of
+    :data:`PREFERENCE_PANELS` when a run logged preference figures, and one of :data:`MOE_PANELS` when a run
+    trained a mixture of experts.
 
     Built with matplotlib's object API (no pyplot state), so tests can read each line's data back.
     """
     from matplotlib.figure import Figure
 
     preference = any(run.preference for run in runs)
-    fig = Figure(figsize=(14, 12.75 if preference else 8.5), layout="constrained")
-    axes = fig.subplots(3 if preference else 2, 3).ravel()
+    moe = any(run.moe for run in runs)
+    rows = 2 + preference + moe
+    fig = Figure(figsize=(14, 4.25 * rows), layout="constrained")
+    axes = fig.subplots(rows, 3).ravel()
     ax_loss, ax_em, ax_lr, ax_tps, ax_mem, ax_spare = axes[:6]
     for ax, title in zip(axes, PANELS, strict=False):
         ax.set_title(title)
@@ -145,8 +158,31 @@ def build_figure(runs: list[RunData]) -> Figure:
     ax_em.set_ylabel("%")
     _memory_panel(ax_mem, runs)
     if preference:
-        _preference_panels(axes[6:], runs)
+        _preference_panels(axes[6:9], runs)
+    if moe:
+        _moe_panels(axes[9 if preference else 6 :], runs)
     return fig
+
+
+def _moe_panels(axes: Sequence[Any], runs: list[RunData]) -> None:
+    """A mixture of experts' load-balancing loss (without its coefficient: top-k when the router spreads tokens
+    evenly) and its experts' load (the busiest expert's tokens over the mean expert's; 1.0: even) per step."""
+    ax_aux, ax_load, ax_off = axes[:3]
+    ax_off.set_axis_off()
+    for ax, title in zip((ax_aux, ax_load), MOE_PANELS, strict=True):
+        ax.set_title(title)
+    for i, run in enumerate(runs):
+        label = run.name if len(runs) > 1 else None
+        for ax, key in ((ax_aux, "aux_loss"), (ax_load, "expert_load")):
+            x, y = run.series(key)
+            if x:
+                ax.plot(x, y, color=f"C{i % 10}", lw=1.2, label=label)
+    ax_load.axhline(1.0, color="0.6", lw=0.8, ls=":")  # an even load
+    for ax in (ax_aux, ax_load):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(runs) > 1 and ax.lines:
+            ax.legend(fontsize=8)
 
 
 def _preference_panels(axes: Sequence[Any], runs: list[RunData]) -> None:
@@ -239,6 +275,14 @@ def html_page(runs: list[RunData], png: bytes) -> str:
             if run.memory.get("measured_peak"):
                 rows.append(("measured peak", f"{run.memory['measured_peak'] / 2**20:,.1f} MiB"))
             parts.append(_table("plan", rows))
+        moe = run.plan.get("model", {}).get("moe")
+        if moe:
+            model = run.plan["model"]
+            rows = [(k.replace("_", " "), _fmt(v)) for k, v in moe.items()]
+            rows += [("expert weights", f"{100 * model.get('expert_fraction', 0):.1f}% of the weights"),
+                     ("active parameters per token", f"{model.get('active_parameters', 0):,}"),
+                     ("load-balancing loss coefficient", _fmt(model.get("aux_loss_coef", 0.0)))]
+            parts.append(_table("mixture of experts", rows))
         if run.recipe_text:
             parts.append(f"<h3>recipe</h3><pre>{html.escape(run.recipe_text)}</pre>")
     parts.append("</body></html>")

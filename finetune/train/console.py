@@ -40,9 +40,10 @@ class Reporter:
 
     def start(
         self, plan: Plan, trainable: int, total: int, steps: int, stats: dict[str, Any], world: int,
-        notes: list[str] | None = None,
+        notes: list[str] | None = None, experts_kernel: str | None = None,
     ) -> None:
-        """The run's header: what the Plan chose, the sizes involved, and anything the data loader noticed."""
+        """The run's header: what the Plan chose, the sizes involved, the kernels the model runs (its attention,
+        a mixture of experts' experts kernel ``experts_kernel``), and anything the data loader noticed."""
         c = plan.chosen
         self.print(
             f"[bold]finetune[/] {c.method} | {c.strategy} x{world}{f' (tp {c.tp})' if c.tp > 1 else ''} | "
@@ -57,6 +58,8 @@ class Reporter:
         )
         for note in notes or []:
             self.print(f"data: {note}")
+        if plan.execution is not None:
+            self.plain(kernels_line(plan, experts_kernel))
         if plan.execution is not None and plan.execution.compile:
             # finetune.train.parallel.parallelize compiled each decoder block before wrapping (every load path)
             n = plan.model.get("layers")
@@ -177,3 +180,20 @@ def retain_change(before: EvalResult | None, after: EvalResult | None) -> str | 
         x, y = 100 * before.retain_exact_match, 100 * after.retain_exact_match
         text += f", exact match {x:.1f}% -> {y:.1f}% ({y - x:+.1f} points)"
     return text
+
+
+def kernels_line(plan: Plan, experts_kernel: str | None) -> str:
+    """What the model computes with: its attention implementation (and why, when the architecture chose it), and
+    for a mixture of experts its experts, top-k and experts kernel."""
+    assert plan.execution is not None
+    attention = plan.execution.attention
+    why = f" ({plan.model.get('model_type')} has no sdpa attention)" if plan.model.get("attention_for_architecture") else ""
+    line = f"model: attention {attention}{why}"
+    moe = plan.model.get("moe")
+    if moe:
+        shared = f" + {moe['shared_experts']} shared" if moe.get("shared_experts") else ""
+        line += (f" | {moe['experts']} experts{shared} in {moe['layers']} layers, top-{moe['top_k']}"
+                 f" | experts kernel {experts_kernel or 'eager'}")
+        if plan.model.get("aux_loss_coef"):
+            line += f" | load-balancing loss x {plan.model['aux_loss_coef']:g}"
+    return line

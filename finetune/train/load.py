@@ -43,6 +43,7 @@ from finetune.train.model import (
     resolve_model_path,
     save_pretrained_base,
 )
+from finetune.train.precision import keep_fp32
 from finetune.units import torch_dtype
 
 
@@ -77,7 +78,7 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec, device: torch.device | s
     fix_mmap_threshold()  # before the first large block is freed (finetune/train/heap.py)
     r = loaded.recipe
     path = resolve_model_path(loaded)
-    flex.install_if(r.model.attn_implementation)
+    flex.install_if(spec.attention)
     config = AutoConfig.from_pretrained(
         path, trust_remote_code=r.model.trust_remote_code, local_files_only=True
     )
@@ -86,10 +87,11 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec, device: torch.device | s
             config,
             dtype=torch_dtype(spec.base_dtype(False)),
             trust_remote_code=r.model.trust_remote_code,
-            attn_implementation=r.model.attn_implementation,
+            attn_implementation=spec.attention,
         )
     # Outside the context, whose register_parameter would give the tied head a fresh meta parameter again.
     model.tie_weights()
+    keep_fp32(model, spec)
     use_experts_kernel(model, device, spec.compute_dtype)
     if spec.quant is not None:
         from finetune.train.quantize import quantize_on_meta
@@ -476,14 +478,14 @@ def _seeded_args(loaded: LoadedRecipe, spec: ExecSpec) -> tuple[Any, torch.dtype
     from transformers import AutoConfig
 
     r = loaded.recipe
-    flex.install_if(r.model.attn_implementation)
+    flex.install_if(spec.attention)
     config = AutoConfig.from_pretrained(
         resolve_model_path(loaded), trust_remote_code=r.model.trust_remote_code, local_files_only=True
     )
     dtype = torch.float32 if spec.quant is not None else torch_dtype(spec.base_dtype(False))
     kwargs = {
         "trust_remote_code": r.model.trust_remote_code,
-        "attn_implementation": r.model.attn_implementation,
+        "attn_implementation": spec.attention,
     }
     return config, dtype, kwargs
 

@@ -18,6 +18,7 @@ from finetune.kernels import use_experts_kernel
 from finetune.methods import training_of
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
+from finetune.train.precision import keep_fp32
 from finetune.units import DTYPE_NAMES, torch_dtype
 
 
@@ -56,8 +57,8 @@ def load_base_model(
     r = loaded.recipe
     path = resolve_model_path(loaded)
     dtype = torch_dtype(spec.base_dtype(False))
-    common = {"trust_remote_code": r.model.trust_remote_code, "attn_implementation": r.model.attn_implementation}
-    flex.install_if(r.model.attn_implementation)
+    common = {"trust_remote_code": r.model.trust_remote_code, "attn_implementation": spec.attention}
+    flex.install_if(spec.attention)
     if spec.quant is not None:
         from finetune.train.quantize import load_quantized
 
@@ -66,6 +67,7 @@ def load_base_model(
         config = AutoConfig.from_pretrained(path, trust_remote_code=r.model.trust_remote_code, local_files_only=True)
         torch.manual_seed(r.train.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
+        keep_fp32(model, spec)
         if base_dir is not None:
             save_pretrained_base(model, base_dir)
     else:
@@ -73,7 +75,7 @@ def load_base_model(
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True, device_map={"": device}, **common
         )
-    return use_experts_kernel(model.to(device), device, spec.compute_dtype)
+    return use_experts_kernel(keep_fp32(model, spec).to(device), device, spec.compute_dtype)
 
 
 def add_adapters(
@@ -161,13 +163,13 @@ def check_model_storage(model: torch.nn.Module, spec: ExecSpec, expected: dict[s
     """
     for name, p in model.named_parameters():
         quantized = type(p).__name__ in ("Params4bit", "Int8Params", "ExpertCodes4bit")
-        if p.requires_grad:
+        if p.requires_grad and spec.method.adapters:
             want = spec.trainable_dtype
         elif quantized:
             assert spec.quant is not None, f"{name} is quantized but the execution spec has no quantization"
             want = spec.quant.storage_dtype
-        else:
-            want = spec.frozen_dtype or spec.trainable_dtype
+        else:  # a base weight: trained (full) or frozen, or one the architecture keeps in fp32
+            want = spec.tensor_dtype(name, False)
         got = str(p.dtype).removeprefix("torch.")
         assert got == DTYPE_NAMES.get(want, want), f"{name} is stored as {got}, the execution spec says {want}"
     if expected is not None:

@@ -57,7 +57,8 @@ def bnb_config(
 
 
 def build_random_base(loaded: LoadedRecipe, path: str) -> torch.nn.Module:
-    """The fp32 model of ``path``'s config with weights drawn from ``train.seed`` (``model.init: random``)."""
+    """The fp32 model of ``path``'s config with weights drawn from ``train.seed`` (``model.init: random``), in
+    transformers' default attention for the architecture (the kernel does not change the draws)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -70,7 +71,6 @@ def build_random_base(loaded: LoadedRecipe, path: str) -> torch.nn.Module:
         config,
         dtype=torch.float32,
         trust_remote_code=r.model.trust_remote_code,
-        attn_implementation=r.model.attn_implementation,
     )
 
 
@@ -92,6 +92,8 @@ def load_quantized(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from finetune.train.precision import keep_fp32
+
     r = loaded.recipe
     assert spec.quant is not None, "load_quantized builds a quantized base"
     compute_dtype = torch_dtype(spec.quant.compute_dtype)
@@ -108,12 +110,13 @@ def load_quantized(
         "device_map": {"": device},
         "local_files_only": True,
         "trust_remote_code": r.model.trust_remote_code,
-        "attn_implementation": r.model.attn_implementation,
+        "attn_implementation": spec.attention,
     }
 
     def load(source: str) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        return quantize_fused_experts(_cpu_training_paths(use_experts_kernel(model, device, compute_dtype)), spec)
+        model = use_experts_kernel(keep_fp32(model, spec), device, compute_dtype)
+        return quantize_fused_experts(_cpu_training_paths(model), spec)
 
     if r.model.init != "random":
         return load(path)
@@ -348,6 +351,8 @@ def quantize_on_meta(model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpe
             module=module,
             bnb_quantized=True,
         )
+        if module.bias is not None:  # built in torch's default dtype; the quantizing loader loads it as the base
+            module.bias.data = module.bias.data.to(torch_dtype(spec.tensor_dtype(f"{name}.bias", False)))
         source_cls: Any = module.source_cls  # the class replace_with_bnb_linear replaced
         out[name] = issubclass(source_cls, Conv1D)
     # What transformers' quantizer marks after loading; peft's LoRA reads it to wrap Linear4bit layers.

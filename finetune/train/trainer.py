@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from finetune import router
+from finetune.kernels import experts_kernel_of
 from finetune.loss import causal_lm_loss, count_target_tokens, document_ids, target_rows
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe
@@ -119,6 +121,8 @@ class Trainer:
         if self.retain is not None:
             self.data.notes.append(self.retain.describe())
         self.model = self._setup_model()
+        # a mixture of experts: its load-balancing loss in the loss, its routing counted (finetune/router.py)
+        self.router = router.enable(self.model, self.spec.aux_loss_coef)
         self.optimizer = build_optimizer(
             self.model, r.train, self.spec.strategy, tensor_parallel=self.spec.tensor_parallel,
             name=self.spec.optimizer,
@@ -140,7 +144,7 @@ class Trainer:
         self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
         self.reporter.start(
             self.plan, self.trainable, self.total_params, self.total, self.data.stats, ctx.world_size,
-            getattr(self.data, "notes", []),
+            getattr(self.data, "notes", []), experts_kernel_of(unwrap(self.model)),
         )
         states = {
             "model": ModelState(self.model, adapters_only=self.spec.method.adapters),
@@ -266,6 +270,9 @@ class Trainer:
                 ctx.data_sum(loss_sum, on_device=True), norm, counts[0], counts[1]
             )
             input_tokens = int(tokens)
+            if self.router is not None:  # the load-balancing loss apart from the cross-entropy, and the load
+                self.step_figures = router_figures(self.router, ctx, global_tokens)
+                loss_total -= self.router.coef * self.step_figures.get("aux_loss", 0.0) * global_tokens
             loss = loss_total / max(global_tokens, 1.0)
             if self.objective is not None:  # dpo, simpo, orpo: rewards and log-probs, means over the pairs
                 self.step_figures = preference_figures(self.objective, ctx, global_tokens)
@@ -465,6 +472,20 @@ def _to_device(
         docs = document_ids(mb["position_ids"])  # (an empty tensor: one document per row)
         moved["document_ids"] = (docs if docs is not None else torch.empty(0, dtype=torch.long)).to(device)
     return moved
+
+
+def router_figures(state: router.RouterState, ctx: DistContext, global_tokens: float) -> dict[str, float]:
+    """A mixture of experts' step figures over every data-parallel rank: ``aux_loss`` (the load-balancing loss,
+    the target-token-weighted mean of the micro-batches', without its coefficient; when the model adds it) and
+    ``expert_load`` (the busiest expert's routed tokens over the mean expert's, at the most uneven layer)."""
+    aux_sum, counts = state.take()
+    out: dict[str, float] = {}
+    if counts is not None:
+        summed = ctx.data_sum(counts, on_device=True)
+        out["expert_load"] = router.load_imbalance(summed.float())
+    if aux_sum is not None:
+        out["aux_loss"] = float(ctx.data_sum(aux_sum.reshape(1), on_device=True).reshape(())) / max(global_tokens, 1.0)
+    return out
 
 
 def host_figures(*values: torch.Tensor) -> list[float]:
