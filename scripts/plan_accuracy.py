@@ -41,12 +41,30 @@ ARCHS = {
                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
     "gemma2": {"model_type": "gemma2", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 688,
                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64},
+    # current architectures: a dense Qwen3 and a Qwen3 mixture of experts (fused experts, 16 of them, top-4;
+    # the experts hold ~83% of the weights), the same attention
+    "qwen3": {"model_type": "qwen3", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 688,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+              "tie_word_embeddings": False},
+    "qwen3_moe": {"model_type": "qwen3_moe", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 688,
+                  "moe_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
+                  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                  "tie_word_embeddings": False, "router_aux_loss_coef": 0.001},
 }
 
 # name, architecture, recipe changes, processes. Rows are exactly max_seq_len tokens with two documents
 # each (see packed_samples), so the prediction's worst case is what runs.
 CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama full fp32 mb16", "llama", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
+    ("qwen3 full fp32 mb16", "qwen3", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
+    ("qwen3 lora bf16 mb16", "qwen3", {"method": "lora", "precision": "bf16", "mbs": 16}, 1),
+    # a mixture of experts: grouped_mm's routed tokens, the router's logits and its load-balancing loss
+    ("qwen3_moe full fp32 mb16", "qwen3_moe", {"method": "full", "precision": "fp32", "mbs": 16}, 1),
+    ("qwen3_moe full bf16 mb16", "qwen3_moe", {"method": "full", "precision": "bf16", "mbs": 16}, 1),
+    ("qwen3_moe lora bf16 mb16", "qwen3_moe", {"method": "lora", "precision": "bf16", "mbs": 16}, 1),
+    ("qwen3_moe qlora bf16 mb16", "qwen3_moe", {"method": "qlora", "precision": "bf16", "mbs": 16}, 1),
+    ("qwen3_moe full fp32 fsdp x2", "qwen3_moe",
+     {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
     ("llama full fp32 mb1 accum16", "llama", {"method": "full", "precision": "fp32", "mbs": 1}, 1),
     ("llama full bf16 mb16 ckpt", "llama", {"method": "full", "precision": "bf16", "mbs": 16, "ac": True}, 1),
     ("llama lora fp32 mb16", "llama", {"method": "lora", "precision": "fp32", "mbs": 16}, 1),
