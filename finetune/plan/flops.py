@@ -78,7 +78,7 @@ def training_flops_per_token(model: Any, *, seq_len: float) -> TrainingFlops:
             no_input_grad += size
     config = model.config
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = attention_head_dim(config)
     keys = seq_len + prefix_tokens(model)
     attention = config.num_hidden_layers * keys * heads * head_dim
     return TrainingFlops(
@@ -86,6 +86,14 @@ def training_flops_per_token(model: Any, *, seq_len: float) -> TrainingFlops:
         input_gradients=2.0 * (total - no_input_grad) + 8.0 * attention,
         weight_gradients=2.0 * trainable,
     )
+
+
+def attention_head_dim(config: Any) -> float:
+    """The width per head the score and value matmuls run at: ``head_dim``, or for multi-head latent attention
+    (DeepSeek-V3) the mean of the query/key width (``qk_nope_head_dim + qk_rope_head_dim``) and the value width."""
+    if getattr(config, "qk_nope_head_dim", None) and getattr(config, "v_head_dim", None):
+        return (config.qk_nope_head_dim + getattr(config, "qk_rope_head_dim", 0) + config.v_head_dim) / 2
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def matmul_weights(module: Any, config: Any) -> tuple[float, float] | None:
@@ -188,7 +196,7 @@ def flops_shape(config: Any, adapter: Any = None) -> FlopsShape:
 
 
 #: Bump when what a FlopsShape records changes: invalidates the disk cache.
-FLOPS_SHAPE_VERSION = 2
+FLOPS_SHAPE_VERSION = 3
 
 
 def _shape_path(key: Any) -> Any:
@@ -266,11 +274,11 @@ def _build_shape(config: Any, adapter: Any) -> FlopsShape:
             params += p.numel() * (config.num_hidden_layers * share if share is not None else 1)
             block_params += p.numel() * share if share is not None else 0
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = attention_head_dim(config)
     return FlopsShape(
         layers=config.num_hidden_layers, block=round(block), block_trainable=round(block_trained),
         outside=round(outside), outside_trainable=round(outside_trained), no_input_grad=round(no_input_grad),
-        attention_channels=heads * head_dim, prefix_tokens=prefix_tokens(model), trainable_params=round(params),
+        attention_channels=round(heads * head_dim), prefix_tokens=prefix_tokens(model), trainable_params=round(params),
         block_trainable_params=round(block_params),
     )
 

@@ -74,7 +74,7 @@ def runs(tmp_path_factory) -> dict[tuple[str, str, str], dict]:
         out[(arch, method, precision)] = {
             "predicted": first.total - first.overhead, "measured": measured, "plan": plan,
             "rows": [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()],
-            "console": console.getvalue(),
+            "console": console.getvalue(), "dir": run,
         }
     return out
 
@@ -112,3 +112,21 @@ def test_mixtures_of_experts_log_their_router_and_say_their_kernels(runs):
         attention = "eager (gpt_oss has no sdpa attention)" if arch == "gpt_oss" else "sdpa"
         assert f"model: attention {attention}" in header, header
         assert r["plan"].model["moe"]["top_k"] == top_k
+
+
+def test_report_draws_the_router_of_a_mixture_of_experts(runs):
+    """`finetune report` of a Qwen3-MoE run draws its load-balancing loss and experts' load from metrics.jsonl,
+    and its HTML page has the plan's mixture-of-experts facts; a dense run gets no such row."""
+    from finetune.report import MOE_PANELS, build_figure, html_page, load_run
+
+    r = runs[("qwen3_moe", "lora", "bf16")]
+    fig = build_figure([load_run(r["dir"])])
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    step = next(row for row in r["rows"] if "loss" in row)
+    for title, key in zip(MOE_PANELS, ("aux_loss", "expert_load"), strict=True):
+        (line,) = axes[title].lines[:1]
+        assert list(line.get_ydata()) == [step[key]]
+    page = html_page([load_run(r["dir"])], b"")
+    assert "mixture of experts" in page and "active parameters per token" in page
+    dense = build_figure([load_run(runs[("qwen3", "lora", "bf16")]["dir"])])
+    assert not {ax.get_title() for ax in dense.axes} & set(MOE_PANELS)
