@@ -367,8 +367,12 @@ class ExecSpec:
         return self.fsdp_param_dtype or self.trainable_dtype
 
     def keeps_fp32(self, name: str) -> bool:
-        """Whether the architecture keeps the tensor ``name`` in fp32 (``fp32_tensors``)."""
-        return any(re.search(p.replace("*", ".*"), name) for p in self.fp32_tensors)
+        """Whether the architecture keeps the tensor ``name`` (a transformers name, or peft's name of it: its
+        ``base_model.model.`` prefix and a wrapped layer's ``.base_layer``) in fp32 (``fp32_tensors``)."""
+        if not self.fp32_tensors:
+            return False
+        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        return any(re.search(p.replace("*", ".*"), plain) for p in self.fp32_tensors)
 
     def tensor_dtype(self, name: str, quantizable: bool) -> str:
         """Stored dtype of the base parameter ``name``: :meth:`base_dtype`, or fp32 for a tensor the architecture

@@ -23,7 +23,8 @@ def moe_text(model: dict[str, Any]) -> str:
         return ""
     shared = f" + {moe['shared_experts']} shared" if moe.get("shared_experts") else ""
     routed = model.get("routed_activation_bytes_per_token", 0)
-    return (f" ({moe['experts']} experts{shared}, top-{moe['top_k']}, in {moe['layers']} layers: the experts hold "
+    layers = f"{moe['layers']} layer{'s' if moe['layers'] != 1 else ''}"
+    return (f" ({moe['experts']} experts{shared}, top-{moe['top_k']}, in {layers}: the experts hold "
             f"{100 * model.get('expert_fraction', 0):.0f}% of the weights; {_count(model.get('active_parameters', 0))} "
             f"active per token; its routed experts keep {compact_bytes(routed)} of activations per token)")
 

@@ -95,8 +95,9 @@ class MixtureOfExperts(Step):
         shared = f" and {self.shared_experts} shared" if self.shared_experts else ""
         share = 100 * self.expert_params / max(1, self.params)
         text = (
-            f"{self.arch} is a mixture of experts: {self.experts} routed experts{shared} in each of {self.layers} "
-            f"layers, each token routed to {self.top_k}; the experts hold {share:.0f}% of the weights "
+            f"{self.arch} is a mixture of experts: {self.experts} routed experts{shared} in "
+            f"{'each of ' + str(self.layers) + ' layers' if self.layers != 1 else 'its 1 layer with experts'}, each "
+            f"token routed to {self.top_k}; the experts hold {share:.0f}% of the weights "
             f"({_count(self.expert_params)} of {_count(self.params)}) and a token computes with "
             f"{_count(self.active_params)}"
         )

@@ -192,7 +192,8 @@ def kernels_line(plan: Plan, experts_kernel: str | None) -> str:
     moe = plan.model.get("moe")
     if moe:
         shared = f" + {moe['shared_experts']} shared" if moe.get("shared_experts") else ""
-        line += (f" | {moe['experts']} experts{shared} in {moe['layers']} layers, top-{moe['top_k']}"
+        layers = f"{moe['layers']} layer{'s' if moe['layers'] != 1 else ''}"
+        line += (f" | {moe['experts']} experts{shared} in {layers}, top-{moe['top_k']}"
                  f" | experts kernel {experts_kernel or 'eager'}")
         if plan.model.get("aux_loss_coef"):
             line += f" | load-balancing loss x {plan.model['aux_loss_coef']:g}"

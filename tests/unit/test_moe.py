@@ -136,6 +136,7 @@ def test_deepseek_router_stays_fp32_in_a_bf16_base_as_the_spec_says():
     spec = execution_spec("lora", "single", "bf16", checkpointing=False, lora=lora, keep_fp32=inv.keep_fp32)
     assert spec.frozen_dtype == "bf16" and set(spec.fp32_tensors) == {"gate.weight", "e_score_correction_bias"}
     assert spec.tensor_dtype("model.layers.1.mlp.gate.weight", False) == "fp32"
+    assert spec.keeps_fp32("base_model.model.model.layers.1.mlp.gate.base_layer.weight")  # peft's wrapped router
     assert spec.tensor_dtype("model.layers.0.mlp.gate_proj.weight", True) == "bf16"
     by_dtype = inv.bytes_by_dtype(spec)
     router_values = cfg.n_routed_experts * cfg.hidden_size  # one MoE layer's gate.weight
