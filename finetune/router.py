@@ -11,7 +11,8 @@ of the same micro-batches over gradient accumulation and data-parallel ranks (lo
 such a loss (DeepSeek-V3 balances its experts with a bias instead) adds nothing.
 
 How evenly the experts are loaded is counted for every mixture of experts from the routing itself: a hook on
-each experts module (transformers' experts interface: ``experts(hidden_states, top_k_index, top_k_weights)``)
+each experts module (transformers' experts interface: ``experts(hidden_states, top_k_index, top_k_weights)``; the
+LoRA layer around it when the experts are adapted)
 adds up the tokens routed to each expert in the training forwards of a step (not checkpointing's recomputed
 ones, nor evaluation's). The trainer logs ``aux_loss`` and ``expert_load`` (the largest, over layers, of the
 busiest expert's tokens over the mean expert's: 1.0 is perfectly even) per step.
@@ -63,9 +64,19 @@ class RouterState:
         return out
 
 
-def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The fused experts modules of ``model`` (through any wrapper), in order."""
-    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "num_experts")]
+def experts_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
+    """The fused experts of ``model`` (through any wrapper), in order: for each, the module its block calls
+    with the routing (the experts themselves, or the LoRA layer wrapping them: its ``base_layer`` is theirs),
+    and its number of routed experts."""
+    found: dict[str, tuple[torch.nn.Module, int]] = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "has_gate") and hasattr(m, "num_experts"):
+            outer = name
+            while outer.endswith(".base_layer"):
+                outer = outer.removesuffix(".base_layer")
+            count: Any = m.num_experts  # an int attribute of transformers' experts modules
+            found.setdefault(outer, (model.get_submodule(outer), int(count)))
+    return list(found.values())
 
 
 def defines_aux_loss(model: torch.nn.Module) -> bool:
@@ -86,9 +97,8 @@ def enable(model: torch.nn.Module, coef: float) -> RouterState | None:
     found = experts_modules(model)
     if not found:
         return None
-    experts: Any = found[0].num_experts  # an int attribute of transformers' experts modules
-    state = RouterState(coef=float(coef) if defines_aux_loss(model) else 0.0, experts=int(experts), layers=len(found))
-    for i, module in enumerate(found):
+    state = RouterState(coef=float(coef) if defines_aux_loss(model) else 0.0, experts=found[0][1], layers=len(found))
+    for i, (module, _) in enumerate(found):
 
         def hook(_m: Any, args: Any, kwargs: Any, i: int = i) -> None:
             if state.counting:

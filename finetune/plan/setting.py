@@ -188,6 +188,7 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
         log.append(w.MixtureOfExperts(
             config_class_name(req.config).replace("Config", ""), inv.moe.experts, inv.moe.top_k, inv.moe.shared_experts,
             inv.moe.layers, inv.expert_params, inv.n_params, inv.active_params, aux_loss_coef(req, inv), req.method,
+            any(".experts." in t.name for t in inv.adapters),
         ))
     precision = _resolve_precision(req, hw, log)
     global_batch = _resolve_batch(req, world // (tp * pp), tp * pp, log)

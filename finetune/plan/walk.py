@@ -89,6 +89,7 @@ class MixtureOfExperts(Step):
     active_params: int
     aux_loss_coef: float  # the load-balancing loss's coefficient (0: none)
     method: str  # the recipe's method (auto: the walk's)
+    experts_adapted: bool = False  # lora.target_modules reaches the fused expert weights
 
     def render(self) -> str:
         """The sentence."""
@@ -102,7 +103,8 @@ class MixtureOfExperts(Step):
             f"{_count(self.active_params)}"
         )
         if self.method in ("lora", "qlora"):
-            text += f"; LoRA on the linear layers leaves the experts ({share:.0f}%) frozen"
+            text += ("; LoRA adapts the experts' weights too" if self.experts_adapted
+                     else f"; LoRA on these targets leaves the experts ({share:.0f}% of the weights) frozen")
         if self.aux_loss_coef:
             text += f"; its load-balancing loss is added x {self.aux_loss_coef:g}"
         return text + "."

@@ -123,6 +123,27 @@ def test_expert_load_counts_each_training_forward_once():
     assert router.load_imbalance(torch.ones(2, 4)) == 1.0
 
 
+def test_routing_is_counted_through_lora_on_the_experts():
+    """LoRA with all-linear adapts the fused experts (finetune.experts' layer around them): the block calls that
+    layer, whose hook counts every token's top-k slots once."""
+    from finetune.methods import inject
+    from finetune.spec import adapter_spec
+
+    cfg = arch_config("qwen3_moe")
+    torch.manual_seed(0)
+    lora = adapter_spec("lora", LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+    model = inject(AutoModelForCausalLM.from_config(cfg), lora, num_layers=cfg.num_hidden_layers).train()
+    assert any(".experts." in n for n, p in model.named_parameters() if p.requires_grad)
+    state = router.enable(model, router.model_aux_coef(model))
+    assert state is not None and state.layers == cfg.num_hidden_layers
+    ids = torch.randint(3, 264, (2, 16), generator=torch.Generator().manual_seed(4))
+    loss, _ = causal_lm_loss(model, {"input_ids": ids, "labels": ids})
+    loss.backward()
+    aux_sum, counts = state.take()
+    assert aux_sum is not None and counts is not None
+    assert counts.sum().item() == cfg.num_hidden_layers * 2 * 16 * cfg.num_experts_per_tok
+
+
 def test_deepseek_router_stays_fp32_in_a_bf16_base_as_the_spec_says():
     """DeepSeek-V3 keeps its router weight and e_score_correction_bias in fp32 (transformers'
     _keep_in_fp32_modules_strict): the execution spec of a bf16 LoRA base names them, the inventory counts
