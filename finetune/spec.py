@@ -322,6 +322,17 @@ class ExecSpec:
         return self.objective != "sft"
 
     @property
+    def sync_every_micro_batch(self) -> bool:
+        """Gradients are reduced after every micro-batch of a step, not only the last: FSDP2's strategies
+        (zero2, fsdp, hsdp) reduce-scatter each micro-batch's gradients into the sharded ones (hsdp all-reduces
+        across its replicas on the last only), so no unit keeps an unsharded gradient from one micro-batch to
+        the next; DDP and ZeRO-1 synchronise on the last micro-batch (docs/architecture.md: "FSDP2 reduces
+        every micro-batch"). Not under a pipeline: torch.distributed.pipelining's schedule turns FSDP2's
+        gradient sync and resharding after backward off until its last micro-batch, so a stage keeps its
+        units gathered and their gradients unsharded through the step."""
+        return self.strategy.uses_fsdp and not self.pipeline
+
+    @property
     def reference_dtype(self) -> str:
         """dtype of the frozen reference copy (reference: model): the compute dtype, as frozen weights are."""
         return self.compute_dtype

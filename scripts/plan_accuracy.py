@@ -36,6 +36,10 @@ ARCHS = {
     "llama-0.7b": {"model_type": "llama", "vocab_size": 264, "hidden_size": 2048, "intermediate_size": 5504,
                    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
                    "max_position_embeddings": 4096},
+    # 26.4M parameters (scripts/fsdp_accumulation.py's model): FSDP2 under gradient accumulation
+    "llama-26m": {"model_type": "llama", "vocab_size": 264, "hidden_size": 512, "intermediate_size": 1376,
+                  "num_hidden_layers": 9, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+                  "max_position_embeddings": 512, "tie_word_embeddings": False},
     # a large vocabulary: the loss runs in two chunks (finetune.loss.LOSS_CHUNK_BYTES)
     "llama-64k": {"model_type": "llama", "vocab_size": 65536, "hidden_size": 128, "intermediate_size": 344,
                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
@@ -96,6 +100,12 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama full fp32 zero2 x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "zero2"}, 2),
     ("llama full fp32 fsdp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "fsdp"}, 2),
     ("llama full bf16 fsdp x2", "llama", {"method": "full", "precision": "bf16", "mbs": 8, "strategy": "fsdp"}, 2),
+    # gradient accumulation 4 under FSDP2: each micro-batch's gradients reduce-scattered into the sharded ones
+    # (ExecSpec.sync_every_micro_batch), no unit's unsharded gradient kept to the next micro-batch
+    ("llama-26m full fp32 fsdp x2 accum4", "llama-26m",
+     {"method": "full", "precision": "fp32", "mbs": 2, "strategy": "fsdp"}, 2),
+    ("llama-26m full fp32 zero2 x2 accum4", "llama-26m",
+     {"method": "full", "precision": "fp32", "mbs": 2, "strategy": "zero2"}, 2),
     # train.offload (FSDP2's CPU offload; on CPU the host is the device) and 8-bit AdamW on the shards; two steps,
     # so that the optimizer state exists during the measured forward and backward (the steady-state prediction)
     ("llama full fp32 zero2 x2 offload optimizer", "llama",

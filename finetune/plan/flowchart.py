@@ -687,7 +687,8 @@ def _communication(s: Setting, chosen: Candidate, table: list[Candidate]) -> lis
         def link_of(c: Candidate) -> w.Link:
             return w.Link(c.comm_bytes_per_step, c.comm_seconds_per_step or 0.0)
 
-        out.append(w.Communication(chosen.method, s.hw.interconnect, link_of(ddp), link_of(z2), link_of(fs)))
+        out.append(w.Communication(chosen.method, s.hw.interconnect, link_of(ddp), link_of(z2), link_of(fs),
+                                   z2.grad_accum_steps))
     hs = by.get(Strategy.HSDP)
     if hs is not None:
         out.append(w.HybridCommunication(

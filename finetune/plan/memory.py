@@ -199,10 +199,11 @@ def shard_ranks(s: Setup) -> int:
 def hybrid_traffic(inv: Inventory, s: Setup) -> tuple[int, int]:
     """Bytes one rank sends per optimizer step under hsdp: (inside its node, across nodes).
 
-    Inside the node, as fsdp over the node's ``n`` GPUs: the reduce-scatter of the gradients (in the reduce
-    dtype) and the all-gathers of every unit for forward and again for backward (the root once), each a ring
-    moving ``(n - 1) / n`` of the data. Across nodes: the ring all-reduce of the rank's gradient shard with
-    its ``R`` replicas, ``2 (R - 1) / R`` of ``1 / n`` of the gradients.
+    Inside the node, as fsdp over the node's ``n`` GPUs, for every micro-batch: the reduce-scatter of the
+    gradients (in the reduce dtype) and the all-gathers of every unit for forward and again for backward (the
+    root once), each a ring moving ``(n - 1) / n`` of the data. Across nodes, once per step (after the last
+    micro-batch): the ring all-reduce of the rank's gradient shard with its ``R`` replicas, ``2 (R - 1) / R``
+    of ``1 / n`` of the gradients.
     """
     spec = s.spec
     sb = inv.storage(spec)
@@ -212,7 +213,7 @@ def hybrid_traffic(inv: Inventory, s: Setup) -> tuple[int, int]:
     all_gathered = unsharded_bytes(inv, spec)
     root = unsharded_bytes(inv, spec, root_only=True)
     gathers = all_gathered + (all_gathered - root) if spec.reshard_after_forward else all_gathered
-    intra = int((n - 1) / n * (grads + gathers))
+    intra = int((n - 1) / n * (grads + gathers)) * max(1, s.grad_accum_steps)
     inter = int(2 * (replicas - 1) / replicas * -(-grads // n))
     return intra, inter
 
@@ -299,7 +300,13 @@ def _model_states(inv: Inventory, s: Setup) -> _States:
     else:  # the root stays gathered; one unit computes while the next is prefetched
         buffers = {"head": root, "first": root + 2 * unit + reduce_scatter, "last": root + unit + reduce_scatter}
         gathers = all_gathered + (all_gathered - root)
-    comm = int(f * (sb.trainable * reduce_bytes + gathers))
+    if s.grad_accum_steps > 1 and not spec.sync_every_micro_batch:
+        # a pipeline's schedule keeps every unit gathered and its gradients unsharded, in the reduce dtype, from
+        # the first backward until the last micro-batch's (module docstring)
+        buffers = dict.fromkeys(buffers, all_gathered + reduce_scatter)
+    # every micro-batch all-gathers its units and reduce-scatters its gradients (ExecSpec.sync_every_micro_batch)
+    per_step = max(1, s.grad_accum_steps) if spec.sync_every_micro_batch else 1
+    comm = int(f * (sb.trainable * reduce_bytes + gathers)) * per_step
     if spec.strategy.hybrid:  # inside the node as above (n is the node's GPUs), plus the all-reduce across nodes
         comm = sum(hybrid_traffic(inv, s))
     if offloads_to_host(s):  # FSDP2's CPU offload: the shards live on the host (offloaded_bytes)
@@ -330,12 +337,21 @@ def _forward_backward_peak(
 
     def at_peak(name: str, w: WindowPeaks) -> tuple[int, int, int]:
         acts = w.grads_and_acts - w.grads_at_peak
-        if s.grad_accum_steps > 1 or st.ddp:  # later micro-batches, DDP's buckets: every gradient exists from the start
+        if not st.sharded and (s.grad_accum_steps > 1 or st.ddp):
+            # later micro-batches, DDP's buckets: every gradient exists from the start
             return st.grads, max(w.acts, acts) + st.largest, st.buffers[name]
         if not st.sharded:  # gradients appear during backward (set to None after every step)
             return w.grads_at_peak, acts, st.buffers[name]
         # FSDP2: the root's and the current unit's gradients stay unsharded; finished units' are 1/n
         done = (layers - 1) * layer_grads if name == "last" else 0
+        if s.grad_accum_steps > 1:
+            if not spec.sync_every_micro_batch:  # a pipeline's stage: every unit's gradient unsharded, reduce dtype
+                unsharded = sb.trainable * (DTYPE_BYTES[spec.reduce_dtype] if spec.reduce_dtype else sb.param_dtype_bytes)
+                return unsharded, max(w.acts, acts) + st.largest, st.buffers[name]
+            # reduce-scattered after every micro-batch (ExecSpec.sync_every_micro_batch): a later micro-batch's
+            # unsharded gradients come and go as in the first, beside every unit's sharded ones, into which each
+            # unit's reduce-scatter adds (none on the device under offload: they live on the host)
+            return st.grads + w.grads_at_peak - done, acts, st.buffers[name]
         finished = (layers - 1) * sb.block_trainable * sb.param_dtype_bytes // n if name == "last" else 0
         if offloads_to_host(s):  # finished units' gradient shards were copied to the host
             finished = 0
@@ -517,8 +533,9 @@ def stage_memory(
     every gradient of the stage allocated (gradient accumulation's counting) beside
     ``stage.in_flight_with_gradients`` micro-batches; and the rank's first, with ``stage.in_flight`` micro-batches
     and the gradients the traced window has allocated by its peak (none of an earlier micro-batch: the optimizer
-    sets them to None after every step). FSDP2's stages keep the strategy's own counting (the later backward,
-    every micro-batch in flight)."""
+    sets them to None after every step). FSDP2's stages alike: the schedule keeps their units gathered and their
+    gradients unsharded from the first backward on (ExecSpec.sync_every_micro_batch), so the later backward
+    holds every unit's gathered parameters and unsharded gradient."""
     from finetune.plan.pipeline import stage_inventory
 
     sub = stage_inventory(inv, stage.layers, stage.first, stage.last, tied)
@@ -530,7 +547,7 @@ def stage_memory(
         def prof(in_flight: int) -> StageProfile:
             return StageProfile(profile, stage.depth, in_flight, stage.last, stage.first, boundary_per_row, held_last)
 
-        plain_gradients = s.grad_accum_steps > 1 and not s.spec.strategy.uses_fsdp
+        plain_gradients = s.grad_accum_steps > 1 and not s.spec.sync_every_micro_batch
         later = stage.in_flight_with_gradients if plain_gradients else stage.in_flight
         mem, comm = candidate_memory(sub, prof(later), s, first_step)
         if plain_gradients:

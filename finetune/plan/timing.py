@@ -21,10 +21,11 @@ communication
     the strategy's collectives (``comm_bytes_per_step``: the part inside a node over the intra-node link, NVLink on
     a GPU machine of several nodes, and the part across nodes over the hardware's bandwidth; HSDP has both, a
     flat strategy on several nodes only the latter) less what they hide
-    behind: exposed = max(0, comm - overlap x window). Gradients are synchronised on the last micro-batch of
-    a step only. DDP and ZeRO-1 all-reduce gradient buckets while that micro-batch's backward runs (window:
-    its backward); ZeRO-2 and FSDP prefetch the next unit's all-gather during forward and backward and
-    reduce-scatter during backward (window: the whole micro-batch). ``overlap`` is :data:`GPU_OVERLAP` (NCCL
+    behind: exposed = max(0, comm - overlap x window). DDP and ZeRO-1 synchronise gradients on the last
+    micro-batch of a step only, all-reducing gradient buckets while its backward runs (window: its backward);
+    ZeRO-2 and FSDP prefetch the next unit's all-gather during forward and backward and reduce-scatter
+    during backward, in every micro-batch (window: every micro-batch; HSDP's all-reduce across nodes follows
+    the last micro-batch's reduce-scatters, window: that micro-batch). ``overlap`` is :data:`GPU_OVERLAP` (NCCL
     runs on its own streams and SMs) or :data:`CPU_OVERLAP` (gloo's collectives run on the cores that
     compute). Tensor parallelism's all-reduces (``tp_comm_bytes_per_step`` over the link inside a node) sit
     between matmuls that need their result: all exposed.
@@ -163,16 +164,22 @@ def step_time(
         dp_seconds = c.comm_intra_node_bytes_per_step / intra + c.comm_inter_node_bytes_per_step / hw.bandwidth
     else:  # a plan made before the split: everything over the slowest link
         dp_seconds = c.comm_bytes_per_step / hw.bandwidth if c.comm_bytes_per_step else 0.0
-    if c.strategy.uses_fsdp:
-        window = micro
-    elif c.strategy is Strategy.SINGLE:
-        window = 0.0
-    else:
-        backward = per_token.input_gradients + per_token.weight_gradients + recompute
-        window = micro * backward / (per_token.per_token + recompute)
     overlap = GPU_OVERLAP if hw.device == "cuda" else CPU_OVERLAP
+    if c.strategy.uses_fsdp:  # every micro-batch's all-gathers and reduce-scatter behind its own compute
+        if c.strategy.hybrid and c.comm_inter_node_bytes_per_step:  # the all-reduce across nodes: after the last
+            across = c.comm_inter_node_bytes_per_step / hw.bandwidth
+            exposed = max(0.0, dp_seconds - across - overlap * compute) + max(0.0, across - overlap * micro)
+        else:
+            exposed = max(0.0, dp_seconds - overlap * compute)
+    else:
+        if c.strategy is Strategy.SINGLE:
+            window = 0.0
+        else:
+            backward = per_token.input_gradients + per_token.weight_gradients + recompute
+            window = micro * backward / (per_token.per_token + recompute)
+        exposed = max(0.0, dp_seconds - overlap * window)
     tp_seconds = c.tp_comm_bytes_per_step / intra if c.tp_comm_bytes_per_step else 0.0
-    communication = max(0.0, dp_seconds - overlap * window) + tp_seconds
+    communication = exposed + tp_seconds
 
     bubble = 0.0
     if c.pp > 1:

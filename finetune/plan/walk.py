@@ -562,19 +562,27 @@ class Communication(Step):
     ddp: Link
     zero2: Link
     fsdp: Link
+    micro_batches: int = 1  # per step: ZeRO-2 and FSDP gather and reduce-scatter in each, DDP all-reduces once
 
     def render(self) -> str:
         """The sentence."""
         def gb(c: Link) -> str:
             return f"{c.bytes / 1e9:.2f} GB, {c.seconds:.2f} s over {self.link}"
 
+        n = max(1, self.micro_batches)
         if self.zero2.bytes <= 1.05 * self.ddp.bytes:
             zero2 = (f"ZeRO-2 reduce-scatters gradients and all-gathers parameters, no more than that all-reduce "
                      f"(an all-reduce is a reduce-scatter plus an all-gather), so its memory saving is free "
                      f"({gb(self.zero2)})")
+        elif self.zero2.bytes <= 1.05 * n * self.ddp.bytes:
+            zero2 = (f"ZeRO-2 reduce-scatters gradients and all-gathers parameters in each of the step's {n} "
+                     f"micro-batches, each no more than that all-reduce ({gb(self.zero2)}, "
+                     f"{self.zero2.bytes / max(1, self.ddp.bytes):.1f}x DDP): the price of gradients that stay sharded "
+                     "between micro-batches")
         else:
-            zero2 = (f"ZeRO-2 sends more here ({gb(self.zero2)}): FSDP2 all-gathers the frozen base weights too, "
-                     "while DDP only all-reduces the small trainable gradients")
+            zero2 = (f"ZeRO-2 sends more here ({gb(self.zero2)}): FSDP2 all-gathers the frozen base weights too"
+                     + (f", in each of the step's {n} micro-batches," if n > 1 else "")
+                     + " while DDP only all-reduces the small trainable gradients")
         return (
             f"Communication per GPU per step ({method_name(self.method)}): DDP all-reduces the gradients "
             f"({gb(self.ddp)}); {zero2}; FSDP all-gathers the parameters again in backward "

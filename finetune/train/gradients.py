@@ -27,9 +27,12 @@ def accumulate(
     model: torch.nn.Module, micro: list[dict[str, torch.Tensor]], global_tokens: float | torch.Tensor,
     ctx: DistContext, autocast: Callable[[], Any], scaler: Any, phase: RunPhase,
     loss_fn: Callable[[torch.nn.Module, dict[str, Any]], tuple[torch.Tensor, Any]] = causal_lm_loss,
+    *, sync_every_micro_batch: bool = False,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch (``phase`` follows: forward, backward); gradients are synchronised
-    on the last one only. Returns this rank's summed token loss, a float64 tensor on the device.
+    on the last one only, or, with ``sync_every_micro_batch`` (the execution spec's: FSDP2's strategies),
+    reduce-scattered after every one (:func:`~finetune.train.parallel.no_sync`). Returns this rank's summed
+    token loss, a float64 tensor on the device.
 
     Nothing here reads a device value on the host: ``global_tokens`` may be a device tensor (the all-reduced
     count), and the summed loss stays on the device, so the host runs ahead of the kernels through every
@@ -42,7 +45,7 @@ def accumulate(
     for i, mb in enumerate(micro):
         last = i == len(micro) - 1
         phase.at("forward")
-        with no_sync(model, enabled=not last), autocast():
+        with no_sync(model, enabled=not last, every_micro_batch=sync_every_micro_batch), autocast():
             s, _ = loss_fn(model, mb)  # the objective's summed loss (sft: tokens; dpo, simpo, orpo: pairs)
         phase.at("backward")
         loss = s * scale.to(s.dtype)

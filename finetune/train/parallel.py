@@ -526,16 +526,25 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def no_sync(model: torch.nn.Module, enabled: bool) -> Any:
+def no_sync(model: torch.nn.Module, enabled: bool, *, every_micro_batch: bool = False) -> Any:
     """Skip gradient synchronisation for a non-final micro-batch (DDP's no_sync, FSDP2's gradient sync flag).
 
     DDP decides in forward, so its context wraps the forward. FSDP2 decides in backward, which runs after the
     context exits: the flag is set here and stays set until the next call, and the loop calls this for every
     micro-batch (``enabled=False`` on the last), so the final backward always reduces.
+
+    ``every_micro_batch`` (the execution spec's ``sync_every_micro_batch``: FSDP2's strategies) keeps FSDP2's
+    reduce-scatter on for every micro-batch, so that no unit keeps its unsharded gradient past its backward;
+    under hsdp only the all-reduce across the replicas waits for the last micro-batch (the partial sums stay
+    sharded until then).
     """
     wrapped: Any = model  # an FSDPModule or a DistributedDataParallel, told apart by their methods
     if hasattr(wrapped, "set_requires_gradient_sync"):
-        wrapped.set_requires_gradient_sync(not enabled)
+        if every_micro_batch:
+            wrapped.set_requires_gradient_sync(True)
+            wrapped.set_requires_all_reduce(not enabled)
+        else:
+            wrapped.set_requires_gradient_sync(not enabled)
         return contextlib.nullcontext()
     if enabled and hasattr(wrapped, "no_sync"):
         return wrapped.no_sync()

@@ -258,7 +258,7 @@ class Trainer:
             else:
                 loss_sum = accumulate(
                     self.model, micro, counts[1], ctx, self.autocast, self.scaler, self.phase,
-                    self.objective or causal_lm_loss,
+                    self.objective or causal_lm_loss, sync_every_micro_batch=self.spec.sync_every_micro_batch,
                 )
             loss_sum = self.hooks.after_backward(step, self.params, loss_sum)
             self.phase.at("optimizer")

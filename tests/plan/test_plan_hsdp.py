@@ -42,14 +42,16 @@ def test_llama_8b_full_hsdp_on_2_nodes_of_8_gpus_as_computed_by_hand() -> None:
     # across nodes: the ring all-reduce of each GPU's fp32 gradient shard with its replica on the other node,
     # 2 (R - 1) / R x 4 N / 8 bytes
     assert hsdp.comm_inter_node_bytes_per_step == 4 * N_8B // 8 == 4_015_130_624
-    # inside a node: the reduce-scatter of the fp32 gradients (4 N) and the bf16 all-gathers of every unit for
-    # forward and again for backward, the root once (2 x 2 N - 2 x root), each ring moving 7/8 of it
+    # inside a node, in each of the step's 4 micro-batches (64 rows over 16 GPUs at micro-batch 1): the
+    # reduce-scatter of the fp32 gradients (4 N) and the bf16 all-gathers of every unit for forward and again for
+    # backward, the root once (2 x 2 N - 2 x root), each ring moving 7/8 of it
     gathers = 2 * 2 * N_8B - 2 * ROOT_8B
-    assert hsdp.comm_intra_node_bytes_per_step == 7 * (4 * N_8B + gathers) // 8 == 54_373_143_552
-    assert hsdp.comm_bytes_per_step == 54_373_143_552 + 4_015_130_624
-    assert hsdp.comm_intra_node_seconds_per_step == pytest.approx(54_373_143_552 / 300e9)  # NVLink
+    assert hsdp.grad_accum_steps == 4
+    assert hsdp.comm_intra_node_bytes_per_step == 4 * (7 * (4 * N_8B + gathers) // 8) == 217_492_574_208
+    assert hsdp.comm_bytes_per_step == 217_492_574_208 + 4_015_130_624
+    assert hsdp.comm_intra_node_seconds_per_step == pytest.approx(217_492_574_208 / 300e9)  # NVLink
     assert hsdp.comm_inter_node_seconds_per_step == pytest.approx(4_015_130_624 / 50e9)  # InfiniBand
-    assert hsdp.comm_seconds_per_step == pytest.approx(54_373_143_552 / 300e9 + 4_015_130_624 / 50e9)
+    assert hsdp.comm_seconds_per_step == pytest.approx(217_492_574_208 / 300e9 + 4_015_130_624 / 50e9)
     # flat FSDP's rings span both nodes: all of its bytes cross the network
     assert (fsdp.comm_intra_node_bytes_per_step, fsdp.comm_inter_node_bytes_per_step) == (0, fsdp.comm_bytes_per_step)
     assert fsdp.comm_seconds_per_step == pytest.approx(fsdp.comm_bytes_per_step / 50e9)
