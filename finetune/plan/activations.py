@@ -81,6 +81,9 @@ class TraceSpec:
         """What a deeper trace, or one with a load-balancing loss, adds to its disk cache key (nothing for a
         two-layer trace without)."""
         return (() if self.depth == TRACE_LAYERS else ("depth", self.depth)) + (("aux_loss",) if self.aux_loss else ())
+    # the device the plan is for: a cuda trace runs finetune.plan.cuda_trace's rules (what CUDA keeps where the
+    # CPU's kernels keep something else: dropout's 1-byte mask, autocast's fp32 ops)
+    device: str = "cuda"
 
     @property
     def preference_key(self) -> tuple[str, ...]:
@@ -98,9 +101,9 @@ class TraceSpec:
         cls, spec: ExecSpec, *, seq_len: int, packed: bool, attn_implementation: str, lora: tuple | None = None,
         device: str = "cuda", depth: int = 2,
     ) -> TraceSpec:
-        """The trace of one execution spec at ``seq_len`` tokens per row on ``device`` (the plan's hardware;
-        it matters only for flex attention, whose CPU path materialises a mask) (``lora``: (r, alpha, dropout,
-        targets) replacing the spec's LoRA shape)."""
+        """The trace of one execution spec at ``seq_len`` tokens per row on ``device`` (the plan's hardware:
+        a cuda trace keeps what CUDA's kernels keep, finetune/plan/cuda_trace.py; on CPU flex attention's path
+        materialises a mask) (``lora``: (r, alpha, dropout, targets) replacing the spec's LoRA shape)."""
         adapter = spec.adapter if spec.method.adapters else None
         if lora is not None and adapter is not None and adapter.r:  # a LoRA shape (only LoRA has a rank)
             r, alpha, dropout, targets = lora
@@ -122,6 +125,7 @@ class TraceSpec:
             experts=experts_implementation(device, spec.compute_dtype),
             depth=depth,
             aux_loss=spec.aux_loss_coef > 0,
+            device=device,
         )
 
 
@@ -208,7 +212,7 @@ class ActivationProfile:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 11  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
+TRACE_VERSION = 12  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
@@ -354,7 +358,8 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
             model.get_submodule(layers[-1]).register_forward_hook(mark("layers")),
             model.get_input_embeddings().register_forward_hook(embedded),
         ]
-        with tracker, kernels, _mask_checks(spec), _sequence_parallel(model, spec), _grouped_mm_any_dtype():
+        with tracker, kernels, _mask_checks(spec), _sequence_parallel(model, spec), _grouped_mm_any_dtype(), \
+                _device_rules(spec):
             if autocast:
                 with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype or "fp32")):
                     loss, _ = step(model, batch_dict)
@@ -372,6 +377,17 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
             tracker.windows, a_out - a_in, c_out - c_in, grads,
             max(0, marks.get("embed", 0) - marks.get("embedded", 0)), max(0, retained - marks.get("layers", retained)),
         )
+
+
+def _device_rules(spec: TraceSpec) -> Any:
+    """What CUDA keeps where the CPU trace differs (finetune.plan.cuda_trace) for a cuda trace, else nothing."""
+    import contextlib
+
+    if spec.device != "cuda":
+        return contextlib.nullcontext()
+    from finetune.plan.cuda_trace import cuda_kernels
+
+    return cuda_kernels()
 
 
 def _sequence_parallel(model: Any, spec: TraceSpec) -> Any:

@@ -17,9 +17,9 @@ LORA = (8, 16.0, 0.0, ("q_proj", "v_proj"))
 
 
 def trace_spec(method: str, precision: str, ac: bool, seq: int, packed: bool, lora: tuple | None = None) -> TraceSpec:
-    """The trace of one process's execution spec, as the planner asks for it."""
+    """The trace of one process's execution spec, as the planner asks for it on a CPU (what these tests measure)."""
     spec = execution_spec(method, "single", precision, checkpointing=ac)
-    return TraceSpec.of(spec, seq_len=seq, packed=packed, attn_implementation="sdpa", lora=lora)
+    return TraceSpec.of(spec, seq_len=seq, packed=packed, attn_implementation="sdpa", lora=lora, device="cpu")
 
 
 @pytest.fixture(autouse=True)
