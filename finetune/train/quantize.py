@@ -116,7 +116,7 @@ def load_quantized(
     def load(source: str) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         model = use_experts_kernel(keep_fp32(model, spec), device, compute_dtype)
-        return quantize_fused_experts(_cpu_training_paths(model), spec)
+        return quantize_fused_experts(_training_paths(model), spec)
 
     if r.model.init != "random":
         return load(path)
@@ -159,7 +159,7 @@ def disable_cpu_packed_inference(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _cpu_training_paths(model: torch.nn.Module) -> torch.nn.Module:
+def _training_paths(model: torch.nn.Module) -> torch.nn.Module:
     return int8_frozen_matmuls(disable_cpu_packed_inference(model))
 
 
@@ -177,16 +177,21 @@ def quantize_fused_experts(model: torch.nn.Module, spec: ExecSpec) -> torch.nn.M
 
 
 def int8_frozen_matmuls(model: torch.nn.Module) -> torch.nn.Module:
-    """Run bitsandbytes' CPU ``Linear8bitLt`` in training without keeping its input for backward.
+    """Run bitsandbytes' ``Linear8bitLt`` in training without keeping its input for backward, on every device.
 
-    In training on CPU, bitsandbytes 0.50 computes LLM.int8 as dequantize + matmul (``MatMul8bitFp``) and
-    stores the layer's input on the autograd context (``ctx.A``) for the weight's gradient, even when the
-    weight is frozen, as QLoRA's always is: the input of every quantized linear layer (the attention output
+    bitsandbytes 0.50 keeps the layer's input on the autograd context for the weight's gradient even when the
+    weight is frozen, as QLoRA's always is: on CPU (``MatMul8bitFp``, dequantize + matmul: ``ctx.A``) and on
+    CUDA (``MatMul8bitLt``: ``ctx.tensors = (CAt, subA, A)`` whenever the input needs a gradient, although its
+    backward reads only the codes for it), so the input of every quantized linear layer (the attention output
     before o_proj, the MLP's normed input, the (tokens x intermediate) input of down_proj...) stayed alive until
-    backward, memory the planner does not count and no gradient needs. Here the same arithmetic (codes x
-    per-row scale / 127 in the input's dtype, then a matmul; backward: the gradient times that same weight)
-    runs in an autograd function that keeps nothing but the module, whose int8 codes and scales are resident
-    anyway. Eval, CUDA, and layers whose weight trains keep bitsandbytes' own path.
+    backward: about 19 GB for Llama-3.1-8B at micro-batch 4 x 4096 without checkpointing, memory no gradient
+    needs. CUDA's path also casts a bf16 input to fp16 to quantize it (LLM.int8's activation quantization and
+    outlier decomposition). Here the arithmetic of bitsandbytes' own input gradient (codes x per-row scale / 127
+    in the input's dtype, then a matmul) runs forward and backward in an autograd function that keeps nothing
+    but the module, whose int8 codes and scales are resident anyway: the input is not quantized (the product
+    is the dequantized weight's, in the input's dtype, as the 4-bit path computes), and the weight is
+    dequantized once per forward and once per backward, a transient the size of one 16-bit weight (which the
+    planner counts). Eval and layers whose weight trains keep bitsandbytes' own path.
     """
     from bitsandbytes.nn import Linear8bitLt
 
@@ -202,7 +207,7 @@ def _int8_forward(module: Any, x: torch.Tensor) -> torch.Tensor:
     if module.weight.CB is not None:  # the first call moves the codes onto the state, as bitsandbytes does
         module.init_8bit_state()
     state = module.state
-    if not (module.training and x.device.type == "cpu" and state.CB is not None and state.SCB is not None):
+    if not (module.training and state.CB is not None and state.SCB is not None):
         return Linear8bitLt.forward(module, x)
     state.is_training = True
     bias = module.bias

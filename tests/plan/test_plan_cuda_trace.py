@@ -77,3 +77,20 @@ def test_the_trace_key_names_the_device() -> None:
     assert of.device == "cuda"
     cpu = TraceSpec.of(spec, seq_len=64, packed=False, attn_implementation="sdpa", device="cpu")
     assert of != cpu and repr(of) != repr(cpu)
+
+
+@pytest.mark.slow  # three fake-tensor traces of the tiny model (seconds each on 2 cores)
+def test_eight_bit_qlora_keeps_no_layer_input_in_the_cuda_trace() -> None:
+    """8-bit QLoRA trains through the frozen dequantize-and-matmul path on CUDA too (finetune/train/quantize.py),
+    which keeps none of a quantized layer's input: the CUDA trace equals the CPU trace and the 4-bit one (the same
+    stand-in), where bitsandbytes' MatMul8bitLt would keep every quantized linear's input."""
+    from finetune.recipe import QuantizationConfig
+
+    def layer(bits: int, device: str) -> int:
+        spec = execution_spec("qlora", "single", "bf16", checkpointing=False, quantization=QuantizationConfig(bits=bits),
+                              lora=LoraConfig(r=8, alpha=16, target_modules=["q_proj", "v_proj"]))
+        trace = TraceSpec.of(spec, seq_len=32, packed=False, attn_implementation="sdpa", device=device)
+        return trace_windows(AutoConfig.from_pretrained(TINY_MODEL), trace, 2, 2).layer_acts
+
+    cuda = layer(8, "cuda")
+    assert cuda == layer(8, "cpu") == layer(4, "cuda")
