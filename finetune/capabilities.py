@@ -42,6 +42,7 @@ class Cell:
     use_dora: bool = False
     use_rslora: bool = False
     lora_init: str = "default"
+    lora_dtype: str = "fp32"  # lora.dtype: the adapters' storage dtype
     prefix_init: str = "random"
     prefix_init_text: str | None = None
     prefix_projection: bool = False
@@ -86,6 +87,7 @@ class Cell:
             use_dora=bool(getattr(lora, "use_dora", False)),
             use_rslora=bool(getattr(lora, "use_rslora", False)),
             lora_init=str(getattr(lora, "init", "default")),
+            lora_dtype=str(getattr(lora, "dtype", "fp32")),
             prefix_init=str(getattr(prefix, "init", "random")),
             prefix_init_text=getattr(prefix, "init_text", None),
             prefix_projection=bool(getattr(prefix, "projection", False)),
@@ -404,6 +406,39 @@ TABLE: tuple[Rule, ...] = (
         lambda c: c.method == "lora" and c.lora_init in ("pissa", "olora") and c.use_dora,
         lambda c: f"{c.lora_init} with DoRA cannot be saved as an adapter of the original base (the magnitudes "
         "are those of the rewritten weights); use init: default with use_dora, or use_dora: false",
+        methods=("lora",), topic="options",
+    ),
+    Rule(
+        "lora-dtype-not-lora", ("lora.dtype", "method"),
+        lambda c: c.lora_dtype != "fp32" and c.method is not None and not c.lora_family,
+        lambda c: f"{c.lora_dtype} is the storage dtype of LoRA's adapters, but method is {c.method}, which trains "
+        "none; set method: lora or qlora, or remove lora.dtype",
+        methods=("full", "prefix", "adapter"), topic="options",
+    ),
+    Rule(
+        "lora-dtype-fp16", ("lora.dtype", "precision"),
+        lambda c: c.lora_family and c.lora_dtype == "fp16",
+        lambda c: "fp16 adapters cannot train here: without loss scaling (precision bf16 or fp32) their small "
+        "gradients underflow, and the fp16 loss scaler (precision fp16) refuses fp16 gradients (torch's GradScaler "
+        "unscales fp32 ones only); use lora.dtype: fp32, or bf16 with precision bf16",
+        methods=("lora", "qlora"), topic="precision",
+    ),
+    Rule(
+        "lora-dtype-compute", ("lora.dtype", "precision"),
+        lambda c: c.lora_family and c.lora_dtype == "bf16" and c.precision is not None
+        and c.precision not in ("bf16", "bf16-pure"),
+        lambda c: f"bf16 keeps the adapters in the compute dtype, but precision {c.precision} computes in "
+        f"{'fp16' if c.precision == 'fp16' else 'fp32'}; set precision: bf16 (auto chooses it on a GPU with bf16), or "
+        "lora.dtype: fp32",
+        methods=("lora", "qlora"), topic="precision",
+    ),
+    Rule(
+        "lora-dtype-decomposing-init", ("lora.dtype", "lora.init"),
+        lambda c: c.lora_family and c.lora_dtype != "fp32" and c.lora_init in ("pissa", "olora"),
+        lambda c: f"{c.lora_dtype} adapters cannot start from {c.lora_init}: the initial adapter is subtracted from "
+        "the base weights in fp32, and rounded to a 16-bit adapter it no longer cancels (nor converts exactly to a "
+        "plain LoRA of the original base); use lora.dtype: fp32 with init: "
+        f"{c.lora_init}, or init: default",
         methods=("lora",), topic="options",
     ),
     # -- a mixture of experts' fused expert weights (finetune/experts.py) ---------------------------------
@@ -801,6 +836,9 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"packing": True},
     {"precision": "bf16", "quant_compute_dtype": "fp16"},
     {"lora_init": "pissa", "use_dora": True},
+    {"lora_dtype": "bf16"},
+    {"lora_dtype": "fp16"},
+    {"lora_dtype": "bf16", "precision": "fp16"},
     {"processes": 1},
     {"strategy": "single", "processes": 2},
     {"strategy": "ddp", "processes": 4, "tp": 2},

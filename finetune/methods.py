@@ -106,9 +106,10 @@ class TrainingMethod:
         values is refused): ``{recipe section: settings}``."""
         return {}
 
-    def saved_weight_bytes(self, param_bytes: int, trainable: int) -> int:
-        """Bytes of the weights a checkpoint or the final save holds: the trained parameters in fp32."""
-        return trainable * 4
+    def saved_weight_bytes(self, param_bytes: int, trainable: int, value_bytes: int = 4) -> int:
+        """Bytes of the weights a checkpoint or the final save holds: the trained parameters as stored
+        (``value_bytes`` each: fp32, or lora.dtype's)."""
+        return trainable * value_bytes
 
     def saves_frozen(self) -> bool:
         """Whether the saved weights include the frozen base (only full fine-tuning saves every weight)."""
@@ -140,7 +141,7 @@ class FullFineTuning(TrainingMethod):
             p.requires_grad_(True)
         return model
 
-    def saved_weight_bytes(self, param_bytes: int, trainable: int) -> int:
+    def saved_weight_bytes(self, param_bytes: int, trainable: int, value_bytes: int = 4) -> int:
         return param_bytes
 
     def saved_message(self, out: str) -> str:
@@ -201,6 +202,14 @@ class LoRA(TrainingMethod):
                 adapted = peft_inject(model, lora_config_with_experts(config, model, targets), "lora.target_modules")
         else:
             adapted = peft_inject(model, config, "lora.target_modules")
+        assert self.adapter is not None
+        if self.adapter.dtype != "fp32":  # lora.dtype: peft makes them fp32; kept in the compute dtype instead
+            from finetune.units import torch_dtype
+
+            dtype = torch_dtype(self.adapter.dtype)
+            for p in adapted.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(dtype)
         if self.decomposes and not stand_in:
             initial = {n: p.detach().clone() for n, p in adapted.named_parameters() if p.requires_grad}
             setattr(adapted, LORA_INIT_ATTR, initial)

@@ -103,6 +103,13 @@ class LoraConfig(Section):
         "olora move that part out of the base weight while training; the saved adapter is converted to a plain "
         "LoRA of rank 2r on the original base (merge and PeftModel.from_pretrained use the untouched base).",
     )
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="Storage dtype of the adapters, and so of their gradients and AdamW state: fp32 (full-precision "
+        "adapters beside the 16-bit base), or bf16, the compute dtype, as litgpt's bf16-true and torchtune's bf16 "
+        "keep them (half the adapters' memory; needs precision bf16). fp16 adapters are refused: no loss scaler "
+        "takes fp16 gradients.",
+    )
 
 
 class PrefixConfig(Section):

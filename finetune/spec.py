@@ -195,6 +195,7 @@ class AdapterSpec:
     use_dora: bool = False
     use_rslora: bool = False
     init: str = "default"
+    dtype: str = "fp32"  # lora.dtype: the adapters' storage dtype (their gradients' and AdamW state's too)
     # prefix (peft PrefixTuningConfig): virtual tokens per layer, reparametrisation MLP and its width
     num_virtual_tokens: int = 0
     projection: bool = False
@@ -224,7 +225,7 @@ class AdapterSpec:
         return cls(
             kind="lora", r=int(settings.r), alpha=float(settings.alpha), dropout=float(settings.dropout),
             target_modules=tuple(tm) if isinstance(tm, list) else tm, use_dora=bool(settings.use_dora),
-            use_rslora=bool(settings.use_rslora), init=str(settings.init),
+            use_rslora=bool(settings.use_rslora), init=str(settings.init), dtype=str(getattr(settings, "dtype", "fp32")),
         )
 
     @classmethod
@@ -458,11 +459,12 @@ def execution_spec(
 
     Storage rules (the trainer builds exactly this, and checks it at run start on every rank):
       full   every weight trained, in the master dtype (fp32; bf16 for bf16-pure).
-      lora   frozen base in ``model.dtype`` when pinned, else the compute dtype; adapters fp32.
+      lora   frozen base in ``model.dtype`` when pinned, else the compute dtype; adapters in ``lora.dtype`` (fp32
+             by default; bf16: the compute dtype), and so their gradients and AdamW state.
       prefix, adapter   stored as lora: frozen base, the prefix encoder or the bottleneck modules fp32.
       qlora  linear weights quantized: 4-bit codes in uint8, or in the compute dtype under FSDP2 (ZeRO-2 and
              FSDP alike, which then shard them like any parameter); 8-bit in int8. Every other base weight in
-             ``quantization.compute_dtype`` (auto: the run's compute dtype); adapters fp32.
+             ``quantization.compute_dtype`` (auto: the run's compute dtype); adapters as lora's.
     ``quantization`` is the recipe's section (bits, quant_type, double_quant, compute_dtype) or None;
     ``lora`` / ``prefix`` / ``adapter`` the recipe's sections that shape what is trained (:func:`adapter_spec`).
     ``tp``: tensor-parallel degree; ``world_size`` counts every process, the strategy applies over the
@@ -479,7 +481,9 @@ def execution_spec(
     """
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
     compute = p.compute
-    trainable = p.master if m is Method.FULL else "fp32"
+    trained = adapter_spec(m, lora, prefix, adapter)
+    # full fine-tuning's masters; LoRA's adapters in lora.dtype; the prefix and bottleneck modules in fp32
+    trainable = p.master if m is Method.FULL else (trained.dtype if trained is not None and trained.r else "fp32")
     frozen: str | None = None
     quant: QuantSpec | None = None
     if m in (Method.LORA, Method.PREFIX, Method.ADAPTER):
@@ -524,7 +528,7 @@ def execution_spec(
         loss_scaling=p is Precision.FP16,
         checkpointing=bool(checkpointing),
         reshard_after_forward=s.reshards_after_forward,
-        adapter=adapter_spec(m, lora, prefix, adapter),
+        adapter=trained,
         tp=tp,
         compile=bool(compile),
         optimizer="adamw" if optimizer in ("auto", None) else optimizer,

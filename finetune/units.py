@@ -55,10 +55,12 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, DTYPE_NAMES[name])
 
 
-def checkpoint_bytes(saved_weight_bytes: int, trainable_params: int) -> int:
+def checkpoint_bytes(saved_weight_bytes: int, trainable_params: int, moment_bytes: int = 4) -> int:
     """Predicted size of one checkpoint: the saved weights' bytes (all weights for full fine-tuning, the
-    adapter for lora/qlora) + AdamW's two fp32 moments per trainable parameter + ~64 KiB of small files.
+    adapter for lora/qlora) + the optimizer's two moments per trainable parameter (``moment_bytes`` each:
+    AdamW keeps them in the trained values' dtype, the 8-bit optimizers' checkpoints in fp32) + ~64 KiB of
+    small files.
 
     E.g. full fine-tuning of N fp32 parameters: 12·N bytes; a 7B model: ~84 GB per checkpoint.
     """
-    return saved_weight_bytes + trainable_params * 2 * 4 + 64 * 1024
+    return saved_weight_bytes + trainable_params * 2 * moment_bytes + 64 * 1024

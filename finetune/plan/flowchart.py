@@ -142,7 +142,7 @@ class Decision:
             "source": s.req.source, "model_type": s.inv.model_type, "layers": s.inv.num_layers,
             "parameters": s.inv.n_params, "trainable": sb.trainable, "seq_len": s.req.seq_len,
             "global_batch_size": s.global_batch, "packed": s.req.packed,
-            "checkpoint_bytes": _checkpoint_size(chosen.method, sb),
+            "checkpoint_bytes": _checkpoint_size(chosen.method, sb, self.execution.optimizer),
             "param_bytes": sb.param_bytes, "param_bytes_by_dtype": s.inv.bytes_by_dtype(self.execution),
             # the attention the architecture needs when it has no sdpa (gpt-oss's sinks): eager, said in the run header
             "attention_for_architecture": not s.inv.sdpa and self.execution.attention == "eager",
@@ -775,13 +775,30 @@ def expert_counts(inv: Any, spec: ExecSpec) -> dict[str, int]:
     }
 
 
-def _checkpoint_size(method: str, sb: Any) -> int:
+def _adapter_storage(s: Setting, c: Candidate) -> w.AdapterStorage:
+    """What LoRA's adapters cost in their dtype (lora.dtype) and would in the other (the plan says both)."""
+    from finetune.plan.memory import optimizer_state_bytes
+
+    spec = s.exec_spec(c.method, c.strategy, c.activation_checkpointing, 1 if c.strategy == "single" else s.world,
+                       c.tp, c.optimizer, c.offload, pp=c.pp)
+    sb = s.inv.storage(spec)
+
+    def cost(value_bytes: int) -> int:
+        return 2 * sb.trainable * value_bytes + optimizer_state_bytes(s.inv, True, spec.optimizer, value_bytes)
+
+    other = 2 if spec.trainable_bytes == 4 else 4
+    return w.AdapterStorage(spec.trainable_dtype, sb.trainable, cost(spec.trainable_bytes), cost(other),
+                            spec.compute_dtype)
+
+
+def _checkpoint_size(method: str, sb: Any, optimizer: str) -> int:
     """Bytes of one checkpoint of ``method``: the saved weights (all of them for full fine-tuning, the
-    fp32 adapters otherwise) and AdamW's two moments per trainable parameter (what the trainer writes)."""
+    adapters as stored otherwise) and the optimizer's two moments per trainable parameter (what the trainer
+    writes: AdamW's in the trained values' dtype, the 8-bit optimizers' in fp32)."""
     from finetune.units import checkpoint_bytes
 
-    weights = method_type(method)().saved_weight_bytes(sb.param_bytes, sb.trainable)
-    return checkpoint_bytes(weights, sb.trainable)
+    weights = method_type(method)().saved_weight_bytes(sb.param_bytes, sb.trainable, sb.param_dtype_bytes)
+    return checkpoint_bytes(weights, sb.trainable, sb.param_dtype_bytes if optimizer == "adamw" else 4)
 
 
 def _key(c: Candidate) -> tuple[Any, ...]:
@@ -812,6 +829,8 @@ def decide(req: Request, hw: Hardware) -> Decision:
         t = chosen.time
         log.append(w.Timing(t.step, t.compute, t.communication, t.offload, t.utilisation, t.peak_flops / 1e12,
                             t.steps, t.job, t.bubble, t.bubble / (t.compute + t.bubble) if t.bubble else 0.0))
+    if chosen.method in ("lora", "qlora"):
+        log.append(_adapter_storage(s, chosen))
     traced = frozenset(
         (str(c.method), c.activation_checkpointing, c.tp) for c in wk.tried
         if c.status in (Status.FITS, Status.OVER, Status.HOST_OVER)

@@ -136,13 +136,14 @@ def job_figures(
         training += offload
         ckpt += offload
         final += offload
-    saved = sb.param_bytes if not spec.method.adapters else sb.trainable * DTYPE_BYTES["fp32"]
+    saved = sb.param_bytes if not spec.method.adapters else sb.trainable * sb.param_dtype_bytes
+    moments = sb.param_dtype_bytes if spec.optimizer == "adamw" else DTYPE_BYTES["fp32"]
     return JobFigures(
         load_peak_per_gpu=resident,
         host_loading_per_node=loading,
         host_checkpoint_per_node=ckpt,
         host_final_save_per_node=final,
-        checkpoint_bytes=checkpoint_bytes(saved, sb.trainable),
+        checkpoint_bytes=checkpoint_bytes(saved, sb.trainable, moments),
         final_model_bytes=saved,
         host_offload_per_node=offload,
         host_training_per_node=training,

@@ -671,6 +671,27 @@ class TensorParallelCommunication(Step):
 
 
 @dataclass(frozen=True)
+class AdapterStorage(Step):
+    """The dtype LoRA's adapters are kept in (``lora.dtype``), with what they and their state cost."""
+
+    dtype: str  # lora.dtype: fp32 | bf16
+    values: int  # trained adapter values, the whole model's
+    state_bytes: int  # the adapters, their gradients and the optimizer state, before sharding
+    other_bytes: int  # the same in the other dtype (bf16 for fp32 adapters, fp32 for bf16 ones)
+    compute: str  # the run's compute dtype
+
+    def render(self) -> str:
+        """The sentence."""
+        head = (f"LoRA's adapters ({self.values / 1e6:.2f}M values) are kept in {self.dtype} (lora.dtype), with their "
+                f"gradients and the optimizer state: {fmt_bytes(self.state_bytes)} before sharding")
+        if self.dtype == "fp32" and self.compute == "bf16":
+            return f"{head}; lora.dtype: bf16 keeps them in the compute dtype ({fmt_bytes(self.other_bytes)})."
+        if self.dtype != "fp32":
+            return f"{head}, the compute dtype (fp32 adapters: {fmt_bytes(self.other_bytes)})."
+        return head + "."
+
+
+@dataclass(frozen=True)
 class Timing(Step):
     """The chosen configuration's predicted time per step and for the job."""
 

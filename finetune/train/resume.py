@@ -162,13 +162,17 @@ class RunCheckpoints:
         assert self.plan.execution is not None, "a plan for a run carries its execution spec"
         full = training_of(self.plan.execution).saves_frozen()  # every weight is saved, not only the trained
         weights = trainable = 0
+        moment_bytes = 4
         for p in self.inner.parameters():
             if full or p.requires_grad:
                 weights += p.numel() * p.element_size()
             if p.requires_grad:
                 trainable += p.numel()
+                moment_bytes = p.element_size()  # AdamW's moments as the trained values are stored
+        if self.plan.execution.optimizer != "adamw":  # the 8-bit optimizers' checkpoints hold fp32 moments
+            moment_bytes = 4
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        one = checkpoint_bytes(weights, trainable)
+        one = checkpoint_bytes(weights, trainable, moment_bytes)
         existing = len(ck.list_checkpoints(self.out_dir))
         ck.check_free_disk(self.out_dir, one, self.loaded.recipe.output.keep, existing)
 
