@@ -13,6 +13,7 @@ from finetune.plan.memory import (
     boundary_bytes_per_row,
     candidate_memory,
     hybrid_traffic,
+    nccl_bytes,
     pipeline_stages,
     stage_memory,
 )
@@ -40,7 +41,7 @@ def evaluate(
     accum = max(1, s.global_batch // (mbs * dp))
     spec = s.exec_spec(method, strategy, ac, world, tp, optimizer, offload, pp=spec_pp(strategy, pp))
     inv = s.inventory(tp)
-    setup = Setup(spec, mbs, accum, dp, s.hw.device, spec.optimizer)
+    setup = Setup(spec, mbs, accum, dp, s.hw.device, spec.optimizer, nccl_bytes(spec, s.hw))
     stages: list[MemoryBreakdown] = []
     if spec.pipeline:
         mem, comm, stages = _pipeline_memory(s, inv, None, setup)
@@ -201,8 +202,10 @@ def plan_evaluation(s: Setting, c: Candidate) -> tuple[Candidate, w.EvaluationPl
 
     world = 1 if c.strategy == "single" else s.world
     execution = s.exec_spec(c.method, c.strategy, False, world, c.tp, c.optimizer, c.offload, pp=c.pp)
-    spec = TraceSpec.of(execution, seq_len=s.req.seq_len, packed=False, attn_implementation=s.req.attn_implementation)
-    setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, s.hw.device, execution.optimizer)
+    spec = TraceSpec.of(execution, seq_len=s.req.seq_len, packed=False, attn_implementation=s.req.attn_implementation,
+                        device=s.hw.device)
+    setup = Setup(execution, c.micro_batch_size, c.grad_accum_steps, c.dp, s.hw.device, execution.optimizer,
+                  nccl_bytes(execution, s.hw))
     # one TP rank's model; a single TP replica has no data-parallel wrapper (no DDP buckets)
     inv, config = s.inventory(c.tp), tp_config(s.req.config, c.tp)
     strategy = "single" if (c.tp > 1 or c.pp > 1) and c.dp == 1 else str(c.strategy)

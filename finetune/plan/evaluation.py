@@ -153,13 +153,12 @@ def eval_memory(
 ) -> tuple[int, EvalPeak]:
     """Per-GPU bytes at an evaluation's peak on ``strategy``: parameters, AdamW state (evaluations after the
     first step), the strategy's resident buffers, no gradients (set to None after each step), and the traced
-    activations; plus the CUDA context and allocator slack as for training. Returns (total, activations)."""
+    activations; plus the runtime overhead as for training (the CUDA context, NCCL's buffers, the allocator's slack). Returns (total, activations)."""
     from finetune.plan.memory import (
-        CUDA_CONTEXT_BYTES,
-        FRAGMENTATION,
         offloads_to_host,
         optimizer_state_bytes,
         reference_bytes,
+        runtime_overhead,
         shard_ranks,
         unsharded_bytes,
     )
@@ -188,5 +187,5 @@ def eval_memory(
     if setup.spec.quant is not None:  # bitsandbytes dequantizes one 4-bit weight at a time
         acts += inv.largest_base_numel(quantizable_only=True) * DTYPE_BYTES[setup.spec.quant.compute_dtype]
     tensors = params + opt + buffers + acts
-    overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * tensors) if setup.device == "cuda" else 0
+    overhead = runtime_overhead(tensors, setup)
     return tensors + overhead, peak

@@ -26,7 +26,7 @@ from finetune.methods import method_type
 from finetune.plan import walk as w
 from finetune.plan.candidates import evaluate, plan_evaluation, step_seconds
 from finetune.plan.hardware import INTERCONNECTS, Hardware, detect_hardware
-from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION
+from finetune.plan.memory import FRAGMENTATION, overhead_parts
 from finetune.plan.pipeline import microbatch_problem, pipeline_note
 from finetune.plan.request import Request, request_from_recipe
 from finetune.plan.setting import Setting, settle
@@ -546,9 +546,10 @@ def _shorter_sequences(s: Setting, tried: list[Candidate]) -> tuple[int, Candida
     so the length is searched on traced totals: secant steps from the two longest, then false position
     inside the bracket, at most eight traces.
     """
-    def room(m: MemoryBreakdown) -> float:  # bytes left for activations; the overhead shrinks with them
-        ctx, frag = (CUDA_CONTEXT_BYTES, FRAGMENTATION) if m.overhead else (0, 0.0)
-        return (s.capacity - ctx) / (1 + frag) - (m.total - m.overhead - m.activations)
+    def room(m: MemoryBreakdown) -> float:  # bytes left for activations; the overhead's slack shrinks with them
+        slack, fixed = overhead_parts(m.overhead, m.total - m.overhead)  # fixed: the CUDA context, NCCL's buffers
+        frag = FRAGMENTATION if slack else 0.0
+        return (s.capacity - fixed) / (1 + frag) - (m.total - m.overhead - m.activations)
 
     cap, seq_len = s.capacity, s.req.seq_len
     options = [c for c in tried if c.memory.activations > 0 and room(c.memory) > 0]

@@ -133,6 +133,30 @@ class Hardware:
         return asdict(self)
 
 
+#: GPUs whose SXM boards sit on NVSwitch with NVLink SHARP, for which NCCL sets up NVLS buffers per communicator
+NVLS_GPUS = frozenset({"h100", "h200", "h800", "b200", "b100", "gb200"})
+#: GPUs with NVLink between the GPUs of a node but no NVLS
+NVLINK_GPUS = frozenset({"a100", "a100-40gb", "a800", "a800-40gb"})
+
+
+def communicator_link(hw: Hardware, inside_node: bool) -> str:
+    """The link an NCCL communicator's buffers are sized for (a key of
+    ``finetune.plan.memory.NCCL_COMMUNICATOR_BYTES``): ``network`` for a group with one rank per node; inside a
+    node ``nvls`` (an NVSwitch Hopper or Blackwell node, or an unnamed GPU on NVLink: the largest, as a plan
+    errs high), ``nvlink`` (A100-class NVLink) or ``pcie``. The GPUs of a node of several are taken to share
+    NVLink, as the time estimate takes them (``interconnect`` names the link between nodes there)."""
+    if not inside_node:
+        return "network"
+    nvlink = hw.nodes > 1 or hw.interconnect.strip().lower() == "nvlink"
+    if not nvlink or hw.gpus_per_node < 2:
+        return "pcie"
+    if hw.gpu_type in NVLINK_GPUS:
+        return "nvlink"
+    if hw.gpu_type is None or hw.gpu_type in NVLS_GPUS:
+        return "nvls"
+    return "pcie"
+
+
 def bandwidth_of(interconnect: str) -> float:
     """Bytes/s of a named interconnect, or of a number with GB/s (e.g. '200GB/s')."""
     key = interconnect.strip().lower()

@@ -35,6 +35,7 @@ the policy's copies are no-ops and the prediction is the one without offload.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from finetune.plan.activations import TRACE_LAYERS, ActivationProfile, TraceResult, WindowPeaks
 from finetune.plan.shapes import Inventory, Tensor, quantized_bytes, quantized_under
@@ -43,20 +44,76 @@ from finetune.spec import DTYPE_BYTES, ExecSpec, Strategy
 
 GiB = 1024**3
 FOR_LOOP_ADAM_TEMPORARIES = 3  # AdamW's per-parameter loop: ~3 temporaries of the largest tensor (measured)
-CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces outside the allocator
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context, cuBLAS/cuDNN workspaces and loaded kernels, outside the allocator
 FRAGMENTATION = 0.05  # caching-allocator slack, as a fraction of tensor memory
+#: NCCL's buffers for one communicator a rank belongs to, outside torch's allocator, by the link its ranks share
+#: (finetune.plan.hardware.communicator_link): on NVSwitch machines of Hopper and Blackwell GPUs NCCL sets up
+#: NVLink SHARP (NVLS) buffers, ~1-1.6 GB per communicator (NCCL issue 864: 1.6 GB for one, ~6 GB for three;
+#: NeMo and sglang turn NVLS off for this memory); NVLink without NVLS (A100, A800 SXM) ~0.55-0.7 GB (NCCL issue
+#: 964: 544 MB for a group of 2, 688 MB for more, 4 x A100); PCIe and the network fewer channels and smaller
+#: buffers (NCCL_BUFFSIZE, 4 MiB a channel and peer for the simple protocol, LL128's and LL's beside it).
+NCCL_COMMUNICATOR_BYTES = {"nvls": int(1.5e9), "nvlink": int(0.7e9), "pcie": int(0.25e9), "network": int(0.25e9)}
 
 
-def overhead_parts(overhead: int) -> tuple[int, int]:
-    """A breakdown's runtime ``overhead`` as its two terms: (the caching allocator's slack, reserved beyond the
-    tensors: :data:`FRAGMENTATION` of them; what the device holds outside the allocator: the CUDA context,
-    cuBLAS/cuDNN workspaces and NCCL's buffers, :data:`CUDA_CONTEXT_BYTES`). A run measures the first as
-    ``max_memory_reserved - max_memory_allocated`` and the second as the device's used memory less the reserved;
-    (0, 0) off CUDA."""
+def overhead_parts(overhead: int, tensors: int) -> tuple[int, int]:
+    """A breakdown's runtime ``overhead`` over ``tensors`` bytes of tensors as its two terms: (the caching
+    allocator's slack, reserved beyond the tensors: :data:`FRAGMENTATION` of them; what the device holds outside
+    the allocator: the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers, :data:`CUDA_CONTEXT_BYTES` and
+    :func:`nccl_bytes`). A run measures the first as ``max_memory_reserved - max_memory_allocated`` and the
+    second as the device's used memory less the reserved; (0, 0) off CUDA."""
     if overhead <= 0:
         return 0, 0
-    outside = min(overhead, CUDA_CONTEXT_BYTES)
-    return overhead - outside, outside
+    slack = min(overhead, int(FRAGMENTATION * tensors))
+    return slack, overhead - slack
+
+
+def runtime_overhead(tensors: int, s: Setup) -> int:
+    """What a rank needs beyond ``tensors`` bytes of tensors: on CUDA the allocator's slack, the CUDA context and
+    the NCCL buffers of its communicators (``s.nccl_bytes``); nothing off CUDA."""
+    if s.device != "cuda":
+        return 0
+    return CUDA_CONTEXT_BYTES + s.nccl_bytes + int(FRAGMENTATION * tensors)
+
+
+def communicators(spec: ExecSpec, gpus_per_node: int) -> list[tuple[str, int, bool]]:
+    """The NCCL communicators one rank of ``spec``'s layout belongs to: (name, ranks, whether two or more of its
+    ranks share this rank's node). The training group of every rank (``world``; the wait group beside it is gloo,
+    no device memory), and the groups the device mesh adds (torch reuses the training group for a 1-D mesh of
+    every rank): hsdp's ``replicate`` (one rank a node) and ``shard`` (a node's ranks); under tensor or pipeline
+    parallelism the (pp, dp, tp) mesh's ``tp`` (neighbouring ranks), ``dp`` (every tp-th rank) and ``pp`` (every
+    (dp x tp)-th rank: the schedule's batched sends and receives run on it), each a communicator of its own
+    even where it spans every rank. A group of one rank has no peers and no buffers."""
+    world = spec.world_size
+    if world <= 1:
+        return []
+    per_node = max(1, min(gpus_per_node, world))
+    out = [("world", world, per_node > 1)]
+    if spec.strategy.hybrid and not (spec.tensor_parallel or spec.pipeline):
+        shard = world // spec.nodes
+        out += [("replicate", spec.nodes, False), ("shard", shard, shard > 1 and per_node > 1)]
+        return [c for c in out if c[1] > 1]
+    if not (spec.tensor_parallel or spec.pipeline):
+        return out
+    tp, dp, pp = spec.tp, spec.dp, spec.pp
+    out += [
+        ("tp", tp, per_node > 1),
+        ("dp", dp, per_node // max(1, tp) > 1),
+        ("pp", pp, per_node // max(1, tp * dp) > 1),
+    ]
+    return [c for c in out if c[1] > 1]
+
+
+def nccl_bytes(spec: ExecSpec, hw: Any) -> int:
+    """NCCL's buffers one rank of ``spec`` holds on ``hw`` (a :class:`~finetune.plan.hardware.Hardware`): every
+    communicator of :func:`communicators` at :data:`NCCL_COMMUNICATOR_BYTES` for its link; 0 off CUDA."""
+    from finetune.plan.hardware import communicator_link
+
+    if hw.device != "cuda":
+        return 0
+    return sum(
+        NCCL_COMMUNICATOR_BYTES[communicator_link(hw, inside)]
+        for _, _, inside in communicators(spec, hw.gpus_per_node)
+    )
 
 
 @dataclass(frozen=True)
@@ -69,6 +126,7 @@ class Setup:
     world: int  # data-parallel ranks the strategy shards or replicates over (processes / tp)
     device: str = "cuda"  # cuda | cpu
     optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit
+    nccl_bytes: int = 0  # NCCL's buffers of the layout's communicators on this hardware (:func:`nccl_bytes`)
 
 
 # bitsandbytes' 8-bit optimizers: tensors of at least this many values keep each moment as uint8 with one
@@ -128,17 +186,21 @@ def offloads_to_host(s: Setup) -> bool:
     return s.spec.offload != "none" and s.device != "cpu"
 
 
-def _pinned(nbytes: int) -> int:
-    """Bytes torch's pinned host allocator takes for ``nbytes`` (it rounds each block up to a power of two)."""
+def pinned_block(nbytes: int) -> int:
+    """Bytes torch's pinned host allocator (the CachingHostAllocator behind ``pin_memory()`` and non-blocking
+    copies to the host) takes for a tensor of ``nbytes``: the block rounded up to a power of two."""
     return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def offloaded_bytes(inv: Inventory, s: Setup) -> int:
     """Host bytes one rank keeps under ``train.offload`` (FSDP2's CPUOffloadPolicy, optimizer and parameters
-    alike): its shard of every parameter as stored and of the gradients (dim-0 shards padded to
-    ``ceil(rows / n)`` rows; on a GPU machine both are pinned, so each shard is rounded up to a power of two),
-    and of the optimizer state. 0 without offload. On a CPU device these bytes are the process's own memory,
-    which :func:`candidate_memory` counts as it does without offload."""
+    alike): its shard of every parameter as stored and of the gradients, and of the optimizer state. 0 without
+    offload. A shard is FSDP2's chunk of dimension 0, padded to ``ceil(dim0 / n)`` rows (rank 0's, the largest).
+    On a GPU machine FSDP2 pins each parameter's padded shard (``pin_memory()``) and copies each gradient shard
+    to the host with a non-blocking copy into a pinned tensor, so each is one block of the pinned allocator,
+    rounded up to a power of two (:func:`pinned_block`); the optimizer's moments are ``zeros_like`` those
+    parameters, ordinary pageable memory. On a CPU device these bytes are the process's own memory, which
+    :func:`candidate_memory` counts as it does without offload."""
     spec = s.spec
     if spec.offload == "none":
         return 0
@@ -146,15 +208,16 @@ def offloaded_bytes(inv: Inventory, s: Setup) -> int:
     pin = s.device != "cpu"
 
     def shard(t: Tensor, value_bytes: int) -> int:
-        values = -(-t.rows // n) * (t.numel // t.rows) if t.rows > 1 else -(-t.numel // n)
+        rows = t.dim0 or t.rows
+        values = -(-rows // n) * (t.numel // rows) if rows > 1 else -(-t.numel // n)
         per = values * value_bytes
-        return (_pinned(per) if pin else per) * inv.copies(t)
+        return (pinned_block(per) if pin else per) * inv.copies(t)
 
     params = grads = 0
     for t in inv.base:
         if quantized_under(spec, t):  # codes and their constants, split evenly
             per = -(-inv.base_bytes(spec, t) // n)
-            params += (_pinned(per) if pin else per) * inv.copies(t)
+            params += (pinned_block(per) if pin else per) * inv.copies(t)
         else:
             params += shard(t, DTYPE_BYTES[spec.tensor_dtype(t.name, False)])
         if not spec.method.adapters:
@@ -261,7 +324,7 @@ def candidate_memory(
     else:
         parts = fb if sum(fb) >= sum(step) else step
     tensor_total = sum(parts)
-    overhead = 0 if s.device != "cuda" else CUDA_CONTEXT_BYTES + int(FRAGMENTATION * tensor_total)
+    overhead = runtime_overhead(tensor_total, s)
     mem = MemoryBreakdown(
         params=parts[0], grads=parts[1], optimizer=parts[2], activations=parts[3], buffers=parts[4], overhead=overhead
     )
@@ -560,7 +623,5 @@ def stage_memory(
     p2p = ends * max(0, s.grad_accum_steps - 1) * boundary_per_row * s.micro_batch_size
     if p2p:
         mem.buffers += p2p
-        if s.device == "cuda":
-            tensors = mem.total - mem.overhead
-            mem.overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * tensors)
+        mem.overhead = runtime_overhead(mem.total - mem.overhead, s)
     return mem, comm

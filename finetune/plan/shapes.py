@@ -62,6 +62,7 @@ class Tensor:
     layers: int = 0
     layer: int = 0
     role: str = ""  # a mixture of experts' tensor: experts (fused routed experts), shared (shared experts), router
+    dim0: int = 0  # its first dimension, which FSDP2 shards (0: not recorded)
 
 
 @dataclass(frozen=True)
@@ -333,7 +334,7 @@ _INV_CACHE: dict[Any, Inventory] = {}
 
 
 #: Bump when what an inventory records changes: invalidates the disk cache.
-INVENTORY_VERSION = 5
+INVENTORY_VERSION = 6
 
 
 def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec | None) -> Inventory:
@@ -434,7 +435,7 @@ def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> I
         experts = int(expert_weights.get(name, 0))
         role = next((r for prefix, r in roles.items() if name.startswith(prefix + ".")), "")
         inv.base.append(Tensor(name, p.numel(), layer is not None, quantizable or experts > 0, False, rows, experts,
-                               layers=where[1], layer=where[0], role=role))
+                               layers=where[1], layer=where[0], role=role, dim0=_dim0(p)))
     inv.moe = moe_facts(config, model, inv, kinds)
     inv.kinds = tuple(kinds) if len(kinds) > 1 else ()
     if len(kinds) > 1:
@@ -452,7 +453,7 @@ def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> I
                 layer, where = _layer_of(name, layers, counted, anywhere=True)
                 if where is not None:
                     inv.adapters.append(Tensor(name, p.numel(), layer is not None, False, True,
-                                               layers=where[1], layer=where[0]))
+                                               layers=where[1], layer=where[0], dim0=_dim0(p)))
     return inv
 
 
@@ -540,3 +541,8 @@ def moe_facts(config: Any, model: Any, inv: Inventory, kinds: list[tuple[int, in
         layers=moe_layers, expert_params=per_expert, aux_loss_coef=float(coef) if coef is not None else None,
         hidden=int(hidden), ffn=int(ffn),
     )
+
+
+def _dim0(p: Any) -> int:
+    """A parameter's first dimension (1 for a scalar)."""
+    return int(p.shape[0]) if p.dim() > 0 else 1

@@ -195,7 +195,7 @@ def memory_report(
         rep["predicted_at_measured_rows_by_category"] = at_rows.to_dict()
     reserved, used = worst.get("reserved_peak"), worst.get("device_used_peak")
     if reserved is not None and used is not None:
-        slack, outside = overhead_parts(predicted.overhead)
+        slack, outside = overhead_parts(predicted.overhead, pred)
         rep["reserved_peak"], rep["device_used_peak"] = reserved, used
         rep["error_with_overhead"] = (predicted.total - used) / used if used else None
         rep["overhead"] = {

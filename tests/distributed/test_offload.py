@@ -25,11 +25,11 @@ from finetune.capabilities import Cell, first_refusal
 from finetune.plan.job import job_figures, offloaded_per_rank
 from finetune.plan.memory import (
     Setup,
-    _pinned,
     candidate_memory,
     offload_bytes_per_step,
     offloaded_bytes,
     optimizer_state_bytes,
+    pinned_block,
 )
 from finetune.spec import execution_spec
 from tests.support import RECIPES, ROOT, TINY_MODEL, micro_model_dir, write_recipe
@@ -104,7 +104,7 @@ def _setup(strategy: str, offload: str, device: str, optimizer: str = "adamw", a
 
 
 def test_pinned_blocks_round_up_to_a_power_of_two() -> None:
-    assert [_pinned(n) for n in (0, 1, 4096, 4097, 3 * 2**20)] == [0, 1, 4096, 8192, 4 * 2**20]
+    assert [pinned_block(n) for n in (0, 1, 4096, 4097, 3 * 2**20)] == [0, 1, 4096, 8192, 4 * 2**20]
 
 
 @pytest.mark.parametrize(("strategy", "offload"), [("zero2", "optimizer"), ("fsdp", "parameters")])
