@@ -48,10 +48,10 @@ CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context, cuBLAS/cuDNN workspaces an
 FRAGMENTATION = 0.05  # caching-allocator slack, as a fraction of tensor memory
 #: NCCL's buffers for one communicator a rank belongs to, outside torch's allocator, by the link its ranks share
 #: (finetune.plan.hardware.communicator_link): on NVSwitch machines of Hopper and Blackwell GPUs NCCL sets up
-#: NVLink SHARP (NVLS) buffers, ~1-1.6 GB per communicator (NCCL issue 864: 1.6 GB for one, ~6 GB for three;
-#: NeMo and sglang turn NVLS off for this memory); NVLink without NVLS (A100, A800 SXM) ~0.55-0.7 GB (NCCL issue
-#: 964: 544 MB for a group of 2, 688 MB for more, 4 x A100); PCIe and the network fewer channels and smaller
-#: buffers (NCCL_BUFFSIZE, 4 MiB a channel and peer for the simple protocol, LL128's and LL's beside it).
+#: NVLink SHARP (NVLS) buffers, ~1-1.6 GB per communicator (reported on NVIDIA/nccl's tracker: 1.6 GB for one,
+#: ~6 GB for three; NeMo and sglang turn NVLS off for this memory); NVLink without NVLS (A100, A800 SXM)
+#: ~0.55-0.7 GB (544 MB for a group of 2, 688 MB for more, measured on 4 x A100); PCIe and the network fewer
+#: channels and smaller buffers (NCCL_BUFFSIZE, 4 MiB a channel and peer for the simple protocol, LL128's and LL's beside it).
 NCCL_COMMUNICATOR_BYTES = {"nvls": int(1.5e9), "nvlink": int(0.7e9), "pcie": int(0.25e9), "network": int(0.25e9)}
 
 

@@ -67,9 +67,14 @@ def tiny(**kw: object) -> Request:
     return Request(**base)
 
 
-def test_the_walk_chooses_hsdp_on_two_nodes_when_it_fits_and_is_faster() -> None:
+def test_the_walk_chooses_hsdp_on_two_nodes_when_it_fits_and_is_faster(monkeypatch) -> None:
     """Memory between HSDP's need and ZeRO-2's: DDP and ZeRO-2 do not fit, FSDP does, and HSDP (more per GPU
-    than FSDP, less than ZeRO-2) fits too and is predicted faster: the walk takes it, and says why."""
+    than FSDP, less than ZeRO-2) fits too and is predicted faster: the walk takes it, and says why. NCCL's
+    buffers (hsdp's two communicators beside the training group, more than the tiny model's states) are set
+    aside: the choice on the tensors is what is tested (test_plan_runtime_overhead.py counts them)."""
+    from finetune.plan import memory
+
+    monkeypatch.setattr(memory, "NCCL_COMMUNICATOR_BYTES", dict.fromkeys(memory.NCCL_COMMUNICATOR_BYTES, 0))
     s = settle(tiny(), two_nodes(10**15))
     total = {st: evaluate(s, "full", st, 1, False).memory.total for st in ("zero2", "fsdp", "hsdp")}
     assert total["fsdp"] < total["hsdp"] < total["zero2"]
