@@ -106,6 +106,10 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
      {"method": "full", "precision": "fp32", "mbs": 2, "strategy": "fsdp"}, 2),
     ("llama-26m full fp32 zero2 x2 accum4", "llama-26m",
      {"method": "full", "precision": "fp32", "mbs": 2, "strategy": "zero2"}, 2),
+    # pipeline stages under FSDP: torch's schedule turns FSDP2's sync and resharding after backward off until the
+    # last micro-batch (every unit gathered, every gradient unsharded); pp 2 x dp 2 on 4 processes
+    ("llama-26m full fp32 pp2 fsdp x2 accum4", "llama-26m",
+     {"method": "full", "precision": "fp32", "mbs": 2, "strategy": "fsdp", "pp": 2, "packing": False}, 4),
     # train.offload (FSDP2's CPU offload; on CPU the host is the device) and 8-bit AdamW on the shards; two steps,
     # so that the optimizer state exists during the measured forward and backward (the steady-state prediction)
     ("llama full fp32 zero2 x2 offload optimizer", "llama",

@@ -364,9 +364,9 @@ def _model_states(inv: Inventory, s: Setup) -> _States:
         buffers = {"head": root, "first": root + 2 * unit + reduce_scatter, "last": root + unit + reduce_scatter}
         gathers = all_gathered + (all_gathered - root)
     if s.grad_accum_steps > 1 and not spec.sync_every_micro_batch:
-        # a pipeline's schedule keeps every unit gathered and its gradients unsharded, in the reduce dtype, from
-        # the first backward until the last micro-batch's (module docstring)
-        buffers = dict.fromkeys(buffers, all_gathered + reduce_scatter)
+        # a pipeline's schedule keeps every unit gathered after its backward and its gradients unsharded, in the
+        # reduce dtype, until the last micro-batch's, and reduce-scatters only then (stage_memory's docstring)
+        buffers = dict.fromkeys(buffers, all_gathered)
     # every micro-batch all-gathers its units and reduce-scatters its gradients (ExecSpec.sync_every_micro_batch)
     per_step = max(1, s.grad_accum_steps) if spec.sync_every_micro_batch else 1
     comm = int(f * (sb.trainable * reduce_bytes + gathers)) * per_step

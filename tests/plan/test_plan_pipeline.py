@@ -416,7 +416,12 @@ def test_the_table_shows_pp_dp_tp(tmp_path) -> None:
 
 # -- the lecture's case: Llama 3.1 405B on 16 nodes of 8 x 80 GiB ------------------------------------------------
 @pytest.mark.slow  # traces a 405B layer's shapes (cached after the first run)
-def test_405b_full_fine_tuning_on_16_nodes_chooses_a_pipeline_that_fits(tmp_path) -> None:
+def test_405b_full_fine_tuning_on_16_nodes_sizes_every_pipeline_layout(tmp_path) -> None:
+    """Full fine-tuning of 405B on 16 nodes of 8 x 80 GiB at 8192 tokens: FSDP alone and TP x FSDP do not fit, so
+    the walk sizes every pipeline layout, the fewest stages first. torch.distributed.pipelining keeps an FSDP
+    stage's units gathered and its gradients unsharded from the first backward to the last micro-batch's
+    (ExecSpec.sync_every_micro_batch), and every layout holds NCCL's buffers for each of its communicators: none
+    fits, and the walk says QLoRA would."""
     from finetune.plan.command import PlanOptions, build_plan
 
     opts = PlanOptions(model="llama-3.1-405b", method="full", gpus=8, nodes=16, gpu_memory="80GiB", seq_len=8192)
@@ -424,20 +429,15 @@ def test_405b_full_fine_tuning_on_16_nodes_chooses_a_pipeline_that_fits(tmp_path
     plan = build_plan(opts)
     steps = {s["kind"]: s for s in plan.steps}
     assert "TryPipeline" in steps and list(steps["TryPipeline"]["degrees"]) == [2, 4, 8, 16]
-    sized = [a for a in steps["PipelineTried"]["attempts"] if not a["why"]]
-    # the fewest stages first, tp 1, 2, 4, 8 each, up to the first that fits: PP 4 x TP 4 x FSDP, its stages'
-    # residual stream and receive buffers split over the sequence on the 4 tp ranks (sequence parallelism)
-    assert [(a["pp"], a["tp"]) for a in sized] == [(2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4)]
-    assert [a["fits"] for a in sized] == [False] * 6 + [True]
+    sized = steps["PipelineTried"]["attempts"]
+    assert [(a["pp"], a["tp"]) for a in sized] == [(p, t) for p in (2, 4, 8, 16) for t in (1, 2, 4, 8)]
     cap = 80 * 2**30
+    assert not any(a["fits"] for a in sized) and min(a["total"] for a in sized) > cap
     c = plan.chosen
-    assert (c.pp, c.tp, c.dp, c.strategy, c.micro_batch_size) == (4, 4, 8, "fsdp", 1) and c.activation_checkpointing
-    assert c.fits and c.memory.total <= cap and max(m.total for m in c.stage_memory) == c.memory.total
-    assert plan.execution is not None and plan.execution.pp == 4 and plan.execution.sequence_parallel
-    assert sum(plan.execution.pp_layers) == 126 and "PipelineLayout" in steps
-    print(f"405B: pp {c.pp} x tp {c.tp} x dp {c.dp} {c.strategy}, layers {list(c.pp_layers)}, "
-          f"stages {[round(m.total / 2**30, 1) for m in c.stage_memory]} GiB, {c.time.step if c.time else 0:.1f} s/step")
-    assert "sequence_parallel" not in " ".join(steps["PipelineLayout"]["settings"])
+    assert c.method == "full" and not c.fits and c.memory.total > cap
+    assert "NothingFits" in steps and any("QLoRA would need" in s and "(fits)" in s for s in plan.walk)
+    print(f"405B: closest {c.strategy} tp {c.tp} x dp {c.dp} at {c.memory.total / 2**30:.1f} GiB; layouts "
+          f"{[(a['pp'], a['tp'], round(a['total'] / 2**30, 1)) for a in sized]}")
     # the same plan through the CLI with a warm cache imports neither torch nor transformers (the warm plan's
     # seconds are in docs/benchmarks.md: scripts/plan_speed.py)
     out = subprocess.run(
