@@ -8,6 +8,14 @@ Two process groups join every rank of a multi-process run:
   where one rank works alone while the others wait: local rank 0 tokenising the data, rank 0 finishing a
   checkpoint (fsync of every file, rename, prune) and writing the final model. A rank waiting there sits in
   a gloo collective on the CPU, which NCCL's watchdog never sees, however long rank 0 takes.
+
+With ``train.offload`` on GPUs the training group is ``cuda:nccl,cpu:gloo`` (:func:`process_group_backend`):
+FSDP2's ``CPUOffloadPolicy`` keeps the sharded gradients and optimizer state as DTensors on the CPU, and what
+reduces them outside FSDP's own reduce-scatter (the gradient norm's ``full_tensor()`` in clipping, the loss
+scaler's unscaling, a full state dict gathered for the final save, DoRA's and PiSSA's initialisation) issues collectives
+of CPU tensors on the mesh's groups, which NCCL refuses. Every group made from the default one (the device
+mesh's among them) inherits both backends; CUDA tensors still go through NCCL. FSDP2 needs a process group
+even for one process, so an offloading process alone gets a group of one.
 """
 
 from __future__ import annotations
@@ -58,13 +66,15 @@ class DistContext:
 
     @classmethod
     def from_env(
-        cls, timeout: float = DEFAULT_TIMEOUT_S, wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S
+        cls, timeout: float = DEFAULT_TIMEOUT_S, wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S, *,
+        offload: bool = False,
     ) -> DistContext:
         """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and join the process groups.
 
         ``timeout``: seconds a collective of the training group may wait (``distributed.timeout``);
         ``wait_timeout``: seconds a rank may wait in the wait group for one rank's long phase
-        (``distributed.wait_timeout``).
+        (``distributed.wait_timeout``); ``offload``: the run keeps state in host memory (``train.offload``):
+        the training group gets gloo for CPU tensors beside NCCL, and a single process a group of its own.
         """
         global _WAIT_GROUP
         rank = int(os.environ.get("RANK", 0))
@@ -75,14 +85,17 @@ class DistContext:
             device = torch.device("cuda", local)
         else:
             device = torch.device("cpu")
-        if world > 1 and not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
+        if (world > 1 or offload) and not dist.is_initialized():
+            # one process without torchrun's rendezvous (no MASTER_ADDR): a store in this process
+            alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world == 1 and (
+                "MASTER_ADDR" not in os.environ) else {}
             dist.init_process_group(
-                backend=backend, device_id=device if device.type == "cuda" else None,
-                timeout=timedelta(seconds=timeout), **_restart_store(rank, world),
+                backend=process_group_backend(device, offload=offload),
+                device_id=device if device.type == "cuda" else None,
+                timeout=timedelta(seconds=timeout), **(alone or _restart_store(rank, world)),
             )
-            # every rank creates it, in the same order, right after the training group
-            _WAIT_GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_timeout))
+            if world > 1:  # every rank creates it, in the same order, right after the training group
+                _WAIT_GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_timeout))
         return cls(rank, world, local, device)
 
     def all_reduce_sum(self, value: float | torch.Tensor, *, on_device: bool = False) -> torch.Tensor:
@@ -120,6 +133,16 @@ class DistContext:
         if dist.is_initialized():
             dist.destroy_process_group()
         _WAIT_GROUP = None
+
+
+def process_group_backend(device: torch.device, *, offload: bool = False) -> str:
+    """The training group's backend string: gloo on CPU; on CUDA nccl, and with ``offload``
+    ``cuda:nccl,cpu:gloo`` (torch routes each collective by its tensors' device), since the offloaded state's
+    collectives run on CPU tensors (module docstring). Without offload no CPU tensor meets the training
+    group, and a gloo backend in every group would cost a connection to every peer for nothing."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if offload else "nccl"
 
 
 def _several_ranks() -> bool:

@@ -114,7 +114,7 @@ def run_worker(request_path: str) -> None:
     request = RunRequest.read(request_path)
     loaded = request.loaded_recipe()
     d = loaded.recipe.distributed
-    ctx = DistContext.from_env(timeout=d.timeout, wait_timeout=d.wait_timeout)
+    ctx = DistContext.from_env(timeout=d.timeout, wait_timeout=d.wait_timeout, offload=offloads(request))
     try:
         # Every node planned on its own hardware; all of them run node 0's plan (and the same recipe).
         plan_dict = agree_with_node0(request.recipe, request.plan, ctx)
@@ -126,6 +126,15 @@ def run_worker(request_path: str) -> None:
         )
     finally:
         ctx.close()
+
+
+def offloads(request: RunRequest) -> bool:
+    """Whether this run may keep state in host memory (``train.offload``), which its process group must know
+    before it exists (finetune/train/distributed.py: gloo beside NCCL): this node's plan offloads, or on several
+    nodes the recipe leaves it to the planner, since every node runs node 0's plan, which may."""
+    planned = (request.plan.get("execution") or {}).get("offload", "none") != "none"
+    several_nodes = int(os.environ.get("WORLD_SIZE", 1)) > int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return planned or (several_nodes and request.recipe.get("train", {}).get("offload") == "auto")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -86,6 +86,97 @@ def test_offload_policy_pins_host_memory_only_for_a_gpu() -> None:
     assert isinstance(on_gpu, CPUOffloadPolicy) and on_gpu.pin_memory is True
 
 
+# -- the process group the trainer asks for ---------------------------------------------------------------------
+def test_offload_asks_for_gloo_beside_nccl() -> None:
+    """FSDP2's CPU offload keeps gradients and optimizer state as CPU DTensors, whose collectives (clipping's
+    full_tensor, the loss scaler, the final save's gather) an NCCL-only group refuses: the trainer asks for
+    ``cuda:nccl,cpu:gloo`` when the run offloads, plain nccl otherwise, gloo on CPU."""
+    from finetune.train.distributed import process_group_backend
+
+    gpu = torch.device("cuda", 0)
+    assert process_group_backend(gpu, offload=True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend(gpu) == "nccl"
+    assert process_group_backend(torch.device("cpu"), offload=True) == process_group_backend(torch.device("cpu")) == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("execution", "recipe_offload", "env", "want"),
+    [
+        ({"offload": "optimizer"}, "optimizer", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, True),
+        ({"offload": "none"}, "auto", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, False),
+        ({"offload": "none"}, "none", {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, False),
+        # several nodes run node 0's plan, which may offload where this node's does not
+        ({"offload": "none"}, "auto", {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, True),
+    ],
+)
+def test_a_worker_asks_for_the_host_backend_when_its_run_may_offload(
+    monkeypatch: pytest.MonkeyPatch, execution: dict, recipe_offload: str, env: dict, want: bool
+) -> None:
+    from finetune.train.worker import RunRequest, offloads
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    request = RunRequest(recipe={"train": {"offload": recipe_offload}}, plan={"execution": execution}, base_dir=".")
+    assert offloads(request) is want
+
+
+def test_offload_on_one_process_through_the_trainers_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """World size 1 through DistContext.from_env(offload=True), the trainer's initialisation: a group of one
+    rank (FSDP2 needs one), zero2 with CPUOffloadPolicy, then the trainer's loss, clipping (the gradient
+    norm's full_tensor on CPU DTensors) and AdamW for two steps, and every weight gathered whole: the
+    losses, the norms and the weights are the unsharded model's."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.loss import causal_lm_loss
+    from finetune.train.distributed import DistContext
+    from finetune.train.gradients import clip_grad_norm
+    from finetune.train.parallel import _fully_shard, decoder_blocks
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a process group")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(0)
+    cfg = AutoConfig.from_pretrained(
+        TINY_MODEL, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32,
+    )
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    sharded = copy.deepcopy(plain)
+    ctx = DistContext.from_env(offload=True)
+    try:
+        assert dist.is_initialized() and dist.get_world_size() == 1 and not ctx.distributed
+        spec = execution_spec("full", "zero2", "fp32", checkpointing=False, world_size=1, offload="optimizer")
+        _fully_shard(sharded, spec, ctx)
+        policy = decoder_blocks(sharded)[0]._get_fsdp_state()._fsdp_param_group.offload_policy
+        assert isinstance(policy, CPUOffloadPolicy)
+        ids = torch.arange(2 * 24).reshape(2, 24) % 200 + 3
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        figures: dict[str, list[tuple[float, float]]] = {}
+        for name, model in (("plain", plain), ("sharded", sharded)):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for _ in range(2):
+                s, _ = causal_lm_loss(model, batch)
+                s.backward()
+                norm = clip_grad_norm([p for p in model.parameters() if p.requires_grad], opt, None, 0.5)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                figures.setdefault(name, []).append((float(s.detach()), float(norm)))
+        for (loss, norm), (want_loss, want_norm) in zip(figures["sharded"], figures["plain"], strict=True):
+            assert loss == pytest.approx(want_loss, rel=1e-5) and norm == pytest.approx(want_norm, rel=1e-5)
+        assert figures["plain"][0][1] > 0.5  # clipping clipped
+        whole = {n: p.full_tensor() for n, p in sharded.named_parameters()}
+        for n, p in plain.named_parameters():
+            torch.testing.assert_close(whole[n], p.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        ctx.close()
+    assert not dist.is_initialized()
+
+
 # -- the planner's arithmetic -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def inv():
