@@ -58,17 +58,67 @@ def optimizer_class(name: str) -> tuple[type, dict[str, Any]]:
     torch's AdamW: its fused kernel on CUDA and on CPU. It updates each tensor in place, so the step needs no
     temporaries (foreach holds a state-sized ``sqrt(exp_avg_sq)`` of every tensor at once, the per-parameter
     loop two of the largest tensor), and on CPU it is several times faster than either
-    (``scripts/bench_optimizer.py``). bitsandbytes' 8-bit AdamW keeps both moments in 8 bits.
+    (``scripts/bench_optimizer.py``). bitsandbytes' 8-bit AdamW keeps both moments in 8 bits; its step
+    synchronises the device once (:func:`synchronising_once`).
     """
     if name == "adamw":
         return torch.optim.AdamW, {"fused": True}
     import bitsandbytes as bnb
 
     if name == "adamw8bit":
-        return bnb.optim.AdamW8bit, {}
+        return synchronising_once(bnb.optim.AdamW8bit), {}
     if name == "paged_adamw8bit":
-        return bnb.optim.PagedAdamW8bit, {}
+        return synchronising_once(bnb.optim.PagedAdamW8bit), {}
     raise UserError(f"train.optimizer: unknown optimizer `{name}`; use adamw, adamw8bit or paged_adamw8bit")
+
+
+_ONCE: dict[type, type] = {}
+
+
+def synchronising_once(inner_class: type[Any]) -> type[Any]:
+    """bitsandbytes' optimizer ``inner_class`` whose step synchronises the device once, after the last
+    parameter's update, instead of after every parameter.
+
+    bitsandbytes (0.50, ``Optimizer8bit.step``) calls ``torch.cuda.synchronize()`` after each parameter's
+    update, so the host waits for every kernel in turn: a model of hundreds of tensors pays hundreds of
+    round trips per step and the host can never run ahead of the device. Its update kernels take no stream:
+    they run on the default stream, where torch's step also runs, in order. What needs the device done is a
+    paged state (its prefetches and page-ins are asynchronous), and bitsandbytes' own step synchronises once
+    more for it after the loop: the one synchronisation kept here, for every optimizer. The updates are
+    bitsandbytes' own (``init_state``, ``prefetch_state``, ``update_step``), in its order.
+    """
+    if inner_class in _ONCE:
+        return _ONCE[inner_class]
+    from bitsandbytes.utils import sync_gpu
+
+    @torch.no_grad()
+    def step(self: Any, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.initialized:
+            self.check_overrides()
+            self.to_gpu()
+            self.initialized = True
+        last = None
+        for gindex, group in enumerate(self.param_groups):
+            for pindex, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if len(self.state[p]) == 0:
+                    self.init_state(group, p, gindex, pindex)
+                self.prefetch_state(p)
+                self.update_step(group, p, gindex, pindex)
+                last = p
+        if last is not None:
+            sync_gpu(last)  # a no-op on the CPU
+        return loss
+
+    cls = type(inner_class.__name__, (inner_class,), {"step": step, "__doc__": inner_class.__doc__})
+    cls.__module__ = __name__
+    _ONCE[inner_class] = cls
+    return cls
 
 
 def build_optimizer(

@@ -139,3 +139,41 @@ def test_8bit_adamw_through_the_cli_follows_the_plain_run(tmp_path):
     assert len(losses["adamw8bit"]) == 8
     assert max_rel(losses["adamw8bit"], losses["adamw"]) <= EIGHT_BIT_RTOL, losses
     assert losses["adamw8bit"] != losses["adamw"]  # the 8-bit state really ran
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "paged_adamw8bit"])
+def test_eight_bit_step_synchronising_once_updates_as_bitsandbytes_does(name):
+    """The trainer's 8-bit AdamW (one device synchronisation per step instead of one per parameter) takes
+    bitsandbytes' own updates: after three steps, with a parameter left without a gradient in one of them,
+    every weight, 8-bit code, absmax and fp32 moment equals the stock optimizer's, bit for bit."""
+    import bitsandbytes as bnb
+
+    from finetune.train.optimizer import optimizer_class
+
+    cls, options = optimizer_class(name)
+    stock = {"adamw8bit": bnb.optim.AdamW8bit, "paged_adamw8bit": bnb.optim.PagedAdamW8bit}[name]
+    assert issubclass(cls, stock) and cls.step is not stock.step
+    torch.manual_seed(0)
+    shapes = [(64, 128), (96, 64), (8,), (300,)]  # 8-bit moments for the matrices, fp32 for the vectors
+    params = {k: [torch.nn.Parameter(torch.randn(s)) for s in shapes] for k in ("ours", "stock")}
+    for a, b in zip(params["ours"], params["stock"], strict=True):
+        b.data.copy_(a.data)
+    opts = {
+        "ours": cls([{"params": params["ours"][:2], "weight_decay": 0.1}, {"params": params["ours"][2:]}], lr=1e-2, **options),
+        "stock": stock([{"params": params["stock"][:2], "weight_decay": 0.1}, {"params": params["stock"][2:]}], lr=1e-2),
+    }
+    for step in range(3):
+        grads = [torch.randn(s) for s in shapes]
+        for key, opt in opts.items():
+            for i, (p, g) in enumerate(zip(params[key], grads, strict=True)):
+                p.grad = None if (step == 1 and i == 1) else g.clone()
+            opt.step()
+    for a, b in zip(params["ours"], params["stock"], strict=True):
+        assert torch.equal(a, b)
+        sa, sb = opts["ours"].state[a], opts["stock"].state[b]
+        assert sa.keys() == sb.keys() and sa["step"] == sb["step"]
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor):
+                assert torch.equal(sa[k], sb[k]), k
+    assert opts["ours"].state[params["ours"][0]]["state1"].dtype == torch.uint8
+    assert opts["ours"].state[params["ours"][1]]["step"] == 2  # its step without a gradient was skipped
