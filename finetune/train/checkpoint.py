@@ -418,13 +418,16 @@ class OptimizerState:
         return not any(group["params"] for group in self._local().param_groups)
 
     def state_dict(self) -> dict[str, Any]:
-        """Name-keyed, flattened optimizer state (this rank's shards)."""
+        """Name-keyed, flattened optimizer state (this rank's shards). 8-bit AdamW on shards gives its moments
+        as placeholders that the checkpoint's planners write and read one at a time (its ``streamed``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         if self._holds_nothing():
             return {}
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        return get_optimizer_state_dict(self.model, self._local(), options=opts)
+        local = self._local()
+        with getattr(local, "streamed", contextlib.nullcontext)():
+            return get_optimizer_state_dict(self.model, local, options=opts)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the moments, step counts and hyperparameters (lr as the scheduler left it)."""
@@ -543,10 +546,7 @@ class Checkpointer:
         previous checkpoints as they were (the half-written directory is removed by the next save).
         """
         import torch
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
-
-        from finetune.train.distributed import wait_group
 
         root = checkpoints_dir(self.out_dir)
         final = root / f"step-{step}"
@@ -559,10 +559,7 @@ class Checkpointer:
         try:
             # DCP's own coordination (plans, the gather of every rank's write results) in the wait group: a
             # rank whose shards are written waits there for the slowest storage, unseen by NCCL's watchdog
-            dcp.save(
-                {k: self.states[k] for k in SHARDED_PARTS}, checkpoint_id=str(tmp / STATE_DIR),
-                no_dist=self.world_size == 1, process_group=wait_group(),
-            )
+            save_sharded({k: self.states[k] for k in SHARDED_PARTS}, tmp / STATE_DIR, self.world_size)
         except (Exception, CheckpointException) as exc:  # DCP reports every rank's failure on every rank
             error = _first_error(exc)
         if self.rank == 0 and error is None:
@@ -623,10 +620,7 @@ class Checkpointer:
         The RNG state is only staged: ``states["rng"].restore()`` applies it just before the first step.
         """
         import torch
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
-
-        from finetune.train.distributed import wait_group
 
         meta = read_meta(path)
         if meta.get("format") != FORMAT_VERSION:
@@ -637,10 +631,7 @@ class Checkpointer:
         if not (path / STATE_DIR / ".metadata").is_file() or not (path / "trainer.pt").is_file():
             raise UserError(f"--resume: {path} is incomplete (its {STATE_DIR}/ or trainer.pt is missing); choose another")
         try:
-            dcp.load(
-                {k: self.states[k] for k in SHARDED_PARTS}, checkpoint_id=str(path / STATE_DIR),
-                planner=_SafeLoadPlanner(), no_dist=self.world_size == 1, process_group=wait_group(),
-            )
+            load_sharded({k: self.states[k] for k in SHARDED_PARTS}, path / STATE_DIR, self.world_size)
         except (Exception, CheckpointException) as exc:
             raise UserError(
                 f"--resume: {path} cannot be loaded into this run ({_first_error(exc)}); it is damaged or was saved "
@@ -653,6 +644,50 @@ class Checkpointer:
         self.states["train"].load_state_dict(meta)
         self.states["data"].load_state_dict(meta["position"])
         return meta
+
+
+def save_sharded(parts: dict[str, Any], path: Path, world_size: int) -> None:
+    """Every rank writes its shards of ``parts`` (stateful objects) to the DCP directory ``path``: DCP's own
+    coordination (plans, the gather of every rank's write results) in the wait group, where a rank whose shards
+    are written waits for the slowest storage unseen by NCCL's watchdog; 8-bit AdamW's moments streamed."""
+    import torch.distributed.checkpoint as dcp
+
+    from finetune.train.distributed import wait_group
+
+    dcp.save(parts, checkpoint_id=str(path), no_dist=world_size == 1, process_group=wait_group(),
+             planner=StreamingSavePlanner())
+
+
+def load_sharded(parts: dict[str, Any], path: Path, world_size: int) -> None:
+    """Every rank loads its shards of ``parts`` from the DCP directory ``path`` (resharded as needed), with a
+    planner that never unpickles code and streams 8-bit AdamW's moments."""
+    import torch.distributed.checkpoint as dcp
+
+    from finetune.train.distributed import wait_group
+
+    dcp.load(parts, checkpoint_id=str(path), planner=_SafeLoadPlanner(), no_dist=world_size == 1,
+             process_group=wait_group())
+
+
+def _streaming_save_planner_class() -> Any:
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from finetune.train.optimizer import moment_stream
+
+    class StreamingSave(DefaultSavePlanner):
+        """DCP's default save planner; a streamed moment (finetune.train.optimizer.MomentStream) is asked
+        for its values when the writer reaches it, so that the device dequantizes one at a time."""
+
+        def lookup_object(self, index: Any) -> Any:
+            stream = moment_stream(self.state_dict.get(index.fqn))
+            return stream.values() if stream is not None else super().lookup_object(index)
+
+    return StreamingSave
+
+
+def StreamingSavePlanner() -> Any:
+    """The checkpoint's save planner (DCP's default, streaming 8-bit AdamW's moments)."""
+    return _streaming_save_planner_class()()
 
 
 def _first_error(exc: BaseException) -> str:
@@ -670,8 +705,21 @@ def _first_error(exc: BaseException) -> str:
 def _safe_load_planner_class() -> Any:
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
+    from finetune.train.optimizer import moment_stream
+
     class SafeLoadPlanner(DefaultLoadPlanner):
-        """DCP's default load planner, but non-tensor values are unpickled with ``weights_only=True``."""
+        """DCP's default load planner, but non-tensor values are unpickled with ``weights_only=True``, and a
+        streamed moment (finetune.train.optimizer.MomentStream) is read into its own host buffer and handed
+        over once complete."""
+
+        def lookup_tensor(self, index: Any) -> Any:
+            stream = moment_stream(self.state_dict.get(index.fqn))
+            return stream.buffer() if stream is not None else super().lookup_tensor(index)
+
+        def commit_tensor(self, read_item: Any, tensor: Any) -> None:
+            stream = moment_stream(self.state_dict.get(read_item.dest_index.fqn))
+            if stream is not None:
+                stream.commit(tensor.numel())
 
         def load_bytes(self, read_item: Any, value: Any) -> None:
             import torch

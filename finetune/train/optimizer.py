@@ -12,6 +12,15 @@ Checkpoints hold AdamW's moments dequantized to fp32 DTensors laid out as the pa
 (``exp_avg``, ``exp_avg_sq``, ``step``, as torch's AdamW names them): torch.distributed.checkpoint reshards
 them like any other state, and loading quantizes them back into this rank's blocks, recovering each block's
 absmax (:func:`_requantize`), so a save and load on the same layout gives back the same codes.
+
+The fp32 moments are 8 bytes per local parameter, four times the 8-bit state, and exist only for the
+checkpoint: the checkpointer streams them (:meth:`LocalShardOptimizer.streamed`). Its state dict then holds a
+placeholder per moment (a :class:`MomentStream`: the layout, no values), and torch.distributed.checkpoint's
+planners (finetune/train/checkpoint.py) ask it for one moment when the writer reaches it (dequantized a slice
+of blocks at a time on the device, copied into host memory) and hand it each moment once the reader has filled
+it (quantized back a slice at a time on the device). On the device a save or a resume adds one slice
+(:data:`CHUNK` values), not 8 bytes per parameter; in host memory a resume adds one moment of one parameter,
+and a save what DCP's file writer keeps of everything it wrote to a rank's file until that file is closed.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ from finetune.spec import Strategy
 
 #: bitsandbytes' block of values sharing one absmax (its optimizers' blockwise quantization).
 BLOCK = 256
+#: Values (a multiple of :data:`BLOCK`) dequantized or quantized at a time on the device by a checkpoint:
+#: 4 MiB of fp32, and the requantization's temporaries (about 30 bytes a value) stay near 30 MiB.
+CHUNK = 1 << 20
 
 
 def is_sharded(params: list[torch.Tensor]) -> bool:
@@ -194,6 +206,7 @@ class LocalShardOptimizer(torch.optim.Optimizer):
             [g for g in inner_groups if g["params"]] or [{"params": [torch.zeros(1)]}], **options
         )
         super().__init__(outer, self.inner.defaults)
+        self._streaming = False  # state_dict gives MomentStream placeholders (streamed)
         self._record_sizes()
         self._alias_state()
 
@@ -258,14 +271,28 @@ class LocalShardOptimizer(torch.optim.Optimizer):
         return loss
 
     # -- checkpoints: fp32 moments laid out as the parameters -------------------------------------------
+    @contextlib.contextmanager
+    def streamed(self) -> Iterator[None]:
+        """For the duration, :meth:`state_dict` holds a :class:`MomentStream` placeholder for each moment
+        instead of its values, which torch.distributed.checkpoint's planners of finetune/train/checkpoint.py
+        write and read one moment at a time (module docstring)."""
+        self._streaming = True
+        try:
+            yield
+        finally:
+            self._streaming = False
+
     def state_dict(self) -> dict[str, Any]:
         """torch's AdamW layout: ``exp_avg`` and ``exp_avg_sq`` (fp32, DTensors where the parameter is
-        one) and ``step`` for every parameter with state, and the param groups."""
+        one) and ``step`` for every parameter with state, and the param groups. Streamed
+        (:meth:`streamed`): placeholders of the moments; otherwise their values, on the device."""
         self._refresh_locals()
         moments: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        streaming = self._streaming
         for p, local in zip(self._params(), self._locals, strict=True):
             if local is not None and local in self.inner.state:
-                moments[p] = _export(p, self.inner.state[local])
+                state = self.inner.state[local]
+                moments[p] = _streamed(p, state, local) if streaming else _export(p, state)
         aliases, self.state = self.state, moments
         try:
             return super().state_dict()
@@ -284,23 +311,36 @@ class LocalShardOptimizer(torch.optim.Optimizer):
             self._alias_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore hyperparameters and moments (quantized into this rank's blocks) from :meth:`state_dict`'s
-        layout."""
-        super().load_state_dict(state_dict)
+        """Restore hyperparameters, steps and moments (quantized into this rank's blocks, one parameter at a
+        time) from :meth:`state_dict`'s layout; a streamed moment was quantized as it was read, and only its
+        step is taken here."""
+        saved = state_dict["state"]
+        # torch's loading would cast every state tensor to its parameter's dtype and device at once: it gets
+        # the steps, and the moments go through _import_moment, one at a time
+        super().load_state_dict({**state_dict, "state": {k: {"step": e["step"]} for k, e in saved.items()}})
         self._refresh_locals()
-        loaded = self.state
-        inner_index = {
-            id(q): (gi, pi) for gi, g in enumerate(self.inner.param_groups) for pi, q in enumerate(g["params"])
-        }
         self._sync_groups()
-        for p, local in zip(self._params(), self._locals, strict=True):
-            if local is None or p not in loaded:
+        # the saved groups list the keys of ``saved`` in the order of this optimizer's parameters
+        keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+        for key, local in zip(keys, self._locals, strict=True):
+            if local is None or key not in saved:
                 continue
-            if local not in self.inner.state:
-                gi, pi = inner_index[id(local)]
-                self.inner.init_state(self.inner.param_groups[gi], local, gi, pi)
-            _import(self.inner.state[local], loaded[p])
+            state = self._state_of(local)
+            state["step"] = int(saved[key]["step"])
+            for k, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
+                value = saved[key].get(name)
+                if value is not None and moment_stream(value) is None:
+                    _import_moment(state, k, _local(value))
         self._alias_state()
+
+    def _state_of(self, local: torch.Tensor) -> dict[str, Any]:
+        """bitsandbytes' state of a local shard, created (as its first step would) when it has none yet."""
+        if local not in self.inner.state:
+            for gi, g in enumerate(self.inner.param_groups):
+                for pi, q in enumerate(g["params"]):
+                    if q is local:
+                        self.inner.init_state(g, local, gi, pi)
+        return self.inner.state[local]
 
 
 def _by_whole_size(inner_class: type[Any]) -> type[Any]:
@@ -338,16 +378,94 @@ def _dequantized(s: dict[str, Any], k: int) -> torch.Tensor:
     return F.dequantize_blockwise(codes, absmax=s[f"absmax{k}"], code=s[f"qmap{k}"], blocksize=BLOCK)
 
 
-def _import(s: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Saved fp32 moments (DTensors or tensors) into one shard's bitsandbytes state, in place."""
-    s["step"] = int(saved["step"])
+def _import_moment(s: dict[str, Any], k: int, value: torch.Tensor) -> None:
+    """Saved fp32 moment ``k`` (1: exp_avg, 2: exp_avg_sq) of one shard, on the host or the device, into its
+    bitsandbytes state in place: quantized :data:`CHUNK` values at a time on the state's device."""
+    target = s[f"state{k}"]
+    if target.dtype != torch.uint8:
+        target.copy_(value.reshape(target.shape))
+        return
+    codes, absmax, flat = target.view(-1), s[f"absmax{k}"], value.reshape(-1)
+    for start in range(0, codes.numel(), CHUNK):
+        end = min(codes.numel(), start + CHUNK)
+        part = flat[start:end].to(device=codes.device, dtype=torch.float32)
+        _requantize(part, s[f"qmap{k}"], absmax[start // BLOCK : -(-end // BLOCK)], codes[start:end])
+
+
+def _moment_on_host(s: dict[str, Any], k: int) -> torch.Tensor:
+    """Moment ``k`` of one shard in fp32 in host memory, dequantized :data:`CHUNK` values at a time on its
+    device and copied over."""
+    state = s[f"state{k}"]
+    host = torch.empty(state.shape, dtype=torch.float32, device="cpu")
+    if state.dtype != torch.uint8:
+        host.copy_(state)
+        return host
+    import bitsandbytes.functional as F
+
+    codes, absmax, out = state.view(-1), s[f"absmax{k}"], host.view(-1)
+    for start in range(0, codes.numel(), CHUNK):
+        end = min(codes.numel(), start + CHUNK)
+        out[start:end].copy_(F.dequantize_blockwise(
+            codes[start:end], absmax=absmax[start // BLOCK : -(-end // BLOCK)], code=s[f"qmap{k}"], blocksize=BLOCK,
+        ))
+    return host
+
+
+class MomentStream:
+    """A moment of one parameter's shard that a checkpoint writes or reads by itself
+    (:meth:`LocalShardOptimizer.streamed`): its placeholder stands in the optimizer's state dict with the
+    moment's layout and no values.
+
+    Saving, :meth:`values` gives the fp32 values in host memory when the writer reaches it. Loading,
+    :meth:`buffer` is the host tensor the reader fills, in one piece or several (each announced to
+    :meth:`commit`), and the last piece quantizes it into the 8-bit state and lets it go.
+    """
+
+    def __init__(self, state: dict[str, Any], k: int, shape: torch.Size) -> None:
+        self.state, self.k, self.shape = state, k, shape  # bitsandbytes' state of the shard, moment 1 or 2
+        self._buffer: torch.Tensor | None = None
+        self._filled = 0
+
+    def values(self) -> torch.Tensor:
+        """This shard's fp32 moment in host memory, shaped as the shard."""
+        return _moment_on_host(self.state, self.k)
+
+    def buffer(self) -> torch.Tensor:
+        """The host tensor a checkpoint's reader fills with this shard's moment."""
+        if self._buffer is None:
+            self._buffer = torch.empty(self.shape, dtype=torch.float32, device="cpu")
+        return self._buffer
+
+    def commit(self, count: int) -> None:
+        """``count`` more values of :meth:`buffer` were read; once all are, quantize them into the state."""
+        self._filled += count
+        if self._buffer is not None and self._filled >= self._buffer.numel():
+            _import_moment(self.state, self.k, self._buffer)
+            self._buffer, self._filled = None, 0
+
+
+def moment_stream(value: Any) -> MomentStream | None:
+    """The :class:`MomentStream` whose placeholder ``value`` is (None for any other value)."""
+    return getattr(value, "_moment_stream", None)
+
+
+def _streamed(p: torch.Tensor, s: dict[str, Any], local: torch.Tensor) -> dict[str, Any]:
+    """One shard's state as :meth:`LocalShardOptimizer.state_dict` streams it: the step, and a placeholder
+    per moment laid out as ``p`` whose values are one fp32 number broadcast over the shape (4 bytes, on the
+    mesh's device: a DTensor's local tensor must be there, and torch.distributed.checkpoint reads only the
+    layout of what it will not write or read itself)."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {"step": torch.tensor(float(s["step"]))}
     for k, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
-        value = _local(saved[name]).to(torch.float32)
-        target = s[f"state{k}"]
-        if target.dtype != torch.uint8:
-            target.copy_(value.view_as(target))
-            continue
-        _requantize(value.reshape(-1), s[f"qmap{k}"], s[f"absmax{k}"], target)
+        device = p.device_mesh.device_type if isinstance(p, DTensor) else local.device
+        stub = torch.zeros((), dtype=torch.float32, device=device).expand(local.shape)
+        if isinstance(p, DTensor):
+            stub = DTensor.from_local(stub, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+        stub._moment_stream = MomentStream(s, k, local.shape)  # type: ignore[attr-defined]
+        out[name] = stub
+    return out
 
 
 def _requantize(value: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor) -> None:

@@ -177,3 +177,109 @@ def test_eight_bit_step_synchronising_once_updates_as_bitsandbytes_does(name):
                 assert torch.equal(sa[k], sb[k]), k
     assert opts["ours"].state[params["ours"][0]]["state1"].dtype == torch.uint8
     assert opts["ours"].state[params["ours"][1]]["step"] == 2  # its step without a gradient was skipped
+
+
+class _LiveBytes:
+    """A dispatch mode counting the bytes of the storages made inside it that are still alive, per producing
+    operator (``ops`` of interest: their outputs' storages alone are counted) and at most ever."""
+
+    def __init__(self, ops: tuple[str, ...], dtype: torch.dtype = torch.float32) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                out = func(*args, **(kwargs or {}))
+                if str(func.overloadpacket) in ops:
+                    for t in out if isinstance(out, (tuple, list)) else (out,):
+                        if type(t) is torch.Tensor and t.dtype == dtype:
+                            outer._born(t.untyped_storage())
+                return out
+
+        self.mode, self.now, self.peak, self._live = Mode(), 0, 0, set()
+
+    def _born(self, storage) -> None:  # type: ignore[no-untyped-def]
+        import weakref
+
+        key, n = storage.data_ptr(), storage.nbytes()
+        if key in self._live:
+            return
+        self._live.add(key)
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+        def gone() -> None:
+            self._live.discard(key)
+            self.now -= n
+
+        weakref.finalize(storage, gone)
+
+
+@pytest.fixture()
+def one_rank_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _sharded_8bit():
+    """Four 128 x 128 linears under FSDP2 (DTensor parameters: 8-bit moments for the weights, fp32 for the
+    biases) and the trainer's sharded 8-bit AdamW over them."""
+    from torch.distributed.fsdp import fully_shard
+
+    from finetune.recipe import TrainConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, build_optimizer(model, TrainConfig(optimizer="adamw8bit", lr=1e-2), Strategy.FSDP)
+
+
+def test_eight_bit_checkpoint_holds_one_moment_at_a_time_and_resumes(tmp_path, one_rank_group):
+    """Saving the sharded 8-bit AdamW through the checkpointer's DCP path dequantizes its moments one at a
+    time (bitsandbytes' dequantization outputs alive at once: one weight's moment, where exporting them all
+    first held eight), loading holds one moment's host buffer (and the reader's copy of it), and the loaded
+    8-bit state is the saved one: the same codes, each block's absmax within an ulp, the next step's weights
+    equal."""
+    from finetune.train.checkpoint import ModelState, OptimizerState, load_sharded, save_sharded
+    from finetune.train.optimizer import LocalShardOptimizer
+
+    model, opt = _sharded_8bit()
+    assert isinstance(opt, LocalShardOptimizer)
+    x = torch.randn(8, 128)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    moment = 128 * 128 * 4  # one weight's fp32 moment
+    saving = _LiveBytes(("bitsandbytes.dequantize_blockwise",))
+    with saving.mode:
+        save_sharded({"model": ModelState(model, adapters_only=False), "optimizer": OptimizerState(model, opt)},
+                     tmp_path / "state", 1)
+    assert saving.peak == moment, saving.peak / moment
+
+    resumed, opt2 = _sharded_8bit()
+    loading = _LiveBytes(("aten.empty", "aten.clone", "aten._to_copy", "bitsandbytes.dequantize_blockwise"))
+    with loading.mode:
+        load_sharded({"model": ModelState(resumed, adapters_only=False), "optimizer": OptimizerState(resumed, opt2)},
+                     tmp_path / "state", 1)
+    assert 0 < loading.peak <= 2 * moment + 16 * 1024, loading.peak / moment
+    for p, q in zip(opt._params(), opt2._params(), strict=True):
+        a, b = opt.state[p], opt2.state[q]
+        assert a["step"] == b["step"] == 1
+        for k in ("state1", "state2"):
+            assert torch.equal(a[k], b[k]), k
+        for k in ("absmax1", "absmax2"):
+            if k in a:
+                torch.testing.assert_close(a[k], b[k], rtol=2e-7, atol=0)
+    for m, o in ((model, opt), (resumed, opt2)):
+        m(x).square().mean().backward()
+        o.step()
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=1e-7)
