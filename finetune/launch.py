@@ -56,6 +56,9 @@ def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
 
 def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOptions()) -> int:
     """Run ``recipe``: plan, then train in-process (1 process) or through torch.distributed.run (N)."""
+    from finetune.train import allocator
+
+    allocator.configure()  # before CUDA initialises here; the workers inherit it (finetune/train/allocator.py)
     import torch
 
     from finetune.plan.flowchart import plan_for_run

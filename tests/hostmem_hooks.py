@@ -7,7 +7,8 @@ created (they exist under the same names in the code before sharded loading, so 
 ``final`` (Trainer.save), ``resume`` (RunCheckpoints.start: loading a checkpoint when resuming) and ``step``
 (Trainer.train_step, the largest of the steps). Each rank writes ``$FINETUNE_HOSTMEM_DIR/rank<R>.json``:
 ``{phase: {"start": bytes at its start, "peak": highest bytes during it, "seconds": its duration}}``, with
-``run``: the hooks' start and the highest bytes from there to the end of the last phase.
+``run``: the hooks' start and the highest bytes from there to the end of the last phase, and ``environment``:
+the CUDA allocator variables the process started with (the launcher sets them for its workers).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class HostMemoryHooks(TrainerHooks):
         if _SAMPLER is not None:
             return
         _SAMPLER = _Sampler()
+        _PHASES["environment"] = {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
         from finetune.train import resume, trainer
 
         trainer.Trainer._setup_model = _record("load", trainer.Trainer._setup_model)

@@ -16,6 +16,7 @@ import torch
 from finetune.generation import greedy_tokens, left_padded
 from finetune.loss import causal_lm_loss
 from finetune.train.data import EvalPrompt, Example, collate
+from finetune.train.data.batches import to_device
 from finetune.train.data.retain import RetainData
 from finetune.train.distributed import DistContext
 
@@ -56,7 +57,7 @@ def eval_loss(
     count = torch.zeros((), dtype=torch.float64)
     for b in range(n_batches):
         chunk = mine[b * batch_size : (b + 1) * batch_size] or examples[:1]  # dummy batch keeps ranks in step
-        batch = {k: v.to(ctx.device) for k, v in collate(chunk, pad_id).items()}
+        batch = {k: to_device(v, ctx.device) for k, v in collate(chunk, pad_id).items()}
         if pipeline is not None:
             s, n = pipeline.eval_loss(batch)
         else:
@@ -79,9 +80,9 @@ def greedy_generate(
     ``pipeline``: through its stages, one forward of the whole sequence per token."""
     ids, mask = left_padded(prompts, pad_id)
     if pipeline is not None:
-        out_tokens = pipeline.greedy_tokens(ids.to(device), mask.to(device), max_new_tokens)
+        out_tokens = pipeline.greedy_tokens(to_device(ids, device), to_device(mask, device), max_new_tokens)
     else:
-        out_tokens = greedy_tokens(model, ids.to(device), mask.to(device), max_new_tokens, autocast)
+        out_tokens = greedy_tokens(model, to_device(ids, device), to_device(mask, device), max_new_tokens, autocast)
     result = []
     for row in out_tokens.tolist():
         result.append(row[: row.index(eos_id)] if eos_id in row else row)

@@ -39,9 +39,11 @@ from finetune.kernels import experts_kernel_of
 from finetune.loss import causal_lm_loss, count_target_tokens, document_ids, target_rows
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe
+from finetune.train import allocator
 from finetune.train.checkpoint import ModelState, OptimizerState, RNGState
 from finetune.train.console import Reporter
 from finetune.train.data import BatchStream, TaskData
+from finetune.train.data.batches import to_device
 from finetune.train.data.preference import PreferenceStream
 from finetune.train.data.retain import RetainData, load_retain
 from finetune.train.data.task import load_task_data
@@ -146,6 +148,8 @@ class Trainer:
             self.plan, self.trainable, self.total_params, self.total, self.data.stats, ctx.world_size,
             getattr(self.data, "notes", []), experts_kernel_of(unwrap(self.model)),
         )
+        if ctx.device.type == "cuda":
+            self.reporter.print(allocator.describe())
         states = {
             "model": ModelState(self.model, adapters_only=self.spec.method.adapters),
             "optimizer": OptimizerState(self.model, self.optimizer),
@@ -464,13 +468,13 @@ def _to_device(
     mask, transformers reads its values on the host to decide whether it may skip it (a device sync in every
     forward) and otherwise builds a (B, 1, T, T) mask; without one it takes the causal kernel directly.
     """
-    moved = {k: v.to(device) for k, v in mb.items() if k != "attention_mask"}
+    moved = {k: to_device(v, device) for k, v in mb.items() if k != "attention_mask"}
     rows = target_rows(mb, shard)
     if rows is not None:
-        moved["target_rows"] = rows.to(device)
+        moved["target_rows"] = to_device(rows, device)
     if mb.get("position_ids") is not None:  # packed rows: their documents, for transformers' mask code
         docs = document_ids(mb["position_ids"])  # (an empty tensor: one document per row)
-        moved["document_ids"] = (docs if docs is not None else torch.empty(0, dtype=torch.long)).to(device)
+        moved["document_ids"] = to_device(docs if docs is not None else torch.empty(0, dtype=torch.long), device)
     return moved
 
 

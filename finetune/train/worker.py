@@ -104,6 +104,9 @@ def _set_threads() -> None:
 
 def run_worker(request_path: str) -> None:
     """Train this rank as the request says; global rank 0 writes recipe.yaml, plan.json and every output."""
+    from finetune.train import allocator
+
+    allocator.configure()  # inherited from the launcher; before CUDA initialises in any case
     _quiet_if_not_main(int(os.environ.get("RANK", 0)))
     _set_threads()
     from finetune.train.distributed import DistContext

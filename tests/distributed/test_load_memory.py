@@ -70,8 +70,8 @@ def start_lora_run(
         output={"dir": str(out)},
     )
     probe = tmp / f"{name}-mem"
-    env = {
-        **os.environ,
+    env = {  # without allocator settings of the caller's: the launcher's own reach the workers
+        **{k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")},
         "FINETUNE_HOOKS": f"{HOOKS}:HostMemoryHooks",
         "FINETUNE_HOSTMEM_DIR": str(probe),
         "OMP_NUM_THREADS": "1",
@@ -104,6 +104,8 @@ def test_lora_fsdp_of_an_fp32_checkpoint_holds_its_shards_not_the_checkpoint(tmp
     runs = [start_lora_run(tmp_path, name, tmp_path / name) for name in ("mid", "tiny")]
     (mid, job), (tiny, _) = (finish_run(*run) for run in runs)
     bound = sizes["bf16"] // 2 + 3 * sizes["block"] + 64 * MiB
+    for rank in (0, 1):  # the allocator setting the launcher gives its workers (finetune/train/allocator.py)
+        assert mid[rank]["environment"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     for rank in (0, 1):
         over = mid[rank]["run"]["peak"] - tiny[rank]["run"]["peak"]
         print(f"rank {rank}: peak RssAnon {mid[rank]['run']['peak'] / MiB:.0f} MiB, {over / MiB:.0f} over the tiny run")

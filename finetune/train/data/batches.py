@@ -103,6 +103,23 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, Any]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask, "num_tokens": real}
 
 
+def transfer_options(device: Any) -> tuple[bool, bool]:
+    """How a host batch reaches ``device``: (pinned first, non-blocking). On CUDA both: a copy from pageable
+    memory is staged by the driver through a pinned buffer of its own, and the host waits for it; from
+    pinned memory the copy is a DMA the host only enqueues, ordered before the forward that reads it on the
+    same stream (torch keeps the pinned block alive until the copy is done). Elsewhere a plain copy."""
+    import torch
+
+    on_gpu = torch.device(device).type == "cuda"
+    return on_gpu, on_gpu
+
+
+def to_device(t: Any, device: Any) -> Any:
+    """``t`` (a host tensor of a batch) on ``device``, as :func:`transfer_options` says."""
+    pin, non_blocking = transfer_options(device)
+    return (t.pin_memory() if pin else t).to(device, non_blocking=non_blocking)
+
+
 class BatchStream:
     """Deterministic global batches: the order is a pure function of (seed, epoch).
 
