@@ -57,7 +57,7 @@ class Cell:
     offload: str | None = "none"  # none | optimizer | parameters
     precision: str | None = None
     compile: bool = False
-    attention: str = "sdpa"
+    attention: str | None = "sdpa"  # None: auto, resolved by the planner
     packing: bool = False
     checkpointing: bool | None = None
     objective: str = "sft"  # train.objective
@@ -102,7 +102,7 @@ class Cell:
             offload=None if offload == "auto" else offload,
             precision=None if precision == "auto" else precision,
             compile=bool(compile),
-            attention=attention,
+            attention=None if attention == "auto" else attention,
             packing=bool(packing),
             checkpointing=checkpointing,
             objective=objective,

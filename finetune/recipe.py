@@ -73,11 +73,13 @@ class ModelConfig(Section):
         False,
         description="Download a Hub model whose weights are only pickles (.bin/.pt); unpickling can run code.",
     )
-    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = Field(
-        "sdpa",
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex_attention"] = Field(
+        "auto",
         description="Attention kernel used for training and planned for by `finetune plan`. flex_attention: "
         "torch's FlexAttention with a block-sparse document mask for packed rows (no T x T mask) on a GPU; on CPU, "
-        "where torch has no flex backward, the same mask is evaluated densely by sdpa.",
+        "where torch has no flex backward, the same mask is evaluated densely by sdpa. auto: flex_attention for "
+        "packed rows (data.packing) on GPUs, where sdpa would need a (B, 1, T, T) mask and lose its flash kernel; "
+        "sdpa otherwise (eager for an architecture without sdpa).",
     )
 
 

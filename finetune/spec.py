@@ -302,8 +302,8 @@ class ExecSpec:
     # with tp > 1: norms, dropout and the residual stream sharded over the sequence between the blocks' linears,
     # and the head and loss computed on each rank's positions (distributed.sequence_parallel)
     sequence_parallel: bool = False
-    # the attention implementation the model is built with: the recipe's model.attn_implementation, or eager for
-    # an architecture transformers has no sdpa attention for (gpt-oss's attention sinks)
+    # the attention kernel the model is built with: model.attn_implementation (auto resolved: attention_kernel),
+    # or eager for an architecture transformers has no sdpa attention for (gpt-oss's attention sinks)
     attention: str = "sdpa"
     # base tensors the architecture keeps in fp32 whatever the dtypes above say (transformers'
     # _keep_in_fp32_modules_strict in a 16-bit base, also _keep_in_fp32_modules in fp16: DeepSeek-V3's router
@@ -475,10 +475,11 @@ def execution_spec(
     reference kind (:func:`reference_kind`). ``pp``: pipeline ranks, ``pp_layers`` the decoder layers of each
     stage (pp x stages per rank of them), ``pp_schedule`` their schedule; ``world_size`` is pp x dp x tp.
     ``sequence_parallel``: TP's sequence parallelism (kept only with tp > 1). ``attention``: the attention
-    implementation the model is built with. ``keep_fp32``: the architecture's (strict, fp16-only) patterns of
-    tensors kept in fp32 (the inventory's): the strict ones apply to a 16-bit base, both to an fp16 one.
+    kernel the model is built with, resolved (:func:`attention_kernel`). ``keep_fp32``: the architecture's
+    (strict, fp16-only) patterns of tensors kept in fp32 (the inventory's): the strict ones apply to a 16-bit base, both to an fp16 one.
     ``aux_loss_coef``: a mixture of experts' load-balancing loss coefficient (0: none; the sft objective only).
     """
+    assert attention in ATTENTION_KERNELS, f"attention {attention} is resolved before the spec"
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
     compute = p.compute
     trained = adapter_spec(m, lora, prefix, adapter)
@@ -555,6 +556,27 @@ def _fp32_tensors(keep_fp32: tuple[tuple[str, ...], tuple[str, ...]], base: str 
     if base == "fp16":
         return tuple(sorted({*strict, *fp16_only}))
     return ()
+
+
+#: The attention kernels a model is built with (transformers' names); ``auto`` resolves to one of them.
+ATTENTION_KERNELS = ("sdpa", "eager", "flex_attention")
+
+
+def attention_kernel(asked: str, *, packed: bool, device: str, flex: bool = True, sdpa: bool = True) -> str:
+    """``model.attn_implementation`` resolved for a run on ``device`` ("cuda" or "cpu"), ``packed`` saying
+    whether its rows are packed, ``flex``/``sdpa`` whether the architecture has those kernels in transformers.
+
+    ``auto`` is flex_attention for packed rows on a GPU: transformers turns the rows' restarting positions into a
+    block-sparse document mask, while sdpa is handed a (B, 1, T, T) mask, which keeps it off its flash kernel
+    (flash attention takes no arbitrary mask) and costs T x T per row. Otherwise sdpa (eager for an architecture
+    without it): unpacked rows need no mask, and on CPU torch has no flex backward (finetune/flex.py runs flex
+    densely through sdpa there, correct but not smaller). A kernel the recipe names is kept.
+    """
+    if asked != "auto":
+        return asked
+    if packed and device == "cuda" and flex:
+        return "flex_attention"
+    return "sdpa" if sdpa else "eager"
 
 
 def reference_kind(objective: str, method: str | Method, reference: str) -> str:

@@ -28,7 +28,7 @@ class Request:
     adapter: Any = None  # the recipe's adapter section (method adapter)
     model_dtype: str = "auto"  # model.dtype: the frozen base's storage (lora)
     quantization: Any = None  # the recipe's quantization section (qlora); None: its defaults
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "sdpa"  # model.attn_implementation (a recipe's default is auto: settle resolves it)
     optimizer: str = "auto"  # train.optimizer (auto: adamw unless nothing fits without 8-bit state)
     offload: str = "auto"  # train.offload (auto: none unless nothing fits without it)
     compile: bool = False  # train.compile: every decoder block compiled

@@ -17,7 +17,7 @@ from finetune.plan.pipeline import stages_per_rank
 from finetune.plan.request import Request
 from finetune.plan.shapes import Inventory, build_inventory
 from finetune.plan.tensor_parallel import degrees, tp_config, tp_problem
-from finetune.spec import AdapterSpec, ExecSpec, adapter_spec, execution_spec
+from finetune.spec import AdapterSpec, ExecSpec, adapter_spec, attention_kernel, execution_spec
 
 # -- the settled request ------------------------------------------------------------------------------------
 #: What a pipeline layout the walk chooses runs with (Setting.for_pipeline), for the capability table's check.
@@ -183,7 +183,7 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
     tp, tp_auto = _resolve_tp(req, hw, world, cell, log)
     v = stages_per_rank(req.pp_schedule, req.pp_stages_per_rank)
     pp, pp_auto = _resolve_pp(req, hw, world, tp, v, inv, log)
-    req = _resolve_attention(req, inv, log)
+    req = _resolve_attention(req, inv, hw, log)
     if inv.moe is not None:
         log.append(w.MixtureOfExperts(
             config_class_name(req.config).replace("Config", ""), inv.moe.experts, inv.moe.top_k, inv.moe.shared_experts,
@@ -283,9 +283,24 @@ def pp_degrees(world: int, per_node: int, nodes: int, layers: int, v: int, tp: i
     return tuple(out)
 
 
-def _resolve_attention(req: Request, inv: Inventory, log: list[w.Step]) -> Request:
-    """The request with the attention kernel the architecture has in transformers (``inv`` knows)."""
+def _resolve_attention(req: Request, inv: Inventory, hw: Hardware, log: list[w.Step]) -> Request:
+    """The request with the attention kernel it runs: ``auto`` as :func:`finetune.spec.attention_kernel`
+    decides for the hardware and the packing, a pinned one as the architecture has it in transformers
+    (``inv`` knows)."""
     arch = config_class_name(req.config).replace("Config", "")
+    if req.attn_implementation == "auto":
+        kernel = attention_kernel("auto", packed=req.packed, device=hw.device, flex=inv.flex, sdpa=inv.sdpa)
+        if kernel == "flex_attention":
+            log.append(w.Note(
+                "Attention: flex_attention for the packed rows on the GPUs (model.attn_implementation: auto): a "
+                "block-sparse document mask, where sdpa would take a (B, 1, T, T) mask and lose its flash kernel."
+            ))
+        elif req.packed and hw.device == "cuda":
+            log.append(w.Note(
+                f"Attention: {kernel} for the packed rows ({arch} has no flex attention in transformers): a "
+                "(B, 1, T, T) document mask per micro-batch."
+            ))
+        return replace(req, attn_implementation=kernel)
     if req.attn_implementation == "sdpa" and not inv.sdpa:
         log.append(w.Note(
             f"{arch} has no sdpa attention in transformers: planned and trained with eager attention "

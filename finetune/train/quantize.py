@@ -67,6 +67,7 @@ def build_random_base(loaded: LoadedRecipe, path: str) -> torch.nn.Module:
         path, trust_remote_code=r.model.trust_remote_code, local_files_only=True
     )
     torch.manual_seed(r.train.seed)
+    # the kernel does not change the drawn weights: the recipe's, auto as for unpacked rows
     return AutoModelForCausalLM.from_config(
         config,
         dtype=torch.float32,

@@ -186,7 +186,7 @@ def reference_fingerprint(loaded: LoadedRecipe, spec: ExecSpec) -> list[Any]:
     how = [
         spec.method.value, repr(spec.adapter), repr(spec.quant), spec.precision.value, spec.compute_dtype,
         spec.trainable_dtype, spec.frozen_dtype, spec.autocast, spec.fsdp_param_dtype, spec.reference_dtype,
-        r.model.dtype, r.model.attn_implementation,
+        r.model.dtype, spec.attention,
     ]
     return [weights, how]
 

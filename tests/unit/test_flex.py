@@ -158,3 +158,35 @@ def test_cpu_flex_plan_counts_the_fallbacks_masks(tmp_path, finetune_cmd):
     assert saved_copies <= masks < 2 * saved_copies, (masks, saved_copies)
     missed = memory["measured_peak"] - (gpu["total"] - gpu["overhead"])
     assert missed == pytest.approx(masks, rel=0.02), (missed, masks)
+
+
+@pytest.mark.parametrize(
+    ("attn", "packing", "device", "want"),
+    [
+        ("auto", True, "cuda", "flex_attention"),  # `finetune plan` for a GPU, packed rows
+        ("auto", True, "cpu", "sdpa"),  # the same recipe planned for a run on this CPU
+        ("auto", False, "cuda", "sdpa"),  # unpacked rows need no mask
+        ("sdpa", True, "cuda", "sdpa"),  # a pinned kernel is kept
+    ],
+)
+def test_auto_attention_is_flex_for_packed_rows_on_gpus(tmp_path, monkeypatch, attn, packing, device, want):
+    """model.attn_implementation: auto (the default) resolves in the plan: its execution spec, which the trainer
+    builds the model with, holds the kernel, and the walk says why flex was chosen."""
+    from finetune.plan.command import PlanOptions, build_plan
+    from finetune.plan.flowchart import plan_for_run
+    from finetune.recipe import load_recipe
+    from tests.support import micro_model_dir
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))
+    model = micro_model_dir(tmp_path / "micro", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    recipe = tiny_recipe(tmp_path / "out", model={"path": str(model), "attn_implementation": attn},
+                         data={"packing": packing, "max_seq_len": 64})
+    path = str(write_recipe(tmp_path / "r.yaml", recipe))
+    if device == "cuda":
+        plan = build_plan(PlanOptions(recipe=path, gpus=1, gpu_memory="80GiB"))
+    else:
+        plan = plan_for_run(load_recipe(path), nproc=1, nnodes=1, device="cpu")
+    assert plan.execution is not None and plan.execution.attn_implementation == want
+    said = [line for line in plan.walk if line.startswith("Attention: flex_attention for the packed rows")]
+    assert len(said) == (want == "flex_attention" and attn == "auto")
