@@ -195,11 +195,18 @@ def step_seconds(c: Candidate) -> float:
     return c.time.step if c.time is not None else 0.0
 
 
-def plan_evaluation(s: Setting, c: Candidate) -> tuple[Candidate, w.EvaluationPlanned]:
-    """The evaluation's peak at eval.batch_size (or the largest batch that fits, for auto) on ``c``: the
-    candidate with its evaluation figures, and the step that says them."""
-    from finetune.plan.evaluation import MAX_AUTO_EVAL_BATCH, eval_memory
+def evaluation_passes(s: Setting, c: Candidate) -> dict[str, int]:
+    """The tensors of ``c``'s evaluation at its planned batch (``c.eval_batch_size``), per pass at its peak:
+    ``evaluation`` (the eval loss) and ``generation`` (finetune/plan/evaluation.py: eval_phases)."""
+    from finetune.plan.evaluation import eval_phases
 
+    inv, config, spec, strategy, setup = _evaluation_inputs(s, c)
+    return eval_phases(inv, config, spec, strategy, setup, max(1, c.eval_batch_size), s.req.eval_max_new_tokens)[2]
+
+
+def _evaluation_inputs(s: Setting, c: Candidate) -> tuple[Any, Any, TraceSpec, str, Setup]:
+    """What an evaluation of ``c`` is planned from: one TP rank's inventory (the peak stage's under a pipeline)
+    and config, the trace, the strategy it runs as and the setup."""
     world = 1 if c.strategy == "single" else s.world
     execution = s.exec_spec(c.method, c.strategy, False, world, c.tp, c.optimizer, c.offload, pp=c.pp)
     spec = TraceSpec.of(execution, seq_len=s.req.seq_len, packed=False, attn_implementation=s.req.attn_implementation,
@@ -216,6 +223,15 @@ def plan_evaluation(s: Setting, c: Candidate) -> tuple[Candidate, w.EvaluationPl
             max(range(c.pp), key=lambda r: c.stage_memory[r].total)
         ]
         inv = stage_inventory(inv, st.layers, st.first, st.last, bool(getattr(s.req.config, "tie_word_embeddings", False)))
+    return inv, config, spec, strategy, setup
+
+
+def plan_evaluation(s: Setting, c: Candidate) -> tuple[Candidate, w.EvaluationPlanned]:
+    """The evaluation's peak at eval.batch_size (or the largest batch that fits, for auto) on ``c``: the
+    candidate with its evaluation figures, and the step that says them."""
+    from finetune.plan.evaluation import MAX_AUTO_EVAL_BATCH, eval_memory
+
+    inv, config, spec, strategy, setup = _evaluation_inputs(s, c)
 
     def at(batch: int) -> tuple[int, Any]:
         return eval_memory(inv, config, spec, strategy, setup, batch, s.req.eval_max_new_tokens)

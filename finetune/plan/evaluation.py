@@ -153,7 +153,17 @@ def eval_memory(
 ) -> tuple[int, EvalPeak]:
     """Per-GPU bytes at an evaluation's peak on ``strategy``: parameters, AdamW state (evaluations after the
     first step), the strategy's resident buffers, no gradients (set to None after each step), and the traced
-    activations; plus the runtime overhead as for training (the CUDA context, NCCL's buffers, the allocator's slack). Returns (total, activations)."""
+    activations; plus the runtime overhead as for training (the CUDA context, NCCL's buffers, the allocator's
+    slack). Returns (total, activations)."""
+    total, peak, _ = eval_phases(inv, config, spec, strategy, setup, batch, max_new_tokens)
+    return total, peak
+
+
+def eval_phases(
+    inv: Any, config: Any, spec: TraceSpec, strategy: str, setup: Any, batch: int, max_new_tokens: int
+) -> tuple[int, EvalPeak, dict[str, int]]:
+    """:func:`eval_memory`'s total and activations, and the tensors of each pass at its own peak (without the
+    runtime overhead, as a run's measurement counts them): ``evaluation`` (the eval loss) and ``generation``."""
     from finetune.plan.memory import (
         offloads_to_host,
         optimizer_state_bytes,
@@ -183,9 +193,11 @@ def eval_memory(
     ref = reference_bytes(inv, setup.spec)  # dpo's frozen copy, sharded or replicated as the parameters
     params += -(-ref // n) if strategy in ("zero2", "fsdp", "hsdp") else ref
     peak = eval_peak(config, spec, inv.num_layers, batch, max_new_tokens)
-    acts = peak.activations
+    extra = 0
     if setup.spec.quant is not None:  # bitsandbytes dequantizes one 4-bit weight at a time
-        acts += inv.largest_base_numel(quantizable_only=True) * DTYPE_BYTES[setup.spec.quant.compute_dtype]
-    tensors = params + opt + buffers + acts
+        extra = inv.largest_base_numel(quantizable_only=True) * DTYPE_BYTES[setup.spec.quant.compute_dtype]
+    states = params + opt + buffers
+    tensors = states + peak.activations + extra
     overhead = runtime_overhead(tensors, setup)
-    return tensors + overhead, peak
+    passes = {"evaluation": states + peak.loss + extra, "generation": states + peak.generation + extra}
+    return tensors + overhead, peak, passes

@@ -24,7 +24,7 @@ from typing import Any
 from finetune.errors import UserError
 from finetune.methods import method_type
 from finetune.plan import walk as w
-from finetune.plan.candidates import evaluate, plan_evaluation, step_seconds
+from finetune.plan.candidates import evaluate, evaluation_passes, plan_evaluation, step_seconds
 from finetune.plan.hardware import INTERCONNECTS, Hardware, detect_hardware
 from finetune.plan.memory import FRAGMENTATION, overhead_parts
 from finetune.plan.pipeline import microbatch_problem, pipeline_note
@@ -78,9 +78,18 @@ def chosen_memory(
     return _chosen_candidate(loaded, plan, device=device, first_step=first_step, seq_len=seq_len).memory
 
 
-def _chosen_candidate(
-    loaded: LoadedRecipe, plan: Plan, *, device: str, first_step: bool = False, seq_len: int | None = None
-) -> Candidate:
+def chosen_phase_memory(loaded: LoadedRecipe, plan: Plan, *, device: str) -> dict[str, int]:
+    """Predicted tensors of ``plan.chosen`` in the phases around the steps, each at its own peak (without the
+    runtime overhead, as a run's measurement counts them): ``evaluation`` (the eval loss) and ``generation`` at
+    the planned eval batch, and ``checkpoint``, the states a save finds (parameters and optimizer state; the
+    gradients are gone, and the save copies to host memory one tensor at a time)."""
+    c = plan.chosen
+    phases = dict(evaluation_passes(_chosen_setting(loaded, plan, device=device), c)) if c.eval_batch_size else {}
+    phases["checkpoint"] = c.memory.params + c.memory.optimizer
+    return phases
+
+
+def _chosen_setting(loaded: LoadedRecipe, plan: Plan, *, device: str, seq_len: int | None = None) -> Setting:
     c = plan.chosen
     req = replace(request_from_recipe(loaded), for_run=True)
     if seq_len is not None:
@@ -89,6 +98,14 @@ def _chosen_candidate(
     s = replace(settle(req, hw), precision=str(c.precision), global_batch=c.micro_batch_size * c.grad_accum_steps * c.dp)
     if c.pp > 1 and c.pp_layers:  # the plan's own split (the walk may have balanced it by memory)
         s = replace(s, pp=c.pp, pp_layers=tuple(c.pp_layers))
+    return s
+
+
+def _chosen_candidate(
+    loaded: LoadedRecipe, plan: Plan, *, device: str, first_step: bool = False, seq_len: int | None = None
+) -> Candidate:
+    c = plan.chosen
+    s = _chosen_setting(loaded, plan, device=device, seq_len=seq_len)
     return evaluate(
         s, c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=first_step, tp=c.tp,
         optimizer=c.optimizer, offload=c.offload, pp=c.pp,

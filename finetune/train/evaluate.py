@@ -7,7 +7,9 @@ forward is a collective: a rank that stopped early would leave the others waitin
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,10 +123,13 @@ def evaluate(
     model: torch.nn.Module, eval_examples: list[Example], eval_prompts: list[EvalPrompt], tokenizer: Any,
     ctx: DistContext, *, batch_size: int, max_new_tokens: int, autocast: Any, retain: RetainData | None = None,
     task: bool = True, objective: Any = None, pipeline: Any = None,
+    measure: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> EvalResult:
     """Eval loss and exact match, with the model in eval mode (restored to train mode after); with ``retain``,
     also the retain set's loss and exact match. ``task=False``: the retain set only (the run's measurement
-    before training when ``eval.at_start`` is off)."""
+    before training when ``eval.at_start`` is off). ``measure(phase)``: a context around the loss pass
+    (``evaluation``) and the generation (``generation``), the memory probe's."""
+    phase = measure or (lambda _: contextlib.nullcontext())
     was_training = model.training
     model.eval()
     loss = em = None
@@ -134,15 +139,18 @@ def evaluate(
         if task and objective is not None:  # preference pairs: the objective's loss and figures
             from finetune.train.reference import preference_eval
 
-            loss, prefs = preference_eval(
-                model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast, objective  # type: ignore[arg-type]
-            )
+            with phase("evaluation"):
+                loss, prefs = preference_eval(
+                    model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast, objective  # type: ignore[arg-type]
+                )
         elif task:
-            loss = eval_loss(model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast, pipeline)
+            with phase("evaluation"):
+                loss = eval_loss(model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast, pipeline)
         if task:
-            em, samples = exact_match(
-                model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast, pipeline
-            )
+            with phase("generation"):
+                em, samples = exact_match(
+                    model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast, pipeline
+                )
         result = EvalResult(loss, em, len(eval_prompts) if task else 0, samples, preference=prefs)
         if retain is not None:
             result.retain_loss = eval_loss(

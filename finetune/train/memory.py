@@ -244,6 +244,102 @@ def write_report(path: str | Path, rep: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(rep, indent=2) + "\n")
 
 
+#: The phases around the training steps a run measures once each (the first of each), beside the plan's
+#: figures for them: the evaluation's loss pass, its generation, and the first checkpoint's save.
+PHASES = ("evaluation", "generation", "checkpoint")
+
+
+class HostPeak:
+    """Context manager sampling this process's anonymous resident memory (``RssAnon``) every 2 ms: ``peak`` is
+    the highest seen inside it (None where /proc/self/status has no RssAnon, i.e. not Linux)."""
+
+    def __init__(self) -> None:
+        self.peak: int | None = None
+        self._stop: Any = None
+
+    def __enter__(self) -> HostPeak:
+        import threading
+
+        if rss_anon() is None:
+            return self
+        self.peak = rss_anon()
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.002):
+                self.peak = max(self.peak or 0, rss_anon() or 0)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak or 0, rss_anon() or 0)
+
+
+def rss_anon() -> int | None:
+    """This process's anonymous resident memory in bytes (None without /proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def phase_report(
+    predicted: int, ranks: list[dict[str, Any]], *, host_predicted_per_node: int | None = None,
+    processes_per_node: int = 1,
+) -> dict[str, Any]:
+    """memory.json's entry for one phase: the plan's tensors beside the worst rank's measured peak (``ranks``:
+    :meth:`PeakMemory.figures`, each with ``host_peak`` when the process's host memory was sampled); with
+    ``host_predicted_per_node`` (the plan's job figure) also each node's host memory, the sum of its ranks'
+    peaks (ranks numbered node by node, ``processes_per_node`` to a node), the highest node against the plan."""
+    worst = worst_rank(ranks)
+    meas = int(worst["measured_peak"])
+    rep: dict[str, Any] = {
+        "predicted": predicted, "measured_peak": meas, "worst_rank": worst["rank"],
+        "error": (predicted - meas) / meas if meas else None,
+        "ranks": sorted(ranks, key=lambda r: r["rank"]),
+    }
+    if worst.get("device_used_peak") is not None:
+        rep["device_used_peak"] = worst["device_used_peak"]
+    hosts = [r.get("host_peak") for r in ranks]
+    if host_predicted_per_node is not None and all(h is not None for h in hosts):
+        nodes: dict[int, int] = {}
+        for r in ranks:
+            node = int(r["rank"]) // max(1, processes_per_node)
+            nodes[node] = nodes.get(node, 0) + int(r["host_peak"])
+        node, measured = max(nodes.items(), key=lambda kv: (kv[1], -kv[0]))
+        rep["host"] = {
+            "predicted_per_node": host_predicted_per_node, "measured_per_node": measured, "node": node,
+            "error": (host_predicted_per_node - measured) / measured if measured else None,
+        }
+    return rep
+
+
+def phase_line(name: str, rep: dict[str, Any]) -> str:
+    """The console's line of a :func:`phase_report`: ``memory, evaluation: predicted X, measured Y (Z% off)``."""
+    n = len(rep["ranks"])
+    on = f" on rank {rep['worst_rank']}" if n > 1 else ""
+    line = (
+        f"memory, {name}: predicted {fmt_bytes(rep['predicted'])}, measured {fmt_bytes(rep['measured_peak'])}{on} "
+        f"({_off(rep['error'])})"
+    )
+    host = rep.get("host")
+    if host is not None:
+        line += (
+            f"; host memory per node predicted {fmt_bytes(host['predicted_per_node'])}, measured "
+            f"{fmt_bytes(host['measured_per_node'])} ({_off(host['error'])})"
+        )
+    return line
+
+
 _TRACKER_CLASS: Any = None
 
 

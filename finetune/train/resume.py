@@ -13,6 +13,7 @@ counter: a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import time
@@ -106,6 +107,8 @@ class RunCheckpoints:
     last_saved: Path | None = None
     last_saved_step: int = -1
     save_seconds: list[float] = field(default_factory=list)
+    # a context around a save, given the phase's name (the memory probe's: finetune/train/step_memory.py)
+    measure: Callable[[str], contextlib.AbstractContextManager[Any]] = lambda _: contextlib.nullcontext()
 
     @property
     def out_dir(self) -> Path:
@@ -183,7 +186,8 @@ class RunCheckpoints:
     def save(self, state: TrainState) -> Path:
         """Checkpoint ``state`` now (every rank calls)."""
         started = time.perf_counter()
-        path = self.checkpointer.save(state.step)
+        with self.measure("checkpoint"):
+            path = self.checkpointer.save(state.step)
         self.last_saved, self.last_saved_step = path, state.step
         self.save_seconds.append(time.perf_counter() - started)
         return path

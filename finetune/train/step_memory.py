@@ -1,11 +1,16 @@
-"""The memory of a run's first optimizer steps: measured on every rank, gathered to rank 0, written to
-memory.json and printed beside the plan's prediction.
+"""The memory of a run's first optimizer steps and of the phases around them: measured on every rank,
+gathered to rank 0, written to memory.json and printed beside the plan's prediction.
 
 On CUDA always, on CPU with ``--measure-memory``: a :class:`~finetune.train.memory.PeakMemory` probe wraps the
 first two steps a run (or a resumed run) takes on every rank. After two steps the measurement includes AdamW's
 state, so it compares with the plan's steady state; a one-step run compares with the planner's first-step figure
 (no optimizer state yet). Each rank's figures (tensors; on CUDA also the allocator's reserve and the device's used
 memory) go to rank 0, which compares the plan with the worst rank's.
+
+The first of each phase in :data:`~finetune.train.memory.PHASES` is measured the same way (:meth:`StepMemory.phase`):
+the evaluation's loss pass and its generation beside the plan's evaluation at its batch, the first checkpoint's
+save beside the states the plan counts and, sampled per process, the plan's host memory per node for a save.
+memory.json keeps them under ``phases`` (written with the steps' report, and again after each later phase).
 """
 
 from __future__ import annotations
@@ -21,7 +26,16 @@ import torch
 from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe
 from finetune.train.distributed import DistContext
-from finetune.train.memory import PeakMemory, memory_report, summary_line, worst_rank, write_report
+from finetune.train.memory import (
+    HostPeak,
+    PeakMemory,
+    memory_report,
+    phase_line,
+    phase_report,
+    summary_line,
+    worst_rank,
+    write_report,
+)
 
 #: The steps measured: the 2nd is the steady state (AdamW's state exists by then).
 MEASURED_STEPS = 2
@@ -46,6 +60,11 @@ class StepMemory:
         self.longest = 0  # the widest micro-batch measured (tokens)
         self.measured_peak: int | None = None
         self.modules: tuple[torch.nn.Module, ...] = ()  # measured beside the model: dpo's frozen reference copy
+        self.model: torch.nn.Module | None = None  # what the phases' probes track (the trainer sets them)
+        self.optimizer: Any = None
+        self.phases: dict[str, dict[str, Any]] = {}  # memory.json's ``phases``: each measured phase's report
+        self._steps_report: dict[str, Any] | None = None  # memory.json's steps part, once written
+        self._predicted_phases: dict[str, int] | None = None
         self._report_seconds = 0.0  # spent in after() gathering and reporting: not training time
 
     def measuring(
@@ -121,6 +140,56 @@ class StepMemory:
             rows = (planned, self.longest)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         report = memory_report(probe.device, predicted, ranks, probe.steps, at_rows, rows)
-        write_report(self.out_dir / "memory.json", report)
+        self._steps_report = report
+        self._write()
         self.say(summary_line(report))
         return report
+
+    # -- the phases around the steps ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Any:
+        """Measure the code inside when it is the run's first ``name`` phase (evaluation, generation, checkpoint)
+        and the probe is on; every rank enters (the figures are gathered after it). Rank 0 reports it beside the
+        plan's figure: a line on the console, an entry of memory.json's ``phases``."""
+        if not self.enabled or name in self.phases:
+            yield
+            return
+        self.phases[name] = {}  # measured once, even when the block fails
+        probe = PeakMemory(self.ctx.device.type, modules=(self.model, *self.modules), optimizer=self.optimizer)
+        host = HostPeak() if name == "checkpoint" else contextlib.nullcontext()
+        with probe, host:
+            yield
+        started = time.perf_counter()
+        mine = probe.figures(self.ctx.rank)
+        if isinstance(host, HostPeak):
+            mine["host_peak"] = host.peak
+        ranks = self.gather(mine)
+        if self.ctx.is_main:
+            self.phases[name] = self.phase_report(name, ranks)
+            self._write()
+            self.say(phase_line(name, self.phases[name]))
+        self._report_seconds += time.perf_counter() - started
+
+    def phase_report(self, name: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        """memory.json's entry for phase ``name`` (rank 0): the plan's figures for it beside ``ranks``'."""
+        import os
+
+        from finetune.plan.flowchart import chosen_phase_memory
+
+        if self._predicted_phases is None:
+            self._predicted_phases = chosen_phase_memory(self.loaded, self.plan, device=self.ctx.device.type)
+        job = self.plan.job or {}
+        host = job.get("host_checkpoint_per_node") if name == "checkpoint" else None
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
+        return phase_report(self._predicted_phases.get(name, 0), ranks, host_predicted_per_node=host,
+                            processes_per_node=per_node)
+
+    def _write(self) -> None:
+        """memory.json: the steps' report with the phases measured so far (nothing before the steps' report)."""
+        if self._steps_report is None:
+            return
+        report = dict(self._steps_report)
+        done = {k: v for k, v in self.phases.items() if v}
+        if done:
+            report["phases"] = done
+        write_report(self.out_dir / "memory.json", report)

@@ -189,6 +189,8 @@ class Trainer:
             say=self.reporter.print, track=self.metrics.track,
         )
         self.step_memory.modules = (self.reference,) if self.reference is not None else ()
+        self.step_memory.model, self.step_memory.optimizer = self.model, self.optimizer
+        self.checkpoints.measure = self.step_memory.phase  # the first checkpoint's save
         self.eval_schedule = EvalSchedule.of(r.eval, self.total)
 
     def _setup_model(self) -> torch.nn.Module:
@@ -316,6 +318,7 @@ class Trainer:
             self.model, self.data.eval, self.data.eval_prompts, self.tokenizer, self.ctx,
             batch_size=eval_batch_size(r, self.plan.chosen), max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
             retain=self.retain, task=task, objective=self.objective, pipeline=self.pipeline,
+            measure=self.step_memory.phase,
         )
 
     def _evaluate_at_start(self) -> EvalResult | None:

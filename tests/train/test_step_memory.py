@@ -107,3 +107,28 @@ def test_gpt2_fp32_plan_follows_the_trainer_on_full_rows(tmp_path: Path) -> None
     assert "rows" not in ours, ours["rows"]  # every batch as wide as planned
     assert ours["predicted_at_measured_rows"] == ours["predicted"]
     assert abs(ours["error"]) < 0.03, ours
+
+
+def test_the_probe_measures_evaluation_generation_and_the_first_checkpoint(tmp_path: Path, capsys) -> None:
+    """--measure-memory on CPU: beside the steps, the first evaluation's loss pass, its generation and the first
+    checkpoint's save are measured once each (MemTracker's tensors; the save's host memory sampled), and
+    memory.json's ``phases`` sets each beside the plan's figure: the evaluation's tensors at its batch, the
+    states a save finds, the plan's host memory per node for a save."""
+    recipe = tiny_recipe(tmp_path / "out", train={"max_steps": 1}, eval={"every": 1, "at_start": False},
+                         output={"save_every": 1})
+    path = write_recipe(tmp_path / "r.yaml", recipe)
+    assert launch(str(path), [], LaunchOptions(nproc=1, measure_memory=True)) == 0
+    report = json.loads((tmp_path / "out" / "memory.json").read_text())
+    phases = report["phases"]
+    assert set(phases) == {"evaluation", "generation", "checkpoint"}
+    said = capsys.readouterr().out
+    for name, rep in phases.items():
+        assert rep["measured_peak"] > 0 and abs(rep["error"]) <= 0.10, (name, rep["predicted"], rep["measured_peak"])
+        assert said.count(f"memory, {name}: predicted") == 1  # the first of each phase only
+    # a save holds the parameters and AdamW's two moments (and a step count per tensor), no gradients
+    states = phases["checkpoint"]["ranks"][0]["by_category"]
+    assert states["grads"] == 0 and states["optimizer"] == pytest.approx(2 * states["params"], rel=1e-4)
+    host = phases["checkpoint"]["host"]
+    assert host["measured_per_node"] > 0 and abs(host["error"]) <= 0.20, host
+    # generation keeps the prompts' KV cache: more than the loss pass of the same batch of this model
+    assert phases["generation"]["measured_peak"] > phases["evaluation"]["measured_peak"]

@@ -52,3 +52,24 @@ def test_the_overhead_splits_into_its_two_terms() -> None:
     outside the allocator."""
     assert overhead_parts(0, 10 * GiB) == (0, 0)  # off CUDA
     assert overhead_parts(CUDA_CONTEXT_BYTES + 1500 * MiB + GiB // 2, 10 * GiB) == (GiB // 2, CUDA_CONTEXT_BYTES + 1500 * MiB)
+
+
+def test_a_phase_compares_the_worst_rank_and_each_node_s_host_memory() -> None:
+    """A checkpoint's save on 2 nodes of 2 ranks: the plan's tensors against the rank that peaked highest, and
+    the plan's host memory per node against the node whose ranks' host peaks sum highest."""
+    from finetune.train.memory import phase_line, phase_report
+
+    ranks = [
+        {"rank": r, "measured_peak": peak, "by_category": {}, "host_peak": host}
+        for r, peak, host in ((0, 8 * GiB, 3 * GiB), (1, 9 * GiB, 3 * GiB), (2, 7 * GiB, 5 * GiB), (3, 7 * GiB, 4 * GiB))
+    ]
+    rep = phase_report(9 * GiB + 9 * GiB // 10, ranks, host_predicted_per_node=8 * GiB, processes_per_node=2)
+    assert (rep["worst_rank"], rep["measured_peak"]) == (1, 9 * GiB) and rep["error"] == pytest.approx(0.1)
+    assert rep["host"] == {"predicted_per_node": 8 * GiB, "measured_per_node": 9 * GiB, "node": 1,
+                           "error": pytest.approx(-1 / 9)}
+    assert phase_line("checkpoint", rep) == (
+        "memory, checkpoint: predicted 9.9 GiB, measured 9.0 GiB on rank 1 (+10.0% off); host memory per node "
+        "predicted 8.0 GiB, measured 9.0 GiB (-11.1% off)"
+    )
+    # without a host sample (or a host figure) there is no host comparison
+    assert "host" not in phase_report(GiB, [{"rank": 0, "measured_peak": GiB}], host_predicted_per_node=GiB)
