@@ -12,10 +12,10 @@ Two process groups join every rank of a multi-process run:
 With ``train.offload`` on GPUs the training group is ``cuda:nccl,cpu:gloo`` (:func:`process_group_backend`):
 FSDP2's ``CPUOffloadPolicy`` keeps the sharded gradients and optimizer state as DTensors on the CPU, and what
 reduces them outside FSDP's own reduce-scatter (the gradient norm's ``full_tensor()`` in clipping, the loss
-scaler's unscaling, a full state dict gathered for the final save, DoRA's and PiSSA's initialisation) issues collectives
-of CPU tensors on the mesh's groups, which NCCL refuses. Every group made from the default one (the device
-mesh's among them) inherits both backends; CUDA tensors still go through NCCL. FSDP2 needs a process group
-even for one process, so an offloading process alone gets a group of one.
+scaler's unscaling, a full state dict gathered for the final save, DoRA's and PiSSA's initialisation) issues
+collectives of CPU tensors on the mesh's groups, which NCCL refuses. Every group made from the default one (the
+device mesh's among them) inherits both backends; CUDA tensors still go through NCCL. FSDP2 needs a process
+group even for one process, so an offloading process alone gets a group of one.
 """
 
 from __future__ import annotations
