@@ -109,22 +109,24 @@ def test_gpt2_fp32_plan_follows_the_trainer_on_full_rows(tmp_path: Path) -> None
     assert abs(ours["error"]) < 0.03, ours
 
 
-def test_the_probe_measures_evaluation_generation_and_the_first_checkpoint(tmp_path: Path, capsys) -> None:
-    """--measure-memory on CPU: beside the steps, the first evaluation's loss pass, its generation and the first
-    checkpoint's save are measured once each (MemTracker's tensors; the save's host memory sampled), and
-    memory.json's ``phases`` sets each beside the plan's figure: the evaluation's tensors at its batch, the
-    states a save finds, the plan's host memory per node for a save."""
+def test_the_probe_measures_evaluation_generation_and_the_first_checkpoint(tmp_path: Path) -> None:
+    """--measure-memory on CPU through the CLI (a process of its own: its host memory is the run's): beside the
+    steps, the first evaluation's loss pass, its generation and the first checkpoint's save are measured once
+    each (MemTracker's tensors; the save's host memory sampled), and memory.json's ``phases`` sets each beside
+    the plan's figure: the evaluation's tensors at its batch, the states a save finds, the plan's host memory
+    per node for a save."""
+    from tests.support import finetune_run
+
     recipe = tiny_recipe(tmp_path / "out", train={"max_steps": 1}, eval={"every": 1, "at_start": False},
                          output={"save_every": 1})
-    path = write_recipe(tmp_path / "r.yaml", recipe)
-    assert launch(str(path), [], LaunchOptions(nproc=1, measure_memory=True)) == 0
+    proc = finetune_run(write_recipe(tmp_path / "r.yaml", recipe), "--measure-memory")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "memory.json").read_text())
     phases = report["phases"]
     assert set(phases) == {"evaluation", "generation", "checkpoint"}
-    said = capsys.readouterr().out
     for name, rep in phases.items():
         assert rep["measured_peak"] > 0 and abs(rep["error"]) <= 0.10, (name, rep["predicted"], rep["measured_peak"])
-        assert said.count(f"memory, {name}: predicted") == 1  # the first of each phase only
+        assert proc.stdout.count(f"memory, {name}: predicted") == 1  # the first of each phase only
     # a save holds the parameters and AdamW's two moments (and a step count per tensor), no gradients
     states = phases["checkpoint"]["ranks"][0]["by_category"]
     assert states["grads"] == 0 and states["optimizer"] == pytest.approx(2 * states["params"], rel=1e-4)
