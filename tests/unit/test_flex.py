@@ -187,6 +187,6 @@ def test_auto_attention_is_flex_for_packed_rows_on_gpus(tmp_path, monkeypatch, a
         plan = build_plan(PlanOptions(recipe=path, gpus=1, gpu_memory="80GiB"))
     else:
         plan = plan_for_run(load_recipe(path), nproc=1, nnodes=1, device="cpu")
-    assert plan.execution is not None and plan.execution.attn_implementation == want
+    assert plan.execution is not None and plan.execution.attention == want
     said = [line for line in plan.walk if line.startswith("Attention: flex_attention for the packed rows")]
     assert len(said) == (want == "flex_attention" and attn == "auto")
