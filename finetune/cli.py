@@ -33,6 +33,13 @@ SetOpt = Annotated[
     Optional[list[str]],
     typer.Option("--set", "-s", help="Override a recipe key, value read as YAML: --set train.lr=1e-4 (repeatable)."),
 ]
+TrustOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="Run the Python code a model directory ships (its config's auto_map); off: only transformers' own.",
+    ),
+]
 
 
 def _fail(err: Exception) -> None:
@@ -150,6 +157,7 @@ def merge(
         Optional[str],
         typer.Option("--push-to-hub", metavar="ORG/NAME", help="Upload the merged model with a model card."),
     ] = None,
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Fold LoRA/QLoRA adapters into the base weights, streamed shard by shard, into a HF model directory."""
     from finetune.merge import merge as merge_adapter
@@ -159,7 +167,8 @@ def merge(
             from finetune.publish import check_push
 
             check_push("--push-to-hub", push_to_hub)  # before the merge's minutes, not after
-        res = merge_adapter(run_dir, out, dtype=dtype, base=base, force=force, into_dequantized=into_dequantized)
+        res = merge_adapter(run_dir, out, dtype=dtype, base=base, force=force, into_dequantized=into_dequantized,
+                            trust_remote_code=trust_remote_code)
         if push_to_hub:
             from finetune.publish import push_folder
 
@@ -228,6 +237,7 @@ def chat(
     seed: Annotated[int, typer.Option(help="Seed of the sampling.")] = 0,
     batch_size: Annotated[int, typer.Option(min=1, help="--input rows per generation batch.")] = 8,
     device: Annotated[Optional[str], typer.Option(help="cpu, cuda, cuda:1... (default: cuda when there is one).")] = None,
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Talk to a trained model in the terminal (streamed, with history), or answer --prompt / --input."""
     from finetune.chat import ChatOptions, run_chat
@@ -235,13 +245,81 @@ def chat(
     options = ChatOptions(
         target=target, adapters=list(adapter or []), base=base, use=use, prompt=prompt, input=input_,
         output=output, system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-        seed=seed, batch_size=batch_size, device=device,
+        seed=seed, batch_size=batch_size, device=device, trust_remote_code=trust_remote_code,
     )
     try:
         code = run_chat(options)
     except UserError as err:
         _fail(err)
     raise typer.Exit(code)
+
+
+@app.command()
+def serve(
+    target: Annotated[
+        Optional[str],
+        typer.Argument(
+            metavar="RUN_OR_MODEL",
+            help="A run's output.dir (its model, or its adapter over the base), a merged or any HF model directory; "
+            "with --adapter, the base model.",
+        ),
+    ] = None,
+    adapter: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--adapter", "-a", metavar="[NAME=]DIR",
+            help="A run or adapter directory to serve over the shared base (repeatable); a request's `model` picks it.",
+        ),
+    ] = None,
+    base: Annotated[
+        Optional[str], typer.Option(help="Base model directory (default: the one the adapters' run trained on).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port to listen on.")] = 8000,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="A request's max_tokens when it gives none.")] = 256,
+    engine: Annotated[
+        str, typer.Option(help="auto (vLLM where installed with a GPU, else transformers) | transformers | vllm.")
+    ] = "auto",
+    device: Annotated[Optional[str], typer.Option(help="cpu, cuda, cuda:1... (default: cuda when there is one).")] = None,
+    trust_remote_code: TrustOpt = False,
+) -> None:
+    """Serve a run or model over OpenAI's chat-completions and completions API (streaming too)."""
+    from finetune.commands.serve import ServeOptions, run_serve
+
+    options = ServeOptions(
+        target=target, adapters=list(adapter or []), base=base, host=host, port=port, max_new_tokens=max_new_tokens,
+        device=device, engine=engine, trust_remote_code=trust_remote_code,
+    )
+    try:
+        code = run_serve(options, say=lambda text: err_console.print(text, markup=False, highlight=False))
+    except UserError as err:
+        _fail(err)
+    raise typer.Exit(code)
+
+
+@app.command()
+def export(
+    run_dir: Annotated[
+        str, typer.Argument(metavar="RUN_OR_MODEL", help="A run's output.dir, a merge or a HF model directory.")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="The .gguf file to write.")],
+    format_: Annotated[str, typer.Option("--format", help="gguf (what llama.cpp reads).")] = "gguf",
+    dtype: Annotated[str, typer.Option(help="f16 | q8_0 for the weight matrices (norms stay f32).")] = "f16",
+    base: Annotated[
+        Optional[str], typer.Option(help="Base model directory of an adapter (default: the one its run trained on).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+    trust_remote_code: TrustOpt = False,
+) -> None:
+    """Write a run's model (its LoRA adapters folded in first) as one GGUF file for llama.cpp."""
+    from finetune.commands.export import ExportOptions, run_export
+
+    options = ExportOptions(run_dir, out, format_, dtype, base=base, force=force, trust_remote_code=trust_remote_code)
+    try:
+        result = run_export(options)
+    except UserError as err:
+        _fail(err)
+    typer.echo(result)
 
 
 @app.command()
@@ -357,6 +435,7 @@ def eval_(
     limit: Annotated[
         Optional[int], typer.Option(min=1, help="At most this many documents per task (a quick look).")
     ] = None,
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Evaluate a run or model with lm-evaluation-harness (and its base with --baseline): table and JSON."""
     from finetune.harness import print_report, run_eval
@@ -365,7 +444,7 @@ def eval_(
     try:
         report = run_eval(
             target, tasks, baseline=baseline, output=output, batch_size=batch_size, limit=limit,
-            say=lambda text: console.print(text, markup=False),
+            say=lambda text: console.print(text, markup=False), trust_remote_code=trust_remote_code,
         )
     except UserError as err:
         _fail(err)

@@ -1,7 +1,7 @@
 """``finetune eval RUN_OR_MODEL --tasks ...``: lm-evaluation-harness over what a run left, and over its base.
 
 The model (a full model, an adapter over its base, a merged model, any Hugging Face model directory:
-:mod:`finetune.loading`) is wrapped in lm-eval's ``HFLM`` and evaluated on the tasks asked for:
+:mod:`finetune.inference`) is wrapped in lm-eval's ``HFLM`` and evaluated on the tasks asked for:
 
 - ``run`` (or ``recipe:eval``): the run's own held-out prompts, as the run built them (the same tokenized
   prompts, written back as text that re-tokenizes to the same ids), generated greedily for
@@ -287,20 +287,20 @@ def _metric_name(key: str) -> str:
 def evaluate_model(
     loaded: Any, requests: list[TaskRequest], manager: Any, *, batch_size: int, limit: int | None
 ) -> Scores:
-    """Run lm-eval's ``simple_evaluate`` over ``loaded`` (a :class:`~finetune.loading.LoadedModel`)."""
+    """Run lm-eval's ``simple_evaluate`` over ``loaded`` (a :class:`~finetune.inference.Session`)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(
-        pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=batch_size,
-        mixed_precision_dtype=loaded.autocast,
+        pretrained=loaded.model, tokenizer=loaded.fmt().tokenizer, batch_size=batch_size,
+        mixed_precision_dtype=loaded.autocast_dtype,
     )
     out = simple_evaluate(
         model=lm, tasks=[r.spec for r in requests], task_manager=manager, limit=limit, bootstrap_iters=0,
         log_samples=True,
     )
     assert out is not None, "a single process is lm-eval's rank 0"
-    scores = Scores(loaded.describe())
+    scores = Scores(loaded.label)
     for task, values in out["results"].items():
         scores.metrics[task] = {
             _metric_name(k): float(v) for k, v in values.items()
@@ -357,11 +357,12 @@ class EvalReport:
 
 def run_eval(
     target: str, task_values: list[str], *, baseline: str | None = None, output: Path | None = None,
-    batch_size: int = 16, limit: int | None = None, say: Any = print,
+    batch_size: int = 16, limit: int | None = None, say: Any = print, trust_remote_code: bool = False,
 ) -> EvalReport:
     """``finetune eval``: check everything, evaluate the model (and the baseline), then write ``output``.
 
     ``baseline``: None (no baseline), ``base`` (the model the run started from) or a model directory.
+    ``trust_remote_code``: the user's flag, for the model's and tokenizer's own code.
     """
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -369,25 +370,32 @@ def run_eval(
     names = parse_tasks(task_values)
     if output is not None and not output.parent.is_dir():
         raise UserError(f"--output: the directory {output.parent} does not exist; create it or choose another file")
-    from finetune.loading import inspect_dir, load_base_of, load_for_inference, run_tokenizer
+    from finetune.inference import load, load_baseline, select
 
-    run, recipe = inspect_dir(target)
     _quiet()
     with tempfile.TemporaryDirectory(prefix="finetune-eval-") as tmp:
-        requests = build_requests(names, run, recipe, run_tokenizer(run), Path(tmp))
+        selection = select(target, [], None, Path(tmp))
+        run = selection.run(selection.names[0])
+        tokenizer = selection.tokenizers(trust_remote_code)[selection.names[0]]
+        requests = build_requests(names, run.path, run.recipe, tokenizer, Path(tmp))
         manager = _task_manager(requests)
         check_registered(requests, manager)
         load_tasks(requests, manager)
         notes = [n for r in requests for n in r.notes]
-        loaded = load_for_inference(target)
-        say(f"evaluating {loaded.describe()} on {', '.join(r.name for r in requests)}")
+        if baseline is not None and baseline != "base":
+            base_selection = select(baseline, [], None, Path(tmp), flag="--baseline")
+        loaded = load(selection, trust_remote_code=trust_remote_code)
+        say(f"evaluating {loaded.label} on {', '.join(r.name for r in requests)}")
         scores = evaluate_model(loaded, requests, manager, batch_size=batch_size, limit=limit)
         base_scores = None
         if baseline is not None:
-            base = load_base_of(loaded) if baseline == "base" else load_for_inference(baseline, key="--baseline")
+            if baseline == "base":
+                base, base_notes = load_baseline(selection, trust_remote_code=trust_remote_code)
+            else:
+                base, base_notes = load(base_selection, trust_remote_code=trust_remote_code), []
             del loaded
-            notes += base.notes
-            say(f"evaluating the baseline {base.describe()}")
+            notes += base_notes
+            say(f"evaluating the baseline {base.label}")
             base_scores = evaluate_model(base, requests, manager, batch_size=batch_size, limit=limit)
     report = EvalReport(scores, base_scores, [r.name for r in requests], version, notes)
     if output is not None:

@@ -24,27 +24,34 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from finetune.adapters import BOTTLENECK_CONFIG
 from finetune.errors import UserError
-from finetune.locate import locate_model
-from finetune.methods import METHOD_TYPES, BottleneckAdapters, FullFineTuning, PrefixTuning
+from finetune.inference import base_directory
+from finetune.methods import BottleneckAdapters, FullFineTuning, PrefixTuning
 from finetune.recipe import QuantizationConfig
+from finetune.rundir import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MERGE_MARKER,
+    RunDir,
+    find_base,
+    has_weights,
+    read_run,
+)
 from finetune.safetensors_stream import (
     SAFE_INDEX,
-    SAFE_SINGLE,
     ST_DTYPES,
     ShardWriter,
     StoredTensor,
     shard_map,
     stored_name,
 )
-from finetune.spec import Method
 from finetune.swap import swap_in
 from finetune.train.quantize import dequantized_weight, quantized_modules
 from finetune.units import DTYPE_NAMES
@@ -52,8 +59,6 @@ from finetune.units import DTYPE_NAMES
 if TYPE_CHECKING:
     import torch
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 #: Non-weight files of a model directory that the merged directory needs (config is rewritten).
 MODEL_FILES = (
     "generation_config.json",
@@ -67,8 +72,6 @@ MODEL_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-#: Written into every merged directory: what was merged, and the mark that lets ``--force`` replace it.
-MERGE_MARKER = "finetune_merge.json"
 TOKENIZER_FILES = tuple(f for f in MODEL_FILES if f != "generation_config.json")
 DTYPE_FLAGS = {k: v for k, v in DTYPE_NAMES.items() if k != "bf16-pure"}  # what --dtype accepts
 _LORA_PART = re.compile(
@@ -113,14 +116,9 @@ class MergeResult:
 # --------------------------------------------------------------------------------------------------
 
 
-def _quantized_base(recipe: dict[str, Any] | None) -> bool:
-    """Whether a run's saved recipe trained on a quantized base (QLoRA)."""
-    name = (recipe or {}).get("method")
-    return name in METHOD_TYPES and Method(name).quantized
-
-
-def _read_adapter(run: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The PEFT adapter config and tensors of ``run``; a clear error when there is none."""
+def _read_adapter(run: Path) -> tuple[RunDir, dict[str, torch.Tensor]]:
+    """The adapter directory ``run`` as :func:`finetune.rundir.read_run` reads it, and its tensors; a clear
+    error when it holds no adapter merge can fold."""
     import torch
     from safetensors.torch import load_file
 
@@ -131,17 +129,18 @@ def _read_adapter(run: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if (run / BOTTLENECK_CONFIG).is_file():
         raise UserError(f"{run} holds bottleneck adapters: {BottleneckAdapters().merge_refusal()}")
     if not cfg_path.is_file() or weights is None:
-        if (run / "config.json").is_file() and ((run / SAFE_SINGLE).is_file() or (run / SAFE_INDEX).is_file()):
+        if has_weights(run):
             raise UserError(f"{run} holds a full model, not an adapter: {FullFineTuning().merge_refusal()}")
         raise UserError(
             f"{run} has no adapter ({ADAPTER_CONFIG} + adapter_model.safetensors); "
             "give the output.dir of a lora/qlora run or a PEFT adapter directory"
         )
-    config = json.loads(cfg_path.read_text())
-    if config.get("peft_type") == "PREFIX_TUNING":
+    source = read_run(str(run), "RUN_OR_ADAPTER_DIR")
+    config = source.adapter_config
+    if source.peft_type == "PREFIX_TUNING":
         raise UserError(f"{run} holds a prefix-tuning adapter: {PrefixTuning().merge_refusal()}")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise UserError(f"{cfg_path}: peft_type {config.get('peft_type')} cannot be merged; only LoRA adapters can")
+    if source.peft_type != "LORA":
+        raise UserError(f"{cfg_path}: peft_type {source.peft_type} cannot be merged; only LoRA adapters can")
     for key, what in (("trainable_token_indices", "trainable tokens"),
                       ("layer_replication", "layer replication")):
         if config.get(key):
@@ -150,111 +149,7 @@ def _read_adapter(run: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         tensors = load_file(str(weights))
     else:
         tensors = torch.load(weights, map_location="cpu", weights_only=True)
-    return config, tensors
-
-
-def _read_run_recipe(run: Path) -> dict[str, Any] | None:
-    """The resolved recipe saved beside the adapter (a plain dict), or None for a bare PEFT adapter."""
-    path = run / "recipe.yaml"
-    if not path.is_file():
-        return None
-    data = yaml.safe_load(path.read_text())
-    return data if isinstance(data, dict) else None
-
-
-def _model_dir(value: str, base_dir: Path) -> Path | None:
-    """A local model directory for ``value`` (relative to ``base_dir``, cwd, built-ins, or the HF cache)."""
-    location = locate_model(value, base_dir)
-    return Path(location.path) if location.has_weights else None
-
-
-def _is_quantized(model_dir: Path) -> bool:
-    config = model_dir / "config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("quantization_config"))
-
-
-def _rebuild_random_base(recipe: dict[str, Any], run: Path, scratch: Path) -> Path:
-    """The fp32 weights a ``model.init: random`` qlora run quantized, rebuilt from its config and seed."""
-    from finetune.recipe import RecipeError, recipe_from_dict
-    from finetune.train.quantize import build_random_base
-
-    path = str((recipe.get("model") or {}).get("path", ""))
-    config_dir = _model_dir(path, run) if path else None
-    if config_dir is None:
-        raise UserError(f"{run} was trained from a random init of `{path}`, whose config cannot be found; pass --base DIR")
-    try:
-        loaded = recipe_from_dict(recipe, base_dir=run)
-    except RecipeError as err:
-        raise UserError(f"{run / 'recipe.yaml'} is not a valid recipe ({err}); pass --base DIR") from None
-    random_base: Any = build_random_base(loaded, str(config_dir))  # a transformers PreTrainedModel
-    random_base.save_pretrained(scratch / "base", safe_serialization=True)
-    return scratch / "base"
-
-
-def find_base(
-    run: Path, recipe: dict[str, Any] | None, adapter_config: dict[str, Any], base: str | None,
-    scratch: Path | None = None,
-) -> Path:
-    """The base model directory: ``--base``, else the run's recipe (``base/`` for a random init), else the
-    adapter's ``base_model_name_or_path``. A clear error when it cannot be found or holds no weights.
-
-    A random-init qlora run whose ``base/`` is missing or holds the 4-bit model gets its fp32 base rebuilt
-    (from the config and ``train.seed``, as the run built it) in ``scratch``.
-    """
-    saved_base = run / "base"
-    if base is not None:
-        found = _model_dir(base, Path.cwd())
-        if found is None:
-            raise UserError(f"--base {base} is not a model directory")
-        where = f"--base {base}"
-    elif recipe is not None:
-        model = recipe.get("model") or {}
-        if model.get("init") == "random":
-            usable = saved_base.is_dir() and not _is_quantized(saved_base)
-            if not usable and _quantized_base(recipe) and scratch is not None:
-                found, where = _rebuild_random_base(recipe, run, scratch), "model.init: random, train.seed"
-            elif not saved_base.is_dir():
-                raise UserError(
-                    f"{run} was trained from a random init and its base weights ({saved_base}) are missing; "
-                    "pass --base DIR with the weights the run started from"
-                )
-            else:
-                found, where = saved_base, f"{saved_base} (model.init: random)"
-        else:
-            path = str(model.get("path", ""))
-            found = _model_dir(path, run) if path else None
-            if found is None and saved_base.is_dir():
-                found = saved_base
-            if found is None:
-                raise UserError(
-                    f"cannot find the base model of {run}: its recipe.yaml says model.path `{path}`, which is "
-                    "not a local directory (looked next to the run, in the current directory and in the HF "
-                    "cache); pass --base DIR"
-                )
-            where = f"model.path `{path}` of {run / 'recipe.yaml'}"
-    elif saved_base.is_dir():
-        found, where = saved_base, str(saved_base)
-    else:
-        name = adapter_config.get("base_model_name_or_path")
-        found = _model_dir(str(name), Path.cwd()) if name else None
-        if found is None:
-            raise UserError(
-                f"cannot find the base model of {run}: it has no recipe.yaml and its adapter_config.json names "
-                f"base_model_name_or_path `{name}`, which is not a local directory; pass --base DIR"
-            )
-        where = f"base_model_name_or_path `{name}`"
-    if not (found / "config.json").is_file():
-        raise UserError(f"the base model {found} (from {where}) has no config.json; pass --base DIR")
-    if _is_quantized(found):
-        raise UserError(
-            f"the base model {found} is stored quantized; merge needs the 16-bit base: pass --base DIR"
-        )
-    if not (found / SAFE_INDEX).is_file() and not (found / SAFE_SINGLE).is_file():
-        raise UserError(
-            f"the base model {found} has no safetensors weights ({SAFE_SINGLE} or {SAFE_INDEX}); "
-            "re-save it with save_pretrained(safe_serialization=True)"
-        )
-    return found
+    return source, tensors
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,17 +237,6 @@ def _meta_model(config_dir: Path, trust_remote_code: bool) -> Any:
     config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code, local_files_only=True)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-
-
-def _compute_dtype_of_run(recipe: dict[str, Any], run: Path) -> str:
-    """The compute dtype name a QLoRA run dequantized to (quantization.compute_dtype, precision, plan)."""
-    q = (recipe.get("quantization") or {}).get("compute_dtype", "auto")
-    if q != "auto":
-        return q
-    precision = recipe.get("precision", "auto")
-    if precision == "auto" and (run / "plan.json").is_file():
-        precision = json.loads((run / "plan.json").read_text()).get("chosen", {}).get("precision", "auto")
-    return {"bf16-pure": "bf16"}.get(precision, precision) if precision != "auto" else "fp32"
 
 
 @dataclass
@@ -509,6 +393,7 @@ def merge(
     base: str | None = None,
     force: bool = False,
     into_dequantized: bool = False,
+    trust_remote_code: bool = False,
 ) -> MergeResult:
     """Fold the adapter of ``run_dir`` into its base and write a Hugging Face model directory at ``out``.
 
@@ -517,10 +402,54 @@ def merge(
     or an earlier merge (it holds ``finetune_merge.json``); an ``out`` that is, contains or lies inside the
     adapter or the base directory is always refused.
     ``into_dequantized`` (QLoRA runs) folds into the NF4-dequantized weights the run trained against.
+    ``trust_remote_code``: the user's flag, for a base whose config needs its own code.
     Raises :class:`UserError` on bad input before anything is written.
     """
     with tempfile.TemporaryDirectory(prefix="finetune-merge-") as scratch:
-        return _merge(Path(run_dir), Path(out), dtype, base, force, into_dequantized, Path(scratch))
+        return _merge(Path(run_dir), Path(out), dtype, base, force, into_dequantized, Path(scratch), trust_remote_code)
+
+
+@dataclass
+class FoldedModel:
+    """An adapter folded into its base, one tensor at a time (for writers of other formats: ``finetune
+    export``): the merged checkpoint's keys, shapes and dtypes, its config, and the base it came from."""
+
+    base_dir: Path
+    config: dict[str, Any]  # the merged model's config.json
+    _layout: _Layout
+    _fold: Fold
+    _extra: dict[str, list[tuple[str, str]]]
+
+    def specs(self) -> list[tuple[str, list[int], torch.dtype]]:
+        """(key, shape, dtype) of every merged tensor, in the order :meth:`tensors` yields them."""
+        import torch
+
+        st_to_torch = {v: getattr(torch, k) for k, v in ST_DTYPES.items()}
+        return [(k, self._layout.shapes[k], self._fold.dtype_of(st_to_torch[stored.dtype]))
+                for shard in self._layout.shards for k, stored in _shard_items(self._layout, self._extra, shard)]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every merged tensor, folded as its shard is read (one input shard mapped at a time)."""
+        from safetensors import safe_open
+
+        for shard in self._layout.shards:
+            with safe_open(str(self.base_dir / shard), framework="pt") as f:
+                for key, stored in _shard_items(self._layout, self._extra, shard):
+                    yield key, self._fold(key, f.get_tensor(stored.key))
+
+
+@contextmanager
+def folded(run_dir: str | os.PathLike[str], base: str | None = None,
+           trust_remote_code: bool = False) -> Iterator[FoldedModel]:
+    """The adapter of ``run_dir`` folded into its base as :func:`merge` folds it, read tensor by tensor
+    without writing a merged directory. Raises :class:`UserError` on bad input as ``merge`` does."""
+    with tempfile.TemporaryDirectory(prefix="finetune-fold-") as scratch:
+        inputs = _read_inputs(Path(run_dir), None, None, base, False, Path(scratch), trust_remote_code)
+        meta = _meta_model(inputs.base_dir, trust_remote_code)
+        layout = _locate_keys(inputs.base_dir, meta)
+        fold = _plan_fold(inputs, layout, meta, False, None, None, None)
+        extra, untied = _untie(layout, fold)
+        yield FoldedModel(inputs.base_dir, _merged_config(inputs.base_dir, None, bool(untied)), layout, fold, extra)
 
 
 @dataclass
@@ -534,6 +463,7 @@ class _Inputs:
     deltas: dict[str, LoraDelta]  # module name -> its low-rank update
     replacements: dict[str, torch.Tensor]  # modules_to_save: parameter name -> its trained value
     target_parameters: list[str] = field(default_factory=list)  # the adapter's (fused expert weights, routers)
+    source: RunDir | None = None  # the adapter's directory as the run reader read it
 
 
 @dataclass
@@ -555,12 +485,12 @@ class _Layout:
 
 def _merge(
     run: Path, out_path: Path, dtype: str | None, base: str | None, force: bool, into_dequantized: bool,
-    scratch: Path,
+    scratch: Path, trust_remote_code: bool = False,
 ) -> MergeResult:
     """:func:`merge` with a scratch directory: read and check the inputs, locate every key the adapter
     changes in the base checkpoint, plan the fold, then write the merged directory and swap it in."""
     start = time.perf_counter()
-    inputs = _read_inputs(run, out_path, dtype, base, force, scratch)
+    inputs = _read_inputs(run, out_path, dtype, base, force, scratch, trust_remote_code)
     qcfg, compute_dtype = _dequantization(inputs, into_dequantized)
     meta = _meta_model(inputs.base_dir, inputs.trust_remote_code)
     layout = _locate_keys(inputs.base_dir, meta)
@@ -584,24 +514,25 @@ def _merge(
 
 
 def _read_inputs(
-    run: Path, out_path: Path, dtype: str | None, base: str | None, force: bool, scratch: Path
+    run: Path, out_path: Path | None, dtype: str | None, base: str | None, force: bool, scratch: Path,
+    trust_remote_code: bool = False,
 ) -> _Inputs:
     """Check the flags and ``--out``, read the adapter and the run's recipe, find the base. A bad flag or
     input is refused here, before anything is written."""
     if dtype is not None and dtype not in DTYPE_FLAGS:
         raise UserError(f"--dtype {dtype} is not one of bf16, fp16, fp32")
-    if out_path.exists() and not force:
-        raise UserError(f"--out {out_path} already exists; pass --force to replace it")
-    _check_out_apart(out_path, run, "the adapter directory")
-    adapter_config, adapter = _read_adapter(run)
-    recipe = _read_run_recipe(run)
-    base_dir = find_base(run, recipe, adapter_config, base, scratch)
-    _check_out_apart(out_path, base_dir, "the base model")
-    _check_replaceable(out_path)
-    trust = bool(((recipe or {}).get("model") or {}).get("trust_remote_code", False))
-    deltas, replacements = _deltas(adapter_config, adapter)
-    targets = list(adapter_config.get("target_parameters") or [])
-    return _Inputs(run, recipe, base_dir, trust, deltas, replacements, targets)
+    if out_path is not None:
+        if out_path.exists() and not force:
+            raise UserError(f"--out {out_path} already exists; pass --force to replace it")
+        _check_out_apart(out_path, run, "the adapter directory")
+    source, adapter = _read_adapter(run)
+    base_dir = base_directory(source, find_base(source, base), scratch)
+    if out_path is not None:
+        _check_out_apart(out_path, base_dir, "the base model")
+        _check_replaceable(out_path)
+    deltas, replacements = _deltas(source.adapter_config, adapter)
+    targets = list(source.adapter_config.get("target_parameters") or [])
+    return _Inputs(run, source.recipe, base_dir, trust_remote_code, deltas, replacements, targets, source)
 
 
 def _dequantization(
@@ -613,8 +544,9 @@ def _dequantization(
         return None, None
     import torch
 
-    recipe = inputs.recipe
-    if not _quantized_base(recipe):
+    recipe, source = inputs.recipe, inputs.source
+    assert source is not None, "set by _read_inputs"
+    if not source.quantized_base:
         method = (recipe or {}).get("method")
         raise UserError(
             f"--into-dequantized needs a qlora run; {inputs.run} is "
@@ -622,7 +554,7 @@ def _dequantization(
         )
     assert recipe is not None
     qcfg = QuantizationConfig.model_validate(recipe.get("quantization") or {})
-    return qcfg, getattr(torch, DTYPE_FLAGS[_compute_dtype_of_run(recipe, inputs.run)])
+    return qcfg, getattr(torch, DTYPE_FLAGS[source.compute_dtype])
 
 
 def _torch_dtype(dtype: str | None) -> torch.dtype | None:
@@ -819,12 +751,11 @@ def _write_shards(
     from safetensors import safe_open
 
     st_to_torch = {v: getattr(torch, k) for k, v in ST_DTYPES.items()}
-    source_of = layout.source_of
     weight_map: dict[str, str] = {}
     total = 0
-    for shard, names in layout.shards.items():
+    for shard in layout.shards:
         with safe_open(str(base_dir / shard), framework="pt") as f:
-            items = [(k, source_of[k]) for k in names] + [(k, source_of[src]) for k, src in extra.get(shard, [])]
+            items = _shard_items(layout, extra, shard)
             specs = [(k, layout.shapes[k], fold.dtype_of(st_to_torch[stored.dtype])) for k, stored in items]
             # largest itemsize first keeps every tensor aligned to its dtype, as safetensors does
             order = sorted(range(len(items)), key=lambda i: (-specs[i][2].itemsize, specs[i][0]))
@@ -841,8 +772,15 @@ def _write_shards(
     return total
 
 
-def _write_config(base_dir: Path, dtype: str | None, untied: bool, out: Path) -> None:
-    """The base's config.json with the output dtype (``--dtype``) and tied embeddings untied when they are."""
+def _shard_items(layout: _Layout, extra: dict[str, list[tuple[str, str]]], shard: str) -> list[tuple[str, StoredTensor]]:
+    """The keys a merged shard holds, in the base's order, each with where its value is stored (``extra``:
+    the tied members added to the shard)."""
+    source_of = layout.source_of
+    return [(k, source_of[k]) for k in layout.shards[shard]] + [(k, source_of[src]) for k, src in extra.get(shard, [])]
+
+
+def _merged_config(base_dir: Path, dtype: str | None, untied: bool) -> dict[str, Any]:
+    """The base's config with the output dtype (``--dtype``) and tied embeddings untied when they are."""
     config = json.loads((base_dir / "config.json").read_text())
     if dtype is not None:
         config["dtype"] = DTYPE_FLAGS[dtype]
@@ -851,6 +789,12 @@ def _write_config(base_dir: Path, dtype: str | None, untied: bool, out: Path) ->
         config["tie_word_embeddings"] = False
         if isinstance(config.get("text_config"), dict):
             config["text_config"]["tie_word_embeddings"] = False
+    return config
+
+
+def _write_config(base_dir: Path, dtype: str | None, untied: bool, out: Path) -> None:
+    """The base's config.json with the output dtype (``--dtype``) and tied embeddings untied when they are."""
+    config = _merged_config(base_dir, dtype, untied)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

@@ -323,21 +323,22 @@ def test_a_prompt_longer_than_the_model_reads(model_dir: Path) -> None:
 def test_prompt_formats_follow_the_run(model_dir: Path) -> None:
     """A directory without a recipe and a chat template: the conversation through the template; an instruction
     run: the prompt its evaluation builds, each turn alone; a text run: the raw text."""
-    from finetune.chat import Target, load_tokenizer, prompt_format
+    from finetune.inference import load_tokenizer, prompt_format
+    from finetune.rundir import RunDir
 
     tok = load_tokenizer(model_dir, model_dir, False)
-    chat = prompt_format(Target(model_dir, "model", "m"), tok)
+    chat = prompt_format(RunDir(model_dir, "model", "m"), tok)
     history = [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}]
     assert chat.kind == "chat" and tok.decode(chat.turn("xy", history, "Be brief.")) == (
         "System: Be brief.\nUser: abc\nAssistant: cba</s>\nUser: xy\nAssistant: "
     )
-    instruction = prompt_format(Target(model_dir, "model", "m", recipe={"data": {"format": "instruction"}}), tok)
+    instruction = prompt_format(RunDir(model_dir, "model", "m", recipe={"data": {"format": "instruction"}}), tok)
     assert tok.decode(instruction.turn("Reverse the letters.\nabc", history, "Be brief.")) == (
         "Reverse the letters.\nabc\nAnswer: "
     )
     row = {"instruction": "Reverse the letters.", "input": "abc", "output": "cba"}
     assert instruction.row(row, "f:1", None) == (instruction.turn("Reverse the letters.\nabc", [], None), "cba")
-    text = prompt_format(Target(model_dir, "model", "m", recipe={"data": {"format": "text"}}), tok)
+    text = prompt_format(RunDir(model_dir, "model", "m", recipe={"data": {"format": "text"}}), tok)
     assert tok.decode(text.turn("abc", history, None)) == "abc"
 
 

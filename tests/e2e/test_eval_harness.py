@@ -44,13 +44,13 @@ def own_answers(run: Path) -> list[str]:
     """The run's model's greedy answers to its held-out prompts, by the run's own evaluation code."""
     import torch
 
-    from finetune.loading import load_for_inference
+    from finetune.inference import load, select
     from finetune.recipe import recipe_from_dict
     from finetune.train.data import load_data
     from finetune.train.evaluate import greedy_generate
 
-    loaded = load_for_inference(str(run))
-    tok = loaded.tokenizer
+    loaded = load(select(str(run), [], None, run), device=torch.device("cpu"))
+    tok = loaded.fmt().tokenizer
     data = load_data(recipe_from_dict(yaml.safe_load((run / "recipe.yaml").read_text()), base_dir=run), tok)
     gens = greedy_generate(
         loaded.model, [p.prompt_ids for p in data.eval_prompts], MAX_NEW, tok.pad_token_id, tok.eos_token_id,
@@ -131,7 +131,7 @@ def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
     pytest.importorskip("lm_eval", reason="finetune eval needs lm-evaluation-harness (pip install -e '.[eval]')")
     (tmp_path / "notes").mkdir()
     out = tmp_path / "r.json"
-    line = _refused(finetune_eval(str(tmp_path / "notes"), "--tasks", "run", "-o", str(out)), out, "RUN_OR_MODEL:")
+    line = _refused(finetune_eval(str(tmp_path / "notes"), "--tasks", "run", "-o", str(out)), out, "RUN_OR_MODEL ")
     assert "holds no model" in line and "give a run's output.dir" in line
 
 

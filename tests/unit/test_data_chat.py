@@ -256,7 +256,7 @@ def test_the_chat_options_are_refused_where_they_mean_nothing(data, message):
 def test_chat_input_rows_are_read_as_training_reads_them(tok):
     """`finetune chat --input` answers an agent row up to its last assistant message, with the prompt its
     evaluation built; a row ending with a call has no expected answer."""
-    from finetune.chat import PromptFormat
+    from finetune.inference import PromptFormat
 
     enc = encoder(tok)
     fmt = PromptFormat("chat", tok, enc, {"messages": "messages", "tools": "tools"})

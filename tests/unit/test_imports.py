@@ -1,4 +1,4 @@
-"""The package's imports point one way: shared modules <- plan <- train <- launch, merge <- cli.
+"""The package's imports point one way: shared modules <- plan <- train <- inference, merge <- commands <- cli.
 
 Every import is counted, also those inside functions (a lazy import still couples two modules); only imports
 under ``if TYPE_CHECKING:`` (never executed) are left out. A lower layer importing a higher one fails, and
@@ -17,15 +17,17 @@ LAYERS = {
     "finetune": 0,  # shared: errors, units, recipe, locate, catalog, spec, loss, safetensors_stream
     "finetune.plan": 1,
     "finetune.train": 2,
-    "finetune.launch": 3,
-    "finetune.merge": 3,
-    "finetune.chat": 3,
-    "finetune.loading": 3,
-    "finetune.harness": 3,
-    "finetune.commands": 3,
-    "finetune.cli": 4,
-    "finetune.__main__": 4,
+    "finetune.inference": 3,  # the one inference loader (the run reader, finetune.rundir, is shared)
+    "finetune.merge": 3,  # the streaming fold, which `finetune export` reuses
+    "finetune.launch": 4,
+    "finetune.chat": 4,
+    "finetune.harness": 4,
+    "finetune.commands": 4,
+    "finetune.cli": 5,
+    "finetune.__main__": 5,
 }
+#: The commands' modules (layer 4): none imports another's.
+COMMANDS = ("finetune.launch", "finetune.chat", "finetune.harness", "finetune.commands")
 
 
 def module_name(path: Path) -> str:
@@ -90,6 +92,27 @@ def test_imports_point_one_way() -> None:
     assert upward == []
 
 
+def _command_of(module: str) -> str | None:
+    """The command a module belongs to: ``finetune.chat``, ``finetune.commands.serve``... (None: no command)."""
+    for c in COMMANDS:
+        if module == c or module.startswith(c + "."):
+            return c if c != "finetune.commands" else ".".join(module.split(".")[:3])
+    return None
+
+
+def test_no_command_imports_another() -> None:
+    """What two commands need lives below them (the run reader, the loader, the fold), never in one of them."""
+    across = sorted(
+        f"{mod} imports {dep}"
+        for mod, deps in graph().items()
+        for dep in deps
+        if _command_of(mod) is not None and _command_of(dep) not in (None, _command_of(mod))
+        and dep != "finetune.commands"
+    )
+    assert across == []
+    assert _command_of("finetune.commands.serve") == "finetune.commands.serve" != _command_of("finetune.chat")
+
+
 def test_no_import_cycles() -> None:
     g = graph()
     cycles: list[list[str]] = []
@@ -117,7 +140,8 @@ def test_no_import_cycles() -> None:
 
 def test_the_checker_sees_function_local_and_relative_imports(tmp_path: Path) -> None:
     """The walk would catch an upward import hidden in a function."""
-    assert layer("finetune.plan.flowchart") == 1 and layer("finetune.recipe") == 0 and layer("finetune.cli") == 4
+    assert layer("finetune.plan.flowchart") == 1 and layer("finetune.recipe") == 0 and layer("finetune.cli") == 5
+    assert layer("finetune.rundir") == 0 and layer("finetune.inference") == 3 and layer("finetune.commands.data") == 4
     deps = imports_of(PACKAGE / "train" / "trainer.py")
     assert "finetune.train.gradients" in deps and "finetune.plan.types" in deps
     assert "finetune.launch" in imports_of(PACKAGE / "cli.py")  # imported inside the `run` command

@@ -1,0 +1,367 @@
+"""What a directory holds: a run's output.dir, an adapter directory, a merge, or any Hugging Face model directory.
+
+    read_run(value, flag)   -> RunDir    # the files, read once: no weights, no torch
+    find_base(run, base)    -> BaseRef   # where the base of an adapter is
+
+Every command that opens what a run left (``chat``, ``eval``, ``merge``, ``serve``, ``export``) reads it here,
+by one set of rules:
+
+- **what it holds** (:attr:`RunDir.kind`): ``model`` (``config.json`` with safetensors weights: a full
+  fine-tune, a merge, any model), ``peft`` (``adapter_config.json`` with its weights: LoRA, QLoRA, DoRA,
+  prefix or prompt tuning) or ``bottleneck`` (``bottleneck_config.json`` with its weights); a run that has not
+  saved yet, a config without weights or an incomplete adapter is one sentence naming the argument;
+- **its recipe and plan** (``recipe.yaml``, ``plan.json``), and for a merge, the recipe of the run whose
+  adapter it folded (``finetune_merge.json`` names it), since that says how the model was trained and prompted;
+- **the method** (:attr:`RunDir.method`): the recipe's, else what the adapter's files say;
+- **the dtypes** the run computed in (:attr:`RunDir.compute_dtype`, :attr:`RunDir.autocast_dtype`,
+  :attr:`RunDir.model_dtype`, :attr:`RunDir.base_dtype`), from the plan's execution spec, with the recipe as
+  the fallback for a plan that has none;
+- **the base** of an adapter (:func:`find_base`): ``--base``, else the run's recipe (``base/`` for a random
+  init), else the adapter's ``base_model_name_or_path``.
+
+Nothing here decides whether code from a directory may run: ``trust_remote_code`` is the user's choice, an
+argument of the loader (:mod:`finetune.inference`), never a value read from the directory being opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+
+from finetune.adapters import BOTTLENECK_CONFIG, BOTTLENECK_WEIGHTS
+from finetune.errors import UserError
+from finetune.locate import locate_model
+from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE
+
+if TYPE_CHECKING:
+    from finetune.spec import ExecSpec
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+#: Written into every merged directory: what was merged, and the mark that lets ``merge --force`` replace it.
+MERGE_MARKER = "finetune_merge.json"
+#: The method of a bare adapter directory (no recipe), by what its files say.
+_PEFT_METHODS = {"LORA": "lora", "PREFIX_TUNING": "prefix", "PROMPT_TUNING": "prompt"}
+
+Kind = Literal["model", "peft", "bottleneck"]
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; one sentence when the file is not one (the directory is damaged)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path} is not readable JSON ({err}); the directory is damaged") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} does not hold a JSON object; the directory is damaged")
+    return data
+
+
+def has_weights(d: Path) -> bool:
+    """Whether ``d`` is a model directory transformers loads: a config and safetensors weights (one file or
+    an index of shards)."""
+    return (d / "config.json").is_file() and ((d / SAFE_SINGLE).is_file() or (d / SAFE_INDEX).is_file())
+
+
+def _run_files(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The recipe and plan a run saved in ``d`` (None where it saved none)."""
+    recipe = plan = None
+    if (d / "recipe.yaml").is_file():
+        try:
+            data = yaml.safe_load((d / "recipe.yaml").read_text())
+        except yaml.YAMLError as err:
+            raise UserError(f"{d / 'recipe.yaml'} is not valid YAML ({err}); the run directory is damaged") from None
+        recipe = data if isinstance(data, dict) else None
+    if (d / "plan.json").is_file():
+        plan = read_json(d / "plan.json")
+    return recipe, plan
+
+
+@dataclass
+class RunDir:
+    """One directory a command opens, and what surrounds it.
+
+    ``kind``: ``model`` (a Hugging Face model directory: a full run's output, a merge, any model), ``peft``
+    (a PEFT adapter) or ``bottleneck``. ``recipe`` / ``plan``: the run's saved recipe and plan (for a merge, the
+    recipe of the adapter's run it folded, and no plan), None for a bare directory. ``name``: how the user calls
+    it (``NAME=DIR``, else the directory's name); ``flag``: the argument that named it, for messages.
+    """
+
+    path: Path
+    kind: Kind
+    name: str
+    recipe: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None
+    adapter_config: dict[str, Any] = field(default_factory=dict)
+    flag: str = "RUN_OR_MODEL"
+    merged_from: Path | None = None  # a merge: the adapter directory it folded
+
+    # -- what it is -----------------------------------------------------------------------------------------
+    @property
+    def is_run(self) -> bool:
+        """Whether a recipe says how it was trained (a run's output.dir, or a merge of one)."""
+        return self.recipe is not None
+
+    @property
+    def is_adapter(self) -> bool:
+        """An adapter that goes onto a base (peft or bottleneck), not a whole model."""
+        return self.kind != "model"
+
+    @property
+    def peft_type(self) -> str | None:
+        """The adapter's peft type (LORA, PREFIX_TUNING, PROMPT_TUNING, ...); ``BOTTLENECK`` for bottleneck
+        adapters; None for a whole model."""
+        if self.kind == "model":
+            return None
+        if self.kind == "bottleneck":
+            return "BOTTLENECK"
+        return str(self.adapter_config.get("peft_type", "LORA"))
+
+    @property
+    def method(self) -> str | None:
+        """The training method: the recipe's (``full``, ``lora``, ``qlora``, ``prefix``, ``prompt``,
+        ``adapter``), else what an adapter's files say; None for a model directory that is not a run."""
+        named = (self.recipe or {}).get("method")
+        if self.kind == "model":
+            return str(named) if named is not None and self.merged_from is None else None
+        if isinstance(named, str) and named not in ("auto", "full"):
+            return named
+        if self.kind == "bottleneck":
+            return "adapter"
+        return _PEFT_METHODS.get(str(self.peft_type), str(self.peft_type).lower())
+
+    @property
+    def quantized_base(self) -> bool:
+        """Whether the run trained on a 4/8-bit base (QLoRA)."""
+        from finetune.methods import METHOD_TYPES
+        from finetune.spec import Method
+
+        return self.is_adapter and self.method in METHOD_TYPES and Method(self.method).quantized
+
+    @property
+    def execution(self) -> ExecSpec | None:
+        """The execution spec the run trained with (its plan's), None without one."""
+        from finetune.spec import ExecSpec
+
+        execution = (self.plan or {}).get("execution")
+        if not execution:
+            return None
+        try:
+            return ExecSpec.from_dict(execution)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    # -- the dtypes the run computed in ---------------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the run's matmuls ran in (``fp32``, ``bf16``, ``fp16``); for a quantized base, the dtype
+        its 4/8-bit weights were dequantized to. From the plan's execution spec; a plan without one: the
+        recipe's ``quantization.compute_dtype``, else its precision (``auto``: the plan's chosen one), else fp32."""
+        spec = self.execution
+        if spec is not None:
+            return spec.quant.compute_dtype if spec.quant is not None else spec.compute_dtype
+        recipe = self.recipe or {}
+        q = (recipe.get("quantization") or {}).get("compute_dtype", "auto") if self.quantized_base else "auto"
+        if q != "auto":
+            return str(q)
+        precision = recipe.get("precision", "auto")
+        if precision == "auto":
+            precision = ((self.plan or {}).get("chosen") or {}).get("precision", "auto")
+        return {"bf16-pure": "bf16", "auto": "fp32"}.get(str(precision), str(precision))
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        """The dtype the run's evaluation autocast to (None: it ran without autocast)."""
+        spec = self.execution
+        return spec.compute_dtype if spec is not None and spec.autocast else None
+
+    @property
+    def model_dtype(self) -> str | None:
+        """The dtype a whole model's weights computed in (the trained weights', or FSDP's parameter dtype);
+        None: the saved dtype."""
+        spec = self.execution
+        return (spec.fsdp_param_dtype or spec.trainable_dtype) if spec is not None else None
+
+    @property
+    def base_dtype(self) -> str | None:
+        """The dtype an adapter's frozen base was kept in (None: the saved dtype)."""
+        spec = self.execution
+        return spec.frozen_dtype if spec is not None and spec.frozen_dtype else None
+
+    @property
+    def init(self) -> str:
+        """The recipe's ``model.init`` (``pretrained`` or ``random``)."""
+        return str(((self.recipe or {}).get("model") or {}).get("init", "pretrained"))
+
+    @property
+    def model_path(self) -> str | None:
+        """The recipe's ``model.path`` (None without a recipe)."""
+        path = ((self.recipe or {}).get("model") or {}).get("path")
+        return str(path) if path else None
+
+    def describe(self) -> str:
+        """A few words: what it is and where."""
+        if self.kind == "model":
+            return f"{self.path} (full model)"
+        return f"{self.path} ({self.method} adapter)"
+
+
+def _located(value: str, flag: str) -> Path:
+    d = Path(os.path.expanduser(value))
+    if d.exists():
+        return d
+    location = locate_model(value, Path.cwd())
+    if location.has_weights:
+        return Path(location.path)
+    raise UserError(
+        f"{flag} {value} does not exist; give a run's output.dir, a `finetune merge` output or a Hugging Face "
+        "model directory"
+    )
+
+
+def read_run(value: str, flag: str = "RUN_OR_MODEL", name: str | None = None) -> RunDir:
+    """What ``value`` (a path, or a hub id in the local cache) holds, or one sentence naming ``flag`` and
+    what to give instead. Reads files only: no weights, no torch."""
+    d = _located(value, flag)
+    if not d.is_dir():
+        raise UserError(f"{flag} {value} is a file; give a run's output.dir, an adapter or a model directory")
+    label = name or d.resolve().name
+    if (d / ADAPTER_CONFIG).is_file():
+        if not any((d / w).is_file() for w in ADAPTER_WEIGHTS):
+            raise UserError(
+                f"{flag} {value} has {ADAPTER_CONFIG} but no adapter_model.safetensors; the adapter is incomplete"
+            )
+        recipe, plan = _run_files(d)
+        return RunDir(d, "peft", label, recipe, plan, read_json(d / ADAPTER_CONFIG), flag)
+    if (d / BOTTLENECK_CONFIG).is_file():
+        if not (d / BOTTLENECK_WEIGHTS).is_file():
+            raise UserError(
+                f"{flag} {value} has {BOTTLENECK_CONFIG} but no {BOTTLENECK_WEIGHTS}; the adapter is incomplete"
+            )
+        recipe, plan = _run_files(d)
+        return RunDir(d, "bottleneck", label, recipe, plan, read_json(d / BOTTLENECK_CONFIG), flag)
+    if (d / "config.json").is_file():
+        if not has_weights(d):
+            raise UserError(
+                f"{flag} {value} has a config.json but no safetensors weights; give a trained model (a model.init: "
+                "random config has no weights to talk to)"
+            )
+        recipe, plan = _run_files(d)
+        merged_from = None
+        if recipe is None and (d / MERGE_MARKER).is_file():  # a merge: the run it folded says how it was prompted
+            folded = Path(str(read_json(d / MERGE_MARKER).get("adapter", "")))
+            if folded.is_dir():
+                merged_from = folded
+                recipe, _ = _run_files(folded)
+        return RunDir(d, "model", label, recipe, plan, flag=flag, merged_from=merged_from)
+    if (d / "recipe.yaml").is_file():
+        raise UserError(
+            f"{flag} {value} is a run directory without a trained model or adapter yet; give it once the run has "
+            "finished (its final save writes the model or adapter there)"
+        )
+    raise UserError(
+        f"{flag} {value} is neither a run nor a model directory: it holds no model (no {ADAPTER_CONFIG}, "
+        f"{BOTTLENECK_CONFIG} or config.json); give a run's output.dir, a `finetune merge` output or a Hugging "
+        "Face model directory"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The base of an adapter
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """Where an adapter's base is. ``path``: the base model directory, or for ``rebuild`` the config directory
+    of a ``model.init: random`` run whose weights are redrawn from ``train.seed`` (as the run drew them);
+    ``where``: how it was found, for messages."""
+
+    path: Path
+    where: str
+    rebuild: bool = False
+
+
+def _model_dir(value: str, base_dir: Path) -> Path | None:
+    """A local model directory for ``value`` (relative to ``base_dir``, cwd, built-ins, or the HF cache)."""
+    location = locate_model(value, base_dir)
+    return Path(location.path) if location.has_weights else None
+
+
+def _is_quantized(model_dir: Path) -> bool:
+    config = model_dir / "config.json"
+    return config.is_file() and bool(read_json(config).get("quantization_config"))
+
+
+def find_base(run: RunDir, base: str | None = None, *, rebuild: bool = True) -> BaseRef:
+    """The base model directory of the adapter ``run``: ``base`` (``--base``), else the run's recipe
+    (``base/`` for a random init), else the adapter's ``base_model_name_or_path``. One sentence when it
+    cannot be found, is stored quantized or holds no safetensors weights.
+
+    A random-init qlora run whose ``base/`` is missing or holds the 4-bit model needs its fp32 base redrawn
+    from its config and ``train.seed``: with ``rebuild`` the answer says so (``BaseRef.rebuild``; the loader
+    redraws it), without it that is refused.
+    """
+    saved_base = run.path / "base"
+    recipe = run.recipe
+    if base is not None:
+        found = _model_dir(base, Path.cwd())
+        if found is None:
+            raise UserError(f"--base {base} is not a model directory")
+        where = f"--base {base}"
+    elif recipe is not None:
+        if run.init == "random":
+            usable = saved_base.is_dir() and not _is_quantized(saved_base)
+            if not usable and run.quantized_base and rebuild:
+                path = run.model_path or ""
+                config_dir = _model_dir(path, run.path) if path else None
+                if config_dir is None:
+                    raise UserError(
+                        f"{run.path} was trained from a random init of `{path}`, whose config cannot be found; "
+                        "pass --base DIR"
+                    )
+                return BaseRef(config_dir, "model.init: random, train.seed", rebuild=True)
+            if not saved_base.is_dir():
+                raise UserError(
+                    f"{run.path} was trained from a random init and its base weights ({saved_base}) are missing; "
+                    "pass --base DIR with the weights the run started from"
+                )
+            found, where = saved_base, f"{saved_base} (model.init: random)"
+        else:
+            path = run.model_path or ""
+            found = _model_dir(path, run.path) if path else None
+            if found is None and saved_base.is_dir():
+                found = saved_base
+            if found is None:
+                raise UserError(
+                    f"cannot find the base model of {run.path}: its recipe.yaml says model.path `{path}`, which is "
+                    "not a local directory (looked next to the run, in the current directory and in the HF "
+                    "cache); pass --base DIR"
+                )
+            where = f"model.path `{path}` of {run.path / 'recipe.yaml'}"
+    elif saved_base.is_dir():
+        found, where = saved_base, str(saved_base)
+    else:
+        name = run.adapter_config.get("base_model_name_or_path")
+        found = _model_dir(str(name), Path.cwd()) if name else None
+        if found is None:
+            raise UserError(
+                f"cannot find the base model of {run.path}: it has no recipe.yaml and its adapter_config.json names "
+                f"base_model_name_or_path `{name}`, which is not a local directory; pass --base DIR"
+            )
+        where = f"base_model_name_or_path `{name}`"
+    if not (found / "config.json").is_file():
+        raise UserError(f"the base model {found} (from {where}) has no config.json; pass --base DIR")
+    if _is_quantized(found):
+        raise UserError(f"the base model {found} is stored quantized; the 16-bit base is needed: pass --base DIR")
+    if not (found / SAFE_INDEX).is_file() and not (found / SAFE_SINGLE).is_file():
+        raise UserError(
+            f"the base model {found} has no safetensors weights ({SAFE_SINGLE} or {SAFE_INDEX}); "
+            "re-save it with save_pretrained(safe_serialization=True)"
+        )
+    return BaseRef(found, where)
