@@ -29,17 +29,16 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 
 from finetune.adapters import BOTTLENECK_CONFIG, BOTTLENECK_WEIGHTS
 from finetune.errors import UserError
 from finetune.locate import locate_model
+from finetune.methods import METHOD_TYPES
 from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE
-
-if TYPE_CHECKING:
-    from finetune.spec import ExecSpec
+from finetune.spec import ExecSpec, Method
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -75,7 +74,8 @@ def _run_files(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         try:
             data = yaml.safe_load((d / "recipe.yaml").read_text())
         except yaml.YAMLError as err:
-            raise UserError(f"{d / 'recipe.yaml'} is not valid YAML ({err}); the run directory is damaged") from None
+            why = " ".join(str(err).split())  # one line: YAML's message marks the place on lines of its own
+            raise UserError(f"{d / 'recipe.yaml'} is not valid YAML ({why}); the run directory is damaged") from None
         recipe = data if isinstance(data, dict) else None
     if (d / "plan.json").is_file():
         plan = read_json(d / "plan.json")
@@ -138,16 +138,11 @@ class RunDir:
     @property
     def quantized_base(self) -> bool:
         """Whether the run trained on a 4/8-bit base (QLoRA)."""
-        from finetune.methods import METHOD_TYPES
-        from finetune.spec import Method
-
         return self.is_adapter and self.method in METHOD_TYPES and Method(self.method).quantized
 
     @property
     def execution(self) -> ExecSpec | None:
         """The execution spec the run trained with (its plan's), None without one."""
-        from finetune.spec import ExecSpec
-
         execution = (self.plan or {}).get("execution")
         if not execution:
             return None
