@@ -177,19 +177,24 @@ class Vocab:
     notes: list[str]
 
 
-def _split_regex(pre: Any) -> tuple[str | None, bool]:
-    """The Split regex of a tokenizer.json pre-tokenizer, and whether its ByteLevel step splits (GPT-2's
-    regex) itself."""
-    if not isinstance(pre, dict):
-        return None, False
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    regex, byte_regex = None, False
-    for step in steps:
-        if step.get("type") == "Split" and isinstance(step.get("pattern"), dict):
-            regex = step["pattern"].get("Regex")
-        if step.get("type") == "ByteLevel":
-            byte_regex = bool(step.get("use_regex", True))
-    return regex, byte_regex
+def _pre_tokenizer(pre: Any) -> str | None:
+    """llama.cpp's name of a byte-level tokenizer's pre-tokenizer (tokenizer.json's ``pre_tokenizer``), None
+    when it is not one llama.cpp names: GPT-2's split (ByteLevel's own regex), SmolLM's (each digit apart, then
+    GPT-2's), or a Split regex that transformers' GGUF reader knows by llama.cpp's name."""
+    steps = [s.get("type") for s in _steps(pre)]
+    byte_regex = any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in _steps(pre))
+    if steps == ["ByteLevel"] and byte_regex:
+        return "gpt-2"
+    if steps == ["Digits", "ByteLevel"] and byte_regex and _steps(pre)[0].get("individual_digits"):
+        return "smollm"
+    if steps == ["Split", "ByteLevel"] and not byte_regex:
+        regex = (_steps(pre)[0].get("pattern") or {}).get("Regex")
+        try:  # the splits transformers' GGUF loader knows, by llama.cpp's names
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+        except ImportError:
+            return None
+        return next((name for name, split in GGUF_PRE_TOKENIZER_SPLITS.items() if split == regex), None)
+    return None
 
 
 def vocab_of(tokenizer: Any, vocab_size: int) -> Vocab:
@@ -230,8 +235,7 @@ def vocab_of(tokenizer: Any, vocab_size: int) -> Vocab:
             types.append(gguf.TokenType.NORMAL.value)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     if byte_level:
-        regex, byte_regex = _split_regex(state.get("pre_tokenizer"))
-        pre = _pre_name(regex, byte_regex)
+        pre = _pre_tokenizer(state.get("pre_tokenizer"))
         if pre is None:
             pre = "default"
             if merges:
@@ -244,17 +248,6 @@ def _steps(pre: Any) -> list[dict[str, Any]]:
     if not isinstance(pre, dict):
         return []
     return list(pre.get("pretokenizers", [])) if pre.get("type") == "Sequence" else [pre]
-
-
-def _pre_name(regex: str | None, byte_regex: bool) -> str | None:
-    """llama.cpp's name of a byte-level tokenizer's pre-tokenizer split (None: not one it names)."""
-    if regex is None:
-        return "gpt-2" if byte_regex else None
-    try:  # the splits transformers' GGUF loader knows, by llama.cpp's names
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
-    except ImportError:
-        return None
-    return next((name for name, split in GGUF_PRE_TOKENIZER_SPLITS.items() if split == regex), None)
 
 
 def _adds_bos(tokenizer: Any) -> bool:
