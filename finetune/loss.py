@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,7 +160,7 @@ class SequenceShard:
 def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the label tokens of ``batch``, and how many tokens were counted.
 
-    The output head and the loss are fused (:func:`fused_head`): the head's forward computes the fp32 loss
+    The output head and the loss are fused (:func:`loss_head`): the head's forward computes the fp32 loss
     from the last hidden state chunk by chunk, so the (B, T, V) logits never exist whole, nor their
     gradient. Models whose head is not a plain bias-free linear layer (a LoRA-adapted head, a biased head,
     Gemma 2's logit soft-capping) fall back to the chunked loss over materialised logits. A mixture of experts
@@ -180,29 +180,50 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
     }
     if not getattr(model, attention.MARK, False):
         attention.enable(model)
+    # a mixture of experts' load-balancing loss, except under sequence parallelism (each rank sees its rows only)
+    head = fusable_head(model) if FUSED_HEAD else None
+    sharded = head is not None and getattr(head, SEQUENCE_SHARD, None) is not None
+    routing = contextlib.nullcontext({}) if sharded else router.training_forward(model)
+    # target_rows: the trainer's, found on the host copy (of this rank's positions under sequence parallelism)
+    with loss_head(model, shifted, batch.get("target_rows")) as finish, known_documents(batch), routing as extra:
+        out = model(**kwargs, **extra)
+        loss_sum = finish(out.logits)
+    targets = (shifted != IGNORE_INDEX).sum()
+    return (loss_sum if sharded else router.add_aux_loss(model, out, loss_sum, targets)), targets
+
+
+@contextlib.contextmanager
+def loss_head(
+    model: torch.nn.Module, targets: torch.Tensor, rows: torch.Tensor | None = None
+) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Within this context a forward of ``model``'s output head leads to the summed next-token cross-entropy
+    against ``targets`` (the shifted labels, (B, T)): the function it yields turns what the head returned into
+    that sum. :func:`causal_lm_loss` runs the whole model inside it, the last pipeline stage its final norm and
+    head (finetune.train.pipeline).
+
+    The head is fused with the loss (:class:`fused_head`: the head returns the sum itself) where
+    :func:`fusable_head` allows it; under sequence parallelism it runs on this rank's rows of the sequence and
+    the sum is the TP group's (:class:`SequenceShard`). A model whose head is not a plain bias-free linear layer
+    (a LoRA-adapted head, a biased head, Gemma 2's logit soft-capping) returns logits, of which the chunked loss
+    is taken (:class:`_ChunkedCrossEntropy`). ``rows``: :func:`target_rows` of the batch, when known.
+    """
     head = fusable_head(model)
     if head is not None and FUSED_HEAD:
         shard: SequenceShard | None = getattr(head, SEQUENCE_SHARD, None)
         if shard is not None:  # sequence parallelism: the head and the loss on this rank's rows
-            start, end = shard.bounds(shifted.shape[1])
-            rows = batch.get("target_rows")  # the trainer's are this rank's (target_rows(batch, shard))
-            with shard.rows(), fused_head(head, shifted[:, start:end], rows, shard.group), known_documents(batch):
-                loss_sum = shard.total(model(**kwargs).logits)
-            return loss_sum, (shifted != IGNORE_INDEX).sum()
-        with fused_head(head, shifted, batch.get("target_rows")), known_documents(batch), \
-                router.training_forward(model) as extra:
-            out = model(**kwargs, **extra)
-        targets = (shifted != IGNORE_INDEX).sum()
-        return router.add_aux_loss(model, out, out.logits, targets), targets
-    with known_documents(batch), router.training_forward(model) as extra:
-        out = model(**kwargs, **extra)
-    logits = out.logits
-    rows = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1]))
-    loss_sum = _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), rows)
-    targets = (shifted != IGNORE_INDEX).sum()
-    return router.add_aux_loss(model, out, loss_sum, targets), targets
+            start, end = shard.bounds(targets.shape[1])
+            with shard.rows(), fused_head(head, targets[:, start:end], rows, shard.group):
+                yield shard.total
+            return
+        with fused_head(head, targets, rows):
+            yield lambda loss_sum: loss_sum
+        return
 
+    def chunked(logits: torch.Tensor) -> torch.Tensor:
+        n = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1]))
+        return _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), n)
 
+    yield chunked
 
 
 def fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
