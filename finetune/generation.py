@@ -29,7 +29,7 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 @torch.no_grad()
 def greedy_tokens(
     model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, autocast: Any,
-    *, pick: Pick | None = None, on_step: OnStep | None = None,
+    *, pick: Pick | None = None, on_step: OnStep | None = None, cache: bool = True,
 ) -> torch.Tensor:
     """The (B, max_new_tokens) greedy continuation of a left-padded batch, with a KV cache.
 
@@ -39,35 +39,37 @@ def greedy_tokens(
     :func:`sampler`); ``on_step`` sees each step's tokens and may end the loop early (streaming, stopping
     once every row has ended), so the result then has fewer columns.
 
-    A prefix-tuned peft model puts its prefix into the cache on every call, so it runs without a KV cache
-    across steps (each step sees the whole sequence). Its positions are the tokens' own: peft (0.21) adds the
-    virtual tokens to ``position_ids`` itself, which puts them after the prefix as in training, where
+    ``cache=False`` runs without a KV cache: each step is a forward of the whole sequence (a pipeline's
+    stages, which keep no cache; only the last position's logits are read). A prefix-tuned peft model puts its
+    prefix into the cache on every call, so it runs that way too; its positions are the tokens' own: peft
+    (0.21) adds the virtual tokens to ``position_ids`` itself, which puts them after the prefix as in training, where
     transformers numbers the tokens from the cache's length. Adding them here too shifted every position
     by the prefix length a second time, so evaluation saw positions training never did.
     """
     from finetune.adapters import prefix_tokens
     from finetune.versions import kv_cache_kwarg, output_cache
 
-    virtual = prefix_tokens(model)
+    virtual = prefix_tokens(model) if cache else 0
+    whole = not cache or bool(virtual)  # every step a forward of the whole sequence
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out_tokens = torch.empty((ids.shape[0], 0), dtype=torch.long, device=ids.device)
-    cache = None
+    kv = None
     step_ids = ids
     step_pos = positions
     for _ in range(max_new_tokens):
         with autocast():
-            if virtual:
+            if whole:
                 out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=False)
             else:
                 out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True,
-                            **kv_cache_kwarg(cache))
-        cache = None if virtual else output_cache(out)
+                            **kv_cache_kwarg(kv))
+        kv = None if whole else output_cache(out)
         logits = out.logits[:, -1]
         nxt = logits.argmax(-1, keepdim=True) if pick is None else pick(logits)
         del out, logits  # the prompt's (B, T, V) logits must not outlive the step that needs them
         out_tokens = torch.cat([out_tokens, nxt], dim=1)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-        if virtual:
+        if whole:
             step_ids = torch.cat([step_ids, nxt], dim=1)
             step_pos = torch.cat([step_pos, step_pos[:, -1:] + 1], dim=1)
         else:
