@@ -1,4 +1,4 @@
-"""Who this process is: rank, world size, device; process-group setup and small collectives.
+"""Who this process is: rank, world size, device, its parallel layout; process-group setup and small collectives.
 
 Two process groups join every rank of a multi-process run:
 
@@ -21,7 +21,7 @@ group even for one process, so an offloading process alone gets a group of one.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -29,30 +29,42 @@ import torch
 import torch.distributed as dist
 
 from finetune.recipe import DEFAULT_TIMEOUT_S, DEFAULT_WAIT_TIMEOUT_S
+from finetune.spec import ExecSpec
+from finetune.train.layout import ParallelLayout
 
 #: The wait group of this process (None before a multi-process DistContext exists, and after it closes).
 _WAIT_GROUP: Any = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistContext:
-    """This process's place in the job (a single process is rank 0 of 1)."""
+    """This process's place in the job (a single process is rank 0 of 1) and the run's parallel layout.
+
+    ``layout`` (:class:`~finetune.train.layout.ParallelLayout`): the degrees, this rank's coordinates and the
+    device mesh; every rank a data-parallel replica until the plan is read, then the plan's
+    (:meth:`laid_out`). A context never changes once built.
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
-    tp: int = 1  # tensor-parallel degree (the execution spec's): tp consecutive ranks compute one replica
+    layout: ParallelLayout = None  # type: ignore[assignment]  # replicas of the world when not given
 
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel index: the ranks of one TP group read the same batch slice."""
-        return self.rank // self.tp
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            object.__setattr__(
+                self, "layout", ParallelLayout.replicas(self.world_size, self.rank, self.device.type)
+            )
+        assert (self.layout.world_size, self.layout.rank) == (self.world_size, self.rank), "the layout is this rank's"
 
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel replicas (processes / tp)."""
-        return self.world_size // self.tp
+    def laid_out(self, spec: ExecSpec) -> DistContext:
+        """This process on the parallel layout of ``spec`` (the same process groups)."""
+        assert spec.world_size == self.world_size, (
+            f"the plan runs {spec.world_size} processes, the launcher started {self.world_size}"
+        )
+        layout = ParallelLayout.of(spec, rank=self.rank, world_size=self.world_size, device_type=self.device.type)
+        return replace(self, layout=layout)
 
     @property
     def is_main(self) -> bool:
@@ -113,10 +125,19 @@ class DistContext:
         """Sum a per-replica value (tokens, summed losses) over the data-parallel replicas (``on_device``: as
         :meth:`all_reduce_sum`).
 
-        The ranks of a TP group hold the same value, so the sum over every rank counts it ``tp`` times.
+        Every rank that reads a replica's batch slice holds the value (its TP and pipeline neighbours:
+        ``layout.batch_copies`` of them), so the sum over every rank counts it that many times.
         """
         total = self.all_reduce_sum(value, on_device=on_device)
-        return total / self.tp if self.tp > 1 else total
+        copies = self.layout.batch_copies
+        return total / copies if copies > 1 else total
+
+    def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the rank of this rank's pipeline group that runs the last stage holds it (a collective of the
+        layout's pp group; the last stage is on its last pp rank: stages are placed in a loop)."""
+        t = t.contiguous()
+        dist.broadcast(t, group=self.layout.pp_group, group_src=self.layout.pp - 1)
+        return t
 
     def barrier(self) -> None:
         """Wait for every rank (no-op for one process)."""

@@ -11,16 +11,19 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from finetune.generation import greedy_tokens, left_padded
-from finetune.loss import causal_lm_loss
+from finetune.loss import IGNORE_INDEX, causal_lm_loss, shifted_labels
 from finetune.train.data import EvalPrompt, Example, collate
 from finetune.train.data.batches import to_device
 from finetune.train.data.retain import RetainData
 from finetune.train.distributed import DistContext
+
+if TYPE_CHECKING:
+    from finetune.train.pipeline import StagedForward
 
 
 @dataclass
@@ -40,18 +43,33 @@ class EvalResult:
 
 def _shard(items: list[Any], ctx: DistContext, batch_size: int) -> tuple[list[Any], int]:
     """This rank's strided share of ``items`` and the number of batches every rank must run."""
-    mine = items[ctx.dp_rank :: ctx.dp_size]  # the ranks of a TP group run the same rows
-    per_rank = math.ceil(len(items) / ctx.dp_size)
+    layout = ctx.layout  # the ranks that read one batch slice (a TP group, a pipeline) run the same rows
+    mine = items[layout.dp_rank :: layout.dp]
+    per_rank = math.ceil(len(items) / layout.dp)
     return mine, math.ceil(per_rank / batch_size)
+
+
+def summed_loss(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], stages: StagedForward | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, target tokens) of a batch: the model's (:func:`~finetune.loss.causal_lm_loss`), or through
+    a pipeline's stages (``stages``), whose last stage computes it as ``causal_lm_loss`` does."""
+    if stages is None:
+        return causal_lm_loss(model, batch)
+    shifted = shifted_labels(batch)
+    s = stages.summed_loss(
+        batch["input_ids"], shifted, attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids")
+    )
+    return s, (shifted != IGNORE_INDEX).sum()
 
 
 @torch.no_grad()
 def eval_loss(
     model: torch.nn.Module, examples: list[Example], ctx: DistContext, batch_size: int, pad_id: int, autocast: Any,
-    pipeline: Any = None,
+    stages: StagedForward | None = None,
 ) -> float | None:
-    """Mean next-token loss over the target tokens of ``examples`` (all ranks together); ``pipeline`` (a
-    :class:`~finetune.train.pipeline.Pipeline`): each batch forward through its stages."""
+    """Mean next-token loss over the target tokens of ``examples`` (all ranks together); ``stages``: a pipeline's
+    forward, each batch through its stages (:func:`summed_loss`)."""
     if not examples:
         return None
     mine, n_batches = _shard(examples, ctx, batch_size)
@@ -60,11 +78,8 @@ def eval_loss(
     for b in range(n_batches):
         chunk = mine[b * batch_size : (b + 1) * batch_size] or examples[:1]  # dummy batch keeps ranks in step
         batch = {k: to_device(v, ctx.device) for k, v in collate(chunk, pad_id).items()}
-        if pipeline is not None:
-            s, n = pipeline.eval_loss(batch)
-        else:
-            with autocast():
-                s, n = causal_lm_loss(model, batch)
+        with autocast():
+            s, n = summed_loss(model, batch, stages)
         if mine[b * batch_size : (b + 1) * batch_size]:
             total += s.double().cpu()
             count += n.double().cpu()
@@ -76,15 +91,15 @@ def eval_loss(
 @torch.no_grad()
 def greedy_generate(
     model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_id: int, device: torch.device,
-    autocast: Any, pipeline: Any = None,
+    autocast: Any, stages: StagedForward | None = None,
 ) -> list[list[int]]:
     """Greedy continuation of each prompt (left-padded batch, KV cache), ``max_new_tokens`` steps exactly;
-    ``pipeline``: through its stages, one forward of the whole sequence per token."""
+    ``stages``: through a pipeline's stages, one forward of the whole sequence per token (no KV cache)."""
     ids, mask = left_padded(prompts, pad_id)
-    if pipeline is not None:
-        out_tokens = pipeline.greedy_tokens(to_device(ids, device), to_device(mask, device), max_new_tokens)
-    else:
-        out_tokens = greedy_tokens(model, to_device(ids, device), to_device(mask, device), max_new_tokens, autocast)
+    forward: Any = model if stages is None else stages
+    out_tokens = greedy_tokens(
+        forward, to_device(ids, device), to_device(mask, device), max_new_tokens, autocast, cache=stages is None
+    )
     result = []
     for row in out_tokens.tolist():
         result.append(row[: row.index(eos_id)] if eos_id in row else row)
@@ -94,7 +109,7 @@ def greedy_generate(
 @torch.no_grad()
 def exact_match(
     model: torch.nn.Module, prompts: list[EvalPrompt], tokenizer: Any, ctx: DistContext, batch_size: int,
-    max_new_tokens: int, autocast: Any, pipeline: Any = None,
+    max_new_tokens: int, autocast: Any, stages: StagedForward | None = None,
 ) -> tuple[float | None, list[tuple[str, str]]]:
     """Fraction of prompts whose greedy completion equals the expected answer (whitespace-trimmed)."""
     if not prompts:
@@ -108,7 +123,7 @@ def exact_match(
         chunk = chunk or prompts[:1]
         gens = greedy_generate(
             model, [p.prompt_ids for p in chunk], max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id,
-            ctx.device, autocast, pipeline,
+            ctx.device, autocast, stages,
         )
         for p, g in list(zip(chunk, gens, strict=True))[:real]:
             text = tokenizer.decode(g, skip_special_tokens=True).strip()
@@ -122,13 +137,15 @@ def exact_match(
 def evaluate(
     model: torch.nn.Module, eval_examples: list[Example], eval_prompts: list[EvalPrompt], tokenizer: Any,
     ctx: DistContext, *, batch_size: int, max_new_tokens: int, autocast: Any, retain: RetainData | None = None,
-    task: bool = True, objective: Any = None, pipeline: Any = None,
+    task: bool = True, objective: Any = None, stages: StagedForward | None = None,
     measure: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> EvalResult:
     """Eval loss and exact match, with the model in eval mode (restored to train mode after); with ``retain``,
     also the retain set's loss and exact match. ``task=False``: the retain set only (the run's measurement
-    before training when ``eval.at_start`` is off). ``measure(phase)``: a context around the loss pass
-    (``evaluation``) and the generation (``generation``), the memory probe's."""
+    before training when ``eval.at_start`` is off). ``stages``: a pipeline's forward over its stages, which
+    every forward of the evaluation goes through (``model`` is then this rank's stage model).
+    ``measure(phase)``: a context around the loss pass (``evaluation``) and the generation (``generation``),
+    the memory probe's."""
     phase = measure or (lambda _: contextlib.nullcontext())
     was_training = model.training
     model.eval()
@@ -145,19 +162,19 @@ def evaluate(
                 )
         elif task:
             with phase("evaluation"):
-                loss = eval_loss(model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast, pipeline)
+                loss = eval_loss(model, eval_examples, ctx, batch_size, tokenizer.pad_token_id, autocast, stages)
         if task:
             with phase("generation"):
                 em, samples = exact_match(
-                    model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast, pipeline
+                    model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast, stages
                 )
         result = EvalResult(loss, em, len(eval_prompts) if task else 0, samples, preference=prefs)
         if retain is not None:
             result.retain_loss = eval_loss(
-                model, retain.examples, ctx, batch_size, tokenizer.pad_token_id, autocast, pipeline
+                model, retain.examples, ctx, batch_size, tokenizer.pad_token_id, autocast, stages
             )
             result.retain_exact_match, _ = exact_match(
-                model, retain.prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast, pipeline
+                model, retain.prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast, stages
             )
             result.retain_prompts = len(retain.prompts)
     finally:

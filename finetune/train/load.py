@@ -500,6 +500,14 @@ def _seeded_model(loaded: LoadedRecipe, spec: ExecSpec) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
 
 
+def write_seeded_base(loaded: LoadedRecipe, spec: ExecSpec, base_dir: Path) -> None:
+    """The whole seeded random base (``model.init: random`` of an adapter run) written to ``base_dir``, for merge
+    and reloading: built on this rank alone (a pipeline stage holds only its layers), without moving the run's
+    random generators."""
+    with torch.random.fork_rng(devices=[]):
+        save_pretrained_base(_seeded_model(loaded, spec), base_dir)
+
+
 def base_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The base weights to fill, keyed by their name in a Hugging Face checkpoint (adapters left out).
 

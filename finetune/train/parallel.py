@@ -10,16 +10,16 @@ Every strategy is torch's own:
   root: gradients and optimizer state are sharded, parameters stay gathered from forward to backward.
 - ``fsdp``: the same with ``reshard_after_forward=True`` on the blocks (ZeRO-3): each block's parameters are
   all-gathered for its forward, freed, and gathered again for its backward.
-- ``hsdp``: fsdp over a 2-D ``("replicate", "shard")`` device mesh of (nodes, processes per node): each node's
+- ``hsdp``: fsdp over a 2-D ``(dp_replicate, dp_shard)`` device mesh of (nodes, processes per node): each node's
   ranks shard the model among themselves (the all-gathers and reduce-scatters stay inside the node) and the
   nodes hold replicas, whose gradient shards are all-reduced across nodes after each reduce-scatter.
 - ``train.offload`` (zero2/fsdp): FSDP2's ``CPUOffloadPolicy`` on every unit: shards, gradients, optimizer
   state and step in host memory (:func:`offload_policy`).
 
-- ``distributed.tp: N`` (tensor parallelism): a 2-D ``("dp", "tp")`` device mesh; the linear layers of every
-  decoder block are split over the ``tp`` ranks of a node by ``torch.distributed.tensor.parallel``
-  (``ColwiseParallel`` / ``RowwiseParallel``, as transformers' ``config.base_model_tp_plan`` names them),
-  then zero2/fsdp shard over the ``dp`` dimension (FSDP2 over TP's DTensors is 2-D). Embeddings, norms and
+- ``distributed.tp: N`` (tensor parallelism): the linear layers of every decoder block are split over the
+  ``tp`` ranks of a node by ``torch.distributed.tensor.parallel`` (``ColwiseParallel`` / ``RowwiseParallel``,
+  as transformers' ``config.base_model_tp_plan`` names them), then zero2/fsdp shard over the data-parallel
+  dimension (FSDP2 over TP's DTensors is 2-D). Embeddings, norms and
   the head are replicated over ``tp``; with ``distributed.sequence_parallel`` (the default) the norms, the
   residual stream, the embeddings' output and the head's rows in the loss are split over the sequence
   (:func:`apply_sequence_parallel`).
@@ -28,7 +28,8 @@ Order inside :func:`parallelize` (as torchtitan's ``parallelize``): tensor paral
 checkpointing per block, then ``torch.compile`` per block (``train.compile``), then sharding bottom-up
 (blocks, then the root) or DDP, then prefetch wiring. Checkpointing and compilation are applied here and
 nowhere else, so they hold for every strategy and both load paths (a whole model, or one built on meta and
-materialised after sharding). Everything is read from the execution spec (finetune/spec.py).
+materialised after sharding). Everything is read from the execution spec (finetune/spec.py), and every mesh is
+a view of the layout's one world mesh (finetune/train/layout.py: ``tp_mesh``, ``fsdp_mesh``).
 """
 
 from __future__ import annotations
@@ -48,26 +49,25 @@ from finetune.units import torch_dtype
 
 def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torch.nn.Module:
     """Apply the execution spec: tensor parallelism, activation checkpointing and compilation of the decoder
-    blocks (every strategy), then the strategy's wrapping over the data-parallel ranks.
+    blocks (every strategy), then the strategy's wrapping over the data-parallel ranks, on ``ctx``'s parallel
+    layout (its meshes: :class:`~finetune.train.layout.ParallelLayout`).
 
     ``model`` may still be on the meta device (the sharded load path): compiling only marks each block, the
     graphs are traced at its first forward, after :func:`finetune.train.load.materialize`.
     """
     # each rank would train alone on its slice: refused by the capability table when the plan is made
     assert not (ctx.distributed and not spec.strategy.distributed), "strategy single on several processes"
-    dp_mesh = None
+    layout = ctx.layout
+    assert (layout.tp, layout.pp, layout.fsdp) == (spec.tp, 1, spec.strategy.uses_fsdp) or not ctx.distributed, (
+        "the context is laid out as the spec says (DistContext.laid_out), a whole model on every stage"
+    )
     if spec.tensor_parallel:
         import logging
 
-        from torch.distributed.device_mesh import init_device_mesh
-
-        assert ctx.world_size == spec.world_size, "the launcher starts the plan's processes"
         # Gathering a TP x FSDP parameter (saving) is two all-gathers, which DTensor warns about on every
         # rank for every save; the cost is known and the result exact.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        mesh = init_device_mesh(ctx.device.type, (spec.dp, spec.tp), mesh_dim_names=("dp", "tp"))
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=spec.sequence_parallel)
-        dp_mesh = mesh["dp"]
+        apply_tensor_parallel(model, layout.tp_mesh, sequence_parallel=spec.sequence_parallel)
     if spec.checkpointing:
         # Before sharding, so that each block's recomputation sits inside the block FSDP gathers for it.
         apply_activation_checkpointing(model)
@@ -80,13 +80,11 @@ def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> tor
     assert spec.offload == "none" or spec.strategy.uses_fsdp, "train.offload without zero2/fsdp"
     if not ctx.distributed:
         return model
-    if spec.strategy.hybrid:
-        return _fully_shard(model, spec, ctx, hybrid_mesh(spec, ctx))
     if spec.strategy.uses_fsdp:
-        return _fully_shard(model, spec, ctx, dp_mesh)
-    if spec.tensor_parallel:  # one data-parallel replica (checked before launch): nothing to replicate over
-        assert spec.dp == 1, "ddp/zero1 with tp and several replicas is refused before launch"
+        return apply_fsdp(model, spec, ctx)
+    if layout.dp == 1:  # tp over every rank (one data-parallel replica, checked before launch): nothing to replicate
         return model
+    assert not spec.tensor_parallel, "ddp/zero1 with tp and several replicas is refused before launch"
     return data_parallel(model, ctx)
 
 
@@ -440,34 +438,21 @@ def offload_policy(spec: ExecSpec, device: torch.device) -> Any:
     return CPUOffloadPolicy(pin_memory=device.type != "cpu")
 
 
-def hybrid_mesh(spec: ExecSpec, ctx: DistContext) -> Any:
-    """HSDP's 2-D device mesh: ``("replicate", "shard")`` of (nodes, processes per node).
-
-    torchrun numbers the ranks node by node, so the ranks of one node are consecutive: a row of the mesh,
-    which FSDP2 shards over, while each column (one rank per node) holds the replicas of the same shard.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert ctx.world_size == spec.world_size and ctx.world_size % spec.nodes == 0, "the launcher starts the plan's"
-    per_node = ctx.world_size // spec.nodes
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", per_node))
-    assert local == per_node, f"hsdp over {spec.nodes} nodes of {per_node} processes, but this node runs {local}"
-    return init_device_mesh(ctx.device.type, (spec.nodes, per_node), mesh_dim_names=("replicate", "shard"))
-
-
-def _fully_shard(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext, mesh: Any = None) -> torch.nn.Module:
-    """FSDP2 per decoder block and at the root; ZeRO-2 keeps parameters gathered after forward;
-    ``spec.offload`` keeps the shards and the optimizer step in host memory (:func:`offload_policy`).
-
-    ``mesh``: the data-parallel dimension of a 2-D mesh (tensor parallelism), or hsdp's 2-D
-    ``("replicate", "shard")`` mesh, on which FSDP2 shards over the second dimension and replicates over the
-    first; else every rank.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
+def apply_fsdp(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torch.nn.Module:
+    """FSDP2 per decoder block and at the root, over the layout's FSDP mesh (``dp_shard``; hsdp's 2-D
+    ``(dp_replicate, dp_shard)``, sharded over the second dimension and replicated over the first); ZeRO-2
+    keeps parameters gathered after forward; ``spec.offload`` keeps the shards and the optimizer step in host
+    memory (:func:`offload_policy`). A pipeline stage model is sharded as a whole one."""
     from torch.distributed.fsdp import fully_shard
 
-    if mesh is None:
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    layout = ctx.layout
+    if layout.hybrid:
+        # torchrun numbers the ranks node by node: a node's ranks are one row of the mesh (dp_shard)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", layout.dp_shard))
+        assert local == layout.dp_shard, (
+            f"hsdp over {layout.dp_replicate} nodes of {layout.dp_shard} processes, but this node runs {local}"
+        )
+    mesh = layout.fsdp_mesh
     policy = mixed_precision_policy(spec)
     _check_quantized_storage(model, policy.param_dtype)
     offload = offload_policy(spec, ctx.device)

@@ -1,5 +1,13 @@
-"""Pipeline parallelism (``distributed.pp``): the decoder layers run as stages on ``pp`` ranks, driven by a
-``torch.distributed.pipelining`` schedule (GPipe, 1F1B or interleaved 1F1B).
+"""Pipeline parallelism (``distributed.pp``): the builder of a rank's stage model and its schedule.
+
+The decoder layers run as stages on ``pp`` ranks, driven by a ``torch.distributed.pipelining`` schedule (GPipe,
+1F1B or interleaved 1F1B). :func:`build_pipeline` (torchtitan's ``pipeline_llm``) builds, on the layout's meshes
+(finetune/train/layout.py), this rank's model part and the schedule over its stages, and returns them as a
+:class:`Pipeline`; the trainer does the rest as for one model: its step differs in one branch (the schedule runs
+the micro-batches: finetune.train.gradients.pipeline_step, with the loss scaled as every step's is), its
+clipping reduces the gradient norm over the pp group too, its evaluation calls the stages' forward
+(:class:`StagedForward`) where it would call the model, and the final save gathers every stage's tensors
+(finetune.train.save). Nothing here steps, clips, evaluates, computes a loss of its own or saves.
 
 Stages keep their names. A rank's stage model is the whole model with the decoder layers it does not own
 removed (the layer list becomes a dict keyed by each layer's index), the input embeddings kept on the first
@@ -9,27 +17,26 @@ optimizer's, the checkpoint's and the final save's names are those of one proces
 saved on one pipeline layout loads on another. A rank of the interleaved schedule holds its stages (one
 every ``pp`` stages: looped placement) in one such model; each stage is a view that runs its layers.
 
-One device mesh ``(pp, dp, tp)``, pp outermost and tp innermost (the ranks of a TP group are neighbours,
-inside one node): tensor parallelism over ``tp`` and FSDP2 (zero2/fsdp) over ``dp`` apply to each stage
-model as to a whole one, then the schedule sends the hidden states between the ``pp`` ranks of the same
-``(dp, tp)`` position. With sequence parallelism (``distributed.sequence_parallel``, the default with tp) each
-stage runs it as a whole model does (finetune.train.parallel.apply_sequence_parallel): the first stage's
-embeddings output this tp rank's rows, a stage sends its rows ``(B, T/tp, H)`` as a plain tensor and the next
-wraps them back into the sequence-sharded DTensor, and the last stage's final norm, head and loss run on the
-rank's rows (:class:`finetune.loss.SequenceShard`, the loss summed over tp). The rows are padded to a multiple
-of ``tp`` so the shards are even.
+The layout's pp dimension is outermost and tp innermost (the ranks of a TP group are neighbours, inside one
+node): tensor parallelism over ``tp`` and FSDP2 (zero2/fsdp) over ``dp_shard`` apply to each stage model as to
+a whole one, then the schedule sends the hidden states between the ``pp`` ranks of the same ``(dp, tp)``
+position. With sequence parallelism (``distributed.sequence_parallel``, the default with tp) each stage runs it
+as a whole model does (finetune.train.parallel.apply_sequence_parallel): the first stage's embeddings output
+this tp rank's rows, a stage sends its rows ``(B, T/tp, H)`` as a plain tensor and the next wraps them back into
+the sequence-sharded DTensor, and the last stage's final norm, head and loss run on the rank's rows
+(:func:`finetune.loss.loss_head`, the loss summed over tp).
 
-The step: the gradient-accumulation micro-batches are the pipeline's micro-batches, padded to
-``data.max_seq_len`` (rounded up to a multiple of ``tp`` under sequence parallelism: a stage's receive buffers
-have one shape for the whole run). The last stage computes
-each micro-batch's summed token loss (the fused head) and scales it by ``dp / global target tokens``, the
-count every rank knows before the step (every rank has the batch's labels), with the schedule's own
-scaling off (``scale_grads=False``): gradients are exactly one process's. The summed loss is broadcast from
-the last stage to the others for logging; the gradient norm is reduced over every stage.
+The stages have static shapes (no shape inference at run time): the step's micro-batches are padded to one
+width (:meth:`Pipeline.pad`), ``data.max_seq_len`` rounded up to a multiple of ``tp`` under sequence
+parallelism, or with ``distributed.pp_buckets`` above 1 the narrowest of that many widths (halving from the
+widest) that holds the step's longest row; the schedule is built for a shape when it first runs, and again when
+the shape changes, so one shape's receive buffers exist at a time and the planner's worst case (full rows)
+bounds every step. The last stage's forward returns each micro-batch's summed token loss (the fused head), which
+the schedule's ``loss_fn`` (the trainer's) scales by ``dp / global target tokens`` with the schedule's own
+scaling off (``scale_grads=False``): gradients are exactly one process's.
 
-Evaluation runs forward only, batch by batch through the stages with point-to-point sends (any batch
-shape, attention masks included); exact match generates greedily without a KV cache, one pipeline
-forward per new token.
+Evaluation runs forward only, batch by batch through the stages with point-to-point sends (any batch shape,
+attention masks included); generation then runs without a KV cache, one pipeline forward per new token.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,53 +54,10 @@ import torch.distributed as dist
 from finetune import attention
 from finetune.adapters import base_model_of
 from finetune.errors import UserError
-from finetune.loss import (
-    FUSED_HEAD,
-    IGNORE_INDEX,
-    LOSS_CHUNK_BYTES,
-    SEQUENCE_SHARD,
-    SequenceShard,
-    _ChunkedCrossEntropy,
-    fusable_head,
-    fused_head,
-    known_documents,
-    shifted_labels,
-)
+from finetune.loss import IGNORE_INDEX, known_documents, loss_head, sequence_bounds
 from finetune.recipe import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.train.distributed import DistContext
-
-
-@dataclass
-class PipelineContext(DistContext):
-    """:class:`DistContext` on a ``(pp, dp, tp)`` mesh: the ``pp`` ranks of one data-parallel position read the
-    same batch, so data-parallel indices and sums skip both the tp and the pp dimension."""
-
-    pp: int = 1
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel index (the middle dimension of the mesh)."""
-        return (self.rank // self.tp) % self.dp_size
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel replicas (processes / (pp x tp))."""
-        return self.world_size // (self.tp * self.pp)
-
-    @property
-    def pp_rank(self) -> int:
-        """This rank's pipeline index (the outermost dimension)."""
-        return self.rank // (self.world_size // self.pp)
-
-    def data_sum(self, value: float | torch.Tensor, *, on_device: bool = False) -> torch.Tensor:
-        """Sum a per-replica value over the data-parallel replicas (every rank of a replica holds it)."""
-        return self.all_reduce_sum(value, on_device=on_device) / (self.tp * self.pp)
-
-
-def pipeline_context(ctx: DistContext, spec: ExecSpec) -> PipelineContext:
-    """``ctx`` as a rank of ``spec``'s ``(pp, dp, tp)`` mesh."""
-    return PipelineContext(ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, tp=spec.tp, pp=spec.pp)
 
 
 def stage_layers(spec: ExecSpec) -> list[range]:
@@ -163,26 +127,6 @@ def _mask_and_positions(
     return mask, decoder.rotary_emb(hidden, position_ids=position_ids), position_ids
 
 
-def head_loss(base: Any, norm: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy of the head over ``norm(hidden)`` against the shifted ``targets`` (the
-    fused head where the model allows it, as :func:`finetune.loss.causal_lm_loss`). Under sequence parallelism
-    the final norm hands the fused head this tp rank's rows and the loss is summed over the tp ranks
-    (:class:`finetune.loss.SequenceShard`, as ``causal_lm_loss`` runs it); an unfused head gets the whole
-    sequence."""
-    head = fusable_head(base)
-    if head is not None and FUSED_HEAD:
-        shard: SequenceShard | None = getattr(head, SEQUENCE_SHARD, None)
-        if shard is not None:
-            start, end = shard.bounds(targets.shape[1])
-            with shard.rows(), fused_head(head, targets[:, start:end], None, shard.group):
-                return shard.total(head(norm(hidden)))
-        with fused_head(head, targets):
-            return head(norm(hidden))
-    logits = base.get_output_embeddings()(norm(hidden))
-    rows = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1]))
-    return _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), rows)
-
-
 class StageRunner:
     """What a rank's stage model computes for each of its stages (its forward is patched to :meth:`forward`)."""
 
@@ -231,7 +175,8 @@ class StageRunner:
             if last_logits:  # the final norm hands the head the whole sequence (SequenceShard)
                 return base.get_output_embeddings()(decoder.norm(hidden)[:, -1:]).float()[:, 0]
             assert labels is not None, "the last stage's loss needs the labels"
-            return head_loss(base, decoder.norm, hidden, labels)
+            with loss_head(base, labels) as finish:  # the fused head, on this tp rank's rows under SP
+                return finish(base.get_output_embeddings()(decoder.norm(hidden)))
 
 
 class _VirtualStage(torch.nn.Module):
@@ -259,30 +204,24 @@ def _patch_forward(model: torch.nn.Module, runner: StageRunner) -> None:
     model.forward = types.MethodType(forward, model)
 
 
-# -- building and wrapping ---------------------------------------------------------------------------------
-
-
-def build_mesh(spec: ExecSpec, ctx: DistContext) -> Any:
-    """The ``(pp, dp, tp)`` device mesh of the run (pp outermost, tp innermost)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert ctx.world_size == spec.world_size, "the launcher starts the plan's processes"
-    return init_device_mesh(ctx.device.type, (spec.pp, spec.dp, spec.tp), mesh_dim_names=("pp", "dp", "tp"))
+# -- building --------------------------------------------------------------------------------------------
 
 
 def build_stage_model(
-    loaded: LoadedRecipe, spec: ExecSpec, ctx: PipelineContext, mesh: Any, base_dir: Path | None
+    loaded: LoadedRecipe, spec: ExecSpec, ctx: DistContext, base_dir: Path | None
 ) -> tuple[torch.nn.Module, list[int], tuple[int, int]]:
-    """This rank's stage model: built on meta, cut to its stages, tensor-parallel over ``tp``, sharded over
-    ``dp`` (zero2/fsdp), then this rank's tensors alone loaded (finetune/train/load.py). Returns the model, its
-    stages and the whole model's (trainable, total) parameter counts.
+    """This rank's stage model: built on meta, cut to its stages, tensor-parallel over the layout's ``tp``,
+    sharded over its ``dp_shard`` (zero2/fsdp), then this rank's tensors alone loaded (finetune/train/load.py).
+    Returns the model, its stages and the whole model's (trainable, total) parameter counts.
 
     ``base_dir``: rank 0 of an adapter run from a random init writes the whole seeded base there.
     """
-    from finetune.train.load import build_on_meta, materialize
+    from finetune.train.load import build_on_meta, materialize, write_seeded_base
     from finetune.train.model import count_parameters
-    from finetune.train.parallel import _fully_shard, apply_activation_checkpointing, apply_tensor_parallel
+    from finetune.train.parallel import apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel
 
+    layout = ctx.layout
+    assert (layout.pp, layout.tp) == (spec.pp, spec.tp), "the context is laid out as the spec says"
     model = build_on_meta(loaded, spec, ctx.device)
     check_stageable(model)
     counts = count_parameters(model)
@@ -292,7 +231,7 @@ def build_stage_model(
             f"distributed.pp_layers: the stages hold {sum(spec.pp_layers)} decoder layers but the model has "
             f"{n_layers}; give {len(spec.pp_layers)} counts that add up to {n_layers}"
         )
-    stages = local_stages(spec, ctx.pp_rank)
+    stages = local_stages(spec, layout.pp_rank)
     layers = stage_layers(spec)
     if spec.checkpointing:  # on the whole model (its input-embedding hook), before the layers are cut
         apply_activation_checkpointing(model)
@@ -300,26 +239,13 @@ def build_stage_model(
         model, [i for s in stages for i in layers[s]], first=0 in stages, last=len(layers) - 1 in stages
     )
     if spec.tensor_parallel:
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=spec.sequence_parallel, pipeline_stage=True)
+        apply_tensor_parallel(model, layout.tp_mesh, sequence_parallel=spec.sequence_parallel, pipeline_stage=True)
     if spec.strategy.uses_fsdp:
-        model = _fully_shard(model, spec, ctx, mesh["dp"])
+        model = apply_fsdp(model, spec, ctx)
     materialize(model, loaded, spec, ctx.device, None)
     if base_dir is not None:
-        _write_seeded_base(loaded, spec, base_dir)
+        write_seeded_base(loaded, spec, base_dir)
     return model, stages, counts
-
-
-def _write_seeded_base(loaded: LoadedRecipe, spec: ExecSpec, base_dir: Path) -> None:
-    """The whole seeded random base (``model.init: random`` of an adapter run), for merge and reloading: built
-    on this rank alone, without moving the run's random generators."""
-    from finetune.train.load import _seeded_model
-    from finetune.train.model import save_pretrained_base
-
-    with torch.random.fork_rng(devices=[]):
-        save_pretrained_base(_seeded_model(loaded, spec), base_dir)
-
-
-# -- the pipeline: the step, the gradient norm, evaluation, the final save -----------------------------------
 
 
 def stage_meta_args(spec: ExecSpec, stage: int, n_stages: int, rows: int, width: int, hidden: int) -> dict[str, Any]:
@@ -341,45 +267,36 @@ def stage_meta_args(spec: ExecSpec, stage: int, n_stages: int, rows: int, width:
     }
 
 
-@dataclass
-class Pipeline:
-    """A rank's stages, their schedule and the pp group: what the trainer calls instead of the plain step."""
+def row_buckets(max_seq_len: int, buckets: int, multiple: int = 1) -> tuple[int, ...]:
+    """The widths the stages' micro-batches are padded to, narrowest first: ``max_seq_len`` halved
+    ``buckets - 1`` times, each rounded up to a multiple of ``multiple`` (tp under sequence parallelism, so the
+    sequence shards are even); the widest holds every row."""
+    widths = {-(-max(1, -(-max_seq_len // 2**k)) // multiple) * multiple for k in range(max(1, buckets))}
+    return tuple(sorted(widths))
 
-    model: torch.nn.Module
-    spec: ExecSpec
-    ctx: PipelineContext
-    mesh: Any
-    stages: list[int]
-    runner: StageRunner
-    width: int  # every micro-batch's columns (data.max_seq_len; a multiple of tp under sequence parallelism)
-    pad_id: int
-    n_microbatches: int
-    scaler: Any = None
-    schedule: Any = None
-    _scale: torch.Tensor | None = None
-    _sums: list[torch.Tensor] = field(default_factory=list)
 
-    @property
-    def group(self) -> Any:
-        """The pp process group of this rank (its ``(dp, tp)`` position's ranks)."""
-        return self.mesh["pp"].get_group()
+class StageSchedule:
+    """torch's schedule over this rank's stages for micro-batches of one shape (rows x width).
 
-    @property
-    def first(self) -> bool:
-        return 0 in self.stages
+    :meth:`for_shape` builds the schedule (a ``PipelineStage`` per stage with that shape's static arguments, so no
+    shape inference runs) when a shape first runs and again when it changes: one shape's receive buffers at a time.
+    ``loss_fn``: what the schedule calls on the last stage with each micro-batch's output (its summed loss) and
+    backwards (the trainer's scaled loss).
+    """
 
-    @property
-    def last(self) -> bool:
-        return self.runner.n_stages - 1 in self.stages
+    def __init__(
+        self, model: torch.nn.Module, spec: ExecSpec, stages: list[int], n_stages: int, *, device: torch.device,
+        group: Any, n_microbatches: int, loss_fn: Callable[..., torch.Tensor],
+    ) -> None:
+        self.model, self.spec, self.stages, self.n_stages = model, spec, stages, n_stages
+        self.device, self.group, self.n_microbatches, self.loss_fn = device, group, n_microbatches, loss_fn
+        self.shape: tuple[int, int] | None = None
+        self.schedule: Any = None
 
-    @property
-    def last_owner(self) -> int:
-        """The pp index of the rank that runs the last stage."""
-        return (self.runner.n_stages - 1) % self.spec.pp
-
-    def build_schedule(self, rows: int = 1) -> None:
-        """The schedule over this rank's stages (scale_grads off: the loss is normalised by the global count),
-        each stage given the shapes of its micro-batches of ``rows`` rows (:func:`stage_meta_args`)."""
+    def for_shape(self, rows: int, width: int) -> Any:
+        """The schedule of micro-batches of ``rows`` rows and ``width`` columns (``n_microbatches`` of them)."""
+        if self.shape == (rows, width):
+            return self.schedule
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -387,258 +304,160 @@ class Pipeline:
             ScheduleInterleaved1F1B,
         )
 
-        n = self.runner.n_stages
+        self.schedule = None  # the previous shape's stages and buffers go before the new ones exist
         submods = [self.model] if len(self.stages) == 1 else [_VirtualStage(self.model, s) for s in self.stages]
         config: Any = self.model.config
         stages = [
             PipelineStage(
-                m, stage_index=s, num_stages=n, device=self.ctx.device, group=self.group,
-                **stage_meta_args(self.spec, s, n, rows, self.width, int(config.hidden_size)),
+                m, stage_index=s, num_stages=self.n_stages, device=self.device, group=self.group,
+                **stage_meta_args(self.spec, s, self.n_stages, rows, width, int(config.hidden_size)),
             )
             for m, s in zip(submods, self.stages, strict=True)
         ]
-        kind = self.spec.pp_schedule
+        kind, n = self.spec.pp_schedule, self.n_microbatches
         if kind == "interleaved-1f1b":
-            if self.n_microbatches % self.spec.pp:
-                raise UserError(
-                    f"distributed.pp_schedule: interleaved-1f1b needs the micro-batches of a step "
-                    f"({self.n_microbatches}, the gradient accumulation) to be a multiple of distributed.pp "
-                    f"({self.spec.pp}); change train.global_batch_size or train.micro_batch_size, or use 1f1b"
-                )
-            self.schedule = ScheduleInterleaved1F1B(list(stages), self.n_microbatches, loss_fn=self._loss, scale_grads=False)
+            self.schedule = ScheduleInterleaved1F1B(list(stages), n, loss_fn=self.loss_fn, scale_grads=False)
         else:
             cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
-            self.schedule = cls(stages[0], self.n_microbatches, loss_fn=self._loss, scale_grads=False)
+            self.schedule = cls(stages[0], n, loss_fn=self.loss_fn, scale_grads=False)
+        self.shape = (rows, width)
+        return self.schedule
 
-    def _loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
-        """The last stage's loss of one micro-batch: its summed token loss times ``dp / global tokens``."""
-        assert self._scale is not None, "step() sets the scale"
-        self._sums.append(output.detach().double())
-        loss = output * self._scale.to(output.dtype)
-        return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def _padded(self, micro: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's micro-batches as one batch of ``width`` columns: token ids (pad) and shifted labels
-        (ignored), right-padded, so every micro-batch has the shape the stages' buffers were made for."""
-        ids, labels = [], []
-        for mb in micro:
-            if mb.get("position_ids") is not None:
-                raise UserError("data.packing: packed rows cannot cross pipeline stages; set data.packing: false")
-            x, y = mb["input_ids"], shifted_labels(mb)
-            extra = self.width - x.shape[1]
-            assert extra >= 0, f"a row of {x.shape[1]} tokens is longer than data.max_seq_len {self.width}"
-            ids.append(torch.nn.functional.pad(x, (0, extra), value=self.pad_id))
-            labels.append(torch.nn.functional.pad(y, (0, extra), value=IGNORE_INDEX))
-        return torch.cat(ids).to(self.ctx.device), torch.cat(labels).to(self.ctx.device)
+@dataclass
+class StagedOutput:
+    """What the stages' forward gives a generation step: the last position's logits (B, 1, V), no cache."""
 
-    def step(self, micro: list[dict[str, torch.Tensor]], global_tokens: torch.Tensor) -> torch.Tensor:
-        """Forward and backward the step's micro-batches through the schedule (host copies, as the data gives
-        them); returns this replica's summed token loss (float64, on the device) on every stage."""
-        assert len(micro) == self.n_microbatches, f"{len(micro)} micro-batches, the schedule runs {self.n_microbatches}"
-        ids, labels = self._padded(micro)
-        if self.schedule is None:
-            self.build_schedule(ids.shape[0] // self.n_microbatches)
-        device = ids.device
-        self._scale = self.ctx.dp_size / torch.as_tensor(global_tokens, dtype=torch.float64, device=device).clamp(min=1.0)
-        self._sums = []
-        args = (ids,) if self.first else ()
-        self.schedule.step(*args, target=labels, return_outputs=False, labels=labels)
-        # the step's micro-batches (the stages have static shapes: no shape-inference loss before them)
-        sums = self._sums[-self.n_microbatches :]
-        loss_sum = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=device)
-        return self.broadcast_from_last(loss_sum)
+    logits: torch.Tensor
+    cache: Any = None
 
-    def broadcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` as the last stage's rank of this rank's pp group holds it (a collective of the group)."""
-        t = t.contiguous()
-        dist.broadcast(t, group=self.group, group_src=self.last_owner)
-        return t
 
-    def clip_grad_norm(
-        self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_norm: float | None
+class StagedForward:
+    """The stages' forward outside the schedule (evaluation): one batch through every stage in turn, with
+    point-to-point sends of the hidden states (fp32 on the wire; this tp rank's rows of them under sequence
+    parallelism), and the last stage's output on every rank of the pp group.
+
+    Called as a causal LM is (``input_ids``, ``attention_mask``, ``position_ids``), it gives the last position's
+    logits (:class:`StagedOutput`: what greedy generation reads, without a KV cache); :meth:`summed_loss` gives
+    the summed loss against shifted targets, computed by the last stage's forward (finetune.loss.loss_head).
+    """
+
+    def __init__(self, pipe: Pipeline, ctx: DistContext) -> None:
+        self.pipe, self.ctx = pipe, ctx
+        self.config: Any = _decoder(pipe.model)[0].config
+
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None, **_: Any,
+    ) -> StagedOutput:
+        logits = self._run(input_ids, None, attention_mask, position_ids, last_logits=True)
+        return StagedOutput(logits[:, None])
+
+    def summed_loss(
+        self, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Unscale (fp16) and clip the gradient norm over every stage: each rank's squared norms (reduced over
-        dp and tp by DTensor), summed over the pp group; returns the norm before clipping (0-d, no host sync)."""
-        from torch.distributed.tensor import DTensor
-
-        from finetune.train.gradients import _grads_by_layout
-
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-            # fp16: an overflow in one stage skips the update on every stage (GradScaler checks its own rank's
-            # gradients only), so the stages never fall out of step
-            found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            for flag in found.values():
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        groups = _grads_by_layout(params)
-        squares = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for grads in groups.values():
-            n = torch.nn.utils.get_total_norm(grads, 2.0)
-            if isinstance(n, DTensor):
-                n = n.full_tensor()
-            squares = squares + n.double().to(squares.device) ** 2
-        dist.all_reduce(squares, group=self.group)
-        norm = squares.sqrt()
-        if max_norm:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for grads in groups.values():
-                for g in grads:
-                    local = g.to_local() if isinstance(g, DTensor) else g
-                    local.mul_(coef.to(device=local.device, dtype=local.dtype))
-        return norm
-
-    # -- forward only (evaluation) ---------------------------------------------------------------------------
-    def _peer(self, stage: int) -> int:
-        return stage % self.spec.pp
+        """The summed next-token loss of the batch against ``targets`` (its shifted labels), on every rank."""
+        return self._run(input_ids, targets, attention_mask, position_ids, last_logits=False)
 
     @torch.no_grad()
-    def forward_only(
-        self, ids: torch.Tensor, *, labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None, last_logits: bool = False,
+    def _run(
+        self, ids: torch.Tensor, targets: torch.Tensor | None, attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None, *, last_logits: bool,
     ) -> torch.Tensor:
-        """One batch through every stage in turn (point-to-point sends of the hidden states, fp32 on the wire:
-        this tp rank's rows of them under sequence parallelism); the last stage's output (the summed loss, or the
-        last position's logits) on every rank of the group."""
-        hidden_size = _decoder(self.model)[0].config.hidden_size
+        pipe, layout, device = self.pipe, self.ctx.layout, self.ctx.device
         b, t = ids.shape
         start, end = 0, t
-        if self.runner.tp_mesh is not None:  # the rows torch.chunk gives this tp rank (any length)
-            start, end = SequenceShard(self.runner.tp_mesh.get_local_rank(), self.spec.tp, None).bounds(t)
+        if pipe.sequence_parallel:  # the rows torch.chunk gives this tp rank (any length)
+            start, end = sequence_bounds(t, layout.tp_rank, layout.tp)
         x: torch.Tensor = ids
         out: torch.Tensor | None = None
-        for s in range(self.runner.n_stages):
-            if s not in self.stages:
+        for s in range(pipe.n_stages):
+            if s not in pipe.stages:
                 continue
             if s > 0:
-                x = torch.empty((b, end - start, hidden_size), dtype=torch.float32, device=self.ctx.device)
-                dist.recv(x, group=self.group, group_src=self._peer(s - 1))
+                x = torch.empty((b, end - start, int(self.config.hidden_size)), dtype=torch.float32, device=device)
+                dist.recv(x, group=layout.pp_group, group_src=(s - 1) % layout.pp)
             # through the module's call, so FSDP2's hooks gather the stage's parameters
-            y = self.model(
-                x, labels, stage=s, attention_mask=attention_mask, position_ids=position_ids, last_logits=last_logits,
-                length=t,
+            y = pipe.model(
+                x, targets, stage=s, attention_mask=attention_mask, position_ids=position_ids,
+                last_logits=last_logits, length=t,
             )
-            if s < self.runner.n_stages - 1:
-                dist.send(y.float().contiguous(), group=self.group, group_dst=self._peer(s + 1))
+            if s < pipe.n_stages - 1:
+                dist.send(y.float().contiguous(), group=layout.pp_group, group_dst=(s + 1) % layout.pp)
             else:
                 out = y
         if out is None:
-            shape = (b, _decoder(self.model)[0].config.vocab_size) if last_logits else ()
-            out = torch.empty(shape, dtype=torch.float32, device=self.ctx.device)
-        return self.broadcast_from_last(out.float())
+            shape = (b, int(self.config.vocab_size)) if last_logits else ()
+            out = torch.empty(shape, dtype=torch.float32, device=device)
+        return self.ctx.from_last_stage(out.float())
 
-    def eval_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss, target tokens) of an evaluation batch, as :func:`finetune.loss.causal_lm_loss`."""
-        shifted = shifted_labels(batch)
-        s = self.forward_only(
-            batch["input_ids"], labels=shifted, attention_mask=batch.get("attention_mask"),
-            position_ids=batch.get("position_ids"),
-        )
-        return s, (shifted != IGNORE_INDEX).sum()
 
-    def greedy_tokens(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """The (B, max_new_tokens) greedy continuation of a left-padded batch, each new token one pipeline
-        forward of the whole sequence (no KV cache)."""
-        out = torch.empty((ids.shape[0], 0), dtype=torch.long, device=ids.device)
-        for _ in range(max_new_tokens):
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = self.forward_only(ids, attention_mask=mask, position_ids=positions, last_logits=True)
-            nxt = logits.argmax(-1, keepdim=True).to(ids.device)
-            out = torch.cat([out, nxt], dim=1)
-            ids = torch.cat([ids, nxt], dim=1)
-            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+@dataclass
+class Pipeline:
+    """What :func:`build_pipeline` returns: this rank's model part (one stage model holding every stage the rank
+    runs; the interleaved schedule's stages are views of it) and the schedule over its stages."""
+
+    model: torch.nn.Module
+    stages: list[int]
+    n_stages: int
+    schedule: StageSchedule
+    widths: tuple[int, ...]  # the micro-batches' widths, narrowest first (the widest: data.max_seq_len's)
+    pad_id: int
+    sequence_parallel: bool
+
+    @property
+    def first(self) -> bool:
+        """This rank runs the first stage (it takes the token ids)."""
+        return 0 in self.stages
+
+    @property
+    def last(self) -> bool:
+        """This rank runs the last stage (it computes the loss)."""
+        return self.n_stages - 1 in self.stages
+
+    def pad(self, micro: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """The step's micro-batches as the stages take them: token ids (pad) and labels (ignored) right-padded
+        to one width, the narrowest of :attr:`widths` that holds the step's longest row (every rank reading this
+        batch slice picks the same one)."""
+        longest = max(mb["input_ids"].shape[1] for mb in micro)
+        fits = [w for w in self.widths if w >= longest]
+        assert fits, f"a row of {longest} tokens is longer than data.max_seq_len {self.widths[-1]}"
+        width = fits[0]
+        out = []
+        for mb in micro:
+            if mb.get("position_ids") is not None:
+                raise UserError("data.packing: packed rows cannot cross pipeline stages; set data.packing: false")
+            extra = width - mb["input_ids"].shape[1]
+            out.append({
+                "input_ids": torch.nn.functional.pad(mb["input_ids"], (0, extra), value=self.pad_id),
+                "labels": torch.nn.functional.pad(mb["labels"], (0, extra), value=IGNORE_INDEX),
+            })
         return out
-
-    # -- the final save --------------------------------------------------------------------------------------
-    def named_specs(self, tensors: dict[str, torch.Tensor]) -> list[tuple[int, str, list[int], torch.dtype]]:
-        """(owner pp index, name, whole shape, dtype) of every stage's ``tensors``, in stage order (the whole
-        model's order), on every rank (shapes are known without gathering)."""
-        mine = [(n, list(t.shape), t.dtype) for n, t in tensors.items()]  # a DTensor's shape is its whole shape
-        per_rank: list[Any] = [None] * self.spec.pp
-        dist.all_gather_object(per_rank, mine, group=self.group)
-        order = sorted(range(self.spec.pp), key=lambda r: min(local_stages(self.spec, r)))
-        return [(owner, n, shape, dtype) for owner in order for n, shape, dtype in per_rank[owner]]
-
-    def to_main(self, owner: int, name: str, shape: list[int], dtype: torch.dtype, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """One stage's tensor, whole, on global rank 0 (None elsewhere): gathered over its stage's dp x tp
-        ranks when it is a DTensor, then sent by the stage's first rank. Every rank calls, in the same order."""
-        from finetune.train.save import _whole
-
-        if owner == self.ctx.pp_rank:
-            whole = _whole(tensors[name])
-            head_of_stage = self.ctx.rank % (self.ctx.world_size // self.spec.pp) == 0  # (dp, tp) = (0, 0)
-            if self.ctx.is_main:
-                return whole
-            if head_of_stage:
-                dist.send(whole.to(self.ctx.device).contiguous(), group=self.group, group_dst=0)
-            return None
-        if self.ctx.is_main:
-            buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-            dist.recv(buf, group=self.group, group_src=owner)
-            return buf.cpu()
-        return None
 
 
 def build_pipeline(
-    loaded: LoadedRecipe, spec: ExecSpec, ctx: PipelineContext, *, n_microbatches: int, autocast: Callable[[], Any],
-    pad_id: int, base_dir: Path | None,
-) -> tuple[Pipeline, tuple[int, int]]:
-    """This rank's stage model on the run's mesh and its schedule; and the whole model's parameter counts."""
-    mesh = build_mesh(spec, ctx)
-    model, stages, counts = build_stage_model(loaded, spec, ctx, mesh, base_dir)
-    runner = StageRunner(model, spec, stages, autocast, mesh["tp"] if spec.sequence_parallel else None)
+    loaded: LoadedRecipe, spec: ExecSpec, ctx: DistContext, *, n_microbatches: int, autocast: Callable[[], Any],
+    loss_fn: Callable[..., torch.Tensor], pad_id: int, base_dir: Path | None,
+) -> tuple[Pipeline, StagedForward, tuple[int, int]]:
+    """This rank's stage model on the layout's meshes and the schedule over its stages (``loss_fn``: the
+    schedule's, called on the last stage with each micro-batch's summed loss); the stages' forward for
+    evaluation; and the whole model's parameter counts."""
+    if spec.pp_schedule == "interleaved-1f1b" and n_microbatches % spec.pp:
+        raise UserError(
+            f"distributed.pp_schedule: interleaved-1f1b needs the micro-batches of a step ({n_microbatches}, the "
+            f"gradient accumulation) to be a multiple of distributed.pp ({spec.pp}); change "
+            "train.global_batch_size or train.micro_batch_size, or use 1f1b"
+        )
+    layout = ctx.layout
+    model, stages, counts = build_stage_model(loaded, spec, ctx, base_dir)
+    runner = StageRunner(model, spec, stages, autocast, layout.tp_mesh if spec.sequence_parallel else None)
     _patch_forward(model, runner)
-    width = loaded.recipe.data.max_seq_len
-    if spec.sequence_parallel:  # even sequence shards: one receive shape on every tp rank
-        width = -(-width // spec.tp) * spec.tp
-    pipe = Pipeline(
-        model, spec, ctx, mesh, stages, runner, width=width, pad_id=pad_id,
-        n_microbatches=n_microbatches,
+    schedule = StageSchedule(
+        model, spec, stages, runner.n_stages, device=ctx.device, group=layout.pp_group,
+        n_microbatches=n_microbatches, loss_fn=loss_fn,
     )
-    return pipe, counts
-
-
-def save_pipeline_final(
-    pipe: Pipeline, tokenizer: Any, out_dir: Path, *, adapters: bool, max_shard_bytes: int
-) -> None:
-    """The final model (one HF directory, streamed from the stages) or adapter (one PEFT directory), written by
-    rank 0 from every stage's tensors; every rank calls."""
-    from torch.distributed.fsdp import FSDPModule
-
-    from finetune.train.save import unique_tensors, write_shards
-
-    ctx, model = pipe.ctx, pipe.model
-    if ctx.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    for module in model.modules():  # an evaluation leaves the root unit gathered: back to the trained shards
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    hf: Any = model
-    if adapters:  # the trained tensors only, each gathered whole on rank 0
-        trained: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        state = {}
-        for owner, name, shape, dtype in pipe.named_specs(trained):
-            t = pipe.to_main(owner, name, shape, dtype, trained)
-            if t is not None:
-                state[name] = t
-        if ctx.is_main:
-            from safetensors.torch import save_file
-
-            hf.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
-            # peft keeps only the adapters of the layers this rank's model holds; the file holds every stage's,
-            # named as peft names them (without the adapter's name)
-            name = f".{hf.active_adapter}."
-            renamed = {k.replace(name, "."): v.contiguous() for k, v in state.items()}
-            save_file(renamed, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    else:  # streamed: the files are planned from the shapes, then one tensor at a time reaches rank 0
-        named = unique_tensors(model)
-        where = {name: (owner, shape, dtype) for owner, name, shape, dtype in pipe.named_specs(named)}
-        specs = [(name, shape, dtype) for name, (_, shape, dtype) in where.items()]
-        write_shards(out_dir, specs, lambda name: pipe.to_main(where[name][0], name, *where[name][1:], named), ctx,
-                     max_shard_bytes)
-        if ctx.is_main:
-            hf.config.save_pretrained(out_dir)
-            if getattr(model, "generation_config", None) is not None:
-                hf.generation_config.save_pretrained(out_dir)
-    if ctx.is_main:
-        tokenizer.save_pretrained(out_dir)
-    ctx.wait_barrier()
+    d = loaded.recipe.distributed
+    widths = row_buckets(loaded.recipe.data.max_seq_len, d.pp_buckets, spec.tp if spec.sequence_parallel else 1)
+    pipe = Pipeline(model, stages, runner.n_stages, schedule, widths, pad_id, spec.sequence_parallel)
+    return pipe, StagedForward(pipe, ctx), counts

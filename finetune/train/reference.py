@@ -265,8 +265,8 @@ def precompute(
     which are collectives under FSDP), then the shares are summed over the ranks."""
     if not pairs:
         return
-    mine = list(range(ctx.dp_rank, len(pairs), ctx.dp_size))
-    n_batches = math.ceil(math.ceil(len(pairs) / ctx.dp_size) / batch_size)
+    mine = list(range(ctx.layout.dp_rank, len(pairs), ctx.layout.dp))
+    n_batches = math.ceil(math.ceil(len(pairs) / ctx.layout.dp) / batch_size)
     values = torch.zeros((len(pairs), 2), dtype=torch.float64, device=ctx.device)
     was_training = model.training
     model.eval()
@@ -321,8 +321,8 @@ def preference_eval(
     running the same number of forwards (a strided share each, dummy batches where it has none left)."""
     if not pairs:
         return None, {}
-    mine = pairs[ctx.dp_rank :: ctx.dp_size]
-    n_batches = math.ceil(math.ceil(len(pairs) / ctx.dp_size) / batch_size)
+    mine = pairs[ctx.layout.dp_rank :: ctx.layout.dp]
+    n_batches = math.ceil(math.ceil(len(pairs) / ctx.layout.dp) / batch_size)
     objective.take()  # nothing of the training steps' figures is left to count here
     loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for b in range(n_batches):

@@ -45,7 +45,8 @@ def save_final(
     """Write the trained model (HF directory) or adapter (PEFT directory) and the tokenizer, on rank 0.
 
     Every rank calls this. Nothing is gathered whole: a full fine-tune is streamed one tensor at a time
-    (:func:`write_model_streamed`); an adapter run gathers only the adapters.
+    (:func:`write_model_streamed`); an adapter run gathers only the adapters. Under a pipeline ``model`` is
+    this rank's stage model and the output holds every stage's weights (:func:`stage_specs`).
     """
     from transformers.utils import logging as hf_logging
 
@@ -73,7 +74,8 @@ def save_final(
         cast("FSDPModule", model).unshard()  # is_sharded(model) said so
     hf: Any = inner  # a transformers PreTrainedModel or a peft model
     if adapters:  # the trained parameters only, each gathered whole (the frozen base is never gathered)
-        state = {name: _whole(p) for name, p in inner.named_parameters() if p.requires_grad}
+        trained: dict[str, torch.Tensor] = {name: p for name, p in inner.named_parameters() if p.requires_grad}
+        state = stage_tensors_on_main(trained, ctx) if ctx.layout.pp_enabled else {n: _whole(p) for n, p in trained.items()}
         if ctx.is_main:
             if has_bottlenecks(inner):  # our own adapter format; the base stays where it is
                 save_bottlenecks(inner, out_dir, state, base=getattr(inner.config, "_name_or_path", None))
@@ -85,6 +87,8 @@ def save_final(
                 add_to_peft_dir(out_dir, tensors, targets, experts_layer_names(inner))
             else:
                 hf.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            if ctx.layout.pp_enabled:
+                _save_every_stage_adapter(hf, out_dir, state)
     else:
         write_model_streamed(inner, out_dir, ctx, max_shard_bytes)
         if ctx.is_main:
@@ -96,6 +100,63 @@ def save_final(
     ctx.wait_barrier()  # rank 0 writes the files while the others wait (the wait group's timeout)
     if gather_root:
         cast("FSDPModule", model).reshard()
+
+
+def _save_every_stage_adapter(peft_model: Any, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    """The adapter file with every stage's tensors: peft's save keeps only the adapters of the layers this
+    rank's stage model holds; the file is rewritten with all of them, named as peft names them (without the
+    adapter's name)."""
+    from safetensors.torch import save_file
+
+    name = f".{peft_model.active_adapter}."
+    renamed = {k.replace(name, "."): v.contiguous() for k, v in state.items()}
+    save_file(renamed, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def stage_specs(tensors: dict[str, torch.Tensor], ctx: DistContext) -> list[tuple[int, str, list[int], torch.dtype]]:
+    """(owner pp rank, name, whole shape, dtype) of every pipeline stage's ``tensors``, in the whole model's order
+    (stage by stage: pp rank r runs stage r first), on every rank (a collective of the layout's pp group; shapes
+    are known without gathering)."""
+    import torch.distributed as dist
+
+    mine = [(n, list(t.shape), t.dtype) for n, t in tensors.items()]  # a DTensor's shape is its whole shape
+    per_rank: list[Any] = [None] * ctx.layout.pp
+    dist.all_gather_object(per_rank, mine, group=ctx.layout.pp_group)
+    return [(owner, n, shape, dtype) for owner in range(ctx.layout.pp) for n, shape, dtype in per_rank[owner]]
+
+
+def stage_tensor_to_main(
+    owner: int, name: str, shape: list[int], dtype: torch.dtype, tensors: dict[str, torch.Tensor], ctx: DistContext
+) -> torch.Tensor | None:
+    """One stage's tensor, whole, on global rank 0 (None elsewhere): gathered over its stage's dp x tp ranks when
+    it is a DTensor, then sent to rank 0 by the stage's rank at dp 0, tp 0 (rank 0's pipeline group). Every rank
+    calls, in the same order."""
+    import torch.distributed as dist
+
+    layout = ctx.layout
+    group = layout.pp_group
+    if owner == layout.pp_rank:
+        whole = _whole(tensors[name])
+        if ctx.is_main:
+            return whole
+        if layout.dp_rank == 0 and layout.tp_rank == 0:
+            dist.send(whole.to(ctx.device).contiguous(), group=group, group_dst=0)
+        return None
+    if ctx.is_main:
+        buf = torch.empty(shape, dtype=dtype, device=ctx.device)
+        dist.recv(buf, group=group, group_src=owner)
+        return buf.cpu()
+    return None
+
+
+def stage_tensors_on_main(tensors: dict[str, torch.Tensor], ctx: DistContext) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's ``tensors``, whole, on rank 0 (an empty dict elsewhere), one at a time."""
+    out = {}
+    for owner, name, shape, dtype in stage_specs(tensors, ctx):
+        t = stage_tensor_to_main(owner, name, shape, dtype, tensors, ctx)
+        if t is not None:
+            out[name] = t
+    return out
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -159,11 +220,18 @@ def write_model_streamed(inner: torch.nn.Module, out_dir: Path, ctx: DistContext
 
     Shapes and dtypes are known without gathering, so the safetensors headers and the split into files of
     at most ``max_shard_bytes`` are fixed up front; then each tensor is all-gathered (a DTensor), written by
-    rank 0 and dropped, so no rank holds more than one whole tensor beyond its shards. A weight shared by two
+    rank 0 and dropped, so no rank holds more than one whole tensor beyond its shards. Under a pipeline
+    ``inner`` is this rank's stage model: the files hold every stage's tensors, each sent to rank 0 by its stage. A weight shared by two
     names (tied embeddings) is written once, under its first name, as ``save_pretrained`` does. Returns the
     file names (on every rank).
     """
     named = unique_tensors(inner)
+    if ctx.layout.pp_enabled:  # every stage's tensors, planned from their shapes, each sent to rank 0 in turn
+        where = {name: (owner, shape, dtype) for owner, name, shape, dtype in stage_specs(named, ctx)}
+        return write_shards(
+            out_dir, [(name, shape, dtype) for name, (_, shape, dtype) in where.items()],
+            lambda name: stage_tensor_to_main(where[name][0], name, *where[name][1:], named, ctx), ctx, max_shard_bytes,
+        )
     specs = [(name, list(t.shape), t.dtype) for name, t in named.items()]
     return write_shards(out_dir, specs, lambda name: _whole(named[name]), ctx, max_shard_bytes)
 

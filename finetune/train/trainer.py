@@ -50,7 +50,7 @@ from finetune.train.data.task import load_task_data
 from finetune.train.determinism import seed_everything
 from finetune.train.distributed import DistContext
 from finetune.train.evaluate import EvalResult, evaluate
-from finetune.train.gradients import accumulate, clip_grad_norm
+from finetune.train.gradients import MicroBatchLoss, accumulate, clip_grad_norm, pipeline_step
 from finetune.train.hooks import TrainerHooks, load_hooks
 from finetune.train.load import build_on_meta, loads_sharded, materialize
 from finetune.train.metrics import MetricsProcessor, MetricsWriter, first_retain
@@ -64,13 +64,7 @@ from finetune.train.model import (
 from finetune.train.nonfinite import nonfinite_policy, nonfinite_stop
 from finetune.train.optimizer import build_optimizer
 from finetune.train.parallel import parallelize, unwrap
-from finetune.train.pipeline import (
-    Pipeline,
-    PipelineContext,
-    build_pipeline,
-    pipeline_context,
-    save_pipeline_final,
-)
+from finetune.train.pipeline import Pipeline, StagedForward, build_pipeline
 from finetune.train.precision import autocast_factory, grad_scaler
 from finetune.train.preflight import RunPhase
 from finetune.train.reference import preference_figures, setup_objective
@@ -99,11 +93,10 @@ class Trainer:
     ) -> None:
         assert plan.execution is not None, "a plan for a run carries its execution spec"
         self.loaded, self.plan, self.spec = loaded, plan, plan.execution
-        self.ctx = ctx or DistContext.from_env()
-        self.ctx.tp = self.spec.tp  # the ranks of a TP group share one data slice
-        self.pipeline: Pipeline | None = None  # distributed.pp: this rank's stages and their schedule
-        if self.spec.pipeline:  # the ranks of a (pp, dp, tp) mesh's pp dimension share one data slice too
-            self.ctx = pipeline_context(self.ctx, self.spec)
+        # this process on the plan's parallel layout: its coordinates and the run's one device mesh
+        self.ctx = (ctx or DistContext.from_env()).laid_out(self.spec)
+        self.pipeline: Pipeline | None = None  # distributed.pp: this rank's stage model and its schedule
+        self.stages: StagedForward | None = None  # ... and its stages' forward, for evaluation
         self.measure_memory, self.resume = measure_memory, resume
         self.hooks = hooks or load_hooks()
         self.out_dir = Path(loaded.recipe.output.dir)
@@ -122,6 +115,8 @@ class Trainer:
         self.retain: RetainData | None = load_retain(self.loaded, self.tokenizer)  # eval.retain
         if self.retain is not None:
             self.data.notes.append(self.retain.describe())
+        self.scaler = grad_scaler(self.spec, ctx.device)
+        self.micro_loss = MicroBatchLoss(self.scaler)  # how each micro-batch's loss enters backward (a pipeline's loss_fn)
         self.model = self._setup_model()
         # a mixture of experts: its load-balancing loss in the loss, its routing counted (finetune/router.py)
         self.router = router.enable(self.model, self.spec.aux_loss_coef)
@@ -133,9 +128,6 @@ class Trainer:
         self.stream = stream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
         self.total = total_steps(self.loaded, self.stream)
         self.scheduler = lr_scheduler(self.optimizer, r.train, self.total)
-        self.scaler = grad_scaler(self.spec, ctx.device)
-        if self.pipeline is not None:
-            self.pipeline.scaler = self.scaler
         self.autocast = autocast_factory(self.spec, ctx.device)
         # dpo, simpo, orpo (None: sft); dpo's reference (finetune/train/reference.py), before any resume
         self.objective, self.reference = setup_objective(
@@ -181,7 +173,7 @@ class Trainer:
         mfu = MfuMeter(
             inner, r.hardware.gpu_type or self.plan.hardware.get("gpu_type"), self.spec.compute_dtype,
             ctx.world_size, ctx.device.type,
-            whole=(inner.config, self.spec.adapter) if self.pipeline is not None else None,
+            whole=(inner.config, self.spec.adapter) if self.spec.pipeline else None,
         )
         self.metrics = MetricsProcessor(writer, mfu, log_every=r.output.log_every, total_steps=self.total, start_step=start)
         self.step_memory = StepMemory(
@@ -200,10 +192,10 @@ class Trainer:
         base_dir = self.out_dir / "base" if keep_base else None
         text = spec.adapter.prefix_init_text if spec.adapter is not None else None
         if spec.pipeline:  # built on meta, cut into this rank's stages, wrapped, then its tensors loaded
-            assert isinstance(ctx, PipelineContext)
-            self.pipeline, (self.trainable, self.total_params) = build_pipeline(
+            self.pipeline, self.stages, (self.trainable, self.total_params) = build_pipeline(
                 self.loaded, spec, ctx, n_microbatches=self.plan.chosen.grad_accum_steps,
-                autocast=lambda: self.autocast(), pad_id=self.tokenizer.pad_token_id, base_dir=base_dir,
+                autocast=lambda: self.autocast(), loss_fn=self.micro_loss, pad_id=self.tokenizer.pad_token_id,
+                base_dir=base_dir,
             )
             check_model_storage(self.pipeline.model, spec, None)  # a stage's bytes are not the plan's inventory
             return self.pipeline.model
@@ -243,8 +235,9 @@ class Trainer:
         self.phase.at("forward", step)
         self.hooks.before_step(step, ctx.rank)
         epoch, in_epoch = position(state.step, self.stream)
+        layout = ctx.layout  # the ranks of a TP group and of a pipeline read the same batch slice
         micro = self.stream.micro_batches(
-            epoch, in_epoch, rank=ctx.dp_rank, world_size=ctx.dp_size, micro_batch_size=chosen.micro_batch_size
+            epoch, in_epoch, rank=layout.dp_rank, world_size=layout.dp, micro_batch_size=chosen.micro_batch_size
         )
         widths = row_widths(micro)  # for MFU
         # Counted on the host copies (no padding; the loss's normaliser), summed over replicas on the device:
@@ -253,14 +246,15 @@ class Trainer:
             torch.tensor([sum(int(mb["num_tokens"]) for mb in micro), sum(self._count(mb) for mb in micro)]),
             on_device=True,
         )
-        # sequence parallelism: the fused head sees this TP rank's positions, so its target rows are theirs
-        shard = (ctx.rank % ctx.tp, ctx.tp) if self.spec.sequence_parallel else None
-        host_micro = micro  # the pipeline pads and moves them itself
-        micro = [_to_device(mb, ctx.device, shard) for mb in micro] if self.pipeline is None else micro
+        if self.pipeline is not None:  # one width for the stages' static shapes (the schedule moves them)
+            micro = self.pipeline.pad(micro)
+        else:  # sequence parallelism: the fused head sees this TP rank's positions, so its target rows are theirs
+            shard = (layout.tp_rank, layout.tp) if self.spec.sequence_parallel else None
+            micro = [_to_device(mb, ctx.device, shard) for mb in micro]
         max_norm = self.loaded.recipe.train.max_grad_norm
         with self.step_memory.measuring(state.step, micro, self.model, self.optimizer):
             if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
-                loss_sum = self.pipeline.step(host_micro, counts[1])
+                loss_sum = pipeline_step(self.pipeline, micro, counts[1], ctx, self.micro_loss)
             else:
                 loss_sum = accumulate(
                     self.model, micro, counts[1], ctx, self.autocast, self.scaler, self.phase,
@@ -268,10 +262,7 @@ class Trainer:
                 )
             loss_sum = self.hooks.after_backward(step, self.params, loss_sum)
             self.phase.at("optimizer")
-            if self.pipeline is not None:  # the norm over every stage
-                norm = self.pipeline.clip_grad_norm(self.params, self.optimizer, max_norm)
-            else:
-                norm = clip_grad_norm(self.params, self.optimizer, self.scaler, max_norm)
+            norm = clip_grad_norm(self.params, self.optimizer, self.scaler, max_norm, layout)  # every stage's
             loss_total, grad_norm, tokens, global_tokens = host_figures(
                 ctx.data_sum(loss_sum, on_device=True), norm, counts[0], counts[1]
             )
@@ -317,7 +308,7 @@ class Trainer:
         return evaluate(
             self.model, self.data.eval, self.data.eval_prompts, self.tokenizer, self.ctx,
             batch_size=eval_batch_size(r, self.plan.chosen), max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
-            retain=self.retain, task=task, objective=self.objective, pipeline=self.pipeline,
+            retain=self.retain, task=task, objective=self.objective, stages=self.stages,
             measure=self.step_memory.phase,
         )
 
@@ -388,12 +379,6 @@ class Trainer:
     def save(self) -> None:
         """The final model or adapter and the tokenizer (every rank calls; rank 0 writes)."""
         self.phase.at("save")
-        if self.pipeline is not None:
-            save_pipeline_final(
-                self.pipeline, self.tokenizer, self.out_dir, adapters=self.spec.method.adapters,
-                max_shard_bytes=parse_bytes(self.loaded.recipe.output.max_shard_size),
-            )
-            return
         save_final(
             self.model, unwrap(self.model), self.tokenizer, self.out_dir, self.ctx,
             adapters=self.spec.method.adapters, max_shard_bytes=parse_bytes(self.loaded.recipe.output.max_shard_size),

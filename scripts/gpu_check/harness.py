@@ -195,7 +195,7 @@ class Harness:
         from finetune.train.parallel import parallelize
 
         self.torch.manual_seed(0)
-        model = parallelize(build_on_meta(loaded, spec, self.device), spec, self.ctx)
+        model = parallelize(build_on_meta(loaded, spec, self.device), spec, self.ctx.laid_out(spec))
         materialize(model, loaded, spec, self.device)
         return model
 
@@ -371,7 +371,7 @@ def case_qlora(h: Harness, check: Check) -> None:
     # bitsandbytes' own Linear4bit layers (peft's LoRA wrappers around them share the class name)
     codes = [m.weight for m in model.modules()
              if type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")]
-    whole = parallelize(h.whole(loaded, spec), spec, h.ctx)
+    whole = parallelize(h.whole(loaded, spec), spec, h.ctx.laid_out(spec))
     sharded_loss, whole_loss = h.loss(model, spec, batches[0]), h.loss(whole, spec, batches[0])
     del whole
     opt = h.optimizer(model, loaded, spec)

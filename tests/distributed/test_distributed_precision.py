@@ -27,13 +27,14 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    ctx = DistContext(rank, world, rank, torch.device("cpu"))
+    spec = execution_spec("full", "fsdp", "fp16", checkpointing=True, world_size=world)
+    ctx = DistContext(rank, world, rank, torch.device("cpu")).laid_out(spec)  # FSDP2 over every rank
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     full_shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
-    model = parallelize(model, execution_spec("full", "fsdp", "fp16", checkpointing=True, world_size=world), ctx)
+    model = parallelize(model, spec, ctx)
     seen: list[str] = []
     block = decoder_blocks(model)[0]
     block.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(str(m.weight.dtype)))

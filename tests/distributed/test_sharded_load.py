@@ -60,7 +60,6 @@ def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) 
     from finetune.train.parallel import parallelize
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    ctx = DistContext(rank, 2, rank, torch.device("cpu"))
     for recipe, out, method, precision, _ in cases:
         loaded = load_recipe(recipe)
         r = loaded.recipe
@@ -77,6 +76,7 @@ def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) 
             adapter=r.adapter,
         )
         assert loads_sharded(spec, 2)
+        ctx = DistContext(rank, 2, rank, torch.device("cpu")).laid_out(spec)
         torch.manual_seed(1234)  # the global generator as the whole-model load below finds it
         model = parallelize(build_on_meta(loaded, spec, ctx.device), spec, ctx)
         # Rank 0 of an adapter run from a random init writes the seeded base, tensor by tensor, as the trainer does.
