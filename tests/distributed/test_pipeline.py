@@ -4,7 +4,8 @@ layouts, merge of a pipelined LoRA run, and the capability table's refusals.
 The same fp32 recipe (4-layer Llama, global batch 8 in micro-batches of 2: 4 pipeline micro-batches per
 step, 8 steps) as one process and as ``--set distributed.pp=2``: 1F1B (full fine-tuning), GPipe (LoRA, with
 evaluation), pp 2 x dp 2 under fsdp, pp 2 x tp 2 with sequence parallelism (the stages pass each tp rank's
-rows; with evaluation), and interleaved 1F1B with 2 stages per rank. Every one gives
+rows; with evaluation), and interleaved 1F1B with 2 stages per rank and 2 row widths (``distributed.pp_buckets``:
+the schedule is rebuilt for each step's width). Every one gives
 the single process's losses and gradient norms within 1e-5 relative and its final weights within 1e-4: the
 last stage normalises each micro-batch's summed loss by the step's global target-token count, with the
 schedule's own scaling off. Stages keep the whole model's names, so a DCP checkpoint saved by 2 stages
@@ -18,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from finetune.launch import LaunchOptions, launch
@@ -49,7 +51,9 @@ LAYOUTS = {
     "lora-gpipe": ("lora", "ddp", 2, ["distributed.pp=2", "distributed.pp_schedule=gpipe"]),
     "full-pp2xdp2": ("full", "fsdp", 4, ["distributed.pp=2"]),
     "full-pp2xtp2": ("full", "ddp", 4, ["distributed.pp=2", "distributed.tp=2"]),
-    "full-interleaved": ("full", "ddp", 2, ["distributed.pp=2", "distributed.pp_schedule=interleaved-1f1b"]),
+    # with 2 row widths (44 and 88: the reverse task's steps are 43 or 45 tokens wide, so both run, in turn)
+    "full-interleaved": ("full", "ddp", 2, ["distributed.pp=2", "distributed.pp_schedule=interleaved-1f1b",
+                                            "data.max_seq_len=88", "distributed.pp_buckets=2"]),
 }
 
 
@@ -157,7 +161,8 @@ def test_pipeline_composes_with_fsdp_tp_and_interleaving(pp_runs: PPRuns, layout
     """pp 2 x dp 2 (fsdp over each stage, with the final evaluation through the sharded stages), pp 2 x tp 2
     (each stage's linears split, with sequence parallelism: the stages pass each tp rank's rows, the last
     stage's head and loss run on them; the final evaluation's loss and greedy exact match through the stages)
-    and interleaved 1F1B (2 stages per rank, 1 layer each) on a (pp, dp, tp) mesh: the single process's run."""
+    and interleaved 1F1B (2 stages per rank, 1 layer each; the steps padded to 44 or 88 columns, whichever holds
+    their rows) on a (pp, dp, tp) mesh: the single process's run."""
     got, single = pp_runs.get(layout), pp_runs.get("full-single")
     _assert_parity(got, single, "model.safetensors")
     if layout in ("full-pp2xdp2", "full-pp2xtp2"):
@@ -166,6 +171,9 @@ def test_pipeline_composes_with_fsdp_tp_and_interleaving(pp_runs: PPRuns, layout
     assert execution["sequence_parallel"] is (layout == "full-pp2xtp2")
     want = {"full-pp2xdp2": (2, 2, 1, [2, 2]), "full-pp2xtp2": (2, 1, 2, [2, 2]), "full-interleaved": (2, 1, 1, [1, 1, 1, 1])}
     assert (execution["pp"], execution["dp"], execution["tp"], execution["pp_layers"]) == want[layout]
+    if layout == "full-interleaved":
+        recipe = yaml.safe_load((got / "recipe.yaml").read_text())
+        assert (recipe["data"]["max_seq_len"], recipe["distributed"]["pp_buckets"]) == (88, 2)
 
 
 @pytest.mark.dist
