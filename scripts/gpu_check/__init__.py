@@ -11,7 +11,7 @@ with the next. A section starts only while the budget covers its estimate. After
     harness        the trainer's process group at world size 1; FSDP2 with CPU offload, bf16 + fused AdamW, the
                    checkpointer and DCP, QLoRA's sharded codes, fp16 (harness.py, as the four after it)
     optimizer8bit  the sharded 8-bit optimizer's save: its device memory, the state restored exactly
-    hsdp           a (1, 1) (replicate, shard) mesh against the unsharded run
+    hsdp           a (1, 1) (dp_replicate, dp_shard) mesh against the unsharded run
     qlora8         8-bit QLoRA's bytes saved for backward against the plan's
     pipeline       every stage of a 2-stage split in one process against the whole model
     memory         plan vs measured (finetune run --measure-memory): bf16 full, LoRA, QLoRA

@@ -20,7 +20,7 @@ and trains it with the tool's loss, precision helpers, optimizer and clipping:
 - optimizer8bit: 8-bit AdamW over the local shards (LocalShardOptimizer): the device bytes a checkpoint's save
   adds over the training state (per trainable parameter; exporting one parameter's state at a time adds one
   parameter's fp32 moments at most), and the state restored exactly;
-- hsdp: a (1, 1) ("replicate", "shard") mesh, losses against the unsharded run;
+- hsdp: a (1, 1) ("dp_replicate", "dp_shard") mesh, losses against the unsharded run;
 - qlora8: 8-bit QLoRA's saved-for-backward bytes in one forward against the plan's activations (10%);
 - pipeline: a 2-stage split run stage after stage in one process (the stages' runner, the last stage's fused
   head): loss and gradients against the whole model.
@@ -566,8 +566,8 @@ def hsdp(check: Check) -> None:
               "mesh_dims": list(mesh.mesh_dim_names or ()) if mesh is not None else None,
               "placements": [str(p) for p in getattr(first, "placements", ())]}
     check.figure("layout", layout)
-    check.expect("a (1, 1) (replicate, shard) mesh", layout["mesh_shape"] == [1, 1]
-                 and layout["mesh_dims"] == ["replicate", "shard"], layout)
+    check.expect("a (1, 1) (dp_replicate, dp_shard) mesh", layout["mesh_shape"] == [1, 1]
+                 and layout["mesh_dims"] == ["dp_replicate", "dp_shard"], layout)
     steps = [h.step(model, opt, spec, batches[s]) for s in range(STEPS)]
     single_spec = h.spec(loaded, "single")
     ref = h.whole(loaded, single_spec)

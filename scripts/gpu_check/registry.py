@@ -61,7 +61,7 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section(
         "hsdp", 10, 45, 120, "harness:hsdp",
-        "HSDP on a (1, 1) (replicate, shard) mesh: its losses against the unsharded run.",
+        "HSDP on a (1, 1) (dp_replicate, dp_shard) mesh: its losses against the unsharded run.",
     ),
     Section(
         "qlora8", 10, 45, 120, "harness:qlora8",

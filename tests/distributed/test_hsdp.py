@@ -1,5 +1,5 @@
 """HSDP through the real CLI: two launchers on 127.0.0.1 (``--nnodes 2 --nproc 2``) stand for two nodes of two
-processes; the run shards inside each "node" and replicates across them on a (2, 2) ("replicate", "shard")
+processes; the run shards inside each "node" and replicates across them on a (2, 2) ("dp_replicate", "dp_shard")
 mesh. Its losses, gradient norms and saved weights equal one process's (fp32, the same global batch), and
 its step-4 checkpoint (DCP, written from the 2-D mesh) resumes in one process to the same steps 5-8."""
 
