@@ -57,7 +57,7 @@ def summed_loss(
     if stages is None:
         return causal_lm_loss(model, batch)
     shifted = shifted_labels(batch)
-    s = stages.summed_loss(
+    s = stages.with_targets(
         batch["input_ids"], shifted, attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids")
     )
     return s, (shifted != IGNORE_INDEX).sum()

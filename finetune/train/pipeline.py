@@ -338,7 +338,7 @@ class StagedForward:
     parallelism), and the last stage's output on every rank of the pp group.
 
     Called as a causal LM is (``input_ids``, ``attention_mask``, ``position_ids``), it gives the last position's
-    logits (:class:`StagedOutput`: what greedy generation reads, without a KV cache); :meth:`summed_loss` gives
+    logits (:class:`StagedOutput`: what greedy generation reads, without a KV cache); :meth:`with_targets` gives
     the summed loss against shifted targets, computed by the last stage's forward (finetune.loss.loss_head).
     """
 
@@ -353,11 +353,12 @@ class StagedForward:
         logits = self._run(input_ids, None, attention_mask, position_ids, last_logits=True)
         return StagedOutput(logits[:, None])
 
-    def summed_loss(
+    def with_targets(
         self, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The summed next-token loss of the batch against ``targets`` (its shifted labels), on every rank."""
+        """What the last stage's forward gives with the batch's ``targets`` (its shifted labels): the summed
+        next-token loss, on every rank."""
         return self._run(input_ids, targets, attention_mask, position_ids, last_logits=False)
 
     @torch.no_grad()
