@@ -183,7 +183,9 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
     # a mixture of experts' load-balancing loss, except under sequence parallelism (each rank sees its rows only)
     head = fusable_head(model) if FUSED_HEAD else None
     sharded = head is not None and getattr(head, SEQUENCE_SHARD, None) is not None
-    routing = contextlib.nullcontext({}) if sharded else router.training_forward(model)
+    routing: contextlib.AbstractContextManager[dict[str, Any]] = (
+        contextlib.nullcontext({}) if sharded else router.training_forward(model)
+    )
     # target_rows: the trainer's, found on the host copy (of this rank's positions under sequence parallelism)
     with loss_head(model, shifted, batch.get("target_rows")) as finish, known_documents(batch), routing as extra:
         out = model(**kwargs, **extra)
