@@ -134,7 +134,7 @@ def test_offload_on_one_process_through_the_trainers_process_group(monkeypatch: 
     from finetune.loss import causal_lm_loss
     from finetune.train.distributed import DistContext
     from finetune.train.gradients import clip_grad_norm
-    from finetune.train.parallel import _fully_shard, decoder_blocks
+    from finetune.train.parallel import apply_fsdp, decoder_blocks
 
     if dist.is_initialized():
         pytest.skip("this process already has a process group")
@@ -151,7 +151,7 @@ def test_offload_on_one_process_through_the_trainers_process_group(monkeypatch: 
     try:
         assert dist.is_initialized() and dist.get_world_size() == 1 and not ctx.distributed
         spec = execution_spec("full", "zero2", "fp32", checkpointing=False, world_size=1, offload="optimizer")
-        _fully_shard(sharded, spec, ctx)
+        apply_fsdp(sharded, spec, ctx.laid_out(spec))
         policy = decoder_blocks(sharded)[0]._get_fsdp_state()._fsdp_param_group.offload_policy
         assert isinstance(policy, CPUOffloadPolicy)
         ids = torch.arange(2 * 24).reshape(2, 24) % 200 + 3
