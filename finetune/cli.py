@@ -74,17 +74,26 @@ def run(
     nproc: Annotated[
         Optional[int], typer.Option(min=1, help="Processes per node (overrides distributed.nproc).")
     ] = None,
-    nnodes: Annotated[int, typer.Option(min=1, help="Number of nodes.")] = 1,
-    node_rank: Annotated[int, typer.Option(help="This node's rank (0..nnodes-1).")] = 0,
+    nnodes: Annotated[
+        Optional[int], typer.Option(min=1, help="Number of nodes (default: SLURM's under srun, else 1).")
+    ] = None,
+    node_rank: Annotated[
+        Optional[int], typer.Option(help="This node's rank, 0..nnodes-1 (default: SLURM's node id under srun, else 0).")
+    ] = None,
     rdzv_endpoint: Annotated[
-        Optional[str], typer.Option(help="host:port of the rendezvous (node 0) for multi-node runs.")
+        Optional[str],
+        typer.Option(
+            help="host:port of the rendezvous (node 0) for multi-node runs (default under srun: the first host of "
+            "SLURM's node list)."
+        ),
     ] = None,
     max_restarts: Annotated[int, typer.Option(help="Restart the job this many times when a worker dies.")] = 0,
     resume: Annotated[
         Optional[str],
         typer.Option(
             help="Resume from a checkpoint directory (checkpoints/step-N); `--resume` alone (or `latest`): the "
-            "newest complete one in output.dir."
+            "newest complete one in output.dir; `auto`: that one if there is one, else start the run (a requeued "
+            "SLURM job resumes so by itself)."
         ),
     ] = None,
     measure_memory: Annotated[

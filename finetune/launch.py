@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from finetune.recipe import LoadedRecipe, RecipeError, check_files, load_recipe,
 
 if TYPE_CHECKING:
     from finetune.plan.types import Plan
+    from finetune.train.slurm import SlurmJob
     from finetune.train.worker import RunRequest
 
 
@@ -19,12 +21,13 @@ if TYPE_CHECKING:
 class LaunchOptions:
     """How ``finetune run`` starts a recipe: processes, nodes, rendezvous, restarts, resume, measurement."""
 
-    nproc: int | None = None  # processes per node (None: distributed.nproc, else one per GPU, 1 on CPU)
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None  # host:port of node 0 (several nodes)
+    nproc: int | None = None  # processes per node (None: distributed.nproc, else SLURM's GPUs of the node, else
+    # one per visible GPU, 1 on CPU)
+    nnodes: int | None = None  # None: SLURM's nodes under srun, else 1
+    node_rank: int | None = None  # None: SLURM's node id under srun, else 0
+    rdzv_endpoint: str | None = None  # host:port of node 0 (several nodes; under srun: SLURM's first host)
     max_restarts: int = 0
-    resume: str | None = None  # ``latest`` or a checkpoint directory
+    resume: str | None = None  # ``latest``, ``auto`` (the newest checkpoint if there is one) or a checkpoint directory
     measure_memory: bool = False  # measure the peak on CPU too (MemTracker)
     overwrite: bool = False  # replace an earlier run in output.dir (without it or resume, such a run is refused)
     debug_memory: bool = False  # CUDA: record allocations, write a snapshot when out of memory
@@ -54,8 +57,26 @@ def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
     return loaded
 
 
+def with_slurm(options: LaunchOptions, env: Mapping[str, str] | None = None) -> tuple[LaunchOptions, SlurmJob | None]:
+    """``options`` with the nodes, this node's rank and the rendezvous endpoint that no flag gave taken from
+    SLURM's environment under ``srun`` (:class:`~finetune.train.slurm.SlurmJob`), else one node; and the job.
+    Explicit flags win; a step that started several tasks per node is refused in one sentence."""
+    from finetune.train.slurm import SlurmJob
+
+    job = SlurmJob.from_env(env)
+    given = (options.nnodes, options.node_rank, options.rdzv_endpoint)
+    if job is None or None not in given:
+        return replace(options, nnodes=options.nnodes or 1, node_rank=options.node_rank or 0), job
+    job.check_one_task_per_node()
+    nnodes = options.nnodes or job.nnodes
+    endpoint = options.rdzv_endpoint or (job.rendezvous_endpoint(env) if nnodes > 1 else None)
+    rank = options.node_rank if options.node_rank is not None else job.node_rank
+    return replace(options, nnodes=nnodes, node_rank=rank, rdzv_endpoint=endpoint), job
+
+
 def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOptions()) -> int:
     """Run ``recipe``: plan, then train in-process (1 process) or through torch.distributed.run (N)."""
+    options, job = with_slurm(options)
     from finetune.train import allocator
 
     allocator.configure()  # before CUDA initialises here; the workers inherit it (finetune/train/allocator.py)
@@ -67,10 +88,12 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
     r = loaded.recipe
     device = "cuda" if torch.cuda.is_available() else "cpu"
     nproc = options.nproc
+    if nproc is None and r.distributed.nproc != "auto":
+        nproc = r.distributed.nproc
     if nproc is None:
-        nproc = r.distributed.nproc if r.distributed.nproc != "auto" else max(1, torch.cuda.device_count())
+        nproc = job.gpus if job is not None and job.gpus else max(1, torch.cuda.device_count())
     options = replace(options, nproc=nproc)
-    nnodes = options.nnodes
+    nnodes = options.nnodes or 1
     plan = plan_for_run(loaded, nproc=nproc, nnodes=nnodes, device=device)
     if device == "cuda" and nproc > torch.cuda.device_count():
         raise UserError(
@@ -79,6 +102,10 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
     # what the recipe and the process count cannot do together was refused by the planner (capability table)
     check_host_memory(plan, options)
     resume = options.resume
+    if resume is None and job is not None and job.restart_count > 0:
+        # A requeued job continues from its newest checkpoint, or starts again without one; an --overwrite in
+        # its command line was done by its first attempt.
+        resume, options = "auto", replace(options, overwrite=False)
     if options.node_rank == 0:
         from finetune.train.resume import preflight_resume
         from finetune.train.save import write_run_files
@@ -120,6 +147,10 @@ def check_host_memory(plan: Plan, options: LaunchOptions) -> None:
         raise UserError(problem)
 
 
+#: The signals the launcher's agent forwards to its workers (each a graceful stop: finetune.train.signals).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
 class WorkerFailed(UserError):
     """A worker process of a multi-process run failed; the message names the rank and its error.
 
@@ -129,7 +160,7 @@ class WorkerFailed(UserError):
 
 def torchrun_args(request_path: Path, options: LaunchOptions, run_id: str) -> list[str]:
     """The ``torch.distributed.run`` command line that starts this node's workers (c10d rendezvous)."""
-    nproc, nnodes, node_rank = options.nproc, options.nnodes, options.node_rank
+    nproc, nnodes, node_rank = options.nproc, options.nnodes or 1, options.node_rank or 0
     rdzv_endpoint, max_restarts = options.rdzv_endpoint, options.max_restarts
     if nnodes > 1 and not rdzv_endpoint:
         raise UserError(
@@ -182,7 +213,7 @@ def launch_workers(request: RunRequest, options: LaunchOptions) -> int:
 
     from finetune.train.distributed import threads_per_process
 
-    nproc, nnodes = options.nproc or 1, options.nnodes
+    nproc, nnodes = options.nproc or 1, options.nnodes or 1
     run_id = rendezvous_id(options.rdzv_endpoint)
     # torchrun would set one thread per process; a CPU run wants this node's cores shared out instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
@@ -191,10 +222,12 @@ def launch_workers(request: RunRequest, options: LaunchOptions) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="finetune-launch-") as tmp:
         argv = torchrun_args(request.write(Path(tmp) / "request.json"), options, run_id)
-        # On SIGTERM/Ctrl-C the agent forwards the signal to the workers, which finish the step and save a
-        # checkpoint (finetune.train.signals.StopRequest); it waits this long before SIGKILL (torch's default: 30 s).
+        # On SIGTERM/Ctrl-C, and SLURM's warning signals USR1/USR2 (sbatch --signal), the agent forwards the
+        # signal to the workers, which finish the step and save a checkpoint (finetune.train.signals.StopRequest);
+        # it waits this long before SIGKILL (torch's default: 30 s).
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
         config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(argv))
+        config.signals_to_handle = ",".join(STOP_SIGNALS)  # the agent installs its handlers for these
         try:
             elastic_launch(config, cmd)(*cmd_args)
         except SignalException as err:

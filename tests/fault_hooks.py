@@ -6,6 +6,8 @@ processes torch.distributed.run starts):
   FINETUNE_TEST_NAN_AT_STEP="3,5"                 those steps' loss and gradients become NaN
   FINETUNE_TEST_KILL_AT_STEP="R:S"                rank R SIGKILLs itself in step S (first torchrun attempt only)
   FINETUNE_TEST_STEP_SLEEP=SECONDS                sleep after every step (so a test can signal a run mid-way)
+  FINETUNE_TEST_SIGNAL_AT_STEP="SIG:S"            after step S, the process sends itself SIG (e.g. USR1:2),
+                                                  as SLURM does ahead of a time limit (first attempt only)
   FINETUNE_TEST_CHECKPOINT_SLEEP="STEP:SECONDS"   stall the checkpoint of STEP half-written (tensors, no meta.json)
   FINETUNE_TEST_DISK_FULL_AT_STEP=STEP            the checkpoint of STEP fails half-written with ENOSPC
 """
@@ -51,7 +53,12 @@ class FaultHooks(TrainerHooks):
         return loss_sum
 
     def after_step(self, step: int) -> None:
-        """Sleep as asked."""
+        """Signal this process, or sleep, as asked."""
+        asked = os.environ.get("FINETUNE_TEST_SIGNAL_AT_STEP")
+        if asked and os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"):
+            name, _, at = asked.partition(":")
+            if int(at) == step:
+                os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
         delay = os.environ.get("FINETUNE_TEST_STEP_SLEEP")
         if delay:
             time.sleep(float(delay))

@@ -7,8 +7,10 @@ first step, and :meth:`RunCheckpoints.after_step` after every optimizer step, wh
 Ctrl-C (recorded by :class:`finetune.train.signals.StopRequest`) into a checkpoint and a clean exit. The files
 themselves are :mod:`finetune.train.checkpoint`'s business.
 
-Resume sources: ``--resume`` (``latest`` or a path) and, under ``--max-restarts``, torchrun's restart
-counter: a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the newest checkpoint by itself.
+Resume sources: ``--resume`` (``latest``, ``auto`` or a path) and, under ``--max-restarts``, torchrun's restart
+counter: a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the newest checkpoint by itself,
+as does a requeued SLURM job (``SLURM_RESTART_COUNT`` > 0, :mod:`finetune.train.slurm`). ``auto`` resumes from
+the newest checkpoint when there is one and starts the run otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from finetune.recipe import LoadedRecipe, recipe_to_yaml
 from finetune.train import checkpoint as ck
 from finetune.train.distributed import DistContext
 from finetune.train.signals import StopRequest
+from finetune.train.slurm import requeued
 from finetune.train.state import TrainState, position
 from finetune.units import checkpoint_bytes
 
@@ -70,9 +73,25 @@ def preflight_resume(loaded: LoadedRecipe, plan: Plan, resume: str | None, overw
     if resume is None:
         ck.check_fresh_start(out_dir)
         return None
+    if resume == AUTO:
+        if ck.latest_checkpoint(out_dir) is None:
+            if not requeued():  # a requeued job's first attempt may have left metrics before its first checkpoint
+                ck.check_fresh_start(out_dir)
+            return None
+        resume = "latest"
     path = ck.resolve_resume(resume, out_dir)
     ck.check_resume_matches(path, identity_for(loaded, plan))
     return str(path)
+
+
+#: ``--resume auto``: the newest complete checkpoint when there is one, else a fresh start.
+AUTO = "auto"
+
+
+def restarted_attempt() -> bool:
+    """Whether this run is a later attempt of the same job: torchrun restarted its workers
+    (``--max-restarts``) or SLURM requeued it."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or requeued()
 
 
 def _layout(tp: int, pp: int) -> str:
@@ -122,9 +141,11 @@ class RunCheckpoints:
         """
         out = self.out_dir
         metrics = out / "metrics.jsonl"
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-        if resume is None and restarted and ck.latest_checkpoint(out) is not None:
+        restarted = restarted_attempt()
+        if (resume == AUTO or (resume is None and restarted)) and ck.latest_checkpoint(out) is not None:
             resume = "latest"
+        elif resume == AUTO:
+            resume = None
         if self.ctx.is_main:
             self._check_disk()
         if resume is None:
@@ -197,10 +218,11 @@ class RunCheckpoints:
         return True when the run must stop now (the checkpoint is saved and the resume command printed)."""
         every = self.loaded.recipe.output.save_every
         due = (every and state.step % every == 0) or state.step >= self.total_steps
-        stopping = stop.agreed(self.ctx.all_reduce_sum)
+        stopping = stop.agreed(lambda flags: self.ctx.all_reduce_sum(torch.tensor(flags)))
         if (due or stopping) and self.last_saved_step != state.step:
             self.save(state)
         if stopping:
             self.say(f"checkpoint saved: {self.last_saved} (step {state.step} of {self.total_steps})")
-            self.say(f"resume with: {resume_command(self.loaded)}")
+            requeue = " (a requeued SLURM job resumes from it by itself)" if "SLURM_JOB_ID" in os.environ else ""
+            self.say(f"resume with: {resume_command(self.loaded)}{requeue}")
         return stopping
