@@ -12,9 +12,10 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import (
@@ -285,6 +286,68 @@ class DataConfig(Section):
         return self
 
 
+#: What early stopping can watch: an evaluation's columns of metrics.jsonl, by their prefix (the held-out data's
+#: eval_loss and eval_exact_match, and dpo's eval_rewards/*, eval_logps/*; the retain set's retain_*).
+EARLY_STOPPING_PREFIXES = ("eval_", "retain_")
+
+
+def metric_mode(metric: str) -> Literal["min", "max"] | None:
+    """Whether a lower (``min``) or a higher (``max``) value of an evaluation's ``metric`` is better, when its
+    name says so (a loss; an exact match, accuracy or margin); None otherwise."""
+    if metric.endswith("loss"):
+        return "min"
+    if metric.endswith(("exact_match", "accuracy", "margin")):
+        return "max"
+    return None
+
+
+class EarlyStoppingConfig(Section):
+    metric: str = Field(
+        "eval_loss",
+        description="The evaluation's figure to watch, as metrics.jsonl names it: eval_loss, eval_exact_match, "
+        "retain_loss, retain_exact_match, or dpo's eval_rewards/accuracy, eval_rewards/margin, ...",
+    )
+    patience: int = Field(
+        3, ge=1, le=10**9, description="Stop after this many evaluations in a row without an improvement."
+    )
+    min_delta: float = Field(
+        0.0, ge=0.0, le=1e9, allow_inf_nan=False,
+        description="An improvement is a change beyond the best value so far by more than this, in the better "
+        "direction.",
+    )
+    mode: Literal["auto", "min", "max"] = Field(
+        "auto",
+        description="min: lower is better; max: higher is better; auto: from the metric's name (a loss: min; an "
+        "exact match, accuracy or margin: max).",
+    )
+    final_model: Literal["best", "last"] = Field(
+        "best",
+        description="What the run saves as its model: the best evaluation's checkpoint (best) or the weights of its "
+        "last step (last). The best checkpoint is kept and named either way (checkpoints/best.json).",
+    )
+
+    @model_validator(mode="after")
+    def _known_metric(self) -> EarlyStoppingConfig:
+        if not self.metric.startswith(EARLY_STOPPING_PREFIXES):
+            raise ValueError(
+                f"metric `{self.metric}` is not an evaluation's figure; use eval_loss, eval_exact_match, retain_loss "
+                "or another eval_* / retain_* column of metrics.jsonl"
+            )
+        if self.mode == "auto" and metric_mode(self.metric) is None:
+            raise ValueError(
+                f"cannot tell whether a higher or a lower {self.metric} is better; set train.early_stopping.mode: "
+                "min or max"
+            )
+        return self
+
+    @property
+    def better(self) -> Literal["min", "max"]:
+        """The direction of an improvement (``mode``, or what the metric's name says)."""
+        mode = self.mode if self.mode != "auto" else metric_mode(self.metric)
+        assert mode is not None, "the schema refuses a metric whose direction is unknown"
+        return mode
+
+
 class TrainConfig(Section):
     epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
     max_steps: Union[int, None] = Field(None, ge=1, description="Optimizer steps to run; overrides epochs.")
@@ -343,6 +406,12 @@ class TrainConfig(Section):
         description="A NaN/inf loss or gradient norm: stop (name the step and the last good checkpoint, exit 3), "
         "or skip (no update for that step; counted and reported); auto: skip under fp16 loss scaling, where "
         "overflow steps are expected, stop otherwise.",
+    )
+    early_stopping: Union[EarlyStoppingConfig, None] = Field(
+        None,
+        description="Stop when the evaluation stops improving (needs eval.every and held-out data): metric, "
+        "patience, min_delta, mode, final_model. The best evaluation's checkpoint is kept whatever output.keep "
+        "says, and named in checkpoints/best.json and the run's summary; null: train every step.",
     )
 
 
@@ -556,6 +625,28 @@ class Recipe(Section):
         default_factory=HardwareConfig, description="The machine `finetune plan` plans for (runs use the real one)."
     )
 
+    @model_validator(mode="after")
+    def _early_stopping_evaluates(self) -> Recipe:
+        es = self.train.early_stopping
+        if es is None:
+            return self
+        if not self.eval.every:
+            raise ValueError(
+                "train.early_stopping: it compares evaluations during training, but eval.every is 0 (one evaluation, "
+                "at the end); set eval.every, e.g. eval.every: 100"
+            )
+        if es.metric.startswith("retain_") and self.eval.retain is None:
+            raise ValueError(
+                f"train.early_stopping.metric: {es.metric} is measured on eval.retain, which the recipe does not "
+                "set; set eval.retain or watch eval_loss"
+            )
+        if es.metric.startswith("eval_") and self.data.eval is None and self.data.eval_fraction is None:
+            raise ValueError(
+                f"train.early_stopping.metric: {es.metric} is measured on held-out data, which the recipe does not "
+                "have; set data.eval or data.eval_fraction"
+            )
+        return self
+
 
 # --------------------------------------------------------------------------------------------------
 # Errors
@@ -635,10 +726,10 @@ def _section_fields(path: tuple[str, ...]) -> list[str]:
         if f is None:
             return []
         ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            cls = ann
-        else:
+        models = [a for a in (get_args(ann) or (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(models) != 1:  # a section, or an optional one (train.early_stopping)
             return []
+        cls = models[0]
     return list(cls.model_fields) if hasattr(cls, "model_fields") else []
 
 
@@ -743,6 +834,10 @@ class LoadedRecipe:
         return resolve_input_path(value, self.base_dir)
 
 
+#: A recipe-wide rule's sentence starts with the dotted key it is about (``train.early_stopping: ...``).
+_NAMED_KEY = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+): ")
+
+
 def _validate(raw: Any, file: str | None, lines: dict[tuple[str, ...], int], overrides: list[str]) -> Recipe:
     if not isinstance(raw, dict):
         raise RecipeError([Problem("(top)", "a recipe is a YAML mapping of sections (model:, data:, ...)", file, 1)])
@@ -772,6 +867,10 @@ def _validate(raw: Any, file: str | None, lines: dict[tuple[str, ...], int], ove
                 msg = err["msg"].removeprefix("Value error, ")  # a validator's own sentence
                 if "input" in err and not isinstance(err["input"], (dict, list)):
                     msg = f"{msg} (got {err['input']!r})"
+                named = _NAMED_KEY.match(msg) if not clean else None
+                if named:  # a rule between sections names the key it is about first: placed on that key's line
+                    clean, msg = named.group(1).split("."), msg[named.end() :]
+                    key = named.group(1)
             line = None
             for n in range(len(clean), 0, -1):
                 if tuple(clean[:n]) in lines:

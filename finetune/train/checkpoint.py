@@ -63,6 +63,8 @@ RUN_FILES = (
 )
 META = "meta.json"
 FORMAT_VERSION = 2
+#: ``checkpoints/best.json``: early stopping's best checkpoint (its step, path and figure), never pruned.
+BEST = "best.json"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,12 +229,34 @@ def clear_run(out_dir: str | os.PathLike[str]) -> None:
 
 
 def clear_checkpoints(out_dir: str | os.PathLike[str]) -> int:
-    """Remove every checkpoint of a finished earlier run in ``out_dir`` (a fresh start); return how many."""
+    """Remove every checkpoint of a finished earlier run in ``out_dir`` (a fresh start), and its best pointer;
+    return how many."""
     found = list_checkpoints(out_dir)
     for _, p in found:
         shutil.rmtree(p, ignore_errors=True)
     _remove_leftovers(checkpoints_dir(out_dir))
+    (checkpoints_dir(out_dir) / BEST).unlink(missing_ok=True)
     return len(found)
+
+
+def best_step(out_dir: str | os.PathLike[str]) -> int | None:
+    """The step of the checkpoint ``checkpoints/best.json`` names (early stopping's best), or None."""
+    try:
+        record = json.loads((checkpoints_dir(out_dir) / BEST).read_text())
+    except (OSError, ValueError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def write_best(out_dir: str | os.PathLike[str], record: dict[str, Any] | None) -> None:
+    """Write ``checkpoints/best.json`` atomically (rank 0), or remove it (``record`` None)."""
+    path = checkpoints_dir(out_dir) / BEST
+    if record is None:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_text(path, json.dumps(record, indent=1) + "\n")
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -580,7 +604,7 @@ class Checkpointer:
 
     def _finish(self, tmp: Path, final: Path, step: int, small: dict[str, Any], torch: Any) -> None:
         """Rank 0: the small files, the hook, meta.json last, fsync, rename into place, prune."""
-        f = self.files
+        f, early = self.files, self.states.get("early_stopping")
         torch.save(small, tmp / "trainer.pt")
         (tmp / "recipe.yaml").write_text(f.recipe_yaml)
         (tmp / "plan.json").write_text(json.dumps(f.plan, indent=2) + "\n")
@@ -590,8 +614,9 @@ class Checkpointer:
             "format": FORMAT_VERSION,
             **self.states["train"].state_dict(),
             "total_steps": f.total_steps,
-            "final": step >= f.total_steps,
+            "final": step >= f.total_steps or (early is not None and early.stopped),
             "position": self.states["data"].state_dict(),
+            **({"early_stopping": early.state_dict()} if early is not None else {}),
             "identity": f.identity,
             "saved_by": {"world_size": self.world_size},
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -643,7 +668,26 @@ class Checkpointer:
                 self.states[k].load_state_dict(small[k])
         self.states["train"].load_state_dict(meta)
         self.states["data"].load_state_dict(meta["position"])
+        if self.states.get("early_stopping") is not None:
+            self.states["early_stopping"].load_state_dict(meta.get("early_stopping"))
         return meta
+
+    def load_weights(self, path: Path) -> None:
+        """Load only the weights of the checkpoint ``path`` into the model (every rank calls): early stopping's
+        best checkpoint, as the final model."""
+        import torch.distributed.checkpoint as dcp
+
+        from finetune.train.distributed import wait_group
+
+        if not (path / STATE_DIR / ".metadata").is_file():
+            raise UserError(
+                f"train.early_stopping: the best checkpoint {path} is gone; the final model is the last step's "
+                "(train.early_stopping.final_model: last keeps it so)"
+            )
+        dcp.load(
+            {"model": self.states["model"]}, checkpoint_id=str(path / STATE_DIR), planner=_SafeLoadPlanner(),
+            no_dist=self.world_size == 1, process_group=wait_group(),
+        )
 
 
 def save_sharded(parts: dict[str, Any], path: Path, world_size: int) -> None:
@@ -756,9 +800,11 @@ def read_weights(ckpt: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 
 def prune(out_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints; return the deleted ones."""
+    """Delete all but the newest ``keep`` complete checkpoints, and never the one ``checkpoints/best.json``
+    names; return the deleted ones."""
     found = list_checkpoints(out_dir)
-    doomed = [p for _, p in found[:-keep]] if keep > 0 else [p for _, p in found]
+    best = best_step(out_dir)
+    doomed = [p for s, p in (found[:-keep] if keep > 0 else found) if s != best]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed

@@ -32,6 +32,8 @@ from finetune.plan.types import Plan
 from finetune.recipe import LoadedRecipe, recipe_to_yaml
 from finetune.train import checkpoint as ck
 from finetune.train.distributed import DistContext
+from finetune.train.early_stopping import EarlyStopping
+from finetune.train.evaluate import EvalResult
 from finetune.train.signals import StopRequest
 from finetune.train.slurm import requeued
 from finetune.train.state import TrainState, position
@@ -123,11 +125,13 @@ class RunCheckpoints:
     inner: torch.nn.Module  # the unwrapped model (its parameter sizes make the disk check)
     total_steps: int
     say: Callable[[str], None]  # Reporter.plain
+    early: EarlyStopping | None = None  # train.early_stopping (finetune/train/early_stopping.py)
     last_saved: Path | None = None
     last_saved_step: int = -1
     save_seconds: list[float] = field(default_factory=list)
     # a context around a save, given the phase's name (the memory probe's: finetune/train/step_memory.py)
     measure: Callable[[str], contextlib.AbstractContextManager[Any]] = lambda _: contextlib.nullcontext()
+    stop_eval: EvalResult | None = None  # the evaluation that stopped the run early
 
     @property
     def out_dir(self) -> Path:
@@ -148,6 +152,8 @@ class RunCheckpoints:
             resume = None
         if self.ctx.is_main:
             self._check_disk()
+        if self.early is not None:
+            self.say(self.early.describe())
         if resume is None:
             if not restarted:
                 ck.check_fresh_start(out)
@@ -180,6 +186,8 @@ class RunCheckpoints:
                 f"resumed from {path} at step {state.step} of {self.total_steps} "
                 f"(epoch {epoch}, batch {in_epoch}){note}"
             )
+            if self.early is not None:  # the pointer as the checkpoint's state has it (a newer best is gone)
+                self._write_best()
         self.ctx.wait_barrier()  # rank 0 may be removing newer checkpoints
 
     def _check_disk(self) -> None:
@@ -213,16 +221,66 @@ class RunCheckpoints:
         self.save_seconds.append(time.perf_counter() - started)
         return path
 
-    def after_step(self, state: TrainState, stop: StopRequest) -> bool:
-        """Save when due (every output.save_every steps and at the end) or when a signal asks to stop;
-        return True when the run must stop now (the checkpoint is saved and the resume command printed)."""
+    def after_step(self, state: TrainState, stop: StopRequest, ev: EvalResult | None = None) -> bool:
+        """Save when due (every output.save_every steps and at the end), when a signal asks to stop, and, under
+        early stopping, at an evaluation ``ev`` that improved (the best checkpoint) or that stopped the run;
+        return True when a signal stops the run now (the checkpoint is saved and the resume command printed).
+        :attr:`stopped_early` says when early stopping ends it after this step."""
         every = self.loaded.recipe.output.save_every
         due = (every and state.step % every == 0) or state.step >= self.total_steps
+        verdict = self.early.observe(state.step, ev, self._from_rank0) if self.early and ev is not None else None
+        if verdict is not None and verdict.stop:
+            self.stop_eval = ev
         stopping = stop.agreed(lambda flags: self.ctx.all_reduce_sum(torch.tensor(flags)))
-        if (due or stopping) and self.last_saved_step != state.step:
+        keep = verdict is not None and (verdict.improved or verdict.stop)
+        if (due or stopping or keep) and self.last_saved_step != state.step:
             self.save(state)
+        if verdict is not None and verdict.improved and self.ctx.is_main:
+            self._write_best()  # after its checkpoint is complete: the pointer never names a missing one
         if stopping:
             self.say(f"checkpoint saved: {self.last_saved} (step {state.step} of {self.total_steps})")
             requeue = " (a requeued SLURM job resumes from it by itself)" if "SLURM_JOB_ID" in os.environ else ""
             self.say(f"resume with: {resume_command(self.loaded)}{requeue}")
         return stopping
+
+    @property
+    def stopped_early(self) -> bool:
+        """Whether early stopping ended the run (patience spent), now or in the checkpoint it resumed."""
+        return self.early is not None and self.early.stopped
+
+    def after_final_eval(self, state: TrainState, ev: EvalResult | None) -> None:
+        """Count the run's final evaluation for early stopping (its checkpoint, the last step's, exists)."""
+        if self.early is None or ev is None or self.early.stopped:
+            return
+        if self.early.observe(state.step, ev, self._from_rank0).improved and self.ctx.is_main:
+            self._write_best()
+
+    def restore_final_model(self, state: TrainState) -> bool:
+        """Under ``final_model: best``, put the best checkpoint's weights into the model before the final save
+        (every rank); then say where the run stopped and which checkpoint is the best. True when the model now
+        holds another step's weights than the last (its final evaluation is then to be measured again)."""
+        early = self.early
+        if early is None:
+            return False
+        best = early.best_step
+        restored = early.config.final_model == "best" and best is not None and best != state.step
+        if restored:
+            self.checkpointer.load_weights(ck.checkpoints_dir(self.out_dir) / f"step-{best}")
+        self.say(early.summary(self.total_steps))
+        if early.config.final_model == "best" and best is not None:
+            self.say(f"final model: the weights of step {best}, the best evaluation's (checkpoints/{ck.BEST})")
+        return restored
+
+    def _write_best(self) -> None:
+        assert self.early is not None
+        step = self.early.best_step
+        kept = step is not None and (ck.checkpoints_dir(self.out_dir) / f"step-{step}" / ck.META).is_file()
+        ck.write_best(self.out_dir, self.early.pointer(f"{ck.CHECKPOINTS}/step-{step}") if kept else None)
+
+    def _from_rank0(self, value: float | None) -> float | None:
+        """Rank 0's ``value`` on every rank (a collective), so that every rank decides alike."""
+        if not self.ctx.distributed:
+            return value
+        mine = [value or 0.0, 1.0 if value is not None else 0.0] if self.ctx.is_main else [0.0, 0.0]
+        total, present = (float(x) for x in self.ctx.all_reduce_sum(torch.tensor(mine, dtype=torch.float64)))
+        return total if present > 0 else None

@@ -49,6 +49,7 @@ from finetune.train.data.retain import RetainData, load_retain
 from finetune.train.data.task import load_task_data
 from finetune.train.determinism import seed_everything
 from finetune.train.distributed import DistContext
+from finetune.train.early_stopping import early_stopping_for
 from finetune.train.evaluate import EvalResult, evaluate
 from finetune.train.gradients import MicroBatchLoss, accumulate, clip_grad_norm, pipeline_step
 from finetune.train.hooks import TrainerHooks, load_hooks
@@ -115,6 +116,7 @@ class Trainer:
         self.retain: RetainData | None = load_retain(self.loaded, self.tokenizer)  # eval.retain
         if self.retain is not None:
             self.data.notes.append(self.retain.describe())
+        self.early_stopping = early_stopping_for(r, self.data, self.retain)  # before the model: a wrong metric fails fast
         self.scaler = grad_scaler(self.spec, ctx.device)
         self.micro_loss = MicroBatchLoss(self.scaler)  # how each micro-batch's loss enters backward (a pipeline's loss_fn)
         self.model = self._setup_model()
@@ -150,12 +152,14 @@ class Trainer:
             "rng": RNGState(ctx.rank, ctx.world_size),
             "train": self.state,
             "data": DataPosition(self.stream, self.state),
+            "early_stopping": self.early_stopping,
         }
         self.checkpointer = build_checkpointer(
             self.loaded, self.plan, ctx, states, self.total, self.hooks.checkpoint_half_written
         )
         self.checkpoints = RunCheckpoints(
-            self.loaded, self.plan, ctx, self.checkpointer, unwrap(self.model), self.total, self.reporter.plain
+            self.loaded, self.plan, ctx, self.checkpointer, unwrap(self.model), self.total, self.reporter.plain,
+            early=self.early_stopping,
         )
         self.checkpoints.start(self.state, self.resume)
         self._setup_step_reporting()
@@ -332,7 +336,7 @@ class Trainer:
         self.metrics.start()
         self.checkpoints.restore_rng()  # last thing before the first step: the resumed run draws what the first would
         with stop, self.reporter.progress(self.total, start=state.step) as advance:
-            while state.step < self.total:
+            while state.step < self.total and not self.checkpoints.stopped_early:
                 started = time.perf_counter()
                 result = self.train_step()
                 seconds = time.perf_counter() - started - self.step_memory.pop_report_seconds()  # training time only
@@ -344,12 +348,19 @@ class Trainer:
                 advance(loss=result.loss, lr=lr, tokens_per_s=tokens_per_s)
                 self.hooks.after_step(state.step)
                 self.phase.at("save")
-                if self.checkpoints.after_step(state, stop):  # saves when due; True after SIGTERM/Ctrl-C
+                # saves when due, and early stopping's best; True after SIGTERM/Ctrl-C/SIGUSR1
+                if self.checkpoints.after_step(state, stop, ev):
                     self.metrics.close()
                     return self._result(None, exit_code=stop.exit_code)
-        last_eval = self.evaluate()
-        self.metrics.log_eval(state.step, last_eval)
+        if self.checkpoints.stopped_early:  # the evaluation that stopped the run is its last
+            last_eval = self.checkpoints.stop_eval
+        else:
+            last_eval = self.evaluate()
+            self.metrics.log_eval(state.step, last_eval)
+            self.checkpoints.after_final_eval(state, last_eval)
         self.metrics.close()
+        if self.checkpoints.restore_final_model(state):  # train.early_stopping.final_model: best
+            last_eval = self.evaluate()  # the saved model's figures
         self.save()
         run = self._result(last_eval)
         run.tokens_per_s, run.utilisation = self.metrics.steady()
