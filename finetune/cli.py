@@ -397,6 +397,37 @@ def data(
 
 
 @app.command()
+def slurm(
+    recipe: Annotated[str, typer.Argument(help="Recipe YAML file.")],
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes of the job.")],
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs of each node (one process each).")],
+    set_: SetOpt = None,
+    time: Annotated[
+        Optional[str], typer.Option(help="The job's time limit, e.g. 1-00:00:00 (default: the partition's).")
+    ] = None,
+    partition: Annotated[Optional[str], typer.Option(help="SLURM partition.")] = None,
+    account: Annotated[Optional[str], typer.Option(help="SLURM account the job is charged to.")] = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", help="Where to write the script (default: output.dir/slurm.sbatch).")
+    ] = None,
+    cpus_per_gpu: Annotated[int, typer.Option(min=1, help="CPU cores asked per GPU.")] = 8,
+) -> None:
+    """Write an sbatch script that trains the recipe on NODES x GPUS: one task per node, checkpoint before the
+    time limit (SIGUSR1), requeue and resume."""
+    from finetune.commands.slurm import SlurmOptions, run_slurm
+
+    options = SlurmOptions(
+        recipe, list(set_ or []), nodes, gpus_per_node, time=time, partition=partition, account=account,
+        output=output, cpus_per_gpu=cpus_per_gpu,
+    )
+    try:
+        code = run_slurm(options, say=typer.echo)
+    except (RecipeError, UserError) as err:
+        _fail(err)
+    raise typer.Exit(code)
+
+
+@app.command()
 def report(
     run_dirs: Annotated[list[str], typer.Argument(metavar="RUN_DIR...", help="Output directories of runs (overlaid).")],
     out: Annotated[
