@@ -120,3 +120,25 @@ def test_sigusr1_saves_and_the_requeued_job_resumes_to_the_same_run(runs: dict) 
     )
     # the summary's final evaluation is the saved (best) model's
     assert f"final eval: loss {best:.4f}" in requeued.stdout
+
+
+def test_an_improving_run_is_not_stopped_and_its_final_evaluation_can_be_the_best(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """eval.every 2 of 4 steps at a learning rate that improves: the evaluation after step 4 is the final one,
+    and the best (patience 1 never runs out)."""
+    out = tmp_path / "improving"
+    r = tiny_recipe(
+        out, train={"max_steps": 4, "lr": 3e-3, "early_stopping": {"patience": 1}},
+        eval={"every": 2, "at_start": False, "max_samples": 8, "max_new_tokens": 2},
+    )
+    assert launch(str(write_recipe(tmp_path / "improving.yaml", r)), [], LaunchOptions()) == 0
+    evals = [row["eval_loss"] for row in _rows(out) if "eval_loss" in row]
+    assert evals[1] < evals[0]  # the construction: step 4 improves on step 2
+    best = json.loads((ck.checkpoints_dir(out) / ck.BEST).read_text())
+    assert (best["step"], best["value"]) == (4, evals[1])
+    meta = json.loads((ck.checkpoints_dir(out) / "step-4" / ck.META).read_text())
+    assert meta["early_stopping"]["bad_evaluations"] == 0 and meta["early_stopping"]["stopped_at"] is None
+    assert f"early stopping: not triggered in 4 steps; best eval_loss {evals[1]:.4f} at step 4" in capsys.readouterr().out
+    final, last = load_file(str(out / "model.safetensors")), ck.read_weights(ck.checkpoints_dir(out) / "step-4")
+    assert all(torch.equal(final[k], last[k]) for k in last)
