@@ -68,6 +68,8 @@ class Cell:
     # (finetune.experts; None: not known, as in `finetune validate` without a reason to read the config)
     experts: bool | None = None
     expert_lora: bool | None = None
+    num_experts: int | None = None  # routed experts per layer (None: not known)
+    ep: int = 1  # distributed.ep: the routed experts split over ep ranks of the data-parallel shard dimension
 
     @classmethod
     def of(
@@ -77,6 +79,7 @@ class Cell:
         offload: str = "none", objective: str = "sft", reference: str = "model", data_format: str | None = None,
         nodes: int | None = None, pp: int | str = 1, pp_schedule: str = "1f1b", sequence_parallel: bool = True,
         reference_model: bool = False, experts: bool | None = None, expert_lora: bool | None = None,
+        ep: int = 1, num_experts: int | None = None,
     ) -> Cell:
         """A cell from the recipe's values (``auto``: unknown) and its ``lora`` / ``prefix`` /
         ``quantization`` sections (None: their defaults)."""
@@ -111,6 +114,8 @@ class Cell:
             data_format=data_format,
             experts=experts,
             expert_lora=expert_lora,
+            num_experts=num_experts,
+            ep=int(ep),
         )
 
     @classmethod
@@ -128,6 +133,7 @@ class Cell:
             prefix=recipe.prefix, quantization=recipe.quantization, objective=t.objective,
             reference=recipe.dpo.reference, data_format=recipe.data.format, pp=d.pp, pp_schedule=d.pp_schedule,
             sequence_parallel=d.sequence_parallel, reference_model=recipe.dpo.reference_model is not None,
+            ep=d.ep,
         )
 
     def with_(self, **changes: Any) -> Cell:
@@ -154,6 +160,11 @@ class Cell:
     def pipelined(self) -> bool:
         """Pipeline parallelism is on (known and above 1)."""
         return self.pp is not None and self.pp > 1
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Expert parallelism is on (distributed.ep above 1)."""
+        return self.ep > 1
 
     @property
     def dp(self) -> int | None:
@@ -640,6 +651,95 @@ PIPELINE_RULES: tuple[Rule, ...] = (
 TABLE = TABLE + PIPELINE_RULES
 
 
+def _ep(c: Cell) -> int:
+    return c.ep
+
+
+# Expert parallelism (finetune/train/expert_parallel.py): a mixture's routed experts split over ep ranks that
+# ep borrows from FSDP2's shard dimension, tokens dispatched by all-to-all, on one node's fsdp/zero2 mesh.
+EXPERT_PARALLEL_RULES: tuple[Rule, ...] = (
+    Rule(
+        "ep-dense", ("distributed.ep", "model.path"),
+        lambda c: c.expert_parallel and c.experts is False,
+        lambda c: f"{_ep(c)} splits a mixture's routed experts over {_ep(c)} ranks, but this model has no experts; "
+        "set distributed.ep: 1",
+    ),
+    Rule(
+        "ep-strategy", ("distributed.ep", "distributed.strategy"),
+        lambda c: c.expert_parallel and c.strategy in ("single", "ddp", "zero1"),
+        lambda c: f"{_ep(c)} borrows its ranks from the shard dimension of zero2/fsdp, but distributed.strategy is "
+        f"{c.strategy}; use zero2, fsdp or auto, or distributed.ep: 1",
+    ),
+    Rule(
+        "ep-hsdp", ("distributed.ep", "distributed.strategy"),
+        lambda c: c.expert_parallel and c.strategy == "hsdp",
+        lambda c: f"{_ep(c)} with hsdp is not supported (finetune splits the experts over one node's fsdp ranks, "
+        "not over replicas across nodes); use fsdp, or distributed.ep: 1",
+    ),
+    Rule(
+        "ep-shard-ranks", ("distributed.ep", "distributed.nproc"),
+        lambda c: c.expert_parallel and c.dp is not None and c.strategy in SHARDED and c.dp % c.ep != 0,
+        lambda c: f"{_ep(c)} does not divide the {c.dp} data-parallel processes it borrows its ranks from; use an "
+        f"ep that divides {c.dp}",
+    ),
+    Rule(
+        "ep-experts", ("distributed.ep", "model.path"),
+        lambda c: c.expert_parallel and c.num_experts is not None and c.num_experts % c.ep != 0,
+        lambda c: f"{_ep(c)} does not divide the model's {c.num_experts} routed experts (each ep rank holds as "
+        "many); use an ep that divides them",
+    ),
+    Rule(
+        "ep-tp", ("distributed.ep", "distributed.tp"),
+        lambda c: c.expert_parallel and c.split,
+        lambda c: f"{_ep(c)} with distributed.tp: {_tp(c)} is not supported (the experts' all-to-all runs on the "
+        "data-parallel ranks of an fsdp mesh without tensor parallelism); set distributed.tp: 1, or distributed.ep: 1",
+    ),
+    Rule(
+        "ep-pp", ("distributed.ep", "distributed.pp"),
+        lambda c: c.expert_parallel and c.pipelined,
+        lambda c: f"{_ep(c)} with distributed.pp: {_pp(c)} is not supported (pipeline stages run Llama-family "
+        "decoders, not a mixture's); set distributed.pp: 1, or distributed.ep: 1",
+    ),
+    Rule(
+        "ep-qlora", ("distributed.ep", "method"),
+        lambda c: c.expert_parallel and c.method == "qlora",
+        lambda c: f"{_ep(c)} with method qlora is not supported (the experts' NF4 codes and quantization states are "
+        "not split by expert over ep ranks); use method lora, or distributed.ep: 1",
+        methods=("qlora",),
+    ),
+    Rule(
+        "ep-dora", ("distributed.ep", "lora.use_dora"),
+        lambda c: c.expert_parallel and c.lora_family and c.use_dora,
+        lambda c: f"{_ep(c)} with lora.use_dora is not supported (DoRA's magnitudes need each whole weight on "
+        "one rank); set lora.use_dora: false, or distributed.ep: 1",
+        methods=("lora", "qlora"),
+    ),
+    Rule(
+        "ep-compile", ("distributed.ep", "train.compile"),
+        lambda c: c.expert_parallel and c.compile,
+        lambda c: f"{_ep(c)} with train.compile: true is not supported (the dispatch reads each step's routed "
+        "counts on the host, which breaks a block's graph); set train.compile: false, or distributed.ep: 1",
+        topic="compile",
+    ),
+    Rule(
+        "ep-offload", ("train.offload", "distributed.ep"),
+        lambda c: c.expert_parallel and c.offload in OFFLOADS,
+        lambda c: f"{c.offload} with distributed.ep: {_ep(c)} is not supported (FSDP2's CPU offload over the experts' "
+        "ep DTensors is not run by finetune); set train.offload: none, or distributed.ep: 1",
+        topic="offload",
+    ),
+    Rule(
+        "ep-objective", ("train.objective", "distributed.ep"),
+        lambda c: c.expert_parallel and c.preference,
+        lambda c: f"{c.objective} runs a reference forward beside the policy's, which finetune does not dispatch "
+        f"over distributed.ep: {_ep(c)}; set train.objective: sft, or distributed.ep: 1",
+        topic="objective",
+    ),
+)
+
+TABLE = TABLE + EXPERT_PARALLEL_RULES
+
+
 def refusals(cell: Cell) -> list[Refusal]:
     """Every row of :data:`TABLE` that refuses ``cell``, in table order."""
     return [Refusal(rule, rule.keys[0], rule.says(cell)) for rule in TABLE if rule.refuses(cell)]
@@ -861,6 +961,18 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"pp": 2, "offload": "optimizer"},
     {"pp": 2, "packing": True},
     {"pp": 2, "objective": "dpo", "data_format": "preference"},
+    {"ep": 2, "experts": False},
+    {"ep": 2, "experts": True, "strategy": "ddp"},
+    {"ep": 2, "experts": True, "strategy": "hsdp", "processes": 4, "nodes": 2},
+    {"ep": 4, "experts": True, "processes": 2},
+    {"ep": 2, "experts": True, "num_experts": 3},
+    {"ep": 2, "experts": True, "tp": 2},
+    {"ep": 2, "experts": True, "pp": 2},
+    {"ep": 2, "experts": True},
+    {"ep": 2, "experts": True, "use_dora": True},
+    {"ep": 2, "experts": True, "compile": True},
+    {"ep": 2, "experts": True, "offload": "optimizer"},
+    {"ep": 2, "experts": True, "objective": "dpo", "data_format": "preference"},
 )
 
 

@@ -61,6 +61,13 @@ def has_fused_experts(config: Any) -> bool:
     return any(int(getattr(text, k, 0) or 0) > 1 for k in EXPERT_COUNT_KEYS)
 
 
+def routed_experts(config: Any) -> int | None:
+    """The routed experts per layer of ``config``'s mixture of experts (None: the model has none)."""
+    text = getattr(config, "text_config", None) or config
+    found = [int(getattr(text, k, 0) or 0) for k in EXPERT_COUNT_KEYS]
+    return next((n for n in found if n > 1), None)
+
+
 def names_experts(target_modules: Any) -> bool:
     """Whether ``lora.target_modules`` adapts fused expert weights on a mixture of experts: ``all-linear``, or a
     name that is ``experts`` or one of :data:`EXPERT_WEIGHTS` (alone or as the last part of a dotted name)."""

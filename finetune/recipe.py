@@ -437,6 +437,14 @@ class DistributedConfig(Section):
         description="Tensor-parallel degree inside a node (each block's linears split over tp ranks; the "
         "strategy shards over the rest); auto: the planner uses TP only when FSDP alone does not fit.",
     )
+    ep: PositiveInt = Field(
+        1,
+        description="Expert-parallel degree of a mixture of experts: each routed expert lives on one of ep ranks "
+        "(E/ep experts each) and tokens reach it by all-to-all; ep borrows its ranks from the data-parallel shard "
+        "dimension (it divides the zero2/fsdp processes and the experts), FSDP shards the experts over the "
+        "processes ep leaves and every other weight over all of them. Each rank then gathers only its experts for "
+        "a block and sends its routed tokens instead.",
+    )
     pp: Union[PositiveInt, Literal["auto"]] = Field(
         1,
         description="Pipeline-parallel degree: the decoder layers split into stages over pp ranks (the first stage "
@@ -1038,10 +1046,10 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
     pipelined = isinstance(pp, int) and pp > 1
     # rows about a mixture of experts' fused weights concern these settings only (the config is read for them)
     tp = r.distributed.tp
-    expert_rows = r.method in ("lora", "qlora", "auto") and (
+    expert_rows = (r.method in ("lora", "qlora", "auto") and (
         r.lora.use_dora or r.lora.init in ("pissa", "olora") or (isinstance(tp, int) and tp > 1)
         or (r.method == "qlora" and r.quantization.bits == 8)
-    )
+    )) or r.distributed.ep > 1
     wanted = pipelined or (r.method == "adapter" and r.adapter.size is not None) or expert_rows
     if not wanted or inputs.model.problem():
         return problems
@@ -1053,10 +1061,10 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
     except (OSError, ValueError, UserError):  # the model's own problem is reported by model.path
         return problems
     if expert_rows:
-        from finetune.experts import expert_facts
+        from finetune.experts import expert_facts, routed_experts
 
         seen = {(p.key, p.message) for p in problems}
-        cell = Cell.of_recipe(r).with_(**expert_facts(config, r.lora.target_modules))
+        cell = Cell.of_recipe(r).with_(**expert_facts(config, r.lora.target_modules), num_experts=routed_experts(config))
         problems += [
             loaded.problem(f.key, f.message) for f in refusals(cell) if (f.key, f.message) not in seen
         ]

@@ -311,6 +311,9 @@ class ExecSpec:
     fp32_tensors: tuple[str, ...] = ()
     # a mixture of experts' load-balancing loss, added per target token times this (0: none; finetune/router.py)
     aux_loss_coef: float = 0.0
+    # expert parallelism (distributed.ep): a mixture's routed experts split over ep ranks borrowed from the
+    # data-parallel shard dimension, tokens dispatched to them by all-to-all (finetune/train/expert_parallel.py)
+    ep: int = 1
 
     @property
     def adapter_dora(self) -> bool:
@@ -362,6 +365,11 @@ class ExecSpec:
     def tensor_parallel(self) -> bool:
         """The decoder blocks' linear layers are split over ``tp`` ranks (a 2-D ("dp", "tp") mesh)."""
         return self.tp > 1
+
+    @property
+    def expert_parallel(self) -> bool:
+        """A mixture's routed experts are split over ``ep`` ranks (all-to-all dispatch)."""
+        return self.ep > 1
 
     @property
     def trainable_bytes(self) -> int:
@@ -454,6 +462,7 @@ def execution_spec(
     attention: str = "sdpa",
     keep_fp32: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
     aux_loss_coef: float = 0.0,
+    ep: int = 1,
 ) -> ExecSpec:
     """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
 
@@ -478,6 +487,7 @@ def execution_spec(
     kernel the model is built with, resolved (:func:`attention_kernel`). ``keep_fp32``: the architecture's
     (strict, fp16-only) patterns of tensors kept in fp32 (the inventory's): the strict ones apply to a 16-bit base, both to an fp16 one.
     ``aux_loss_coef``: a mixture of experts' load-balancing loss coefficient (0: none; the sft objective only).
+    ``ep``: expert-parallel degree (kept only under a sharded strategy, which it borrows ranks from).
     """
     assert attention in ATTENTION_KERNELS, f"attention {attention} is resolved before the spec"
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
@@ -544,6 +554,7 @@ def execution_spec(
         attention=attention,
         fp32_tensors=_fp32_tensors(keep_fp32, frozen if m.adapters else trainable),
         aux_loss_coef=float(aux_loss_coef) if objective == "sft" else 0.0,
+        ep=max(1, int(ep)) if s.uses_fsdp else 1,
     )
 
 

@@ -34,6 +34,7 @@ class Request:
     compile: bool = False  # train.compile: every decoder block compiled
     tp: int | str = 1  # distributed.tp: a degree, or auto (the walk tries TP when FSDP alone does not fit)
     sequence_parallel: bool = True  # distributed.sequence_parallel: with tp > 1, the residual stream split over the sequence
+    ep: int = 1  # distributed.ep: a mixture's experts split over ep ranks of the data-parallel shard dimension
     pp: int | str = 1  # distributed.pp: a degree, or auto (the walk tries PP when FSDP with TP does not fit)
     pp_schedule: str = "1f1b"  # distributed.pp_schedule: gpipe | 1f1b | interleaved-1f1b
     pp_stages_per_rank: int | None = None  # distributed.pp_stages_per_rank (None: the schedule's default)
@@ -80,6 +81,7 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         offload=r.train.offload,
         tp=r.distributed.tp,
         sequence_parallel=r.distributed.sequence_parallel,
+        ep=r.distributed.ep,
         pp=r.distributed.pp,
         pp_schedule=r.distributed.pp_schedule,
         pp_stages_per_rank=r.distributed.pp_stages_per_rank,

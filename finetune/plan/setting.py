@@ -8,7 +8,7 @@ from typing import Any
 
 from finetune.capabilities import Cell, check, first_refusal, pipeline_problem, split_problem, stage_problem
 from finetune.errors import UserError
-from finetune.experts import expert_facts
+from finetune.experts import expert_facts, routed_experts
 from finetune.plan import walk as w
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.config import config_class_name
@@ -121,8 +121,15 @@ class Setting:
             offload=offload or r.offload, objective=r.objective, reference=r.reference, nodes=self.hw.nodes,
             pp=pp, pp_schedule=self.pp_schedule, pp_layers=pp_layers or self.pp_split(pp, tp),
             sequence_parallel=r.sequence_parallel, attention=r.attn_implementation, keep_fp32=self.inv.keep_fp32,
-            aux_loss_coef=aux_loss_coef(r, self.inv),
+            aux_loss_coef=aux_loss_coef(r, self.inv), ep=self.ep_for(strategy, world or self.world, tp, pp),
         )
+
+    def ep_for(self, strategy: str, world: int, tp: int = 1, pp: int = 1) -> int:
+        """The expert-parallel degree a candidate runs with: the recipe's ``distributed.ep`` under a sharded
+        strategy whose data-parallel ranks it divides, else 1 (a candidate of another strategy has none)."""
+        dp = world // max(1, tp * pp)
+        ok = strategy in ("zero2", "fsdp") and tp == 1 and pp == 1 and dp % self.req.ep == 0
+        return self.req.ep if ok else 1
 
     def profile(self, spec: ExecSpec) -> ActivationProfile:
         """The traced activations of ``spec`` at this setting's sequence length (one TP rank's)."""
@@ -175,6 +182,7 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
         lora=lora, prefix=req.prefix, quantization=req.quantization, objective=req.objective,
         reference=req.reference, nodes=hw.nodes, pp=req.pp, pp_schedule=req.pp_schedule,
         reference_model=req.reference_config is not None, experts=facts["experts"], expert_lora=facts["expert_lora"],
+        ep=req.ep, num_experts=routed_experts(req.config),
     )
     check(cell)
     # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:

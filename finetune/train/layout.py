@@ -29,11 +29,9 @@ the run uses is a view of it (:meth:`submesh`, :attr:`tp_mesh`, :attr:`fsdp_mesh
 :attr:`ep_mesh`, :attr:`expert_fsdp_mesh`), so FSDP2 over TP's DTensors, HSDP's 2-D mesh and the pipeline's
 groups all share one root mesh. A layout of one process builds none.
 
-Expert parallelism today: ``ep`` is 1 everywhere (no recipe key sets it yet). Adding ``distributed.ep`` is:
-``ExecSpec.ep`` (finetune/spec.py, with its rows in the capability table: ep divides ``dp_shard``, needs a
-sharded strategy), then ``ep=spec.ep`` in :meth:`ParallelLayout.of` where it reads 1 now; the experts'
-all-to-all then runs over :attr:`ep_mesh` and their ``fully_shard`` over :attr:`expert_fsdp_mesh`. Nothing else
-here changes: the coordinates, the validation and the meshes of ep above 1 exist and are tested.
+Expert parallelism (``distributed.ep``, ``ExecSpec.ep``; its rows in the capability table: a mixture of
+experts, ep divides ``dp_shard`` and the experts, a sharded strategy): the experts' all-to-all runs over
+:attr:`ep_mesh` and their ``fully_shard`` over :attr:`expert_fsdp_mesh` (finetune/train/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -126,7 +124,7 @@ class ParallelLayout:
             replicate, shard = dp, 1
         return cls(
             world_size=world, rank=rank, pp=spec.pp, dp_replicate=replicate, dp_shard=shard,
-            ep=1,  # distributed.ep (see the module docstring): ep=spec.ep once the spec has it
+            ep=spec.ep,
             tp=spec.tp, fsdp=strategy.uses_fsdp, hybrid=strategy.hybrid, device_type=device_type,
         )
 

@@ -143,8 +143,9 @@ def build_optimizer(
     Under ZeRO-2, FSDP and tensor parallelism (DTensor parameters) the 8-bit optimizers update each rank's
     local shards (:class:`LocalShardOptimizer`); unsharded runs use bitsandbytes' class as is.
     Under tensor parallelism the parameters are DTensors on different meshes (TP-split linears, FSDP-only
-    norms) or plain tensors (what TP replicates): the foreach and fused kernels need one kind in a list, so
-    AdamW runs its per-parameter loop there.
+    norms) or plain tensors (what TP replicates), and under expert parallelism the experts' are on the
+    (expert_shard, ep) mesh beside the dense weights' dp_shard (``tensor_parallel`` is then set too): the
+    foreach and fused kernels need one kind in a list, so AdamW runs its per-parameter loop there.
     """
     groups = param_groups(model, t.weight_decay)
     name = name or (t.optimizer if t.optimizer != "auto" else "adamw")

@@ -58,7 +58,9 @@ def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> tor
     # each rank would train alone on its slice: refused by the capability table when the plan is made
     assert not (ctx.distributed and not spec.strategy.distributed), "strategy single on several processes"
     layout = ctx.layout
-    assert (layout.tp, layout.pp, layout.fsdp) == (spec.tp, 1, spec.strategy.uses_fsdp) or not ctx.distributed, (
+    assert (layout.tp, layout.pp, layout.ep, layout.fsdp) == (spec.tp, 1, spec.ep, spec.strategy.uses_fsdp) or (
+        not ctx.distributed
+    ), (
         "the context is laid out as the spec says (DistContext.laid_out), a whole model on every stage"
     )
     if spec.tensor_parallel:
@@ -68,6 +70,11 @@ def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> tor
         # rank for every save; the cost is known and the result exact.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         apply_tensor_parallel(model, layout.tp_mesh, sequence_parallel=spec.sequence_parallel)
+    if spec.ep > 1:
+        from finetune.train.expert_parallel import apply_expert_parallel
+
+        # Before checkpointing: a recomputed block dispatches its tokens again, as its forward did.
+        apply_expert_parallel(model, layout.ep_mesh)
     if spec.checkpointing:
         # Before sharding, so that each block's recomputation sits inside the block FSDP gathers for it.
         apply_activation_checkpointing(model)
@@ -457,6 +464,8 @@ def apply_fsdp(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torc
     _check_quantized_storage(model, policy.param_dtype)
     offload = offload_policy(spec, ctx.device)
     reshard = spec.reshard_after_forward
+    if layout.ep_enabled:
+        _shard_experts_units(model, layout, reshard, policy, offload)
     blocks = [  # fully_shard returns the module it sharded in place, typed as an FSDPModule
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
         for block in decoder_blocks(model)
@@ -470,6 +479,28 @@ def apply_fsdp(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torc
         if i > 0 and reshard:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])
     return model
+
+
+def _shard_experts_units(model: torch.nn.Module, layout: Any, reshard: bool, policy: Any, offload: Any) -> None:
+    """Expert parallelism: each experts module (its weights DTensors on the ep mesh,
+    finetune/train/expert_parallel.py) an FSDP2 unit of its own over the expert mesh (what ep leaves of
+    dp_shard), before its block's unit takes the block's other weights over the whole of dp_shard.
+
+    An expert's gradient on its ep rank already sums every ep rank's tokens; FSDP2 sums it over the expert's
+    replicas and divides by the whole data-parallel degree (its default would divide by the expert mesh's
+    size alone), as the dense weights are divided, with plain sums on the wire (gloo has no pre-scaled sum).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from finetune.train.expert_parallel import EP_ATTR
+
+    mesh = layout.expert_fsdp_mesh
+    for module in [m for m in model.modules() if hasattr(m, EP_ATTR)]:
+        unit: Any = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
+                                offload_policy=offload)
+        unit.set_gradient_divide_factor(float(layout.dp))
+        if mesh.size() > 1:  # over one rank FSDP2 divides while copying, and a forced sum would divide again
+            unit.set_force_sum_reduction_for_comms(True)
 
 
 def _check_quantized_storage(model: torch.nn.Module, param_dtype: torch.dtype | None) -> None:

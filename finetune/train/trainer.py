@@ -123,7 +123,7 @@ class Trainer:
         # a mixture of experts: its load-balancing loss in the loss, its routing counted (finetune/router.py)
         self.router = router.enable(self.model, self.spec.aux_loss_coef)
         self.optimizer = build_optimizer(
-            self.model, r.train, self.spec.strategy, tensor_parallel=self.spec.tensor_parallel,
+            self.model, r.train, self.spec.strategy, tensor_parallel=self.spec.tensor_parallel or self.spec.expert_parallel,
             name=self.spec.optimizer,
         )
         stream = PreferenceStream if self.spec.preference else BatchStream  # pairs: chosen and rejected rows
