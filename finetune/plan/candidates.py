@@ -8,6 +8,7 @@ from typing import Any
 
 from finetune.plan import walk as w
 from finetune.plan.activations import TraceSpec
+from finetune.plan.expert_parallel import all_to_all_bytes, dispatch_buffer_bytes, is_expert_tensor
 from finetune.plan.memory import (
     Setup,
     boundary_bytes_per_row,
@@ -16,13 +17,14 @@ from finetune.plan.memory import (
     nccl_bytes,
     pipeline_stages,
     stage_memory,
+    unsharded_bytes,
 )
 from finetune.plan.pipeline import boundaries_across_nodes, memory_balanced_split
 from finetune.plan.setting import Setting
 from finetune.plan.shapes import Inventory
 from finetune.plan.tensor_parallel import tp_comm_bytes, tp_config
 from finetune.plan.types import Candidate, MemoryBreakdown, Status
-from finetune.spec import Method, Precision, Strategy, adapter_spec
+from finetune.spec import DTYPE_BYTES, Method, Precision, Strategy, adapter_spec
 
 
 # -- one candidate --------------------------------------------------------------------------------------------
@@ -77,7 +79,13 @@ def evaluate(
     intra, inter = _links(s, inv, setup, comm)
     intra_secs, inter_secs = intra / s.intra_node_bandwidth, inter / s.hw.bandwidth
     pp_comm = pp_bytes_per_step(s, spec, mbs, accum)
-    secs = intra_secs + inter_secs + tp_comm / s.intra_node_bandwidth + pp_seconds(s, spec, pp_comm)
+    ep_comm, dispatch, experts_rank = _expert_parallel(s, inv, spec, mbs, accum, ac)
+    if dispatch:  # one layer's dispatch at a time, beside the strategy's buffers
+        mem = replace(mem, buffers=mem.buffers + dispatch)
+        if status is Status.FITS and mem.total > s.capacity:
+            status = Status.OVER
+    secs = (intra_secs + inter_secs + (tp_comm + ep_comm) / s.intra_node_bandwidth
+            + pp_seconds(s, spec, pp_comm))
     c = Candidate(
         method=Method(method), strategy=Strategy(strategy), precision=Precision(s.precision),
         micro_batch_size=mbs, grad_accum_steps=accum, activation_checkpointing=ac, nproc=s.hw.gpus_per_node,
@@ -87,8 +95,29 @@ def evaluate(
         tp=tp, tp_comm_bytes_per_step=tp_comm, optimizer=spec.optimizer, offload=spec.offload,
         offload_bytes_per_step=_offload_bytes(inv, setup), pp=spec.pp, pp_schedule=spec.pp_schedule,
         pp_layers=spec.pp_layers, stage_memory=stages, pp_comm_bytes_per_step=pp_comm,
+        ep=spec.ep, ep_comm_bytes_per_step=ep_comm, ep_dispatch_bytes=dispatch, expert_bytes_per_rank=experts_rank,
     )
     return replace(c, time=_time(s, c))
+
+
+def _expert_parallel(
+    s: Setting, inv: Inventory, spec: Any, mbs: int, accum: int, ac: bool
+) -> tuple[int, int, int]:
+    """(all-to-all bytes a rank sends per step, one layer's dispatch buffers, the routed experts' weights a rank
+    computes with) of a mixture of experts (finetune/plan/expert_parallel.py); zeros for a dense model."""
+    if inv.moe is None:
+        return 0, 0, 0
+    tokens = mbs * s.req.seq_len
+    cb = spec.compute_bytes
+    experts = unsharded_bytes(inv, spec, experts=True) if spec.strategy.uses_fsdp else (
+        sum(t.numel * inv.copies(t) * DTYPE_BYTES[spec.tensor_dtype(t.name, False)]
+            for t in inv.base if is_expert_tensor(t))
+    )
+    return (
+        all_to_all_bytes(inv.moe, spec.ep, tokens, accum, cb, ac),
+        dispatch_buffer_bytes(inv.moe, spec.ep, tokens, cb),
+        experts,
+    )
 
 
 def spec_pp(strategy: str, pp: int) -> int:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.plan.activations import TRACE_LAYERS, ActivationProfile, TraceResult, WindowPeaks
+from finetune.plan.expert_parallel import is_expert_tensor
 from finetune.plan.shapes import Inventory, Tensor, quantized_bytes, quantized_under
 from finetune.plan.types import MemoryBreakdown
 from finetune.spec import DTYPE_BYTES, ExecSpec, Strategy
@@ -151,22 +152,35 @@ def optimizer_state_bytes(inv: Inventory, adapters: bool, optimizer: str, value_
     return total
 
 
-def unsharded_bytes(inv: Inventory, spec: ExecSpec, block_only: bool = False, root_only: bool = False) -> int:
-    """Bytes of parameters once all-gathered by FSDP2 (in the policy's compute dtype; quantized codes stay)."""
+def unsharded_bytes(
+    inv: Inventory, spec: ExecSpec, block_only: bool = False, root_only: bool = False, experts: bool | None = None,
+) -> int:
+    """Bytes of parameters once all-gathered by FSDP2 (in the policy's compute dtype; quantized codes stay);
+    under expert parallelism a rank gathers its ``1/ep`` of the routed experts (finetune/plan/expert_parallel.py).
+    ``experts``: only the routed experts' tensors (True), only the others (False), or all (None)."""
     cb = DTYPE_BYTES[spec.gathered_dtype] if spec.fsdp_param_dtype else None
     total = 0
-    for t in inv.base:
+
+    def kept(t: Any) -> bool:
         if (block_only and not inv.in_unit(t)) or (root_only and t.in_block):
+            return False
+        return experts is None or is_expert_tensor(t) == experts
+
+    def share(t: Any, nbytes: int) -> int:
+        return nbytes // spec.ep if spec.ep > 1 and is_expert_tensor(t) else nbytes
+
+    for t in inv.base:
+        if not kept(t):
             continue
         if quantized_under(spec, t):
             per = quantized_bytes(t, spec.quant)  # type: ignore[arg-type]  # quantized_under checked it
         else:
             per = t.numel * (cb or DTYPE_BYTES[spec.tensor_dtype(t.name, False)])
-        total += per * (1 if block_only else inv.copies(t))
+        total += share(t, per) * (1 if block_only else inv.copies(t))
     for t in inv.adapters if spec.method.adapters else []:
-        if (block_only and not inv.in_unit(t)) or (root_only and t.in_block):
+        if not kept(t):
             continue
-        total += t.numel * (cb or spec.trainable_bytes) * (1 if block_only else inv.copies(t))
+        total += share(t, t.numel * (cb or spec.trainable_bytes)) * (1 if block_only else inv.copies(t))
     return total
 
 
@@ -357,6 +371,10 @@ def _model_states(inv: Inventory, s: Setup) -> _States:
     unit = unsharded_bytes(inv, spec, block_only=True)
     root = unsharded_bytes(inv, spec, root_only=True)
     reduce_scatter = sb.block_trainable * reduce_bytes  # a unit's gradients, copied for reduce-scatter
+    if spec.ep > 1:  # a unit's routed experts' gradients are this rank's 1/ep of them
+        expert_grads = sum(t.numel for t in (inv.adapters if spec.method.adapters else inv.base)
+                           if inv.in_unit(t) and is_expert_tensor(t))
+        reduce_scatter -= expert_grads * reduce_bytes * (spec.ep - 1) // spec.ep
     if not spec.reshard_after_forward:  # ZeRO-2: every unit stays gathered from its forward until its backward is done
         buffers = {"head": all_gathered, "first": all_gathered + reduce_scatter, "last": root + unit + reduce_scatter}
         gathers = all_gathered
@@ -370,6 +388,8 @@ def _model_states(inv: Inventory, s: Setup) -> _States:
     # every micro-batch all-gathers its units and reduce-scatters its gradients (ExecSpec.sync_every_micro_batch)
     per_step = max(1, s.grad_accum_steps) if spec.sync_every_micro_batch else 1
     comm = int(f * (sb.trainable * reduce_bytes + gathers)) * per_step
+    if spec.ep > 1:  # the experts' share gathered and reduced over the dp/ep ranks ep leaves, 1/ep of their bytes
+        comm = _expert_parallel_comm(inv, s, n, reduce_bytes, per_step)
     if spec.strategy.hybrid:  # inside the node as above (n is the node's GPUs), plus the all-reduce across nodes
         comm = sum(hybrid_traffic(inv, s))
     if offloads_to_host(s):  # FSDP2's CPU offload: the shards live on the host (offloaded_bytes)
@@ -377,6 +397,22 @@ def _model_states(inv: Inventory, s: Setup) -> _States:
         staged = -(-sb.block_param_bytes // n)  # a unit's shard copied to the device for its all-gather
         buffers = {k: v + staged for k, v in buffers.items()}
     return _States(params, grads, opt, buffers, 0, comm, sharded, ddp, largest)
+
+
+def _expert_parallel_comm(inv: Inventory, s: Setup, n: int, reduce_bytes: int, per_step: int) -> int:
+    """FSDP2's bytes per step under expert parallelism: the dense weights over all ``n`` shard ranks, each rank's
+    ``1/ep`` of the routed experts over the ``n/ep`` ranks that shard them (the all-to-alls are counted apart)."""
+    spec = s.spec
+    trained = inv.adapters if spec.method.adapters else inv.base
+    expert_values = sum(t.numel * inv.copies(t) for t in trained if is_expert_tensor(t))
+    dense_values = sum(t.numel * inv.copies(t) for t in trained) - expert_values
+    total = 0
+    for experts, ranks, values in ((False, n, dense_values), (True, max(1, n // spec.ep), expert_values // spec.ep)):
+        gathered = unsharded_bytes(inv, spec, experts=experts)
+        root = unsharded_bytes(inv, spec, root_only=True, experts=experts)
+        gathers = gathered + (gathered - root) if spec.reshard_after_forward else gathered
+        total += int((ranks - 1) / ranks * (values * reduce_bytes + gathers))
+    return total * per_step
 
 
 def _forward_backward_peak(
@@ -428,7 +464,8 @@ def _forward_backward_peak(
 
 def _step_peak(s: Setup, st: _States) -> tuple[int, int, int, int, int]:
     """(params, gradients, optimizer state, the update's temporaries, buffers) during the optimizer step."""
-    if s.optimizer == "adamw" and s.spec.tensor_parallel:  # per-parameter loop (train/optimizer.py)
+    if s.optimizer == "adamw" and (s.spec.tensor_parallel or s.spec.expert_parallel):  # per-parameter loop
+        # (train/optimizer.py: parameters on several meshes)
         step_temps = FOR_LOOP_ADAM_TEMPORARIES * st.largest
     else:
         step_temps = 0  # fused AdamW and bitsandbytes' 8-bit AdamW update each tensor in place

@@ -198,6 +198,8 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
             inv.moe.layers, inv.expert_params, inv.n_params, inv.active_params, aux_loss_coef(req, inv), req.method,
             any(".experts." in t.name for t in inv.adapters),
         ))
+    if inv.moe is not None and req.strategy in ("auto", "zero2", "fsdp") and world > 1:
+        log.append(_expert_parallelism(req, inv, world // (tp * pp)))
     precision = _resolve_precision(req, hw, log)
     global_batch = _resolve_batch(req, world // (tp * pp), tp * pp, log)
     return Setting(
@@ -322,6 +324,19 @@ def _resolve_attention(req: Request, inv: Inventory, hw: Hardware, log: list[w.S
             "carry a T x T mask)"
         )
     return req
+
+
+def _expert_parallelism(req: Request, inv: Inventory, dp: int) -> w.ExpertParallelism:
+    """The walk's sentence on ``distributed.ep`` for a mixture of experts over ``dp`` data-parallel ranks: what
+    the recipe's degree does, or what the largest degree dividing both the ranks and the experts would do."""
+    moe = inv.moe
+    assert moe is not None, "a mixture of experts"
+    cb = 2 if req.precision in ("auto", "bf16", "fp16", "bf16-pure") else 4
+    suggested = max((d for d in range(1, dp + 1) if dp % d == 0 and moe.experts % d == 0), default=1)
+    return w.ExpertParallelism(
+        ep=req.ep, suggested=suggested, experts=moe.experts, layer_expert_bytes=moe.experts * moe.expert_params * cb,
+        row_bytes=moe.hidden * cb, top_k=moe.top_k,
+    )
 
 
 def aux_loss_coef(req: Request, inv: Inventory) -> float:

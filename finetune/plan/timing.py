@@ -28,7 +28,8 @@ communication
     the last micro-batch's reduce-scatters, window: that micro-batch). ``overlap`` is :data:`GPU_OVERLAP` (NCCL
     runs on its own streams and SMs) or :data:`CPU_OVERLAP` (gloo's collectives run on the cores that
     compute). Tensor parallelism's all-reduces (``tp_comm_bytes_per_step`` over the link inside a node) sit
-    between matmuls that need their result: all exposed.
+    between matmuls that need their result: all exposed. So do the experts' all-to-alls under
+    ``distributed.ep`` (``ep_comm_bytes_per_step``, inside a node): the experts wait for their routed rows.
 
 offload
     ``offload_bytes_per_step`` over the GPU's host link (hardware.HOST_LINK_GBPS), plus, when optimizer state
@@ -179,7 +180,9 @@ def step_time(
             window = micro * backward / (per_token.per_token + recompute)
         exposed = max(0.0, dp_seconds - overlap * window)
     tp_seconds = c.tp_comm_bytes_per_step / intra if c.tp_comm_bytes_per_step else 0.0
-    communication = exposed + tp_seconds
+    # the experts' all-to-alls sit between the router and the experts that need their rows: all exposed
+    ep_seconds = c.ep_comm_bytes_per_step / intra if c.ep_comm_bytes_per_step else 0.0
+    communication = exposed + tp_seconds + ep_seconds
 
     bubble = 0.0
     if c.pp > 1:

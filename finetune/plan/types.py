@@ -131,6 +131,13 @@ class Candidate:
     pp_layers: tuple[int, ...] = ()
     stage_memory: list[MemoryBreakdown] = field(default_factory=list)
     pp_comm_bytes_per_step: int = 0
+    # expert parallelism (distributed.ep): the experts split over ep ranks of the shard dimension; the bytes a
+    # rank sends per step by the experts' all-to-alls, the buffers of one layer's dispatch (in ``buffers``), and
+    # the routed experts' weights a rank computes with (its 1/ep, whole model, as FSDP gathers them)
+    ep: int = 1
+    ep_comm_bytes_per_step: int = 0
+    ep_dispatch_bytes: int = 0
+    expert_bytes_per_rank: int = 0
 
     @property
     def dp(self) -> int:
@@ -142,6 +149,8 @@ class Candidate:
         """The strategy as people say it: ``FSDP``, ``TP 2 x FSDP`` (2-D), ``TP 8`` (one replica),
         ``PP 4 x TP 8 x FSDP`` (3-D)."""
         pipe = f"PP {self.pp} x " if self.pp > 1 else ""
+        if self.ep > 1:
+            return f"EP {self.ep} x {self.strategy.title}"
         if self.tp == 1:
             if self.pp > 1 and self.dp == 1:
                 return f"PP {self.pp}"

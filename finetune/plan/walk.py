@@ -76,6 +76,35 @@ class Note(Step):
 
 
 @dataclass(frozen=True)
+class ExpertParallelism(Step):
+    """What distributed.ep does for a mixture of experts on these processes (or would do, when it is 1)."""
+
+    ep: int  # the recipe's degree (1: none)
+    suggested: int  # the largest degree the processes and the experts allow (1: none)
+    experts: int
+    layer_expert_bytes: int  # one layer's routed experts as gathered (compute dtype)
+    row_bytes: int  # one routed (token, slot) row sent by all-to-all (compute dtype)
+    top_k: int
+
+    def render(self) -> str:
+        """The sentence."""
+        if self.ep > 1:
+            return (
+                f"distributed.ep: {self.ep}: each rank holds {self.experts // self.ep} of the {self.experts} routed "
+                f"experts of every layer, so a block's FSDP unit gathers {_mib(self.layer_expert_bytes // self.ep)} "
+                f"of experts instead of {_mib(self.layer_expert_bytes)}, and each token's {self.top_k} routed rows "
+                f"({self.row_bytes:,} bytes each) go to their experts' ranks by all-to-all and back, four times a "
+                "micro-batch (six with activation checkpointing)"
+            )
+        return (
+            f"distributed.ep: {self.suggested} would split the {self.experts} routed experts over {self.suggested} "
+            f"ranks: a block would gather {_mib(self.layer_expert_bytes // self.suggested)} of experts instead of "
+            f"{_mib(self.layer_expert_bytes)} and send its {self.top_k} routed rows per token by all-to-all; "
+            "kept at 1 (the recipe's)"
+        )
+
+
+@dataclass(frozen=True)
 class MixtureOfExperts(Step):
     """The model is a mixture of experts: what its experts hold and what a token computes with."""
 
@@ -769,3 +798,7 @@ class NothingFits(Step):
             f"{'at least ' if self.at_least else ''}{fmt_bytes(self.total)}."
         )
         return " ".join((head, *self.advice))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
