@@ -625,10 +625,15 @@ def set_expert_states(experts: Any, name: str, states: list[Any]) -> None:
 
 
 def _base_weight(experts: Any, name: str, hit: list[int] | None) -> Any:
-    """The frozen weight ``name`` as (experts x rows x cols): the parameter, or ``hit``'s experts dequantized."""
+    """The frozen weight ``name`` as (experts x rows x cols): the parameter, or ``hit``'s experts dequantized.
+    Under expert parallelism the parameter is a DTensor of every expert (read again in backward, after the
+    forward's local view of it ended): this rank's experts are its local shard."""
     import torch
+    from torch.distributed.tensor import DTensor
 
     w = getattr(experts, name)
+    if isinstance(w, DTensor):
+        w = w.to_local()
     layout = getattr(experts, NF4_ATTR, {}).get(name)
     if layout is None:
         return w

@@ -76,7 +76,7 @@ def apply_expert_parallel(model: torch.nn.Module, ep_mesh: Any) -> list[torch.nn
     for module in found:
         shard_experts(module, ep_mesh)
         setattr(module, EP_ATTR, (ep_mesh.size(), ep_mesh.get_group(), counts[id(module)]))
-        module.forward = types.MethodType(dispatch_forward, module)  # type: ignore[method-assign]
+        module.forward = types.MethodType(dispatch_forward, module)
     return found
 
 
@@ -111,22 +111,23 @@ def _local_view(module: torch.nn.Module, local_count: int) -> Iterator[None]:
     from torch.distributed.tensor import DTensor
 
     swapped: list[tuple[torch.nn.Module, str, Any]] = []
-    counted: list[tuple[torch.nn.Module, int]] = []
+    counted: list[tuple[Any, int]] = []
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if isinstance(p, DTensor):
                 swapped.append((sub, name, p))
-                sub._parameters[name] = p.to_local()  # type: ignore[assignment]
+                sub._parameters[name] = p.to_local()
         if hasattr(sub, "has_gate") and hasattr(sub, "num_experts"):
-            counted.append((sub, int(sub.num_experts)))
-            sub.num_experts = local_count
+            experts: Any = sub  # a transformers experts module: num_experts is an int attribute
+            counted.append((experts, int(experts.num_experts)))
+            experts.num_experts = local_count
     try:
         yield
     finally:
         for sub, name, p in swapped:
             sub._parameters[name] = p
-        for sub, n in counted:
-            sub.num_experts = n
+        for experts, n in counted:
+            experts.num_experts = n
 
 
 def dispatch_forward(
