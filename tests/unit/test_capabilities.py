@@ -142,3 +142,17 @@ def test_the_walk_never_chooses_a_refused_cell() -> None:
     ruled = [w for w in plan["walk"] if "is ruled out" in w]
     assert [w.split(" is ruled out")[0] for w in ruled[:2]] == ["QLoRA under ZeRO-2", "QLoRA under FSDP"]
     assert all("quantization.bits: 8 (LLM.int8) keeps its scales beside each weight" in w for w in ruled[:2])
+
+
+def test_expert_parallelism_is_refused_where_it_cannot_run() -> None:
+    """distributed.ep: a mixture under zero2/fsdp trains (full and LoRA on the experts); QLoRA's NF4 experts, a
+    dense model, a replicating strategy and a degree that does not divide the ranks or the experts are refused."""
+    moe = {"experts": True, "expert_lora": True, "num_experts": 8, "ep": 2, "strategy": "fsdp", "processes": 4}
+    assert first_refusal(Cell(method="full", **moe)) is None
+    assert first_refusal(Cell(method="lora", **moe)) is None
+    found = first_refusal(Cell(method="qlora", **moe))
+    assert found is not None and found.rule.name == "ep-qlora" and str(found).startswith("distributed.ep: 2 with")
+    assert first_refusal(Cell(method="full", **{**moe, "experts": False})).rule.name == "ep-dense"
+    assert first_refusal(Cell(method="full", **{**moe, "strategy": "ddp"})).rule.name == "ep-strategy"
+    assert first_refusal(Cell(method="full", **{**moe, "processes": 6, "ep": 4})).rule.name == "ep-shard-ranks"
+    assert first_refusal(Cell(method="full", **{**moe, "num_experts": 6, "ep": 4})).rule.name == "ep-experts"

@@ -110,6 +110,11 @@ def test_the_spec_decides_the_degrees() -> None:
     # FSDP2 over one rank still needs its dimension; hsdp's 2-D mesh stays 2-D on one node
     assert of("fsdp", 2, pp=2, pp_layers=(2, 2)).mesh_dims == (("pp", 2), ("dp_shard", 1))
     assert of("hsdp", 2, nodes=1).mesh_dims == (("dp_replicate", 1), ("dp_shard", 2))
+    # distributed.ep borrows from dp_shard: 4 fsdp ranks as 2 expert shards x ep 2; a replicating strategy has none
+    ep = of("fsdp", 4, ep=2)
+    assert degrees(ep) == (1, 1, 4, 2, 1) and ep.mesh_dims == (("expert_shard", 2), ("ep", 2))
+    assert (ep.ep_rank, ep.coordinates().expert_shard) == (1, 1)
+    assert degrees(of("ddp", 4, ep=2)) == (1, 4, 1, 1, 1)
 
 
 @pytest.mark.parametrize(
