@@ -122,6 +122,8 @@ class Cell:
     def of_recipe(cls, recipe: Any, processes: int | None = None) -> Cell:
         """The cell a validated :class:`~finetune.recipe.Recipe` pins (``auto`` values unknown);
         ``processes``: the run's process count when known, else the recipe's ``distributed.nproc`` x nodes."""
+        from finetune.recipe import reference_setting
+
         d, t = recipe.distributed, recipe.train
         if processes is None and d.nproc != "auto":
             processes = int(d.nproc) * int(recipe.hardware.nodes)
@@ -131,7 +133,7 @@ class Cell:
             optimizer=t.optimizer, offload=t.offload, compile=t.compile, attention=recipe.model.attn_implementation,
             packing=recipe.data.packing, checkpointing=None if ac == "auto" else bool(ac), lora=recipe.lora,
             prefix=recipe.prefix, quantization=recipe.quantization, objective=t.objective,
-            reference=recipe.dpo.reference, data_format=recipe.data.format, pp=d.pp, pp_schedule=d.pp_schedule,
+            reference=reference_setting(recipe), data_format=recipe.data.format, pp=d.pp, pp_schedule=d.pp_schedule,
             sequence_parallel=d.sequence_parallel, reference_model=recipe.dpo.reference_model is not None,
             ep=d.ep,
         )
@@ -149,7 +151,7 @@ class Cell:
     @property
     def preference(self) -> bool:
         """Trains on chosen/rejected pairs (train.objective dpo, simpo, orpo)."""
-        return self.objective != "sft"
+        return self.objective in ("dpo", "simpo", "orpo")
 
     @property
     def split(self) -> bool:
@@ -527,7 +529,7 @@ PREFERENCE_RULES: tuple[Rule, ...] = (
         "preference-sft", ("data.format", "train.objective"),
         lambda c: c.data_format == "preference" and not c.preference,
         lambda c: "preference rows (prompt, chosen, rejected) need a preference objective but train.objective is "
-        "sft; set train.objective: dpo, simpo or orpo, or use the instruction or chat format",
+        f"{c.objective}; set train.objective: dpo, simpo or orpo, or use the instruction or chat format",
         topic="objective",
     ),
     Rule(
@@ -561,7 +563,31 @@ PREFERENCE_RULES: tuple[Rule, ...] = (
     ),
 )
 
-TABLE = TABLE + PREFERENCE_RULES
+GRPO_RULES: tuple[Rule, ...] = (
+    Rule(
+        "grpo-data", ("train.objective", "data.format"),
+        lambda c: c.objective == "grpo" and c.data_format is not None and c.data_format not in ("instruction", "chat"),
+        lambda c: f"grpo samples completions of prompts, which data.format: {c.data_format} rows do not have; set "
+        "data.format: instruction (the output is the reference answer) or chat (the last assistant message is)",
+        topic="objective",
+    ),
+    Rule(
+        "grpo-packing", ("data.packing", "train.objective"),
+        lambda c: c.objective == "grpo" and c.packing,
+        lambda c: "grpo scores each sampled completion on its own row, which packing would mix (and its rows are "
+        "made while training, not packed before); set data.packing: false",
+        topic="objective",
+    ),
+    Rule(
+        "grpo-reference-offload", ("grpo.beta", "train.offload"),
+        lambda c: c.objective == "grpo" and c.reference == "model" and c.method == "full" and c.offload in OFFLOADS,
+        lambda c: f"grpo.beta above 0 keeps a frozen copy of the weights on the GPUs, beside the state "
+        f"train.offload: {c.offload} moves to the host; set grpo.beta: 0 (no reference), or train.offload: none",
+        methods=("full",), topic="objective",
+    ),
+)
+
+TABLE = TABLE + PREFERENCE_RULES + GRPO_RULES
 
 
 def _pp(c: Cell) -> int:
@@ -641,9 +667,12 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "pp-objective", ("train.objective", "distributed.pp"),
-        lambda c: c.pipelined and c.preference,
-        lambda c: f"{c.objective} scores pairs of rows against a reference, which pipeline stages do not run; "
-        "set train.objective: sft, or distributed.pp: 1",
+        lambda c: c.pipelined and (c.preference or c.objective == "grpo"),
+        lambda c: (
+            "grpo samples its completions with a KV cache, which pipeline stages do not keep"
+            if c.objective == "grpo" else f"{c.objective} scores pairs of rows against a reference, which pipeline "
+            "stages do not run"
+        ) + "; set train.objective: sft, or distributed.pp: 1",
         topic="objective",
     ),
 )
@@ -730,9 +759,11 @@ EXPERT_PARALLEL_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "ep-objective", ("train.objective", "distributed.ep"),
-        lambda c: c.expert_parallel and c.preference,
-        lambda c: f"{c.objective} runs a reference forward beside the policy's, which finetune does not dispatch "
-        f"over distributed.ep: {_ep(c)}; set train.objective: sft, or distributed.ep: 1",
+        lambda c: c.expert_parallel and c.objective != "sft",
+        lambda c: (f"{c.objective} runs a reference forward beside the policy's" if c.preference
+                   else f"{c.objective} samples its completions in the training loop")
+        + f", which finetune does not dispatch over distributed.ep: {_ep(c)}; set train.objective: sft, or "
+        "distributed.ep: 1",
         topic="objective",
     ),
 )
@@ -949,6 +980,9 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"objective": "dpo", "offload": "optimizer"},
     {"objective": "dpo", "reference_model": True},
     {"objective": "simpo", "reference_model": True},
+    {"objective": "grpo", "data_format": "preference"},
+    {"objective": "grpo", "packing": True},
+    {"objective": "grpo", "reference": "model", "offload": "optimizer"},
     {"nodes": 1},  # the hsdp column on one node
     {"tp": 2},
     {"pp": 2},
@@ -973,6 +1007,8 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"ep": 2, "experts": True, "compile": True},
     {"ep": 2, "experts": True, "offload": "optimizer"},
     {"ep": 2, "experts": True, "objective": "dpo", "data_format": "preference"},
+    {"pp": 2, "objective": "grpo", "data_format": "instruction"},
+    {"ep": 2, "experts": True, "objective": "grpo", "data_format": "instruction"},
 )
 
 

@@ -388,11 +388,13 @@ class TrainConfig(Section):
         "every strategy and load path; the run header says so. Not with tensor parallelism.",
     )
     seed: int = Field(0, description="Seeds weights (init: random), data order, dropout.")
-    objective: Literal["sft", "dpo", "simpo", "orpo"] = Field(
+    objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = Field(
         "sft",
         description="sft: next-token loss on the completions; dpo, simpo, orpo: preference tuning on "
         "data.format: preference pairs (the `dpo` section sets beta, the loss, the reference, SimPO's gamma and "
-        "ORPO's lambda).",
+        "ORPO's lambda); grpo: reinforcement learning with verifiable rewards on the prompts of instruction or "
+        "chat rows (their answers are the reference answers; the `grpo` section sets the sampling, the loss and "
+        "the rewards), train.global_batch_size counting completions.",
     )
     router_aux_loss_coef: Union[NonNegativeFloat, Literal["auto"]] = Field(
         "auto",
@@ -540,6 +542,93 @@ class DpoConfig(Section):
     )
 
 
+class RewardConfig(Section):
+    """One of grpo's rewards (finetune/rewards.py)."""
+
+    type: Literal["exact_match", "regex", "json", "length", "python"] = Field(
+        description="exact_match: 1 when the completion equals the row's answer; regex: 1 when it matches `pattern` "
+        "(a format check); json: 1 when it parses as JSON; length: -|characters - target| / target (a penalty); "
+        "python: the number `function` of `file` returns (needs grpo.trust_reward_code).",
+    )
+    weight: float = Field(1.0, ge=-1000.0, le=1000.0, description="Its weight in the completion's reward (a weighted sum).")
+    name: Union[str, None] = Field(
+        None, description="Its name in metrics.jsonl (reward/NAME); default: the type, or the python function's name."
+    )
+    pattern: Union[str, None] = Field(None, description="regex: the pattern the whole completion must match.")
+    target: Union[int, None] = Field(None, ge=1, le=100_000, description="length: the length in characters (no penalty).")
+    file: Union[str, None] = Field(None, description="python: the .py file defining the function (relative to the recipe).")
+    function: Union[str, None] = Field(
+        None,
+        description="python: the function's name, called as function(prompt=..., completion=..., answer=...) "
+        "(answer: the reference answer or None) for one number.",
+    )
+
+    @model_validator(mode="after")
+    def _fields_of_type(self) -> RewardConfig:
+        needs = {"regex": ("pattern",), "length": ("target",), "python": ("file", "function")}.get(self.type, ())
+        missing = [k for k in needs if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"a `{self.type}` reward needs `{missing[0]}`")
+        return self
+
+
+class GrpoConfig(Section):
+    """Reinforcement learning with verifiable rewards (train.objective: grpo)."""
+
+    num_generations: int = Field(
+        8, ge=2, le=256, description="Completions sampled per prompt (the group whose rewards are compared); "
+        "train.global_batch_size must be a multiple of it.",
+    )
+    max_completion_length: int = Field(32, ge=1, le=32_768, description="Tokens generated per completion at most.")
+    temperature: float = Field(
+        1.0, gt=0.0, le=10.0, description="Sampling temperature of the completions (the loss's log-probabilities are "
+        "of the logits divided by it, as the sampling's)."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: the most likely tokens reaching this mass.")
+    beta: float = Field(
+        0.0, ge=0.0, le=10.0, description="Weight of the KL to the reference policy (the starting weights: a frozen "
+        "copy under full fine-tuning, the base with its adapters off for adapter methods); 0: no reference."
+    )
+    epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Clipping of the policy ratio below: 1 - epsilon.")
+    epsilon_high: Union[float, None] = Field(
+        None, gt=0.0, le=10.0, description="Clipping of the ratio above: 1 + epsilon_high (DAPO's clip-higher); "
+        "default: epsilon."
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "dapo",
+        description="How token losses are averaged: grpo (each completion's mean, then the mean over completions), "
+        "dr_grpo (their sum over completions x max_completion_length), dapo (their sum over the batch's "
+        "completion tokens), as TRL's GRPOTrainer.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Advantages are rewards minus their group's mean, divided by the group's standard deviation "
+        "(group), the batch's (batch), or not divided (none: Dr. GRPO's).",
+    )
+    num_iterations: int = Field(
+        1, ge=1, le=64, description="Optimizer steps on each batch of completions (after the first, the ratio is "
+        "to the log-probabilities of the policy that sampled them)."
+    )
+    rewards: list[RewardConfig] = Field(
+        default_factory=list, description="The rewards, summed with their weights (at least one for grpo)."
+    )
+    trust_reward_code: bool = Field(
+        False, description="Allow `python` rewards, which import and run the recipe's own Python file."
+    )
+
+    @model_validator(mode="after")
+    def _rewards(self) -> GrpoConfig:
+        names = [r.name or (r.function if r.type == "python" else r.type) for r in self.rewards]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"two rewards are named `{dup}`; give each a distinct `name`")
+        if any(r.type == "python" for r in self.rewards) and not self.trust_reward_code:
+            raise ValueError(
+                "a `python` reward runs the recipe's own code; set grpo.trust_reward_code: true to allow it"
+            )
+        return self
+
+
 class EvalConfig(Section):
     every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0: only at the end).")
     at_start: bool = Field(True, description="Also evaluate before the first step, to show what training changed.")
@@ -620,6 +709,9 @@ class Recipe(Section):
     dpo: DpoConfig = Field(
         default_factory=DpoConfig, description="Preference tuning settings (train.objective dpo, simpo, orpo)."
     )
+    grpo: GrpoConfig = Field(
+        default_factory=GrpoConfig, description="Reinforcement learning settings (train.objective: grpo)."
+    )
     precision: Literal["auto", "fp32", "bf16", "fp16", "bf16-pure"] = Field(
         "auto",
         description="fp32; bf16/fp16: mixed precision with fp32 master weights (fp16 with loss scaling); "
@@ -654,6 +746,33 @@ class Recipe(Section):
                 "have; set data.eval or data.eval_fraction"
             )
         return self
+
+    @model_validator(mode="after")
+    def _grpo_batch(self) -> Recipe:
+        if self.train.objective != "grpo":
+            return self
+        if not self.grpo.rewards:
+            raise ValueError("train.objective: grpo learns from rewards but grpo.rewards is empty; add one, e.g. "
+                             "`- {type: exact_match}`")
+        g, n = self.train.global_batch_size, self.grpo.num_generations
+        if g % n:
+            raise ValueError(
+                f"train.global_batch_size: {g} completions are not whole groups of grpo.num_generations: {n}; make "
+                "it a multiple of it"
+            )
+        return self
+
+
+#: The objectives that learn from chosen/rejected pairs (data.format: preference).
+PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo")
+
+
+def reference_setting(recipe: Recipe) -> str:
+    """How the recipe asks for a reference policy: dpo.reference for dpo; for grpo ``model`` when its KL term is
+    on (grpo.beta above 0: the starting weights, as dpo's), else ``none``."""
+    if recipe.train.objective == "grpo":
+        return "model" if recipe.grpo.beta > 0 else "none"
+    return recipe.dpo.reference
 
 
 # --------------------------------------------------------------------------------------------------

@@ -289,7 +289,7 @@ class ExecSpec:
     optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit (the optimizer state's storage)
     offload: str = "none"  # none | optimizer | parameters: what lives in host memory instead of the device
     nodes: int = 1  # hsdp: the replicas, one per node (each node's ranks shard the model); 1 otherwise
-    objective: str = "sft"  # sft | dpo | simpo | orpo (train.objective; finetune/preference.py)
+    objective: str = "sft"  # sft | dpo | simpo | orpo (finetune/preference.py) | grpo (finetune/grpo.py)
     # dpo's reference policy: none (sft, simpo, orpo), base (an adapter method's base, adapters off), model (a
     # frozen copy of the starting weights, stored in the frozen dtype and sharded like the policy) or precomputed
     reference: str = "none"
@@ -323,7 +323,12 @@ class ExecSpec:
     @property
     def preference(self) -> bool:
         """The objective trains on chosen/rejected pairs (dpo, simpo, orpo)."""
-        return self.objective != "sft"
+        return self.objective in ("dpo", "simpo", "orpo")
+
+    @property
+    def grpo(self) -> bool:
+        """The objective learns from sampled completions and their rewards (grpo)."""
+        return self.objective == "grpo"
 
     @property
     def sync_every_micro_batch(self) -> bool:
@@ -591,10 +596,11 @@ def attention_kernel(asked: str, *, packed: bool, device: str, flex: bool = True
 
 
 def reference_kind(objective: str, method: str | Method, reference: str) -> str:
-    """What dpo compares the policy with: ``none`` (every other objective), ``precomputed``, ``base`` (an
-    adapter method's base with its adapters switched off) or ``model`` (full fine-tuning's frozen copy)."""
-    if objective != "dpo":
+    """What dpo (or grpo's KL term) compares the policy with: ``none`` (every other objective, and grpo without
+    the KL term: ``reference`` none), ``precomputed`` (dpo), ``base`` (an adapter method's base with its adapters
+    switched off) or ``model`` (full fine-tuning's frozen copy)."""
+    if objective not in ("dpo", "grpo") or reference == "none":  # grpo: none without its KL term
         return "none"
-    if reference == "precomputed":
+    if reference == "precomputed" and objective == "dpo":  # grpo's completions are new every step
         return "precomputed"
     return "base" if Method(method).adapters else "model"

@@ -338,7 +338,10 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
 
         tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
         kernels = _attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
-        step = causal_lm_loss if spec.objective == "sft" else _preference_step(spec, batch_dict)
+        if spec.objective == "sft":
+            step = causal_lm_loss
+        else:
+            step = _grpo_step(spec) if spec.objective == "grpo" else _preference_step(spec, batch_dict)
         # activations alive as the first decoder layer starts and as the last one returns, and the embeddings'
         # output (the first call of each: checkpointing's recomputation calls the layers again in the backward)
         marks: dict[str, int] = {}
@@ -418,6 +421,25 @@ def _preference_step(spec: TraceSpec, batch: dict[str, Any]) -> Callable[[Any, d
     def step(model: Any, rows: dict[str, Any]) -> Any:
         logps, counts = sequence_logps(model, rows)
         return logps.sum(), counts
+
+    return step
+
+
+def _grpo_step(spec: TraceSpec) -> Callable[[Any, dict[str, Any]], Any]:
+    """grpo's micro-step: each completion row's per-token log-probs (the logits materialised in fp32, as
+    :func:`~finetune.grpo.token_logps` takes them) into the clipped loss and backward. The old policy's and the
+    reference's log-probabilities come with the rollout (the planner's ``rollout`` memory), not from this step."""
+    from finetune.grpo import GrpoSettings, summed_loss, token_logps, token_losses
+
+    settings = GrpoSettings()
+
+    def step(model: Any, rows: dict[str, Any]) -> Any:
+        import torch
+
+        logps, mask = token_logps(model, rows)
+        adv = torch.ones(logps.shape[0], dtype=logps.dtype, device=logps.device)
+        per_token, _ = token_losses(settings, logps, mask, adv, None, None)
+        return summed_loss(settings, per_token, mask), mask.sum()
 
     return step
 

@@ -81,7 +81,7 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
         mask = torch.ones_like(ids)
         tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
         with tracker, _attention_kernels(spec.attn_implementation), ac(), _grouped_mm_any_dtype():
-            if spec.objective == "sft":
+            if spec.objective in ("sft", "grpo"):  # grpo's eval loss is the answers' next-token loss
                 causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask})
             else:  # preference pairs, 2 rows a sample (dpo's reference forward, or its precompute pass, alike)
                 from finetune.preference import sequence_logps

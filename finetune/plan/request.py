@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.recipe import LoadedRecipe
+from finetune.recipe import LoadedRecipe, reference_setting
 
 
 @dataclass
@@ -89,7 +89,7 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         compile=r.train.compile,
         steps=r.train.max_steps,
         objective=r.train.objective,
-        reference=r.dpo.reference,
+        reference=reference_setting(r),
         reference_config=reference_config(loaded),
         aux_loss_coef=r.train.router_aux_loss_coef,
     )

@@ -39,6 +39,7 @@ class EvalResult:
     retain_exact_match: float | None = None
     retain_prompts: int = 0
     preference: dict[str, float] | None = None  # dpo, simpo, orpo: rewards/*, logps/* over the eval pairs
+    reward: float | None = None  # grpo: the mean reward of the greedy completions of the eval prompts
 
 
 def _shard(items: list[Any], ctx: DistContext, batch_size: int) -> tuple[list[Any], int]:
@@ -109,13 +110,16 @@ def greedy_generate(
 @torch.no_grad()
 def exact_match(
     model: torch.nn.Module, prompts: list[EvalPrompt], tokenizer: Any, ctx: DistContext, batch_size: int,
-    max_new_tokens: int, autocast: Any, stages: StagedForward | None = None,
+    max_new_tokens: int, autocast: Any, stages: StagedForward | None = None, rewards: Any = None,
 ) -> tuple[float | None, list[tuple[str, str]]]:
-    """Fraction of prompts whose greedy completion equals the expected answer (whitespace-trimmed)."""
+    """Fraction of prompts whose greedy completion equals the expected answer (whitespace-trimmed). With
+    ``rewards`` (grpo's :class:`~finetune.rewards.Rewards`) the mean reward of those completions is kept in
+    ``rewards.last_mean``."""
     if not prompts:
         return None, []
     mine, n_batches = _shard(prompts, ctx, batch_size)
     hits = 0
+    reward_sum = 0.0
     samples: list[tuple[str, str]] = []
     for b in range(n_batches):
         chunk = mine[b * batch_size : (b + 1) * batch_size]
@@ -128,8 +132,13 @@ def exact_match(
         for p, g in list(zip(chunk, gens, strict=True))[:real]:
             text = tokenizer.decode(g, skip_special_tokens=True).strip()
             hits += int(text == p.answer.strip())
+            if rewards is not None:
+                total, _ = rewards.score([tokenizer.decode(p.prompt_ids, skip_special_tokens=True)], [text], [p.answer])
+                reward_sum += total[0]
             if len(samples) < 3:
                 samples.append((p.answer, text))
+    if rewards is not None:
+        rewards.last_mean = float(ctx.data_sum(reward_sum)) / len(prompts)
     total_hits = ctx.data_sum(hits)
     return float(total_hits) / len(prompts), samples
 
@@ -138,14 +147,14 @@ def evaluate(
     model: torch.nn.Module, eval_examples: list[Example], eval_prompts: list[EvalPrompt], tokenizer: Any,
     ctx: DistContext, *, batch_size: int, max_new_tokens: int, autocast: Any, retain: RetainData | None = None,
     task: bool = True, objective: Any = None, stages: StagedForward | None = None,
-    measure: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
+    measure: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None, rewards: Any = None,
 ) -> EvalResult:
     """Eval loss and exact match, with the model in eval mode (restored to train mode after); with ``retain``,
     also the retain set's loss and exact match. ``task=False``: the retain set only (the run's measurement
     before training when ``eval.at_start`` is off). ``stages``: a pipeline's forward over its stages, which
     every forward of the evaluation goes through (``model`` is then this rank's stage model).
     ``measure(phase)``: a context around the loss pass (``evaluation``) and the generation (``generation``),
-    the memory probe's."""
+    the memory probe's. ``rewards``: grpo's, scored on the greedy completions of the eval prompts (eval_reward)."""
     phase = measure or (lambda _: contextlib.nullcontext())
     was_training = model.training
     model.eval()
@@ -166,9 +175,10 @@ def evaluate(
         if task:
             with phase("generation"):
                 em, samples = exact_match(
-                    model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast, stages
+                    model, eval_prompts, tokenizer, ctx, batch_size, max_new_tokens, autocast, stages, rewards
                 )
-        result = EvalResult(loss, em, len(eval_prompts) if task else 0, samples, preference=prefs)
+        reward = rewards.last_mean if task and rewards is not None and eval_prompts else None
+        result = EvalResult(loss, em, len(eval_prompts) if task else 0, samples, preference=prefs, reward=reward)
         if retain is not None:
             result.retain_loss = eval_loss(
                 model, retain.examples, ctx, batch_size, tokenizer.pad_token_id, autocast, stages

@@ -21,6 +21,8 @@ def eval_fields(ev: EvalResult | None) -> dict[str, Any]:
         return {}
     row = {"eval_loss": ev.loss, "eval_exact_match": ev.exact_match} if ev.n_prompts or ev.loss is not None else {}
     row.update({f"eval_{k}": v for k, v in (ev.preference or {}).items()})  # dpo, simpo, orpo
+    if ev.reward is not None:  # grpo
+        row["eval_reward"] = ev.reward
     if ev.retain_loss is not None:  # eval.retain
         row["retain_loss"] = ev.retain_loss
         if ev.retain_exact_match is not None:

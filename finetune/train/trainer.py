@@ -68,6 +68,7 @@ from finetune.train.parallel import parallelize, unwrap
 from finetune.train.pipeline import Pipeline, StagedForward, build_pipeline
 from finetune.train.precision import autocast_factory, grad_scaler
 from finetune.train.preflight import RunPhase
+from finetune.train.rollout import GrpoRun, setup_grpo
 from finetune.train.reference import preference_figures, setup_objective
 from finetune.train.resume import RunCheckpoints, build_checkpointer, resume_command
 from finetune.train.save import save_final
@@ -126,16 +127,23 @@ class Trainer:
             self.model, r.train, self.spec.strategy, tensor_parallel=self.spec.tensor_parallel or self.spec.expert_parallel,
             name=self.spec.optimizer,
         )
-        stream = PreferenceStream if self.spec.preference else BatchStream  # pairs: chosen and rejected rows
-        self.stream = stream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
+        self.autocast = autocast_factory(self.spec, ctx.device)
+        self.grpo: GrpoRun | None = None  # grpo: its prompts, rollouts, rewards and reference (finetune/train/rollout.py)
+        if self.spec.grpo:
+            self.grpo = setup_grpo(self.loaded, self.spec, self.model, self.data, self.tokenizer, ctx, self.autocast)
+            self.stream: BatchStream = self.grpo.stream
+            self.objective: Any = self.grpo.objective
+            self.reference = self.grpo.reference
+        else:
+            stream = PreferenceStream if self.spec.preference else BatchStream  # pairs: chosen and rejected rows
+            self.stream = stream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
+            # dpo, simpo, orpo (None: sft); dpo's reference (finetune/train/reference.py), before any resume
+            self.objective, self.reference = setup_objective(
+                self.loaded, self.spec, self.model, self.data, ctx, self.autocast, self.tokenizer.pad_token_id,
+                eval_batch_size(r, chosen),
+            )
         self.total = total_steps(self.loaded, self.stream)
         self.scheduler = lr_scheduler(self.optimizer, r.train, self.total)
-        self.autocast = autocast_factory(self.spec, ctx.device)
-        # dpo, simpo, orpo (None: sft); dpo's reference (finetune/train/reference.py), before any resume
-        self.objective, self.reference = setup_objective(
-            self.loaded, self.spec, self.model, self.data, ctx, self.autocast, self.tokenizer.pad_token_id,
-            eval_batch_size(r, chosen),
-        )
         self.step_figures: dict[str, float] = {}
         self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
         self.reporter.start(
@@ -227,8 +235,10 @@ class Trainer:
         return model
 
     def _count(self, mb: dict[str, Any]) -> int:
-        """What the loss of a micro-batch is normalised by over the global batch: its target tokens (sft) or its
-        pairs (dpo, simpo, orpo), counted on the host copy."""
+        """What the loss of a micro-batch is normalised by over the global batch: its target tokens (sft), its
+        pairs (dpo, simpo, orpo) or its completions or completion tokens (grpo), counted on the host copy."""
+        if self.grpo is not None:
+            return int(mb["count"])
         return int(mb["pairs"]) if self.objective is not None else count_target_tokens(mb)
 
     # -- one optimizer step -----------------------------------------------------------------------------------
@@ -240,9 +250,17 @@ class Trainer:
         self.hooks.before_step(step, ctx.rank)
         epoch, in_epoch = position(state.step, self.stream)
         layout = ctx.layout  # the ranks of a TP group and of a pipeline read the same batch slice
-        micro = self.stream.micro_batches(
-            epoch, in_epoch, rank=layout.dp_rank, world_size=layout.dp, micro_batch_size=chosen.micro_batch_size
-        )
+        rollout = None
+        if self.grpo is not None:  # this rank's sampled completions, scored (a new batch every num_iterations steps)
+            self.phase.at("rollout", step)
+            with self.step_memory.phase("rollout"):
+                rollout = self.grpo.rollouts.for_step(self.model, epoch, in_epoch, chosen.micro_batch_size)
+            micro = rollout.micro
+            self.phase.at("forward", step)
+        else:
+            micro = self.stream.micro_batches(
+                epoch, in_epoch, rank=layout.dp_rank, world_size=layout.dp, micro_batch_size=chosen.micro_batch_size
+            )
         widths = row_widths(micro)  # for MFU
         # Counted on the host copies (no padding; the loss's normaliser), summed over replicas on the device:
         # the step reads its figures once, after the backward passes (host_figures below).
@@ -275,7 +293,9 @@ class Trainer:
                 self.step_figures = router_figures(self.router, ctx, global_tokens)
                 loss_total -= self.router.coef * self.step_figures.get("aux_loss", 0.0) * global_tokens
             loss = loss_total / max(global_tokens, 1.0)
-            if self.objective is not None:  # dpo, simpo, orpo: rewards and log-probs, means over the pairs
+            if self.grpo is not None and rollout is not None:  # rewards, kl, clip ratio, completion length
+                self.step_figures = self.grpo.figures(rollout)
+            elif self.objective is not None:  # dpo, simpo, orpo: rewards and log-probs, means over the pairs
                 self.step_figures = preference_figures(self.objective, ctx, global_tokens)
             self._update(step, loss, grad_norm)
         self.step_memory.after(state.step)
@@ -312,8 +332,9 @@ class Trainer:
         return evaluate(
             self.model, self.data.eval, self.data.eval_prompts, self.tokenizer, self.ctx,
             batch_size=eval_batch_size(r, self.plan.chosen), max_new_tokens=r.eval.max_new_tokens, autocast=self.autocast,
-            retain=self.retain, task=task, objective=self.objective, stages=self.stages,
-            measure=self.step_memory.phase,
+            retain=self.retain, task=task, objective=None if self.grpo is not None else self.objective,
+            stages=self.stages, measure=self.step_memory.phase,
+            rewards=self.grpo.rewards if self.grpo is not None else None,
         )
 
     def _evaluate_at_start(self) -> EvalResult | None:

@@ -86,6 +86,7 @@ class TaskData:
     where: list[str] = field(default_factory=list)
     sources: list[SourceStats] = field(default_factory=list)
     bad: list[str] = field(default_factory=list)
+    train_prompts: list[EvalPrompt] = field(default_factory=list)  # each training row's prompt and answer (grpo)
 
 
 @dataclass
@@ -413,6 +414,7 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
         train=rows,
         eval=held.examples,
         eval_prompts=[p for p in held.prompts if p is not None],
+        train_prompts=[p for p in train.prompts if p is not None],
         stats=stats,
         notes=notes,
         samples=samples,
