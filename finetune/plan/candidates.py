@@ -20,6 +20,7 @@ from finetune.plan.memory import (
     unsharded_bytes,
 )
 from finetune.plan.pipeline import boundaries_across_nodes, memory_balanced_split
+from finetune.plan.rollout import rollout_bytes
 from finetune.plan.setting import Setting
 from finetune.plan.shapes import Inventory
 from finetune.plan.tensor_parallel import tp_comm_bytes, tp_config
@@ -62,6 +63,13 @@ def evaluate(
             mem, comm, stages = figures
         else:
             mem, comm = candidate_memory(inv, s.profile(spec), setup, first_step)
+        if spec.grpo:
+            mem = replace(mem, rollout=rollout_bytes(
+                s.req.config, rows=mbs * accum, micro_batch_size=mbs, prompt_len=s.req.seq_len,
+                completion_len=s.req.completion_len, compute_bytes=spec.compute_bytes,
+                old_logps=s.req.num_iterations > 1, ref_logps=spec.reference != "none", activations=mem.activations,
+                tp=tp,
+            ))
         status = Status.FITS if mem.total <= s.capacity else Status.OVER
     # a pipeline rank's TP collectives are its own layers' (and its ends'): the busiest rank's
     ranks: list[tuple[int | None, bool, bool]] = [(None, True, True)]  # the whole model

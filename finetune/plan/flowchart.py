@@ -78,6 +78,19 @@ def chosen_memory(
     return _chosen_candidate(loaded, plan, device=device, first_step=first_step, seq_len=seq_len).memory
 
 
+def _rollout_step(s: Setting, c: Candidate) -> w.RolloutPlanned:
+    """grpo's rollouts on ``c``: the plan's rollout memory, and generation's time at the time model's compute
+    rate (2 FLOPs per parameter per token, every row's prompt once and each sampled token)."""
+    rows = c.micro_batch_size * c.grad_accum_steps
+    seconds = None
+    t = c.time
+    if t is not None and t.peak_flops and t.utilisation:
+        params = sum(x.numel * s.inventory(c.tp).copies(x) for x in s.inventory(c.tp).base)
+        tokens = rows * (s.req.seq_len + s.req.completion_len)
+        seconds = 2.0 * params * tokens / (t.peak_flops * t.utilisation)
+    return w.RolloutPlanned(rows, s.req.completion_len, c.memory.rollout, seconds)
+
+
 def chosen_phase_memory(loaded: LoadedRecipe, plan: Plan, *, device: str) -> dict[str, int]:
     """Predicted tensors of ``plan.chosen`` in the phases around the steps, each at its own peak (without the
     runtime overhead, as a run's measurement counts them): ``evaluation`` (the eval loss) and ``generation`` at
@@ -843,6 +856,8 @@ def decide(req: Request, hw: Hardware) -> Decision:
     if chosen.fits:
         chosen, step = plan_evaluation(s, chosen)
         log.append(step)
+    if s.req.completion_len and chosen.fits:  # grpo
+        log.append(_rollout_step(s, chosen))
     if chosen.time is not None and chosen.fits:
         t = chosen.time
         log.append(w.Timing(t.step, t.compute, t.communication, t.offload, t.utilisation, t.peak_flops / 1e12,

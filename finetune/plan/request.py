@@ -47,6 +47,10 @@ class Request:
     reference: str = "model"  # dpo.reference: model (a frozen copy under full fine-tuning) or precomputed
     reference_config: Any = None  # dpo.reference_model's config (None: the reference is the policy's start)
     aux_loss_coef: float | str = "auto"  # train.router_aux_loss_coef: a mixture of experts' load-balancing loss
+    # grpo: tokens sampled per completion (grpo.max_completion_length; 0: not grpo), optimizer steps per batch
+    # of completions (grpo.num_iterations: above 1 the old policy's log-probs are kept)
+    completion_len: int = 0
+    num_iterations: int = 1
 
 
 def request_from_recipe(loaded: LoadedRecipe) -> Request:
@@ -92,6 +96,8 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         reference=reference_setting(r),
         reference_config=reference_config(loaded),
         aux_loss_coef=r.train.router_aux_loss_coef,
+        completion_len=r.grpo.max_completion_length if r.train.objective == "grpo" else 0,
+        num_iterations=r.grpo.num_iterations,
     )
 
 

@@ -24,11 +24,14 @@ class MemoryBreakdown:
     activations: int = 0
     buffers: int = 0
     overhead: int = 0
+    rollout: int = 0  # grpo: the sampled completions' memory beyond the step's activations (finetune/plan/rollout.py)
 
     @property
     def total(self) -> int:
         """Sum of every category."""
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
+        return (
+            self.params + self.grads + self.optimizer + self.activations + self.buffers + self.overhead + self.rollout
+        )
 
     def to_dict(self) -> dict[str, int]:
         """JSON form, with ``total``."""

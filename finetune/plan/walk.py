@@ -575,6 +575,26 @@ class EvaluationPlanned(Step):
 
 
 @dataclass(frozen=True)
+class RolloutPlanned(Step):
+    """grpo's rollouts on the chosen configuration: their memory beyond the step's activations, and the time to
+    sample them (finetune/plan/rollout.py)."""
+
+    completions: int  # per rank per step
+    completion_len: int
+    rollout: int
+    seconds: float | None  # generation time per batch of completions, from the time model's compute rate
+
+    def render(self) -> str:
+        """The sentence."""
+        when = f", sampled in about {self.seconds:.2f} s" if self.seconds is not None else ""
+        return (
+            f"Rollouts: {self.completions} completions of up to {self.completion_len} tokens per GPU a step, with "
+            f"their KV cache and kept log-probabilities: {fmt_bytes(self.rollout)} beyond the step's activations"
+            f"{when}."
+        )
+
+
+@dataclass(frozen=True)
 class Link:
     """Bytes and seconds of one strategy's communication per step."""
 
