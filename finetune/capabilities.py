@@ -122,8 +122,6 @@ class Cell:
     def of_recipe(cls, recipe: Any, processes: int | None = None) -> Cell:
         """The cell a validated :class:`~finetune.recipe.Recipe` pins (``auto`` values unknown);
         ``processes``: the run's process count when known, else the recipe's ``distributed.nproc`` x nodes."""
-        from finetune.recipe import reference_setting
-
         d, t = recipe.distributed, recipe.train
         if processes is None and d.nproc != "auto":
             processes = int(d.nproc) * int(recipe.hardware.nodes)
@@ -515,6 +513,14 @@ TABLE: tuple[Rule, ...] = (
         methods=("prefix",), topic="data",
     ),
 )
+
+
+def reference_setting(recipe: Any) -> str:
+    """How a recipe asks for a reference policy: dpo.reference for dpo; for grpo ``model`` when its KL term is
+    on (grpo.beta above 0: the starting weights, as dpo's), else ``none``."""
+    if recipe.train.objective == "grpo":
+        return "model" if recipe.grpo.beta > 0 else "none"
+    return str(recipe.dpo.reference)
 
 
 PREFERENCE_RULES: tuple[Rule, ...] = (

@@ -763,18 +763,6 @@ class Recipe(Section):
         return self
 
 
-#: The objectives that learn from chosen/rejected pairs (data.format: preference).
-PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo")
-
-
-def reference_setting(recipe: Recipe) -> str:
-    """How the recipe asks for a reference policy: dpo.reference for dpo; for grpo ``model`` when its KL term is
-    on (grpo.beta above 0: the starting weights, as dpo's), else ``none``."""
-    if recipe.train.objective == "grpo":
-        return "model" if recipe.grpo.beta > 0 else "none"
-    return recipe.dpo.reference
-
-
 # --------------------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------------------

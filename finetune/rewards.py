@@ -77,7 +77,7 @@ def load_function(file: Path, function: str, key: str) -> Callable[..., Any]:
     fn = getattr(module, function, None)
     if not callable(fn):
         raise UserError(f"{key}.function: {file} defines no function `{function}`; name one of its functions")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _python(file: Path, function: str, key: str) -> Callable[[str, str, str | None], float]:
@@ -113,6 +113,7 @@ class Rewards:
         out: list[Reward] = []
         for i, r in enumerate(grpo.rewards):
             key = f"grpo.rewards.{i}"
+            fn: Callable[[str, str, str | None], float]
             if r.type == "exact_match":
                 fn = _exact
             elif r.type == "json":

@@ -338,6 +338,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
 
         tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
         kernels = _attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
+        step: Callable[[Any, dict[str, Any]], Any]
         if spec.objective == "sft":
             step = causal_lm_loss
         else:

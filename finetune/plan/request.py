@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.recipe import LoadedRecipe, reference_setting
+from finetune.capabilities import reference_setting
+from finetune.recipe import LoadedRecipe
 
 
 @dataclass

@@ -68,9 +68,9 @@ from finetune.train.parallel import parallelize, unwrap
 from finetune.train.pipeline import Pipeline, StagedForward, build_pipeline
 from finetune.train.precision import autocast_factory, grad_scaler
 from finetune.train.preflight import RunPhase
-from finetune.train.rollout import GrpoRun, setup_grpo
 from finetune.train.reference import preference_figures, setup_objective
 from finetune.train.resume import RunCheckpoints, build_checkpointer, resume_command
+from finetune.train.rollout import GrpoRun, setup_grpo
 from finetune.train.save import save_final
 from finetune.train.schedule import EvalSchedule, lr_scheduler, total_steps
 from finetune.train.signals import StopRequest

@@ -1,0 +1,152 @@
+"""grpo: rewards (built-in and the recipe's own functions), advantages, the schema's and the capability table's
+refusals, the plan's rollout memory, and the loss of fixed completions under LoRA with accumulation."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.errors import UserError
+from finetune.grpo import GrpoObjective, GrpoSettings, advantages
+from finetune.recipe import GrpoConfig, Recipe, RecipeError, load_recipe
+from finetune.rewards import Rewards
+from tests.support import TINY_MODEL, tiny_recipe, write_recipe
+
+GRPO = {"num_generations": 4, "max_completion_length": 6, "rewards": [{"type": "exact_match"}]}
+
+
+def _rewards(tmp_path: Path, *rewards: dict) -> Rewards:
+    return Rewards.of(GrpoConfig.model_validate({"rewards": list(rewards), "trust_reward_code": True}), tmp_path)
+
+
+def test_built_in_rewards_score_completions(tmp_path: Path) -> None:
+    r = _rewards(
+        tmp_path, {"type": "exact_match", "weight": 2.0}, {"type": "regex", "pattern": "[a-z]+"}, {"type": "json"},
+        {"type": "length", "target": 4},
+    )
+    total, each = r.score(["p", "p", "p"], [" cba ", '{"a": 1}', "CBA!!"], ["cba", "cba", None])
+    assert each == {
+        "exact_match": [1.0, 0.0, 0.0], "regex": [1.0, 0.0, 0.0], "json": [0.0, 1.0, 0.0],
+        "length": [-0.25, -1.0, -0.25],
+    }
+    assert total == [2.0 + 1.0 - 0.25, 1.0 - 1.0, -0.25]
+
+
+def test_user_reward_function_runs_and_its_error_is_one_sentence(tmp_path: Path) -> None:
+    (tmp_path / "mine.py").write_text(
+        "def score(prompt, completion, answer):\n    return float(completion == answer[::-1])\n\n"
+        "def broken(prompt, completion, answer):\n    return 1 / 0\n"
+    )
+    ok = _rewards(tmp_path, {"type": "python", "file": "mine.py", "function": "score"})
+    assert ok.score(["p"], ["abc"], ["cba"])[0] == [1.0]
+    bad = _rewards(tmp_path, {"type": "python", "file": "mine.py", "function": "broken"})
+    with pytest.raises(UserError) as err:
+        bad.score(["p"], ["abc"], ["cba"])
+    text = str(err.value)
+    assert "`broken`" in text and str(tmp_path / "mine.py") in text and "ZeroDivisionError" in text
+    assert "\n" not in text and "Traceback" not in text
+    with pytest.raises(UserError, match="defines no function `nothing`"):
+        _rewards(tmp_path, {"type": "python", "file": "mine.py", "function": "nothing"})
+
+
+def test_schema_refuses_python_rewards_without_the_opt_in_and_partial_groups() -> None:
+    base = {"model": {"path": "m"}, "data": {"train": "t"}}
+    with pytest.raises(ValueError, match=r"grpo\.trust_reward_code: true"):
+        Recipe.model_validate({**base, "grpo": {"rewards": [{"type": "python", "file": "a.py", "function": "f"}]}})
+    with pytest.raises(ValueError, match=r"not whole groups of grpo\.num_generations: 3"):
+        Recipe.model_validate({**base, "train": {"objective": "grpo", "global_batch_size": 8},
+                               "grpo": {**GRPO, "num_generations": 3}})
+    with pytest.raises(ValueError, match=r"grpo\.rewards is empty"):
+        Recipe.model_validate({**base, "train": {"objective": "grpo"}, "grpo": {"rewards": []}})
+    with pytest.raises(ValueError, match="needs `pattern`"):
+        GrpoConfig.model_validate({"rewards": [{"type": "regex"}]})
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"data": {"packing": True}}, "grpo scores each sampled completion on its own row"),
+    ({"data": {"format": "text"}}, "grpo samples completions of prompts, which data.format: text rows do not have"),
+])
+def test_capability_table_refuses_grpo_cells(tmp_path: Path, change: dict, words: str) -> None:
+    recipe = tiny_recipe(tmp_path / "out", train={"objective": "grpo"}, grpo=GRPO)
+    for k, v in change.items():
+        recipe[k].update(v)
+    path = write_recipe(tmp_path / "r.yaml", recipe)
+    from finetune.capabilities import Cell, check
+
+    with pytest.raises((UserError, RecipeError)) as err:
+        check(Cell.of_recipe(load_recipe(path).recipe))
+    assert words in str(err.value)
+
+
+def test_advantages_are_normalised_within_groups() -> None:
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    a = advantages(r, 4, "group")
+    std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std()
+    assert torch.allclose(a[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-4))
+    assert torch.equal(a[4:], torch.zeros(4))  # a group that agrees teaches nothing
+    assert torch.allclose(advantages(r, 4, "none")[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+@pytest.mark.slow
+def test_plan_of_a_grpo_run_counts_the_rollouts(tmp_path: Path) -> None:
+    from finetune.plan.flowchart import plan_for_run
+
+    recipe = tiny_recipe(tmp_path / "out", train={"objective": "grpo"}, grpo={**GRPO, "beta": 0.1})
+    plan = plan_for_run(load_recipe(write_recipe(tmp_path / "r.yaml", recipe)), nproc=1, nnodes=1, device="cpu")
+    m = plan.chosen.memory
+    # the reference's kept log-probs alone: 8 completions x (48 + 6) positions x 4 bytes
+    assert m.rollout >= 8 * (48 + 6) * 4
+    assert m.total == m.params + m.grads + m.optimizer + m.activations + m.buffers + m.overhead + m.rollout
+    assert any("Rollouts: 8 completions of up to 6 tokens" in line for line in plan.walk)
+
+
+def _completions(tok) -> tuple[list[dict], torch.Tensor]:
+    from finetune.train.data.batches import Example, collate
+
+    prompt = tok("Reverse the letters.\nabc\nAnswer: ", add_special_tokens=False)["input_ids"]
+    rows = []
+    for text in ("cba", "cab", "abcabc", "c"):
+        c = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows.append(Example(prompt + c, [-100] * len(prompt) + c))
+    adv = torch.tensor([1.2, -0.4, -1.0, 0.2])
+    whole = collate(rows, tok.pad_token_id)
+    return [{**collate(rows[i : i + 1], tok.pad_token_id), "advantages": adv[i : i + 1]} for i in range(4)], {
+        **whole, "advantages": adv}
+
+
+@pytest.mark.slow
+def test_lora_accumulation_gives_the_whole_batch_loss() -> None:
+    """Fixed completions under LoRA: four micro-batches of one completion, each summed loss divided by the
+    whole batch's count (completions or tokens), give the one-batch loss and gradients."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.grpo import count_of
+
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                            init_lora_weights=False))
+    micro, whole = _completions(tok)
+    for mb in (whole, *micro):
+        mb.pop("attention_mask")
+    for loss_type in ("grpo", "dr_grpo", "dapo"):
+        one_model, other = copy.deepcopy(model), copy.deepcopy(model)
+        s = GrpoSettings(num_generations=4, max_completion_length=8, beta=0.0, loss_type=loss_type)
+        total = count_of(s, whole["labels"][:, 1:] != -100)
+        one, _ = GrpoObjective(s)(one_model, whole)
+        (one / total).backward()
+        summed = torch.zeros(())
+        for mb in micro:
+            part, _ = GrpoObjective(s)(other, mb)
+            (part / total).backward()
+            summed += part.detach()
+        assert abs(float(one) - float(summed)) <= 1e-4 * max(1.0, abs(float(one))), loss_type
+        grads = {n: p.grad for n, p in one_model.named_parameters() if p.requires_grad}
+        for n, p in other.named_parameters():
+            if p.requires_grad:
+                assert torch.allclose(p.grad, grads[n], atol=1e-6, rtol=1e-4), (loss_type, n)
