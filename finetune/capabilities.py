@@ -70,6 +70,11 @@ class Cell:
     expert_lora: bool | None = None
     num_experts: int | None = None  # routed experts per layer (None: not known)
     ep: int = 1  # distributed.ep: the routed experts split over ep ranks of the data-parallel shard dimension
+    # the data: data.streaming, data.train a {path, weight} mixture, train.max_steps set, data.eval_fraction set
+    streaming: bool = False
+    mixture: bool = False
+    max_steps: bool = True
+    eval_fraction: bool = False
 
     @classmethod
     def of(
@@ -126,7 +131,8 @@ class Cell:
         if processes is None and d.nproc != "auto":
             processes = int(d.nproc) * int(recipe.hardware.nodes)
         ac = t.activation_checkpointing
-        return cls.of(
+        data = recipe.data
+        return replace(cls.of(
             method=recipe.method, strategy=d.strategy, processes=processes, tp=d.tp, precision=recipe.precision,
             optimizer=t.optimizer, offload=t.offload, compile=t.compile, attention=recipe.model.attn_implementation,
             packing=recipe.data.packing, checkpointing=None if ac == "auto" else bool(ac), lora=recipe.lora,
@@ -134,7 +140,8 @@ class Cell:
             reference=reference_setting(recipe), data_format=recipe.data.format, pp=d.pp, pp_schedule=d.pp_schedule,
             sequence_parallel=d.sequence_parallel, reference_model=recipe.dpo.reference_model is not None,
             ep=d.ep,
-        )
+        ), streaming=data.streaming, mixture=data.mixture, max_steps=t.max_steps is not None,
+            eval_fraction=data.eval_fraction is not None)
 
     def with_(self, **changes: Any) -> Cell:
         """This cell with some dimensions decided (the planner's candidates)."""
@@ -544,6 +551,42 @@ PREFERENCE_RULES: tuple[Rule, ...] = (
         lambda c: f"{c.objective} scores each chosen completion against its own rejected one, row by row, which "
         "packed rows would mix; set data.packing: false",
         topic="objective",
+    ),
+    Rule(
+        "mixture-preference", ("data.train", "train.objective"),
+        lambda c: c.mixture and c.preference,
+        lambda c: f"a mixture of {{path, weight}} sources is drawn for sft's samples, not for {c.objective}'s "
+        "pairs or prompts; give data.train a list of paths (concatenated)",
+        topic="data",
+    ),
+    # -- data.streaming: the data is read while training, never whole -------------------------------------
+    Rule(
+        "streaming-max-steps", ("data.streaming", "train.max_steps"),
+        lambda c: c.streaming and not c.max_steps,
+        lambda c: "a stream's length is not known before it is read, so train.epochs cannot give the number of "
+        "steps (nor the learning-rate schedule's length); set train.max_steps (the stream starts over at its end)",
+        topic="data",
+    ),
+    Rule(
+        "streaming-packing", ("data.streaming", "data.packing"),
+        lambda c: c.streaming and c.packing,
+        lambda c: "packing fits samples into rows over the whole data set, which a stream never holds; set "
+        "data.packing: false, or data.streaming: false",
+        topic="data",
+    ),
+    Rule(
+        "streaming-eval-fraction", ("data.streaming", "data.eval_fraction"),
+        lambda c: c.streaming and c.eval_fraction,
+        lambda c: "holding out a fraction of data.train chooses from the whole set before training, which a stream "
+        "never holds; give data.eval its own file, or set data.streaming: false",
+        topic="data",
+    ),
+    Rule(
+        "streaming-preference", ("data.streaming", "train.objective"),
+        lambda c: c.streaming and (c.preference or c.data_format == "preference"),
+        lambda c: f"{c.objective} reads its pairs or prompts whole before training (a reference's log-probabilities "
+        "may be precomputed over them); set data.streaming: false",
+        topic="data",
     ),
     Rule(
         "reference-offload", ("dpo.reference", "train.offload"),
@@ -1015,6 +1058,11 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"ep": 2, "experts": True, "objective": "dpo", "data_format": "preference"},
     {"pp": 2, "objective": "grpo", "data_format": "instruction"},
     {"ep": 2, "experts": True, "objective": "grpo", "data_format": "instruction"},
+    {"mixture": True, "objective": "dpo", "data_format": "preference"},
+    {"streaming": True, "max_steps": False},
+    {"streaming": True, "packing": True},
+    {"streaming": True, "eval_fraction": True},
+    {"streaming": True, "objective": "dpo", "data_format": "preference"},
 )
 
 

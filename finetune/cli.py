@@ -64,7 +64,7 @@ def validate(recipe: Annotated[str, typer.Argument(help="Recipe YAML file.")], s
     except (RecipeError, UserError) as err:
         _fail(err)
     r = loaded.recipe
-    typer.echo(f"{loaded.path}: ok (method {r.method}, model {r.model.path}, data {r.data.train})")
+    typer.echo(f"{loaded.path}: ok (method {r.method}, model {r.model.path}, data {r.data.describe_train()})")
 
 
 @app.command(context_settings={"allow_interspersed_args": True})

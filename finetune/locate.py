@@ -448,21 +448,22 @@ def fetch_hub_inputs(loaded: Any) -> bool:
     if inputs.model.downloadable:
         download_model(inputs.model.value, allow_pickle=r.model.allow_pickle)
         fetched = True
-    specs = r.data.train if isinstance(r.data.train, list) else [r.data.train]
-    new_specs: list[str] = []
+    specs = r.data.train_specs()
+    new_specs: list[list[str]] = [[] for _ in range(max(t.source for t in specs) + 1)]
     train_snapshot: Path | None = None
+    changed = False
     for spec, where in zip(specs, inputs.train, strict=True):
         if where.kind == "missing" and looks_like_hub_id(where.value):
-            train_snapshot = _dataset(where.value, "data.train")
+            train_snapshot = _dataset(where.value, spec.key)
             if train_snapshot is None:
-                new_specs.append(spec)
+                new_specs[spec.source].append(spec.spec)
                 continue
-            new_specs += split_files(train_snapshot, r.data.split)
-            fetched = True
+            new_specs[spec.source] += split_files(train_snapshot, r.data.split)
+            fetched = changed = True
         else:
-            new_specs.append(spec)
-    if fetched and new_specs != specs:
-        r.data.train = new_specs if isinstance(r.data.train, list) or len(new_specs) > 1 else new_specs[0]
+            new_specs[spec.source].append(spec.spec)
+    if changed:  # a mixture's source keeps its weight over the dataset's files
+        r.data.set_train_specs(new_specs)
     if r.data.eval and inputs.eval is not None and inputs.eval.kind == "missing":
         held_snapshot = _dataset(r.data.eval, "data.eval") if looks_like_hub_id(r.data.eval) else None
         if held_snapshot is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from pydantic import (
     NonNegativeFloat,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -199,10 +201,58 @@ class DataColumnsConfig(Section):
     )
 
 
+#: The largest mixture weight (weights are relative: a bound only keeps the arithmetic exact).
+MAX_WEIGHT = 1e6
+
+
+class TrainSource(Section):
+    path: Union[str, list[str]] = Field(
+        description="A .jsonl/.json/.csv/.parquet file, a glob, a directory or a Hugging Face dataset, as data.train "
+        "takes one (a list of them: one source)."
+    )
+    weight: float = Field(
+        gt=0, le=MAX_WEIGHT, allow_inf_nan=False,
+        description="The source's share of the training samples, relative to the other sources' weights.",
+    )
+
+
+def _source_problem(i: int, entry: Any) -> str | None:
+    """Why entry ``i`` of a data.train mixture is not a ``{path, weight}`` source (one sentence), or None."""
+    if not isinstance(entry, dict):
+        return f"source {i} is {entry!r}; in a mixture every source is {{path: ..., weight: ...}}"
+    unknown = sorted(set(entry) - {"path", "weight"})
+    if unknown:
+        return f"source {i}: unknown key `{unknown[0]}`; a source of a mixture has path and weight"
+    path = entry.get("path")
+    paths = path if isinstance(path, list) else [path]
+    if not paths or not all(isinstance(p, str) and p for p in paths):
+        return f"source {i}: path must be a file, glob, directory or dataset name (got {path!r})"
+    w = entry.get("weight")
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not 0 < w <= MAX_WEIGHT:
+        return (
+            f"source {i} (`{path}`): weight {w!r} is not a number above 0 and at most {MAX_WEIGHT:g}; give each "
+            "source a positive weight (relative to the others: 3 and 1 draw three samples of the first per one "
+            "of the second)"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """One path of data.train: the recipe key naming it, the path, its source (the index of its data.train entry)
+    and that source's weight (None: data.train is not a mixture, the sources are concatenated)."""
+
+    key: str
+    spec: str
+    source: int
+    weight: float | None
+
+
 class DataConfig(Section):
-    train: Union[str, list[str]] = Field(
+    train: Union[str, list[Union[str, TrainSource]]] = Field(
         description="Training data: a .jsonl/.json/.csv/.parquet file, a glob, a directory, a Hugging Face "
-        "dataset name in the local cache, or a list of them."
+        "dataset, or a list of them (concatenated); or a mixture: a list of {path, weight} sources, each "
+        "drawn in proportion to its weight (train.seed chooses the rows)."
     )
     eval: Union[str, None] = Field(
         None,
@@ -254,10 +304,70 @@ class DataConfig(Section):
         description="error: stop before training at the first bad row (file, line, field); skip: leave bad rows "
         "out and report how many.",
     )
-    num_proc: Union[PositiveInt, None] = Field(None, description="Processes for tokenization (default: 1).")
+    num_proc: Union[PositiveInt, None] = Field(
+        None, le=256, description="Processes for tokenization (default: 1; not with data.streaming)."
+    )
+    streaming: bool = Field(
+        False,
+        description="Read and tokenize the .jsonl training data while training, row by row through a shuffle "
+        "buffer (data.shuffle_buffer rows), instead of all of it before the first step; needs train.max_steps.",
+    )
+    shuffle_buffer: int = Field(
+        10_000, ge=1, le=10_000_000,
+        description="data.streaming: the rows held to shuffle the stream (each step draws from them at random, "
+        "train.seed); more mixes better and holds more in memory.",
+    )
     cache_dir: Union[str, None] = Field(
         None, description="Where tokenized data is cached (default: the Hugging Face datasets cache)."
     )
+
+    @field_validator("train", mode="before")
+    @classmethod
+    def _mixture(cls, value: Any) -> Any:
+        """A list with a ``{path, weight}`` entry is a mixture: every entry is one, each checked here."""
+        if not isinstance(value, list) or not any(isinstance(v, dict) for v in value):
+            return value
+        for i, entry in enumerate(value):
+            problem = _source_problem(i, entry)
+            if problem:
+                raise ValueError(problem)
+        return value
+
+    def train_specs(self) -> list[TrainSpec]:
+        """Every path data.train names, in order, with its key, source and weight."""
+        if isinstance(self.train, str):
+            return [TrainSpec("data.train", self.train, 0, None)]
+        out = []
+        for i, entry in enumerate(self.train):
+            if isinstance(entry, str):
+                out.append(TrainSpec(f"data.train.{i}", entry, i, None))
+            else:
+                paths = entry.path if isinstance(entry.path, list) else [entry.path]
+                out += [TrainSpec(f"data.train.{i}", p, i, entry.weight) for p in paths]
+        return out
+
+    def describe_train(self) -> str:
+        """data.train in words: its paths, each with its weight in a mixture."""
+        return ", ".join(f"{t.spec} (weight {t.weight:g})" if t.weight is not None else t.spec for t in self.train_specs())
+
+    @property
+    def mixture(self) -> bool:
+        """data.train is a list of {path, weight} sources."""
+        return isinstance(self.train, list) and any(isinstance(e, TrainSource) for e in self.train)
+
+    def set_train_specs(self, specs: list[list[str]]) -> None:
+        """Write back each data.train entry's paths (``specs[i]``: entry i's), keeping the shape and weights."""
+        if isinstance(self.train, str):
+            several: list[Union[str, TrainSource]] = list(specs[0])
+            self.train = specs[0][0] if len(specs[0]) == 1 else several
+            return
+        entries: list[Union[str, TrainSource]] = []
+        for entry, paths in zip(self.train, specs, strict=True):
+            if isinstance(entry, TrainSource):
+                entries.append(TrainSource(path=paths[0] if len(paths) == 1 else paths, weight=entry.weight))
+            else:
+                entries += paths
+        self.train = entries
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> DataConfig:
@@ -1074,10 +1184,12 @@ def resolve_inputs(loaded: LoadedRecipe) -> LoadedRecipe:
     model = locate_model(r.model.path, base)
     if model.kind == "dir":
         r.model.path = model.path
-    specs = r.data.train if isinstance(r.data.train, list) else [r.data.train]
-    train = [locate_data(t, base) for t in specs]
-    absolute = [t.target if t.kind == "files" else t.value for t in train]
-    r.data.train = absolute if isinstance(r.data.train, list) else absolute[0]
+    specs = r.data.train_specs()
+    train = [locate_data(t.spec, base) for t in specs]
+    absolute: list[list[str]] = [[] for _ in range(max(t.source for t in specs) + 1)]
+    for t, where in zip(specs, train, strict=True):
+        absolute[t.source].append(where.target if where.kind == "files" else where.value)
+    r.data.set_train_specs(absolute)
     held = None
     if r.data.eval:
         held = locate_data(r.data.eval, base, split_of=train[0] if len(train) == 1 else None)
@@ -1103,8 +1215,8 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
     model_problem = inputs.model.problem()
     if model_problem:
         problems.append(loaded.problem("model.path", model_problem))
-    for i, t in enumerate(inputs.train):
-        key = "data.train" if isinstance(r.data.train, str) else f"data.train.{i}"
+    for spec, t in zip(r.data.train_specs(), inputs.train, strict=True):
+        key = spec.key
         if t.kind == "missing" and not (looks_like_hub_id(t.value) and not hub_offline()):  # run downloads it
             problems.append(loaded.problem(key, f"no data found at `{t.value}` (looked next to the recipe and in the current directory)"))
     if inputs.eval is not None and inputs.eval.kind == "missing" and not _later_from_hub(loaded, inputs.eval.value):

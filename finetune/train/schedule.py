@@ -11,9 +11,10 @@ import torch
 
 from finetune.recipe import EvalConfig, LoadedRecipe, TrainConfig
 from finetune.train.data import BatchStream
+from finetune.train.data.stream import StreamingBatches
 
 
-def total_steps(loaded: LoadedRecipe, stream: BatchStream) -> int:
+def total_steps(loaded: LoadedRecipe, stream: BatchStream | StreamingBatches) -> int:
     """Optimizer steps of the run: train.max_steps, or epochs x steps per epoch."""
     t = loaded.recipe.train
     if t.max_steps:

@@ -11,6 +11,7 @@ import torch
 
 from finetune.errors import UserError
 from finetune.train.data import BatchStream
+from finetune.train.data.stream import StreamingBatches
 from finetune.train.evaluate import EvalResult
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class TrainState:
         self.history = [float(x) for x in state["history"]]
 
 
-def position(step: int, stream: BatchStream) -> tuple[int, int]:
+def position(step: int, stream: BatchStream | StreamingBatches) -> tuple[int, int]:
     """(epoch, global batch within the epoch) of the batch that optimizer step ``step`` + 1 runs."""
     return divmod(step, stream.steps_per_epoch)
 
@@ -47,7 +48,7 @@ class DataPosition:
     """Where the batch stream is: a pure function of the step, saved with a fingerprint of the data so that a
     resume on other data (or another seed or global batch) is refused."""
 
-    def __init__(self, stream: BatchStream, state: TrainState) -> None:
+    def __init__(self, stream: BatchStream | StreamingBatches, state: TrainState) -> None:
         self.stream, self.state = stream, state
 
     def state_dict(self) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from finetune.train.data import BatchStream, TaskData
 from finetune.train.data.batches import to_device
 from finetune.train.data.preference import PreferenceStream
 from finetune.train.data.retain import RetainData, load_retain
+from finetune.train.data.stream import StreamingBatches
 from finetune.train.data.task import load_task_data
 from finetune.train.determinism import seed_everything
 from finetune.train.distributed import DistContext
@@ -129,14 +130,22 @@ class Trainer:
         )
         self.autocast = autocast_factory(self.spec, ctx.device)
         self.grpo: GrpoRun | None = None  # grpo: its prompts, rollouts, rewards and reference (finetune/train/rollout.py)
+        self.stream: BatchStream | StreamingBatches
         if self.spec.grpo:
             self.grpo = setup_grpo(self.loaded, self.spec, self.model, self.data, self.tokenizer, ctx, self.autocast)
-            self.stream: BatchStream = self.grpo.stream
+            self.stream = self.grpo.stream
             self.objective: Any = self.grpo.objective
             self.reference = self.grpo.reference
         else:
             stream = PreferenceStream if self.spec.preference else BatchStream  # pairs: chosen and rejected rows
-            self.stream = stream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
+            if self.data.stream is not None:  # data.streaming: read while training (train.max_steps is required)
+                assert r.train.max_steps is not None, "the capability table requires train.max_steps with data.streaming"
+                self.stream = StreamingBatches(
+                    self.data.stream, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id,
+                    r.train.max_steps,
+                )
+            else:
+                self.stream = stream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
             # dpo, simpo, orpo (None: sft); dpo's reference (finetune/train/reference.py), before any resume
             self.objective, self.reference = setup_objective(
                 self.loaded, self.spec, self.model, self.data, ctx, self.autocast, self.tokenizer.pad_token_id,
@@ -297,6 +306,10 @@ class Trainer:
                 self.step_figures = self.grpo.figures(rollout)
             elif self.objective is not None:  # dpo, simpo, orpo: rewards and log-probs, means over the pairs
                 self.step_figures = preference_figures(self.objective, ctx, global_tokens)
+            if self.data.mixture:  # a mixture's samples in this global batch, by source
+                self.step_figures = {
+                    **self.step_figures, **self.stream.source_counts(epoch, in_epoch, self.data.mixture)
+                }
             self._update(step, loss, grad_norm)
         self.step_memory.after(state.step)
         self.scheduler.step()

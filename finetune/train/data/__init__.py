@@ -74,7 +74,8 @@ class TaskData:
     on the micro-batch, see BatchStream.padding_fraction), cached_sources (sources read back from the
     tokenization cache). ``notes``: one sentence per thing the user should know (truncation, skipped rows with
     the first reason), each said once. ``samples`` are the training samples before packing, ``where`` the row
-    each came from (``file:line``), ``sources`` each source's counts and ``bad`` every bad row's error.
+    each came from (``file:line``), ``sources`` each source's counts and ``bad`` every bad row's error;
+    ``mixture``: the keys of a mixture's sources (empty when data.train is not one).
     """
 
     train: list[Example]
@@ -87,6 +88,8 @@ class TaskData:
     sources: list[SourceStats] = field(default_factory=list)
     bad: list[str] = field(default_factory=list)
     train_prompts: list[EvalPrompt] = field(default_factory=list)  # each training row's prompt and answer (grpo)
+    mixture: list[str] = field(default_factory=list)  # a mixture's source keys (Example.sources indexes them)
+    stream: Any = None  # data.streaming: the stream.StreamSpec the trainer reads (``train`` is then empty)
 
 
 @dataclass
@@ -95,10 +98,12 @@ class SourceStats:
     ``dropped`` (too long under drop_long, or no target left after truncation) + ``bad`` (bad rows, skipped);
     ``tokens`` and ``trained_tokens`` count the used samples, ``truncated`` the usable ones (used or held out)
     that were longer than data.max_seq_len. A data.eval source's ``rows_used`` are
-    the samples evaluated (eval.max_samples may leave the others out)."""
+    the samples evaluated (eval.max_samples may leave the others out). In a mixture (``weight`` set) ``rows_used``
+    counts the samples drawn from the source, a row drawn twice twice, and the rows not drawn are in no count."""
 
     key: str  # the recipe key that names it: data.train, data.train.1, data.eval
     name: str  # its file, or `dataset [split]`
+    weight: float | None = None  # a mixture's source: its weight (rows_used: the samples drawn from it)
     rows: int = 0
     rows_used: int = 0
     held_out: int = 0
@@ -339,11 +344,17 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
     encoder = data_encoder(loaded, tokenizer)
     inputs = loaded.inputs
     assert inputs is not None, "load_recipe resolves the inputs"
+    if d.streaming:
+        return _load_streaming(loaded, encoder)
     with _local_rank_zero_first():
         train = _Encoded()
-        for i, location in enumerate(inputs.train):
-            key = "data.train" if isinstance(d.train, str) else f"data.train.{i}"
-            train.extend(_encode_spec(location, key, loaded, encoder, d.split))
+        entry_of: list[int] = []  # the data.train entry (a mixture's source) of each of train.sources
+        for spec, location in zip(d.train_specs(), inputs.train, strict=True):
+            before = len(train.sources)
+            train.extend(_encode_spec(location, spec.key, loaded, encoder, d.split))
+            for counted in train.sources[before:]:
+                counted.weight = spec.weight
+                entry_of.append(spec.source)
         _check_bad_rows(train, d.on_bad_row)
         held = _Encoded()
         if inputs.eval is not None:
@@ -367,6 +378,23 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
         held = train.keep([i for i in range(n) if i in chosen])
         kept = train.keep([i for i in range(n) if i not in chosen])
         train.examples, train.prompts, train.where, train.origin = kept.examples, kept.prompts, kept.where, kept.origin
+    mixture: list[str] = []
+    if d.mixture:
+        mixture = [spec.key for spec in _first_of_each_source(d.train_specs())]
+        weights = [spec.weight or 0.0 for spec in _first_of_each_source(d.train_specs())]
+        pools: list[list[int]] = [[] for _ in mixture]
+        for i, o in enumerate(train.origin):
+            pools[entry_of[o]].append(i)
+        for key, pool in zip(mixture, pools, strict=True):
+            if not pool:
+                raise UserError(f"{key}: no usable training samples in this source of the mixture; fix its data or remove it")
+        drawn = draw_mixture(pools, weights, r.train.seed)
+        kept = train.keep(drawn)
+        train.examples, train.prompts, train.where, train.origin = kept.examples, kept.prompts, kept.where, kept.origin
+        train.examples = [
+            Example(e.input_ids, e.labels, e.position_ids, (entry_of[o],))
+            for e, o in zip(train.examples, train.origin, strict=True)
+        ]
     for e, o in zip(train.examples, train.origin, strict=True):
         train.sources[o].count(e)
     if r.eval.max_samples:
@@ -380,8 +408,11 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
     if not train.examples:
         raise UserError(f"data.train: no usable training samples in `{d.train}`")
 
+    notes: list[str] = []
     samples = train.examples
     rows = pack(samples, d.max_seq_len) if d.packing else samples
+    if mixture:
+        notes.append(mixture_note(mixture, train.sources, entry_of))
     tokens = sum(len(e.input_ids) for e in samples)
     skipped = len(train.bad) + len(held.bad)
     stats: dict[str, int | float] = {
@@ -397,7 +428,6 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
         "padding_fraction": round(1 - tokens / (len(rows) * d.max_seq_len), 4) if d.packing else 0.0,
         "cached_sources": train.cached + held.cached,
     }
-    notes = []
     if stats["truncated"]:
         notes.append(
             f"{stats['truncated']} samples were longer than data.max_seq_len={d.max_seq_len} and were truncated"
@@ -421,4 +451,100 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
         where=train.where,
         sources=train.sources + (held.sources if held.sources is not train.sources else []),
         bad=train.bad + held.bad,
+        mixture=mixture,
     )
+
+
+def _load_streaming(loaded: LoadedRecipe, encoder: Encoder) -> TaskData:
+    """data.streaming: the stream's sources (read while training, finetune/train/data/stream.py) and data.eval,
+    read and tokenized now as without streaming."""
+    from finetune.train.data.stream import StreamSource, StreamSpec, check_streamable, stream_fingerprint
+
+    d = loaded.recipe.data
+    inputs = loaded.inputs
+    assert inputs is not None, "load_recipe resolves the inputs"
+    by_source: dict[int, StreamSource] = {}
+    for spec, location in zip(d.train_specs(), inputs.train, strict=True):
+        key = spec.key if d.mixture else "data.train"
+        if location.kind == "dataset":
+            raise UserError(
+                f"{spec.key}: data.streaming reads local .jsonl files, but `{location.value}` is a Hugging Face "
+                "dataset in the cache; give its .jsonl files, or set data.streaming: false"
+            )
+        files = location.files(spec.key)
+        check_streamable(files, spec.key)
+        source = by_source.setdefault(spec.source if d.mixture else 0, StreamSource(key, [], spec.weight))
+        source.files += files
+    stream = StreamSpec(list(by_source.values()), encoder, d.shuffle_buffer, d.on_bad_row)
+    stream.fingerprint = stream_fingerprint(stream, tokenizer_fingerprint(encoder.tokenizer))
+    held = _Encoded()
+    if inputs.eval is not None:
+        with _local_rank_zero_first():
+            held = _encode_spec(inputs.eval, "data.eval", loaded, encoder, d.split)
+        _check_bad_rows(held, d.on_bad_row)
+    r = loaded.recipe
+    if r.eval.max_samples:
+        held.examples, held.prompts = held.examples[: r.eval.max_samples], held.prompts[: r.eval.max_samples]
+    n_files = sum(len(s.files) for s in stream.sources)
+    note = (
+        f"streaming {n_files} .jsonl file{'s' if n_files != 1 else ''}, tokenized while training through a shuffle "
+        f"buffer of {d.shuffle_buffer:,} rows"
+    )
+    return TaskData(
+        train=[], eval=held.examples, eval_prompts=[p for p in held.prompts if p is not None],
+        stats={"eval": len(held.examples), "eval_prompts": sum(p is not None for p in held.prompts)},
+        notes=[note], sources=[SourceStats(s.key, ", ".join(map(str, s.files)), weight=s.weight) for s in stream.sources],
+        bad=list(held.bad), mixture=[s.key for s in stream.sources] if d.mixture else [], stream=stream,
+    )
+
+
+def _first_of_each_source(specs: list[Any]) -> list[Any]:
+    """The first path of each data.train entry (its key and weight are the entry's)."""
+    seen: set[int] = set()
+    out = []
+    for spec in specs:
+        if spec.source not in seen:
+            seen.add(spec.source)
+            out.append(spec)
+    return out
+
+
+def mixture_counts(weights: list[float], total: int) -> list[int]:
+    """How many of ``total`` samples each source of a mixture gives: ``total`` x its share of the weights, rounded
+    by largest remainder so that the counts add up to ``total`` (ties to the earlier source)."""
+    whole = sum(weights)
+    exact = [total * w / whole for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def draw_mixture(pools: list[list[int]], weights: list[float], seed: int) -> list[int]:
+    """A mixture's training samples: as many as all the pools hold, shared out by weight (:func:`mixture_counts`),
+    each source's taken from a permutation of its pool chosen by ``seed`` (repeated whole when the source gives
+    more samples than it has: every row once before any row twice). A pure function of its arguments."""
+    counts = mixture_counts(weights, sum(len(p) for p in pools))
+    out: list[int] = []
+    for n, (index, pool) in zip(counts, enumerate(pools), strict=True):
+        rng = random.Random(f"mixture/{seed}/{index}")
+        taken: list[int] = []
+        while len(taken) < n:
+            order = list(pool)
+            rng.shuffle(order)
+            taken += order[: n - len(taken)]
+        out += taken
+    return out
+
+
+def mixture_note(keys: list[str], sources: list[SourceStats], entry_of: list[int]) -> str:
+    """The sentence a run and ``finetune data`` print about a mixture: each source's samples and passes over its
+    usable rows."""
+    parts = []
+    for i, key in enumerate(keys):
+        mine = [s for s, e in zip(sources, entry_of, strict=True) if e == i]
+        used = sum(s.rows_used for s in mine)
+        usable = sum(s.rows - s.bad - s.dropped - s.held_out for s in mine)
+        parts.append(f"{key} {used} samples (weight {mine[0].weight:g}, {used / max(usable, 1):.2f} of its rows)")
+    return "mixture: " + ", ".join(parts)

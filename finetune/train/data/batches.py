@@ -26,11 +26,13 @@ from finetune.loss import IGNORE_INDEX
 @dataclass
 class Example:
     """One training row: ids, labels (IGNORE_INDEX where the loss does not count), and for a packed row
-    the position ids (restarting at 0 at each sample inside it)."""
+    the position ids (restarting at 0 at each sample inside it); in a mixture, ``sources``: the source of each
+    sample in it (its index in TaskData.mixture)."""
 
     input_ids: list[int]
     labels: list[int]
     position_ids: list[int] | None = None
+    sources: tuple[int, ...] = ()
 
 
 def pack(examples: list[Example], max_seq_len: int) -> list[Example]:
@@ -62,12 +64,14 @@ def pack(examples: list[Example], max_seq_len: int) -> list[Example]:
         ids: list[int] = []
         labels: list[int] = []
         pos: list[int] = []
+        sources: tuple[int, ...] = ()
         for i in sorted(members):
             ex = examples[i]
             ids += ex.input_ids
             labels += ex.labels
             pos += range(len(ex.input_ids))
-        packed.append(Example(ids, labels, pos))
+            sources += ex.sources
+        packed.append(Example(ids, labels, pos, sources))
     return packed
 
 
@@ -179,6 +183,17 @@ class BatchStream:
                     total += max(lens) * len(lens)
                     pad += max(lens) * len(lens) - sum(lens)
         return pad / total if total else 0.0
+
+    def source_counts(self, epoch: int, step_in_epoch: int, keys: list[str]) -> dict[str, float]:
+        """A mixture's samples in global batch ``step_in_epoch`` of ``epoch`` by source, as ``samples/KEY``
+        (``keys``: TaskData.mixture); empty when the data is not a mixture."""
+        if not keys:
+            return {}
+        counts = dict.fromkeys(keys, 0)
+        for row in self.rank_rows(epoch, step_in_epoch, rank=0, world_size=1):
+            for s in row.sources:
+                counts[keys[s]] += 1
+        return {f"samples/{k}": float(n) for k, n in counts.items()}
 
     def fingerprint(self) -> str:
         """A hash of the rows and the batch settings: equal fingerprints give equal streams."""
