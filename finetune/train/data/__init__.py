@@ -492,7 +492,11 @@ def _load_streaming(loaded: LoadedRecipe, encoder: Encoder) -> TaskData:
     )
     return TaskData(
         train=[], eval=held.examples, eval_prompts=[p for p in held.prompts if p is not None],
-        stats={"eval": len(held.examples), "eval_prompts": sum(p is not None for p in held.prompts)},
+        stats={  # the training rows are counted as they are read (none yet): `train` is left out
+            "train_samples": 0, "eval": len(held.examples), "eval_prompts": sum(p is not None for p in held.prompts),
+            "tokens": 0, "trained_tokens": 0, "truncated": held.truncated, "dropped": held.dropped,
+            "skipped_bad_rows": len(held.bad), "padding_fraction": 0.0, "cached_sources": held.cached,
+        },
         notes=[note], sources=[SourceStats(s.key, ", ".join(map(str, s.files)), weight=s.weight) for s in stream.sources],
         bad=list(held.bad), mixture=[s.key for s in stream.sources] if d.mixture else [], stream=stream,
     )

@@ -1,0 +1,64 @@
+"""Real runs of the tiny model on a mixture and on a stream (in-process through the launcher, as `finetune run`):
+the samples each step trained on come from the sources in the weights' proportions, and a streamed run resumed
+from its step-3 checkpoint gives the uninterrupted run's losses exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from finetune.launch import LaunchOptions, launch
+from finetune.train import checkpoint as ck
+from tests.support import tiny_recipe, write_jsonl, write_recipe
+
+pytestmark = pytest.mark.slow  # trainings of a few steps
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def _sources(tmp: Path, rows: tuple[int, int]) -> list[dict]:
+    write_jsonl(tmp / "a.jsonl", [{"text": f"apple {i} apple"} for i in range(rows[0])])
+    write_jsonl(tmp / "b.jsonl", [{"text": f"berry {i} berry"} for i in range(rows[1])])
+    return [{"path": str(tmp / "a.jsonl"), "weight": 0.75}, {"path": str(tmp / "b.jsonl"), "weight": 0.25}]
+
+
+def _recipe(tmp: Path, name: str, data: dict, rows: tuple[int, int] = (50, 30), **train: object) -> Path:
+    r = tiny_recipe(
+        tmp / name,
+        data={"train": _sources(tmp, rows), "eval": None, "format": "text", "max_seq_len": 32,
+              "cache_dir": str(tmp / "cache"), **data},
+        train={"global_batch_size": 16, "micro_batch_size": 16, "lr": 2e-3, **train},
+        output={"dir": str(tmp / name), "log_every": 1, "save_every": 3},
+    )
+    return write_recipe(tmp / f"{name}.yaml", r)
+
+
+def test_a_run_on_a_mixture_trains_on_the_sources_in_the_weights_proportions(tmp_path: Path) -> None:
+    """One epoch (5 steps of 16) of the mixture's 80 samples: 60 drawn from a (50 rows), 20 from b (30 rows)."""
+    assert launch(str(_recipe(tmp_path, "mix", {}, max_steps=5)), []) == 0
+    rows = [json.loads(x) for x in (tmp_path / "mix" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    a = [r["samples/data.train.0"] for r in rows]
+    b = [r["samples/data.train.1"] for r in rows]
+    assert [x + y for x, y in zip(a, b, strict=True)] == [16.0] * 5
+    assert abs(sum(a) / (sum(a) + sum(b)) - 0.75) <= 0.03 and sum(a) == 60
+
+
+def test_a_streamed_run_resumed_mid_stream_gives_the_uninterrupted_losses(tmp_path: Path) -> None:
+    """6 steps of 16 samples through a buffer of 24 rows from sources of 20 and 10 rows: both start over before
+    step 3's checkpoint; the resumed run reads the buffer back from the checkpoint's offsets."""
+    data = {"streaming": True, "shuffle_buffer": 24}
+    assert launch(str(_recipe(tmp_path, "whole", data, (20, 10), max_steps=6)), []) == 0
+    whole = _losses(tmp_path / "whole")
+    assert [s for s, _ in whole] == list(range(1, 7))
+    step3 = tmp_path / "whole" / "checkpoints" / "step-3"
+    stream = ck.read_meta(step3)["position"]["stream"]
+    assert stream["made"] == 3 and len(stream["buffer"]) == 23 and sum(stream["rows"]) == 3 * 16 + 23
+    assert min(c[3] for c in stream["cursors"]) >= 1  # each source in its second pass (or later)
+    resumed = _recipe(tmp_path, "resumed", data, (20, 10), max_steps=6)
+    assert launch(str(resumed), [], LaunchOptions(resume=str(step3))) == 0
+    assert _losses(tmp_path / "resumed") == whole[3:]  # identical floats, steps 4..6
