@@ -170,3 +170,28 @@ def test_a_bad_streamed_row_names_its_file_and_line(tok, tmp_path: Path) -> None
     (tmp_path / "a.jsonl").write_text('{"text": "fine"}\nnot json\n')
     skipping.spec.sources[0].files = [tmp_path / "a.jsonl"]
     assert _texts(tok, skipping.global_rows(0, 0)) == ["fine"] * 4 and skipping.counts.bad == 3
+
+
+def test_a_mixture_takes_a_cached_hub_dataset_and_keeps_weights_when_one_becomes_files(
+    tmp_path: Path, tok, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.support import load
+    from tests.unit.test_data_sources import fake_hf_cache
+
+    fake_hf_cache(tmp_path, monkeypatch)  # someone/tiny: 4 train rows
+    write_jsonl(tmp_path / "a.jsonl", _rows("apple", 4))
+    data = load(tmp_path, tok, train=[{"path": "someone/tiny", "weight": 1}, {"path": "a.jsonl", "weight": 3}],
+                format="text")
+    assert [(s.key, s.name, s.rows, s.rows_used) for s in data.sources] == [
+        ("data.train.0", "someone/tiny [train]", 4, 2), ("data.train.1", str(tmp_path / "a.jsonl"), 4, 6),
+    ]
+    assert sum(1 for e in data.train if e.sources == (0,)) == 2
+    # a Hub id downloaded into several files (finetune.locate.fetch_hub_inputs) stays one source, with its weight
+    d = recipe_from_dict({"model": {"path": "tiny-llama"}, "data": {"train": [
+        {"path": "org/set", "weight": 2}, {"path": "b.jsonl", "weight": 1}]}}).recipe.data
+    d.set_train_specs([["/hub/train-0.parquet", "/hub/train-1.parquet"], ["/abs/b.jsonl"]])
+    assert [(t.key, t.spec, t.source, t.weight) for t in d.train_specs()] == [
+        ("data.train.0", "/hub/train-0.parquet", 0, 2.0), ("data.train.0", "/hub/train-1.parquet", 0, 2.0),
+        ("data.train.1", "/abs/b.jsonl", 1, 1.0),
+    ]
+    assert d.describe_train() == "/hub/train-0.parquet (weight 2), /hub/train-1.parquet (weight 2), /abs/b.jsonl (weight 1)"
