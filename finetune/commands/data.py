@@ -155,6 +155,11 @@ def inspect_data(loaded: LoadedRecipe, show: int) -> DataReport:
     tokenizer = load_tokenizer(loaded)
     data = load_task_data(loaded, tokenizer)
     samples = data.samples or data.train  # preference pairs are not packed
+    if data.stream is not None:  # data.streaming: the first samples the run would draw, nothing more is read
+        from finetune.train.data.stream import StreamingBatches
+
+        stream = StreamingBatches(data.stream, max(show, 1), loaded.recipe.train.seed, tokenizer.pad_token_id, 1)
+        samples, data.where = stream.global_rows(0, 0)[: max(show, 0)], stream.where
     rows, spans = [], []
     for i, sample in enumerate(samples[: max(show, 0)]):
         where = data.where[i] if i < len(data.where) else ""  # preference pairs keep no row

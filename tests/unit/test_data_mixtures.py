@@ -195,3 +195,19 @@ def test_a_mixture_takes_a_cached_hub_dataset_and_keeps_weights_when_one_becomes
         ("data.train.1", "/abs/b.jsonl", 1, 1.0),
     ]
     assert d.describe_train() == "/hub/train-0.parquet (weight 2), /hub/train-1.parquet (weight 2), /abs/b.jsonl (weight 1)"
+
+
+def test_finetune_data_on_a_stream_shows_the_first_samples_drawn_and_reads_no_more(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "a.jsonl", _rows("apple", 30))
+    recipe = write_recipe(tmp_path / "stream.yaml", {
+        "model": {"path": str(TINY_MODEL)}, "train": {"max_steps": 10},
+        "data": {"train": "a.jsonl", "format": "text", "streaming": True, "shuffle_buffer": 5},
+    })
+    out = CliRunner().invoke(app, ["data", str(recipe), "--json", "--show", "2"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.stdout)
+    assert report["notes"] == ["streaming 1 .jsonl file, tokenized while training through a shuffle buffer of 5 rows"]
+    assert [s["key"] for s in report["sources"]] == ["data.train"] and report["train"]["samples"] == 0
+    lines = [int(r["where"].rsplit(":", 1)[1]) for r in report["rows"]]
+    assert len(lines) == 2 and all(1 <= n <= 6 for n in lines)  # from the first buffer (5 rows, then the 6th)
+    assert [r["text"] for r in report["rows"]] == [f"apple {n - 1} apple</s>" for n in lines]

@@ -125,6 +125,7 @@ class StreamingBatches:
         self.counts = StreamCounts(rows=[0] * len(spec.sources))
         self.made = 0  # global batches made
         self.last: list[Example] = []
+        self.where: list[str] = []  # the last batch's rows, as file:line
         self._open: dict[int, IO[bytes]] = {}
 
     # -- reading ----------------------------------------------------------------------------------------------
@@ -190,6 +191,7 @@ class StreamingBatches:
             self.counts.dropped += 1
             return None
         sources = (row.source,) if self.weights[0] is not None else ()
+        self.where.append(where)
         return Example(out["input_ids"], out["labels"], None, sources)
 
     def _bad(self, error: str) -> None:
@@ -218,6 +220,7 @@ class StreamingBatches:
         if step == self.made - 1:
             return self.last
         assert step == self.made, f"a stream's batches are read in order: asked for {step}, next is {self.made}"
+        self.where = []
         self.last = [self._sample() for _ in range(self.global_batch_size)]
         self.made += 1
         return self.last
