@@ -305,7 +305,9 @@ class DataConfig(Section):
         "out and report how many.",
     )
     num_proc: Union[PositiveInt, None] = Field(
-        None, le=256, description="Processes for tokenization (default: 1; not with data.streaming)."
+        None, le=256,
+        description="Processes for tokenization (default: 1); a stream (data.streaming) is tokenized in the training "
+        "process as it is read.",
     )
     streaming: bool = Field(
         False,

@@ -1,6 +1,6 @@
 """data.streaming against reading the whole set first: time to the first step and peak host memory, side by side.
 
-    python scripts/bench_streaming.py [--rows 300000] [--buffer 10000]
+    python scripts/bench_streaming.py [--rows 400000] [--buffer 10000]
 
 Writes a .jsonl of ``--rows`` text rows (generated here, in a temporary directory), then runs ``finetune run`` on
 the tiny model for one step twice as subprocesses, on the same file and settings but data.streaming: a fresh
@@ -28,11 +28,11 @@ WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "are", "with"
 
 
 def write_rows(path: Path, n: int, seed: int = 0) -> None:
-    """``n`` rows of 8 to 14 random words each (about 60 characters), written line by line."""
+    """``n`` rows of 24 to 40 random words each (about 140 characters: a short instruction), written line by line."""
     rng = random.Random(seed)
     with path.open("w") as f:
         for i in range(n):
-            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 14)))
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(24, 40)))
             f.write(json.dumps({"text": f"{i} {words}"}) + "\n")
 
 
@@ -42,7 +42,7 @@ def run(tmp: Path, name: str, data: Path, streaming: bool, buffer: int) -> dict[
     recipe = {
         "model": {"path": str(ROOT / "recipes/models/tiny-llama"), "init": "random"},
         "method": "full",
-        "data": {"train": str(data), "format": "text", "max_seq_len": 64, "cache_dir": str(tmp / f"cache-{name}"),
+        "data": {"train": str(data), "format": "text", "max_seq_len": 256, "cache_dir": str(tmp / f"cache-{name}"),
                  "streaming": streaming, "shuffle_buffer": buffer},
         "train": {"max_steps": 1, "global_batch_size": 8, "micro_batch_size": 8, "lr": 1e-3},
         "precision": "fp32",
@@ -53,11 +53,10 @@ def run(tmp: Path, name: str, data: Path, streaming: bool, buffer: int) -> dict[
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = tmp / f"{name}.log"
     started = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "finetune", "run", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        env=env,
-    )
+    with log.open("w") as sink:  # a file, not a pipe: the progress bars of a large set would fill a pipe
+        proc = subprocess.Popen([sys.executable, "-m", "finetune", "run", str(path)], stdout=sink, stderr=sink, env=env)
     first = None
     metrics = out / "metrics.jsonl"
     while True:  # reaped by wait4 itself, for the child's resource usage
@@ -68,14 +67,13 @@ def run(tmp: Path, name: str, data: Path, streaming: bool, buffer: int) -> dict[
             break
         time.sleep(0.02)
     if os.waitstatus_to_exitcode(status) != 0 or first is None:
-        err = proc.stderr.read().decode() if proc.stderr else ""
-        raise SystemExit(f"{name}: finetune run failed:\n{err[-3000:]}")
+        raise SystemExit(f"{name}: finetune run failed:\n{log.read_text()[-3000:]}")
     return {"first_step_s": first, "peak_rss": float(usage.ru_maxrss * 1024)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=300_000)
+    ap.add_argument("--rows", type=int, default=400_000)
     ap.add_argument("--buffer", type=int, default=10_000)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
