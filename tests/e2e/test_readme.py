@@ -1,8 +1,9 @@
 """README.md's commands run as written, so the README cannot drift from the tool.
 
 Every line of a ```bash block is a command. The install and test commands (``pip``, ``pytest``) are what the
-environment running this suite already did, and the several-node lines (``--nnodes``) need several launchers
-(tests/distributed/test_nodes.py runs two on one host); every other command runs here, in a temporary directory holding a
+environment running this suite already did, the several-node lines (``--nnodes``) need several launchers
+(tests/distributed/test_nodes.py runs two on one host), and ``finetune serve`` serves until stopped
+(tests/e2e/test_serve.py); every other command runs here, in a temporary directory holding a
 link to the shipped ``recipes/`` (the README's commands run from the repository's root, and write ``runs/`` and
 ``models/`` into the current directory). Trainings get a few more ``--set`` overrides so that they take two
 steps. The plan printed in the README's ```text blocks is compared with what ``finetune plan`` prints.
@@ -53,8 +54,9 @@ def readme_commands() -> list[list[str]]:
 
 
 def skipped(argv: list[str]) -> bool:
-    """Install and test commands, and one node's half of a several-node run."""
-    return argv[0] in ("pip", "pytest") or "--nnodes" in argv
+    """Install and test commands, one node's half of a several-node run, and the server, which runs until it is
+    stopped (tests/e2e/test_serve.py starts it and asks it through OpenAI's client)."""
+    return argv[0] in ("pip", "pytest") or "--nnodes" in argv or argv[1:2] == ["serve"]
 
 
 def workdir(tmp_path: Path) -> Path:
