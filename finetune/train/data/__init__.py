@@ -309,6 +309,23 @@ def chat_template_name(loaded: LoadedRecipe) -> str:
     return f"data.chat_template `{spec}`" if "{" not in spec else "data.chat_template"
 
 
+def embedding_rows(loaded: LoadedRecipe) -> int | None:
+    """The rows of the model's token embeddings (its config's vocab_size): every token id and label of the data
+    must be below it. None when the config cannot say (the tokenizer's length is used then)."""
+    from finetune.locate import model_config
+
+    inputs = loaded.inputs
+    if inputs is None or inputs.model.problem() is not None:
+        return None
+    try:
+        config = model_config(inputs.model, loaded.recipe.model.trust_remote_code)[0]
+    except (OSError, ValueError, UserError):
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(text, "vocab_size", None)
+    return int(rows) if isinstance(rows, int) and rows > 0 else None
+
+
 def data_encoder(loaded: LoadedRecipe, tokenizer: Any) -> Encoder:
     """The :class:`Encoder` of the recipe's data.train and data.eval (its format, columns and settings)."""
     d = loaded.recipe.data
@@ -317,6 +334,7 @@ def data_encoder(loaded: LoadedRecipe, tokenizer: Any) -> Encoder:
         tokenizer, d.format, d.columns.model_dump(), d.max_seq_len, d.drop_long, d.train_on_prompt,
         resolve_chat_template(loaded, tokenizer) if chat else None, reasoning=d.reasoning,
         assistant_turns=d.assistant_turns, template_name=chat_template_name(loaded) if chat else "",
+        embedding_rows=embedding_rows(loaded),
     )
 
 

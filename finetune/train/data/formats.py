@@ -3,7 +3,9 @@
 :class:`Encoder` is the function ``datasets.map`` runs (it is pickled to worker processes for
 ``data.num_proc``). It never raises for a bad row: it returns the row's error (``where: field `x`: what``)
 in the ``error`` column, so that every bad row can be reported or counted after the map, and one bad row
-in a worker does not kill the pool.
+in a worker does not kill the pool. Any failure while encoding a row is that row's (:func:`row_error`), and so
+is a token id or label the model's embeddings have no row for (``embedding_rows``: the model's vocabulary,
+which may differ from the tokenizer's length), whatever the format.
 
 Labels are IGNORE_INDEX (-100) where the loss does not count: the prompt of an instruction, everything but
 the assistant turns of a conversation (completion-only loss; ``data.assistant_turns``, ``data.reasoning``:
@@ -27,13 +29,22 @@ from finetune.train.data.chat import (
     span_labels,
 )
 from finetune.train.data.rows import BadRow, describe, list_value
-from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN
+from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN, unreadable
 
 PROMPT_TEMPLATE = "{instruction}\n{input}\nAnswer: "
 PROMPT_TEMPLATE_NO_INPUT = "{instruction}\nAnswer: "
 
 # status of an encoded row
 OK, TRUNCATED, DROPPED_LONG, NO_LABELS, BAD = "ok", "truncated", "dropped_long", "no_labels", "bad"
+
+
+class BeyondEmbeddings(Exception):
+    """A row's tokens (from the tokenizer, not a field of the row) that the model's embeddings have no row for."""
+
+
+def row_error(where: str, exc: Exception) -> str:
+    """The error of a row that could not be encoded: a :class:`BadRow`'s field and problem, else what failed."""
+    return f"{where}: {exc if isinstance(exc, (BadRow, BeyondEmbeddings)) else unreadable(exc)}"
 
 
 def _string(row: dict[str, Any], col: str, *, optional: bool = False) -> str:
@@ -85,6 +96,7 @@ class Encoder:
     reasoning: str = "train"  # data.reasoning: train | mask | drop
     assistant_turns: str = "all"  # data.assistant_turns: all | last
     template_name: str = "the chat template"  # which template, in messages
+    embedding_rows: int | None = None  # the model's vocabulary (config.json vocab_size); None: the tokenizer's length
 
     def __post_init__(self) -> None:
         tok = self.tokenizer
@@ -96,7 +108,7 @@ class Encoder:
         self.bos_prefix = (
             [bos] if bos is not None and with_special[:1] == [bos] and plain[:1] != [bos] else []
         )
-        self.vocab_size = len(tok)
+        self.vocab_size = self.embedding_rows or len(tok)
         text = self.chat_template or getattr(tok, "chat_template", None)
         self.template = ChatTemplate(tok, text, self.template_name) if isinstance(text, str) else None
         self.generation_marks = bool(self.template and self.template.marks)
@@ -113,6 +125,7 @@ class Encoder:
             "reasoning": self.reasoning,
             "assistant_turns": self.assistant_turns,
             "template_name": self.template_name,
+            "embedding_rows": self.embedding_rows,
             # the prompt layout is part of the output: a changed template must not read stale cache entries
             "instruction_templates": [PROMPT_TEMPLATE, PROMPT_TEMPLATE_NO_INPUT],
         }
@@ -132,7 +145,6 @@ class Encoder:
     def __call__(self, example: dict[str, Any], index: int, source: str = "") -> dict[str, Any]:
         """``datasets.map`` function: the encoded, length-checked row, or its error."""
         where = example.get(WHERE_COLUMN) or f"{source}: row {index}"
-        row = json.loads(example[ROW_COLUMN]) if ROW_COLUMN in example else example
         out: dict[str, Any] = {
             "input_ids": [],
             "labels": [],
@@ -142,9 +154,11 @@ class Encoder:
             "error": "",
         }
         try:
+            row = json.loads(example[ROW_COLUMN]) if ROW_COLUMN in example else example
             enc = self.encode(row)
-        except BadRow as exc:
-            out.update(status=BAD, error=f"{where}: {exc}")
+            self.check_ids(enc.input_ids, enc.labels)
+        except Exception as exc:  # whatever the row holds, it is that row's problem
+            out.update(status=BAD, error=row_error(where, exc))
             return out
         out.update(prompt_ids=enc.prompt_ids, answer=enc.answer)
         ids, labels = enc.input_ids, enc.labels
@@ -160,6 +174,22 @@ class Encoder:
             return out
         out.update(input_ids=ids, labels=labels)
         return out
+
+    def check_ids(self, ids: list[int], labels: list[int]) -> None:
+        """Every token id and label (but -100) must have a row in the model's embeddings, or the forward would
+        index past them (on a GPU: a device-side assert hours in). Raises :class:`BadRow` naming the first."""
+        c = self.columns
+        what = "the model's embeddings" if self.embedding_rows else "the tokenizer's vocabulary"
+        for col, values in ((c["input_ids"], ids), (c["labels"], labels)):
+            beyond = next((i for i, v in enumerate(values) if v >= self.vocab_size), None)
+            if beyond is None:
+                continue
+            if self.format == "tokenized":
+                raise BadRow(f"{col}[{beyond}]", f"token id {values[beyond]} is not in {what} of {self.vocab_size}")
+            raise BeyondEmbeddings(
+                f"the tokenizer gives token id {values[beyond]}, which is not in {what} of {self.vocab_size}: the "
+                "tokenizer does not belong to the model (or its added tokens were never given embeddings)"
+            )
 
     def encode(self, row: dict[str, Any]) -> Encoded:
         """Encode one row (raises :class:`BadRow`)."""
@@ -203,12 +233,7 @@ class Encoder:
         ids = _int_list(row, c["input_ids"], allow_ignore=False)
         if not ids:
             raise BadRow(c["input_ids"], "is empty")
-        too_big = next((i for i, v in enumerate(ids) if v >= self.vocab_size), None)
-        if too_big is not None:
-            raise BadRow(
-                f"{c['input_ids']}[{too_big}]",
-                f"token id {ids[too_big]} is not in the tokenizer's vocabulary of {self.vocab_size}",
-            )
+        self.check_ids(ids, [])
         if row.get(c["labels"]) is None:
             return Encoded(list(ids), list(ids))
         labels = _int_list(row, c["labels"], allow_ignore=True)

@@ -28,7 +28,7 @@ from finetune.errors import UserError
 from finetune.loss import IGNORE_INDEX
 from finetune.recipe import LoadedRecipe
 from finetune.train.data.batches import BatchStream, Example
-from finetune.train.data.formats import BAD, DROPPED_LONG, OK, TRUNCATED, BadRow, Encoder, describe
+from finetune.train.data.formats import BAD, DROPPED_LONG, OK, TRUNCATED, BadRow, Encoder, describe, row_error
 from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN, Source, read_hf, read_sources
 
 
@@ -127,20 +127,22 @@ class PreferenceEncoder(Encoder):
     def __call__(self, example: dict[str, Any], index: int, source: str = "") -> dict[str, Any]:
         """``datasets.map`` function: the pair's two rows, length-checked, or the row's error."""
         where = example.get(WHERE_COLUMN) or f"{source}: row {index}"
-        row = json.loads(example[ROW_COLUMN]) if ROW_COLUMN in example else example
         out: dict[str, Any] = {
             "input_ids": [], "labels": [], "rejected_ids": [], "rejected_labels": [], "prompt_ids": [],
             "answer": "", "status": OK, "error": "",
         }
         try:
+            row = json.loads(example[ROW_COLUMN]) if ROW_COLUMN in example else example
             prompt, prompt_ids = self._prompt(row)
             chosen = _completion(row, self.columns["chosen"])
             rejected = _completion(row, self.columns["rejected"])
             if chosen == rejected:
                 raise BadRow(self.columns["rejected"], "is the same text as chosen, so there is nothing to prefer")
             rows = [self._row(prompt, prompt_ids, text) for text in (chosen, rejected)]
-        except BadRow as exc:
-            out.update(status=BAD, error=f"{where}: {exc}")
+            for ids, labels in rows:
+                self.check_ids(ids, labels)
+        except Exception as exc:  # whatever the row holds, it is that row's problem
+            out.update(status=BAD, error=row_error(where, exc))
             return out
         if any(len(ids) > self.max_seq_len for ids, _ in rows):
             if self.drop_long:
@@ -235,6 +237,7 @@ def load_preference_data(loaded: LoadedRecipe, tokenizer: Any) -> Any:
         _check_bad_rows,
         _local_rank_zero_first,
         default_cache_dir,
+        embedding_rows,
         resolve_chat_template,
     )
 
@@ -242,7 +245,8 @@ def load_preference_data(loaded: LoadedRecipe, tokenizer: Any) -> Any:
     d = r.data
     template = resolve_chat_template(loaded, tokenizer) if _needs_template(loaded) else None
     encoder = PreferenceEncoder(
-        tokenizer, d.format, d.columns.model_dump(), d.max_seq_len, d.drop_long, False, template
+        tokenizer, d.format, d.columns.model_dump(), d.max_seq_len, d.drop_long, False, template,
+        embedding_rows=embedding_rows(loaded),
     )
     cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
     inputs = loaded.inputs

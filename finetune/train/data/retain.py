@@ -24,6 +24,7 @@ from finetune.train.data import (
     _Encoded,
     _local_rank_zero_first,
     default_cache_dir,
+    embedding_rows,
     encode_source,
     resolve_chat_template,
 )
@@ -89,7 +90,9 @@ def load_retain(loaded: LoadedRecipe, tokenizer: Any) -> RetainData | None:
                 f"it has {', '.join(f'`{k}`' for k in row) or 'no fields'}"
             )
         template = resolve_chat_template(loaded, tokenizer) if fmt == "chat" else None
-        encoder = Encoder(tokenizer, fmt, columns, d.max_seq_len, d.drop_long, False, template)
+        encoder = Encoder(
+            tokenizer, fmt, columns, d.max_seq_len, d.drop_long, False, template, embedding_rows=embedding_rows(loaded)
+        )
         cache_dir = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
         enc = _Encoded()
         for src in sources:
