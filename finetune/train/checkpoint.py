@@ -24,15 +24,20 @@ files and ``meta.json``, fsyncs everything, renames the directory to ``step-N`` 
 Only names ``step-N`` holding a ``meta.json`` count as checkpoints, so a write cut short (kill, crash, full
 disk) is never chosen by ``--resume``; leftovers are removed by the next save.
 
-Loading uses ``torch.load(weights_only=True)`` (also for DCP's non-tensor values, through a load planner
-that overrides DCP's default): a checkpoint cannot run code.
+Loading runs no code from the checkpoint: DCP's ``.metadata`` (a pickle) is read by :class:`SafeReader`'s
+restricted unpickler, which admits only the classes DCP's metadata is made of (its dataclasses, torch sizes,
+dtypes, layouts and memory formats, paths); ``trainer.pt`` and DCP's non-tensor values are read with
+``torch.load(weights_only=True)`` (the latter through a load planner that overrides DCP's default); meta.json is
+JSON. A checkpoint naming anything else is refused in one sentence, before anything of it is used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 import time
@@ -65,6 +70,8 @@ META = "meta.json"
 FORMAT_VERSION = 2
 #: ``checkpoints/best.json``: early stopping's best checkpoint (its step, path and figure), never pruned.
 BEST = "best.json"
+#: The hidden directory of output.dir a final save writes into before its files are moved in (then a pid).
+FINAL_STAGING_PREFIX = ".tmp-final-"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -86,7 +93,11 @@ def _step_of(name: str) -> int | None:
 
 def list_checkpoints(out_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """The complete checkpoints in ``out_dir`` as (step, path), oldest first."""
-    root = checkpoints_dir(out_dir)
+    return list_checkpoints_in(checkpoints_dir(out_dir))
+
+
+def list_checkpoints_in(root: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints (``step-N`` with a meta.json) directly in the folder ``root``, oldest first."""
     if not root.is_dir():
         return []
     found = []
@@ -216,16 +227,29 @@ def check_fresh_start(out_dir: str | os.PathLike[str]) -> None:
 
 
 def clear_run(out_dir: str | os.PathLike[str]) -> None:
-    """``--overwrite``: remove what an earlier run left in ``out_dir`` (checkpoints, metrics, saved model or
-    adapter), so nothing of it mixes with the new run. Only names finetune writes are touched."""
+    """``--overwrite``: remove what an earlier run left in ``out_dir`` (checkpoints, those a resume moved aside,
+    metrics, saved model or adapter, a final save cut short), so nothing of it mixes with the new run. Only
+    names finetune writes are touched."""
     out = Path(out_dir)
     clear_checkpoints(out)
+    root = checkpoints_dir(out)
+    if root.is_dir():  # checkpoints a resume moved aside belong to the run being replaced too
+        for p in root.iterdir():
+            if p.name.startswith(SET_ASIDE_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
     if out.is_dir():
         for p in out.iterdir():
             if p.name in RUN_FILES or (p.name.startswith("model-") and p.name.endswith(".safetensors")):
                 p.unlink(missing_ok=True)
         if (out / "base").is_dir() and (out / "base" / "config.json").is_file():
             shutil.rmtree(out / "base", ignore_errors=True)
+        remove_final_leftovers(out)
+
+
+def remove_final_leftovers(out_dir: str | os.PathLike[str]) -> None:
+    """Remove the staging directories of final saves that never finished (a kill, a full disk)."""
+    for p in Path(out_dir).glob(f"{FINAL_STAGING_PREFIX}*"):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def clear_checkpoints(out_dir: str | os.PathLike[str]) -> int:
@@ -658,6 +682,9 @@ class Checkpointer:
         try:
             load_sharded({k: self.states[k] for k in SHARDED_PARTS}, path / STATE_DIR, self.world_size)
         except (Exception, CheckpointException) as exc:
+            refused = _refused(path, exc)
+            if refused is not None:
+                raise refused from None
             raise UserError(
                 f"--resume: {path} cannot be loaded into this run ({_first_error(exc)}); it is damaged or was saved "
                 "by another run or model: choose another checkpoint of this run"
@@ -704,12 +731,13 @@ def save_sharded(parts: dict[str, Any], path: Path, world_size: int) -> None:
 
 def load_sharded(parts: dict[str, Any], path: Path, world_size: int) -> None:
     """Every rank loads its shards of ``parts`` from the DCP directory ``path`` (resharded as needed), with a
-    planner that never unpickles code and streams 8-bit AdamW's moments."""
+    reader whose unpickler admits only the classes DCP's metadata is made of and a planner that never unpickles
+    code and streams 8-bit AdamW's moments."""
     import torch.distributed.checkpoint as dcp
 
     from finetune.train.distributed import wait_group
 
-    dcp.load(parts, checkpoint_id=str(path), planner=_SafeLoadPlanner(), no_dist=world_size == 1,
+    dcp.load(parts, storage_reader=safe_reader(path), planner=_SafeLoadPlanner(), no_dist=world_size == 1,
              process_group=wait_group())
 
 
@@ -744,6 +772,97 @@ def _first_error(exc: BaseException) -> str:
         return exc.strerror
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+#: What DCP's metadata pickle may name: module -> the names in it. torch's dtypes, layouts and memory formats
+#: are admitted by their type (:func:`_metadata_global`), so a new dtype needs no entry here.
+METADATA_CLASSES: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    }),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.distributed.checkpoint.planner": frozenset({"LoadItemType", "WriteItemType"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # a layout by its name
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "slice"}),
+}
+
+
+class RefusedMetadata(pickle.UnpicklingError):
+    """DCP metadata that names something no metadata of a checkpoint holds (a function, another class)."""
+
+
+def _metadata_global(module: str, name: str) -> Any:
+    """The object a metadata pickle's global names, if DCP's metadata may hold it; else :class:`RefusedMetadata`."""
+    import importlib
+
+    import torch
+
+    if name in METADATA_CLASSES.get(module, ()):
+        return getattr(importlib.import_module(module), name)
+    if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        return getattr(torch, name)
+    raise RefusedMetadata(f"{module}.{name}")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves globals only through :func:`_metadata_global`: what the pickle can call is a
+    metadata dataclass, a torch size or dtype, a path; nothing that runs a command or imports a module."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _metadata_global(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise RefusedMetadata("a persistent id")
+
+
+def read_dcp_metadata(data: bytes) -> Any:
+    """DCP's ``Metadata`` from the bytes of a ``.metadata`` file, unpickled without running code (raises
+    :class:`RefusedMetadata` for a global DCP's metadata never holds)."""
+    return _MetadataUnpickler(io.BytesIO(data)).load()
+
+
+def _safe_reader_class() -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class SafeReader(FileSystemReader):
+        """DCP's file-system reader, but ``.metadata`` is unpickled by :func:`read_dcp_metadata`."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = read_dcp_metadata(f.read())
+            if not isinstance(metadata, Metadata):
+                raise RefusedMetadata(f"a {type(metadata).__name__} in place of DCP's Metadata")
+            storage = getattr(metadata, "storage_meta", None) or StorageMeta()  # older pickles lack it
+            storage.load_id = self.load_id
+            metadata.storage_meta = storage
+            return metadata
+
+    return SafeReader
+
+
+def safe_reader(state_dir: str | os.PathLike[str]) -> Any:
+    """A DCP storage reader of ``state_dir`` whose metadata is read without running code."""
+    return _safe_reader_class()(str(state_dir))
+
+
+def _refused(path: Path, exc: BaseException) -> UserError | None:
+    """The one sentence for a checkpoint whose metadata names what no checkpoint holds (None for other failures)."""
+    failures = getattr(exc, "failures", None)
+    causes = [exc, *(f[0] if isinstance(f, tuple) else f for f in failures.values())] if isinstance(failures, dict) else [exc]
+    refused = next((c for c in causes if isinstance(c, RefusedMetadata)), None)
+    if refused is None:
+        return None
+    return UserError(
+        f"--resume: {path / STATE_DIR / '.metadata'} names {refused}, which no checkpoint's metadata holds: it was "
+        "not written by finetune (or was changed since), and loading it could run code; nothing of it was loaded. "
+        "Choose a checkpoint this run wrote"
+    )
 
 
 def _safe_load_planner_class() -> Any:
@@ -789,13 +908,16 @@ def read_weights(ckpt: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    state_dir = str(Path(ckpt) / STATE_DIR)
-    metadata = dcp.FileSystemReader(state_dir).read_metadata()
+    state_dir = Path(ckpt) / STATE_DIR
+    try:
+        metadata = safe_reader(state_dir).read_metadata()
+    except RefusedMetadata as exc:
+        raise _refused(Path(ckpt), exc) or exc from None
     weights: dict[str, torch.Tensor] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata):  # not the bytes entries
             weights[key[len("model.") :]] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load({"model": weights}, checkpoint_id=state_dir, no_dist=True, planner=_SafeLoadPlanner())
+    dcp.load({"model": weights}, storage_reader=safe_reader(state_dir), no_dist=True, planner=_SafeLoadPlanner())
     return weights
 
 
@@ -810,9 +932,31 @@ def prune(out_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
-def drop_newer(out_dir: Path, step: int) -> list[Path]:
-    """Delete checkpoints newer than ``step`` (an abandoned future when resuming an older one)."""
-    doomed = [p for s, p in list_checkpoints(out_dir) if s > step]
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-    return doomed
+#: The folder of checkpoints/ that the checkpoints newer than a resumed one are moved into (then its step and
+#: the time): not a ``step-N`` name, so no resume, prune or leftover clean-up ever takes or removes it.
+SET_ASIDE_PREFIX = "set-aside-after-step-"
+
+
+def set_aside_newer(out_dir: Path, step: int, metrics: Path | None = None) -> Path | None:
+    """Move the checkpoints newer than ``step`` (the future a resume from an older one leaves behind) into one
+    new folder of checkpoints/, with the metrics.jsonl rows after ``step`` and early stopping's best.json as
+    that run left them; nothing is deleted. Returns the
+    folder (None when there was nothing newer). Rank 0 only."""
+    newer = [p for s, p in list_checkpoints(out_dir) if s > step]
+    if not newer:
+        return None
+    folder = checkpoints_dir(out_dir) / f"{SET_ASIDE_PREFIX}{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+    suffix = 0
+    while folder.exists():  # two resumes in the same second
+        suffix += 1
+        folder = folder.with_name(f"{folder.name.split('.')[0]}.{suffix}")
+    folder.mkdir()
+    for p in newer:
+        os.rename(p, folder / p.name)
+    if metrics is not None and metrics.is_file():
+        shutil.copyfile(metrics, folder / METRICS)  # every row, the ones after `step` included
+    if (checkpoints_dir(out_dir) / BEST).is_file():  # early stopping's pointer as that run left it
+        shutil.copyfile(checkpoints_dir(out_dir) / BEST, folder / BEST)
+    _fsync_dir(folder)
+    _fsync_dir(folder.parent)
+    return folder

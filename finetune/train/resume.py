@@ -170,9 +170,16 @@ class RunCheckpoints:
         epoch, in_epoch = position(state.step, self.checkpointer.states["data"].stream)
         self.last_saved, self.last_saved_step = path, state.step
         if self.ctx.is_main:
-            dropped = ck.drop_newer(out, state.step)
+            aside = ck.set_aside_newer(out, state.step, metrics)
             ck.truncate_metrics(metrics, state.step)
-            note = f"; removed newer checkpoints {', '.join(p.name for p in dropped)}" if dropped else ""
+            note = ""
+            if aside is not None:
+                moved = [p.name for _, p in ck.list_checkpoints_in(aside)]
+                what = f"checkpoints {', '.join(moved)} were" if len(moved) > 1 else f"checkpoint {moved[0]} was"
+                note = (
+                    f"; the newer {what} moved aside to {aside}, with the metrics.jsonl of that run (delete the "
+                    "folder when it is no longer needed)"
+                )
             saved_by = meta.get("saved_by", {}).get("world_size", self.ctx.world_size)
             saved_tp, tp = int(meta["identity"].get("tp", 1)), self.plan.chosen.tp
             saved_pp, pp = int(meta["identity"].get("pp", 1)), self.plan.chosen.pp
@@ -186,9 +193,9 @@ class RunCheckpoints:
                 f"resumed from {path} at step {state.step} of {self.total_steps} "
                 f"(epoch {epoch}, batch {in_epoch}){note}"
             )
-            if self.early is not None:  # the pointer as the checkpoint's state has it (a newer best is gone)
+            if self.early is not None:  # the pointer as the checkpoint's state has it (a newer best was set aside)
                 self._write_best()
-        self.ctx.wait_barrier()  # rank 0 may be removing newer checkpoints
+        self.ctx.wait_barrier()  # rank 0 may be moving newer checkpoints aside
 
     def _check_disk(self) -> None:
         assert self.plan.execution is not None, "a plan for a run carries its execution spec"

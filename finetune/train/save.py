@@ -1,18 +1,26 @@
 """What a run writes into output.dir: the run files before training (the resolved recipe and the plan) and,
-at the end, the trained model (streamed one tensor at a time) or adapter, with the tokenizer."""
+at the end, the trained model (streamed one tensor at a time) or adapter, with the tokenizer.
+
+The final model is written into a hidden directory of output.dir (:class:`FinalStaging`), fsynced, and only
+then moved in file by file (config.json last), so a kill or a full disk during the save never leaves a
+half-written model file under a name a loader reads, and an earlier model's files stay whole until replaced.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe, recipe_to_yaml
+from finetune.train.checkpoint import FINAL_STAGING_PREFIX, remove_final_leftovers
 from finetune.train.distributed import DistContext
 
 if TYPE_CHECKING:
@@ -38,11 +46,49 @@ def _save_plain_lora(inner: Any, out_dir: Path, state: dict[str, Any]) -> None:
         config.r, config.lora_alpha, config.init_lora_weights = kept
 
 
+#: What a new final model replaces beyond its own names: an earlier model's shards and index.
+MODEL_FILES = ("model.safetensors", "model-*.safetensors", "model.safetensors.index.json")
+
+
+class FinalStaging:
+    """``with FinalStaging(out_dir, ctx) as where:`` the directory the final save writes into: on rank 0 a new
+    hidden directory of ``out_dir`` (an earlier one, left by a save cut short, removed first), moved into
+    ``out_dir`` when the block succeeds and removed when it fails; on the other ranks ``out_dir`` itself (they
+    write nothing). ``files``: what was moved in (rank 0)."""
+
+    def __init__(self, out_dir: Path, ctx: DistContext) -> None:
+        self.out_dir, self.main = out_dir, ctx.is_main
+        self.dir = out_dir / f"{FINAL_STAGING_PREFIX}{os.getpid()}"
+        self.files: list[str] = []
+
+    def __enter__(self) -> Path:
+        if not self.main:
+            return self.out_dir
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        remove_final_leftovers(self.out_dir)
+        self.dir.mkdir()
+        return self.dir
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self.main:
+            return
+        if kind is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
+        from finetune.swap import move_in
+
+        replaces = MODEL_FILES if any(p.name.startswith("model") for p in self.dir.glob("*.safetensors")) else ()
+        self.files = move_in(self.dir, self.out_dir, last=("config.json",), stale=replaces)
+
+
 def save_final(
     model: torch.nn.Module, inner: torch.nn.Module, tokenizer: Any, out_dir: Path, ctx: DistContext, *,
     adapters: bool, max_shard_bytes: int,
-) -> None:
-    """Write the trained model (HF directory) or adapter (PEFT directory) and the tokenizer, on rank 0.
+) -> list[str]:
+    """Write the trained model (HF directory) or adapter (PEFT directory) and the tokenizer, on rank 0, staged
+    and moved into ``out_dir`` (:class:`FinalStaging`); returns the names written (on rank 0; [] elsewhere).
 
     Every rank calls this. Nothing is gathered whole: a full fine-tune is streamed one tensor at a time
     (:func:`write_model_streamed`); an adapter run gathers only the adapters. Under a pipeline ``model`` is
@@ -55,8 +101,6 @@ def save_final(
     from finetune.train.parallel import is_sharded
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
-    if ctx.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
     # peft saves a prefix by running its prompt encoder, which FSDP2 keeps sharded in the root unit: gather
     # the root's parameters on every rank for the save (a collective), and shard them again after.
     gather_root = ctx.distributed and is_sharded(model) and prefix_tokens(inner) > 0
@@ -73,33 +117,39 @@ def save_final(
     if gather_root:
         cast("FSDPModule", model).unshard()  # is_sharded(model) said so
     hf: Any = inner  # a transformers PreTrainedModel or a peft model
-    if adapters:  # the trained parameters only, each gathered whole (the frozen base is never gathered)
-        trained: dict[str, torch.Tensor] = {name: p for name, p in inner.named_parameters() if p.requires_grad}
-        state = stage_tensors_on_main(trained, ctx) if ctx.layout.pp_enabled else {n: _whole(p) for n, p in trained.items()}
+    staging = FinalStaging(out_dir, ctx)
+    with staging as where:
+        if adapters:  # the trained parameters only, each gathered whole (the frozen base is never gathered)
+            trained: dict[str, torch.Tensor] = {name: p for name, p in inner.named_parameters() if p.requires_grad}
+            state = (
+                stage_tensors_on_main(trained, ctx) if ctx.layout.pp_enabled
+                else {n: _whole(p) for n, p in trained.items()}
+            )
+            if ctx.is_main:
+                if has_bottlenecks(inner):  # our own adapter format; the base stays where it is
+                    save_bottlenecks(inner, where, state, base=getattr(inner.config, "_name_or_path", None))
+                elif getattr(inner, LORA_INIT_ATTR, None) is not None:
+                    _save_plain_lora(inner, where, state)
+                elif experts_layer_names(inner):  # expert adapters in peft's target_parameters layout
+                    rest, tensors, targets = peft_layout(state, inner)
+                    hf.save_pretrained(where, state_dict=rest, safe_serialization=True)
+                    add_to_peft_dir(where, tensors, targets, experts_layer_names(inner))
+                else:
+                    hf.save_pretrained(where, state_dict=state, safe_serialization=True)
+                if ctx.layout.pp_enabled:
+                    _save_every_stage_adapter(hf, where, state)
+        else:
+            write_model_streamed(inner, where, ctx, max_shard_bytes)
+            if ctx.is_main:
+                hf.config.save_pretrained(where)
+                if getattr(inner, "generation_config", None) is not None:
+                    hf.generation_config.save_pretrained(where)
         if ctx.is_main:
-            if has_bottlenecks(inner):  # our own adapter format; the base stays where it is
-                save_bottlenecks(inner, out_dir, state, base=getattr(inner.config, "_name_or_path", None))
-            elif getattr(inner, LORA_INIT_ATTR, None) is not None:
-                _save_plain_lora(inner, out_dir, state)
-            elif experts_layer_names(inner):  # expert adapters in peft's target_parameters layout
-                rest, tensors, targets = peft_layout(state, inner)
-                hf.save_pretrained(out_dir, state_dict=rest, safe_serialization=True)
-                add_to_peft_dir(out_dir, tensors, targets, experts_layer_names(inner))
-            else:
-                hf.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
-            if ctx.layout.pp_enabled:
-                _save_every_stage_adapter(hf, out_dir, state)
-    else:
-        write_model_streamed(inner, out_dir, ctx, max_shard_bytes)
-        if ctx.is_main:
-            hf.config.save_pretrained(out_dir)
-            if getattr(inner, "generation_config", None) is not None:
-                hf.generation_config.save_pretrained(out_dir)
-    if ctx.is_main:
-        tokenizer.save_pretrained(out_dir)
+            tokenizer.save_pretrained(where)
     ctx.wait_barrier()  # rank 0 writes the files while the others wait (the wait group's timeout)
     if gather_root:
         cast("FSDPModule", model).reshard()
+    return staging.files
 
 
 def _save_every_stage_adapter(peft_model: Any, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
@@ -192,14 +242,12 @@ def write_shards(
 
     ``specs``: (name, shape, dtype) of every tensor, so the headers and the split are fixed before any tensor is
     whole; ``fetch(name)``: that tensor whole on rank 0 (other ranks may get None), a collective where the
-    tensor is sharded. Rank 0 removes an earlier run's shards first. Returns the file names (on every rank).
+    tensor is sharded. ``out_dir`` is a new directory (:class:`FinalStaging`'s): an earlier model's shards are
+    replaced when it is moved in. Returns the file names (on every rank).
     """
-    from finetune.safetensors_stream import SAFE_INDEX, ShardWriter, plan_shards, write_index
+    from finetune.safetensors_stream import ShardWriter, plan_shards, write_index
 
     shards = plan_shards(specs, max_shard_bytes)
-    if ctx.is_main:
-        for old in [*out_dir.glob("model*.safetensors"), out_dir / SAFE_INDEX]:
-            old.unlink(missing_ok=True)  # an earlier run's shards would mix with these
     for file, file_specs in shards:
         writer = ShardWriter(out_dir / file, file_specs) if ctx.is_main else None
         for name, _, _ in file_specs:

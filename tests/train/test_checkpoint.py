@@ -53,8 +53,10 @@ def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path: Path) -> None:
     removed = ck.prune(out, keep=2)
     assert sorted(p.name for p in removed) == ["step-2", "step-4"]
     assert [s for s, _ in ck.list_checkpoints(out)] == [6, 8]
-    assert ck.drop_newer(out, 6)[0].name == "step-8"
-    assert ck.clear_checkpoints(out) == 1 and not leftover.exists()
+    aside = ck.set_aside_newer(out, 6)
+    assert aside is not None and [p.name for _, p in ck.list_checkpoints_in(aside)] == ["step-8"]
+    assert [s for s, _ in ck.list_checkpoints(out)] == [6] and ck.latest_checkpoint(out).name == "step-6"
+    assert ck.clear_checkpoints(out) == 1 and not leftover.exists() and (aside / "step-8" / ck.META).is_file()
 
 
 def test_fresh_start_refuses_an_unfinished_run(tmp_path: Path) -> None:
