@@ -1,5 +1,7 @@
 """What a run does when a step's loss or gradient norm is not finite (``train.on_nonfinite``): skip the
 update (the step and its batch still count) or stop with one line naming the step and the last good checkpoint.
+Skipping has a limit (``train.max_consecutive_skips``): that many non-finite steps in a row stop the run too,
+before anything is saved or uploaded.
 """
 
 from __future__ import annotations
@@ -37,4 +39,15 @@ def nonfinite_stop(
     return NonFiniteError(
         f"step {step}: the loss is {loss} and the gradient norm {grad_norm}, training stopped "
         f"(train.on_nonfinite: stop); {last}; lower train.lr, or set train.on_nonfinite: skip"
+    )
+
+
+def nonfinite_limit(step: int, in_a_row: int, loss: float, grad_norm: float, last_saved: Path | None) -> NonFiniteError:
+    """The one-line error when ``train.max_consecutive_skips`` non-finite steps came in a row (exit status 3):
+    the run learns nothing any more, so it stops without saving or uploading."""
+    last = f"the last checkpoint, {last_saved}, is kept" if last_saved is not None else "no checkpoint was saved"
+    return NonFiniteError(
+        f"step {step}: {in_a_row} steps in a row had a non-finite loss or gradient norm (now {loss} and {grad_norm}), "
+        f"train.max_consecutive_skips; training stopped without saving the model ({last}); lower train.lr, check "
+        "the data, or raise train.max_consecutive_skips"
     )

@@ -25,17 +25,19 @@ class TrainState:
     step: int = 0  # optimizer steps done
     tokens: int = 0  # input tokens (not padding) processed, all ranks
     skipped_steps: int = 0
+    skipped_in_a_row: int = 0  # non-finite steps since the last finite one (train.max_consecutive_skips)
     history: list[float] = field(default_factory=list)  # per-step loss (the parity tests read metrics.jsonl)
 
     def state_dict(self) -> dict[str, Any]:
         """The counters as JSON values (a checkpoint's meta.json)."""
         return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
-                "history": list(self.history)}
+                "skipped_in_a_row": self.skipped_in_a_row, "history": list(self.history)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.skipped_steps = int(state["skipped_steps"])
+        self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
         self.history = [float(x) for x in state["history"]]
 
 

@@ -63,7 +63,7 @@ from finetune.train.model import (
     count_parameters,
     load_tokenizer,
 )
-from finetune.train.nonfinite import nonfinite_policy, nonfinite_stop
+from finetune.train.nonfinite import nonfinite_limit, nonfinite_policy, nonfinite_stop
 from finetune.train.optimizer import build_optimizer
 from finetune.train.parallel import parallelize, unwrap
 from finetune.train.pipeline import Pipeline, StagedForward, build_pipeline
@@ -107,6 +107,7 @@ class Trainer:
         self.state = TrainState()
         self.phase = RunPhase()  # where the run is, for the out-of-memory message
         self.started = time.perf_counter()
+        self.saved_files: list[str] = []  # what the final save wrote (rank 0)
 
     # -- setup ------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -323,6 +324,10 @@ class Trainer:
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and self.on_nonfinite == "stop":
             raise nonfinite_stop(step, loss, grad_norm, self.checkpoints.last_saved, resume_command(self.loaded))
+        self.state.skipped_in_a_row = 0 if finite else self.state.skipped_in_a_row + 1
+        limit = self.loaded.recipe.train.max_consecutive_skips
+        if self.state.skipped_in_a_row >= limit:  # every rank saw the same figures: every rank stops here
+            raise nonfinite_limit(step, self.state.skipped_in_a_row, loss, grad_norm, self.checkpoints.last_saved)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips the update itself when the scaled grads overflowed
             self.scaler.update()
@@ -412,19 +417,23 @@ class Trainer:
         return ev
 
     def push(self, repo_id: str) -> None:
-        """Upload output.dir's model or adapter with its model card (rank 0, after the final save)."""
-        from finetune.publish import model_card, push_folder
+        """Upload the files this run wrote (the final model or adapter, the tokenizer, the run files) with a model
+        card (rank 0, after the final save); nothing else in output.dir."""
+        from finetune.publish import RUN_RECORDS, model_card, push_folder
 
+        files = [*self.saved_files, *(f for f in RUN_RECORDS if (self.out_dir / f).is_file())]
         url = push_folder(
-            self.out_dir, repo_id, key="output.push_to_hub", card=model_card(self.out_dir),
+            self.out_dir, repo_id, key="output.push_to_hub", card=model_card(self.out_dir), files=files,
             message=f"finetune: {self.plan.chosen.method} run, {self.state.step} steps",
+            private=self.loaded.recipe.output.push_private,
         )
         self.reporter.plain(f"uploaded to the Hub: {repo_id} ({url})")
 
     def save(self) -> None:
-        """The final model or adapter and the tokenizer (every rank calls; rank 0 writes)."""
+        """The final model or adapter and the tokenizer (every rank calls; rank 0 writes and records the names
+        in ``saved_files``, which an upload sends)."""
         self.phase.at("save")
-        save_final(
+        self.saved_files = save_final(
             self.model, unwrap(self.model), self.tokenizer, self.out_dir, self.ctx,
             adapters=self.spec.method.adapters, max_shard_bytes=parse_bytes(self.loaded.recipe.output.max_shard_size),
         )
