@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -106,24 +107,29 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
         # A requeued job continues from its newest checkpoint, or starts again without one; an --overwrite in
         # its command line was done by its first attempt.
         resume, options = "auto", replace(options, overwrite=False)
-    if options.node_rank == 0:
-        from finetune.train.resume import preflight_resume
-        from finetune.train.save import write_run_files
+    from finetune.train.lock import OutputLock
 
-        resume = preflight_resume(loaded, plan, resume, options.overwrite)  # the checkpoint path; a mismatch is a UserError
-        write_run_files(loaded, plan.to_dict())
-    if nproc * nnodes == 1:
-        from finetune.train.trainer import train_rank
+    # node 0's launcher prepares output.dir (clears, resumes, writes the run files): it holds the directory from
+    # here to its exit, so a second run into it is refused before it touches anything there
+    with OutputLock(r.output.dir) if options.node_rank == 0 else contextlib.nullcontext():
+        if options.node_rank == 0:
+            from finetune.train.resume import preflight_resume
+            from finetune.train.save import write_run_files
 
-        return train_rank(
-            loaded, plan, measure_memory=options.measure_memory, resume=resume, debug_memory=options.debug_memory
-        ).exit_code
-    from finetune.train.worker import RunRequest
+            resume = preflight_resume(loaded, plan, resume, options.overwrite)  # the checkpoint path; a mismatch is a UserError
+            write_run_files(loaded, plan.to_dict())
+        if nproc * nnodes == 1:
+            from finetune.train.trainer import train_rank
 
-    request = RunRequest.of(
-        loaded, plan, resume=resume, measure_memory=options.measure_memory, debug_memory=options.debug_memory
-    )
-    return launch_workers(request, options)
+            return train_rank(
+                loaded, plan, measure_memory=options.measure_memory, resume=resume, debug_memory=options.debug_memory
+            ).exit_code
+        from finetune.train.worker import RunRequest
+
+        request = RunRequest.of(
+            loaded, plan, resume=resume, measure_memory=options.measure_memory, debug_memory=options.debug_memory
+        )
+        return launch_workers(request, options)
 
 
 def check_host_memory(plan: Plan, options: LaunchOptions) -> None:
