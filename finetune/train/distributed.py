@@ -188,12 +188,34 @@ def wait_barrier() -> None:
 
 
 def wait_broadcast(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank through the wait group (``value`` itself without other ranks)."""
+    """Rank 0's ``value`` (a JSON value) on every rank through the wait group (``value`` itself without other
+    ranks)."""
     if not _several_ranks():
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=_WAIT_GROUP)
-    return box[0]
+    return all_gather_json(value if dist.get_rank() == 0 else None)[0]
+
+
+def all_gather_json(value: Any) -> list[Any]:
+    """Every rank's ``value`` (a JSON value), in rank order, on every rank, through the wait group.
+
+    What another process sends travels as UTF-8 JSON in byte tensors and is parsed as JSON: never unpickled (an
+    object collective unpickles what arrives, which would run code a peer, or anyone reaching the network,
+    chose). Without other ranks: ``[value]``.
+    """
+    import json
+
+    if not _several_ranks():
+        return [value]
+    world = dist.get_world_size()
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=_WAIT_GROUP)
+    longest = max(int(n) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=_WAIT_GROUP)
+    return [json.loads(bytes(t[: int(n)].numpy()).decode()) for t, n in zip(gathered, sizes, strict=True)]
 
 
 def _restart_store(rank: int, world: int) -> dict[str, Any]:

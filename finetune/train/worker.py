@@ -110,7 +110,7 @@ def run_worker(request_path: str) -> None:
     _quiet_if_not_main(int(os.environ.get("RANK", 0)))
     _set_threads()
     from finetune.train.distributed import DistContext
-    from finetune.train.nodes import agree_with_node0
+    from finetune.train.nodes import agree_with_node0, check_shared_output, input_fingerprints, several_nodes
     from finetune.train.save import write_run_files
     from finetune.train.trainer import train_rank
 
@@ -119,8 +119,11 @@ def run_worker(request_path: str) -> None:
     d = loaded.recipe.distributed
     ctx = DistContext.from_env(timeout=d.timeout, wait_timeout=d.wait_timeout, offload=offloads(request))
     try:
-        # Every node planned on its own hardware; all of them run node 0's plan (and the same recipe).
-        plan_dict = agree_with_node0(request.recipe, request.plan, ctx)
+        # Every node planned on its own hardware; all of them run node 0's plan (and the same recipe, package
+        # versions, model config and data files: one rank per node reads them), and see one output.dir.
+        reads = several_nodes() and ctx.local_rank == 0
+        plan_dict = agree_with_node0(request.recipe, request.plan, ctx, input_fingerprints(loaded) if reads else None)
+        check_shared_output(loaded.recipe.output.dir, ctx)
         if ctx.is_main:  # c10d may put global rank 0 on any node: it writes the run files there
             write_run_files(loaded, plan_dict)
         train_rank(
