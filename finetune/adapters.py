@@ -49,17 +49,6 @@ def base_model_of(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def lora_targets(target_modules: Any, model_type: str) -> list[str] | str:
-    """The modules that get LoRA adapters: the recipe's ``lora.target_modules``; when unset, peft's choice for
-    the architecture (q_proj and v_proj for Llama, Qwen2, Mistral, Gemma; c_attn for GPT-2), and every linear
-    layer (``all-linear``) for architectures peft has no choice for (Phi-3's fused qkv_proj)."""
-    if target_modules is not None:
-        return list(target_modules) if isinstance(target_modules, tuple) else target_modules
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
-
-    return list(PEFT_DEFAULTS.get(model_type) or []) or "all-linear"
-
-
 def peft_inject(model: Any, config: Any, key: str) -> Any:
     """``get_peft_model`` with ``config``; a config that does not fit the model (e.g. target modules it does not
     have) is one sentence naming the recipe ``key``."""

@@ -48,6 +48,20 @@ def resolve_input_path(value: str, base_dir: Path) -> Path:
     return base_dir / p
 
 
+def path_overlap(out: str | os.PathLike[str], inp: str | os.PathLike[str]) -> str | None:
+    """How a directory that will be written (``out``) overlaps an input (``inp``): ``is``, ``contains`` or ``lies
+    inside``, compared as real paths (every symlink resolved, also in a part that does not exist yet); None
+    when they are apart."""
+    o, i = Path(os.path.realpath(os.path.expanduser(out))), Path(os.path.realpath(os.path.expanduser(inp)))
+    if o == i:
+        return "is"
+    if i.is_relative_to(o):
+        return "contains"
+    if o.is_relative_to(i):
+        return "lies inside"
+    return None
+
+
 def _hf_home() -> Path:
     return Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
 
@@ -255,6 +269,19 @@ def model_config(location: ModelLocation, trust_remote_code: bool = False) -> tu
     config = AutoConfig.from_pretrained(location.path, trust_remote_code=trust_remote_code, local_files_only=True)
     source = location.path if location.kind == "dir" else f"hub-cache:{location.value}"
     return config, source
+
+
+def needs_remote_code(err: BaseException) -> bool:
+    """Whether transformers refused to load a model because its own code would have to run (trust_remote_code)."""
+    return isinstance(err, ValueError) and "trust_remote_code" in str(err)
+
+
+def remote_code_refused(model_dir: str | os.PathLike[str], flag: str) -> UserError:
+    """The sentence for a model directory whose config names code of its own that was not allowed to run."""
+    return UserError(
+        f"{model_dir}: its config names model code of its own (auto_map), which finetune runs only when you pass "
+        f"{flag}; pass it if you trust the model's author, or use a model transformers implements"
+    )
 
 
 def resolve_model_config(

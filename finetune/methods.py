@@ -174,7 +174,7 @@ class LoRA(TrainingMethod):
         """peft's LoraConfig for a model of ``model_config`` (``stand_in``: pissa/olora drawn as default)."""
         from peft import LoraConfig as PeftLoraConfig
 
-        from finetune.adapters import lora_targets
+        from finetune.recipe import lora_targets
 
         spec = self.adapter
         assert spec is not None

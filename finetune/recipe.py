@@ -9,6 +9,7 @@ This module imports no torch/transformers: ``finetune validate`` and ``--help`` 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import math
@@ -16,20 +17,12 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args
+from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeFloat,
-    PositiveInt,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from finetune.errors import UserError
 from finetune.locate import (
     DataLocation,
     ModelLocation,
@@ -46,10 +39,27 @@ from finetune.locate import (
 # --------------------------------------------------------------------------------------------------
 
 
-class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors, values are checked on assignment."""
+#: Upper bounds of the schema's numbers: far above any real run, so that a typo's huge value (or a number meant
+#: for another key) is refused with the key named instead of overflowing later (a timedelta, a seed, a loop).
+MAX_STEPS = 10**9  # optimizer steps, and intervals counted in steps
+MAX_TOKENS = 2**24  # tokens of one sequence, samples of one batch
+MAX_WIDTH = 2**20  # a width of the model (a rank, a bottleneck, virtual tokens)
+MAX_PROCESSES = 2**16  # processes, GPUs, nodes, parallel degrees
+MAX_SECONDS = 30 * 24 * 3600.0  # a timeout: 30 days
+MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+#: A count of at least 1 and at most ``le``.
+Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
+Width = Annotated[int, Field(ge=1, le=MAX_WIDTH)]
+Processes = Annotated[int, Field(ge=1, le=MAX_PROCESSES)]
+Batch = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, values are checked on assignment, and no number
+    may be infinite or NaN (``.inf`` and ``.nan`` are valid YAML floats)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -69,6 +79,11 @@ class ModelConfig(Section):
         description="Storage dtype of the frozen base weights. auto: fp32 for full fine-tuning (fp32 master "
         "weights), the compute dtype for a frozen LoRA base.",
     )
+    revision: Union[str, None] = Field(
+        None,
+        description="The Hub revision (a commit hash, branch or tag) a Hub id in model.path is downloaded at and "
+        "read from the cache at; a commit hash pins the exact files. Unset: the main branch.",
+    )
     trust_remote_code: bool = Field(
         False, description="Run model code shipped with the checkpoint. Off unless you trust its author."
     )
@@ -87,8 +102,12 @@ class ModelConfig(Section):
 
 
 class LoraConfig(Section):
-    r: int = Field(8, ge=1, description="Rank of the low-rank update B·A.")
-    alpha: float = Field(16.0, gt=0, description="Scale of the update: ΔW = (alpha / r)·B·A.")
+    r: int = Field(
+        8, ge=1, le=MAX_WIDTH,
+        description="Rank of the low-rank update B·A; at most the smallest dimension of the targeted weights "
+        "(validate checks it against the model).",
+    )
+    alpha: float = Field(16.0, gt=0, le=1e6, description="Scale of the update: ΔW = (alpha / r)·B·A.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
     target_modules: Union[list[str], Literal["all-linear"], None] = Field(
         None,
@@ -119,12 +138,12 @@ class LoraConfig(Section):
 
 class PrefixConfig(Section):
     num_virtual_tokens: int = Field(
-        20, ge=1, description="Trained key/value positions put before every sequence, in every layer."
+        20, ge=1, le=MAX_WIDTH, description="Trained key/value positions put before every sequence, in every layer."
     )
     projection: bool = Field(
         False, description="Reparametrise the prefix through a 2-layer MLP (trained, discarded at save: peft's)."
     )
-    projection_hidden: Union[PositiveInt, None] = Field(
+    projection_hidden: Union[Width, None] = Field(
         None, description="Width of the projection MLP (default: the model's key/value width)."
     )
     init: Literal["random", "text"] = Field(
@@ -138,10 +157,10 @@ class PrefixConfig(Section):
 
 
 class AdapterConfig(Section):
-    size: Union[PositiveInt, None] = Field(
+    size: Union[Width, None] = Field(
         None, description="Bottleneck width of each adapter; unset: hidden size / reduction_factor."
     )
-    reduction_factor: float = Field(16.0, gt=0, description="hidden size / bottleneck width (when size is unset).")
+    reduction_factor: float = Field(16.0, gt=0, le=MAX_WIDTH, description="hidden size / bottleneck width (when size is unset).")
     non_linearity: Literal["relu", "gelu", "silu", "tanh"] = Field("relu", description="Between down and up projection.")
     placement: Literal["both", "attention", "mlp"] = Field(
         "both", description="After the attention and the MLP of every layer (both: Houlsby), or one of them."
@@ -278,7 +297,7 @@ class DataConfig(Section):
         description="Chat format: a Jinja chat template, or the path of a .jinja file, used instead of the "
         "tokenizer's (required when the tokenizer has none).",
     )
-    max_seq_len: int = Field(512, ge=8, description="Longer samples are truncated (or dropped with drop_long).")
+    max_seq_len: int = Field(512, ge=8, le=MAX_TOKENS, description="Longer samples are truncated (or dropped with drop_long).")
     drop_long: bool = Field(False, description="Drop samples longer than max_seq_len instead of truncating them.")
     packing: bool = Field(
         False,
@@ -304,7 +323,7 @@ class DataConfig(Section):
         description="error: stop before training at the first bad row (file, line, field); skip: leave bad rows "
         "out and report how many.",
     )
-    num_proc: Union[PositiveInt, None] = Field(
+    num_proc: Union[Processes, None] = Field(
         None, le=256,
         description="Processes for tokenization (default: 1); a stream (data.streaming) is tokenized in the training "
         "process as it is read.",
@@ -461,18 +480,24 @@ class EarlyStoppingConfig(Section):
 
 
 class TrainConfig(Section):
-    epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
-    max_steps: Union[int, None] = Field(None, ge=1, description="Optimizer steps to run; overrides epochs.")
-    global_batch_size: int = Field(8, ge=1, description="Samples per optimizer step, over all processes.")
-    micro_batch_size: Union[PositiveInt, Literal["auto"]] = Field(
+    epochs: float = Field(
+        1.0, gt=0, le=1e6, description="Passes over the training data (ignored when max_steps is set)."
+    )
+    max_steps: Union[Steps, None] = Field(None, description="Optimizer steps to run; overrides epochs.")
+    global_batch_size: int = Field(8, ge=1, le=MAX_TOKENS, description="Samples per optimizer step, over all processes.")
+    micro_batch_size: Union[Batch, Literal["auto"]] = Field(
         "auto", description="Samples per forward pass per process; auto: the largest that fits (planner)."
     )
-    lr: float = Field(2e-5, gt=0, description="Peak learning rate of AdamW.")
+    lr: float = Field(2e-5, gt=0, le=10.0, description="Peak learning rate of AdamW.")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear warmup from 0 to lr over this many steps.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, as a fraction of lr.")
-    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay (not on norms and biases).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    weight_decay: float = Field(
+        0.0, ge=0.0, le=10.0, description="Decoupled weight decay (not on norms and biases)."
+    )
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.999), description="AdamW betas: the decay rates of the first and second moments, each in [0, 1)."
+    )
     optimizer: Literal["auto", "adamw", "adamw8bit", "paged_adamw8bit"] = Field(
         "auto",
         description="auto: adamw, unless nothing fits without smaller optimizer state (the planner then picks "
@@ -490,7 +515,9 @@ class TrainConfig(Section):
         "backward. auto: none, unless nothing fits on the GPUs otherwise (the planner then offloads the least that "
         "fits).",
     )
-    max_grad_norm: Union[float, None] = Field(1.0, description="Clip the global gradient norm; null: no clipping.")
+    max_grad_norm: Union[Annotated[float, Field(gt=0, le=1e9)], None] = Field(
+        1.0, description="Clip the global gradient norm to this (above 0); null: no clipping."
+    )
     activation_checkpointing: Union[bool, Literal["auto"]] = Field(
         "auto", description="Recompute each decoder block in backward; auto: only when the planner needs it."
     )
@@ -499,7 +526,9 @@ class TrainConfig(Section):
         description="torch.compile each decoder block (after activation checkpointing, before sharding) under "
         "every strategy and load path; the run header says so. Not with tensor parallelism.",
     )
-    seed: int = Field(0, description="Seeds weights (init: random), data order, dropout.")
+    seed: int = Field(
+        0, ge=0, le=MAX_SEED, description="Seeds weights (init: random), data order, dropout (0 to 2^32 - 1)."
+    )
     objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = Field(
         "sft",
         description="sft: next-token loss on the completions; dpo, simpo, orpo: preference tuning on "
@@ -508,7 +537,7 @@ class TrainConfig(Section):
         "chat rows (their answers are the reference answers; the `grpo` section sets the sampling, the loss and "
         "the rewards), train.global_batch_size counting completions.",
     )
-    router_aux_loss_coef: Union[NonNegativeFloat, Literal["auto"]] = Field(
+    router_aux_loss_coef: Union[Annotated[float, Field(ge=0.0, le=1.0e3)], Literal["auto"]] = Field(
         "auto",
         description="A mixture of experts' load-balancing loss, added to the loss times this coefficient "
         "(per target token, as the loss is normalised; logged as aux_loss beside the cross-entropy); auto: the "
@@ -520,6 +549,14 @@ class TrainConfig(Section):
         description="A NaN/inf loss or gradient norm: stop (name the step and the last good checkpoint, exit 3), "
         "or skip (no update for that step; counted and reported); auto: skip under fp16 loss scaling, where "
         "overflow steps are expected, stop otherwise.",
+    )
+    max_consecutive_skips: int = Field(
+        25,
+        ge=1,
+        le=MAX_STEPS,
+        description="Under on_nonfinite skip (or auto's skip): this many non-finite steps in a row stop the run "
+        "(exit 3, no save, no upload), since nothing has been learned since the last good step. fp16 loss "
+        "scaling skips a few steps at the start while it finds its scale.",
     )
     early_stopping: Union[EarlyStoppingConfig, None] = Field(
         None,
@@ -543,15 +580,15 @@ class DistributedConfig(Section):
         "the gradients' reduce-scatters stay on the fast link inside a node, and only a gradient all-reduce of "
         "each node's shard crosses the network; 2 or more nodes).",
     )
-    nproc: Union[PositiveInt, Literal["auto"]] = Field(
+    nproc: Union[Processes, Literal["auto"]] = Field(
         "auto", description="Processes per node; auto: one per visible GPU, 1 on CPU."
     )
-    tp: Union[PositiveInt, Literal["auto"]] = Field(
+    tp: Union[Processes, Literal["auto"]] = Field(
         1,
         description="Tensor-parallel degree inside a node (each block's linears split over tp ranks; the "
         "strategy shards over the rest); auto: the planner uses TP only when FSDP alone does not fit.",
     )
-    ep: PositiveInt = Field(
+    ep: Processes = Field(
         1,
         description="Expert-parallel degree of a mixture of experts: each routed expert lives on one of ep ranks "
         "(E/ep experts each) and tokens reach it by all-to-all; ep borrows its ranks from the data-parallel shard "
@@ -559,7 +596,7 @@ class DistributedConfig(Section):
         "processes ep leaves and every other weight over all of them. Each rank then gathers only its experts for "
         "a block and sends its routed tokens instead.",
     )
-    pp: Union[PositiveInt, Literal["auto"]] = Field(
+    pp: Union[Processes, Literal["auto"]] = Field(
         1,
         description="Pipeline-parallel degree: the decoder layers split into stages over pp ranks (the first stage "
         "also holds the embeddings, the last the final norm, the head and the loss), the outermost dimension of "
@@ -572,12 +609,12 @@ class DistributedConfig(Section):
         "activations in flight), 1f1b (one forward, one backward: at most pp micro-batches in flight) or "
         "interleaved-1f1b (several stages per rank, a smaller bubble for more point-to-point traffic).",
     )
-    pp_stages_per_rank: Optional[PositiveInt] = Field(
+    pp_stages_per_rank: Optional[Processes] = Field(
         None,
         description="Pipeline stages each pp rank runs; default 1, and 2 with interleaved-1f1b (which needs 2 or "
         "more).",
     )
-    pp_layers: Optional[list[PositiveInt]] = Field(
+    pp_layers: Optional[list[Steps]] = Field(
         None,
         description="Decoder layers of each pipeline stage, in order (pp x stages per rank numbers summing to the "
         "model's layers); default: a split balanced by each stage's cost, the embeddings and the head counted.",
@@ -602,6 +639,7 @@ class DistributedConfig(Section):
     timeout: float = Field(
         DEFAULT_TIMEOUT_S,
         gt=0,
+        le=MAX_SECONDS,
         description="Seconds one collective of the training step (all-reduce, all-gather, barrier) may wait for "
         "the other ranks before the run stops with an error (NCCL's watchdog on GPUs); torch's NCCL default "
         "is 600.",
@@ -609,6 +647,7 @@ class DistributedConfig(Section):
     wait_timeout: float = Field(
         DEFAULT_WAIT_TIMEOUT_S,
         gt=0,
+        le=MAX_SECONDS,
         description="Seconds the other ranks may wait while one rank works alone: local rank 0 tokenising the "
         "data, rank 0 finishing a checkpoint (fsync, rename, prune) or writing the final model. They wait in "
         "a gloo group of their own, which NCCL's watchdog does not watch.",
@@ -618,10 +657,12 @@ class DistributedConfig(Section):
 class DpoConfig(Section):
     """Preference tuning (train.objective dpo, simpo, orpo)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, serialize_by_alias=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, allow_inf_nan=False, populate_by_name=True, serialize_by_alias=True
+    )
 
     beta: float = Field(
-        0.1, gt=0, description="DPO: the strength of the KL pull towards the reference (IPO: its tau); SimPO: the "
+        0.1, gt=0, le=1e3, description="DPO: the strength of the KL pull towards the reference (IPO: its tau); SimPO: the "
         "reward scale (2.0 in its paper)."
     )
     loss_type: Literal["sigmoid", "ipo"] = Field(
@@ -647,9 +688,9 @@ class DpoConfig(Section):
         "must share the policy's tokenizer and architecture; with reference: precomputed its log-probabilities "
         "are the ones computed before training. Adapter methods compare with their base.",
     )
-    gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (gamma) of SimPO's loss.")
+    gamma: float = Field(0.5, ge=0.0, le=1e3, description="simpo: the target reward margin (gamma) of SimPO's loss.")
     lambda_: float = Field(
-        0.1, gt=0, alias="lambda", description="orpo: the weight of the odds-ratio term beside the chosen completion's "
+        0.1, gt=0, le=1e3, alias="lambda", description="orpo: the weight of the odds-ratio term beside the chosen completion's "
         "next-token loss."
     )
 
@@ -742,11 +783,11 @@ class GrpoConfig(Section):
 
 
 class EvalConfig(Section):
-    every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0: only at the end).")
+    every: int = Field(0, ge=0, le=MAX_STEPS, description="Evaluate every N optimizer steps (0: only at the end).")
     at_start: bool = Field(True, description="Also evaluate before the first step, to show what training changed.")
-    max_new_tokens: int = Field(32, ge=1, description="Greedy generation length for exact match.")
-    max_samples: Union[int, None] = Field(None, ge=1, description="Evaluate on at most this many eval rows.")
-    batch_size: Union[PositiveInt, Literal["auto"]] = Field(
+    max_new_tokens: int = Field(32, ge=1, le=MAX_TOKENS, description="Greedy generation length for exact match.")
+    max_samples: Union[Steps, None] = Field(None, description="Evaluate on at most this many eval rows.")
+    batch_size: Union[Batch, Literal["auto"]] = Field(
         "auto",
         description="Rows per eval forward pass and per generation batch; auto: the largest (up to 64) whose "
         "logits and KV cache fit beside the model states (the planner traces both).",
@@ -762,14 +803,25 @@ class EvalConfig(Section):
 
 
 class OutputConfig(Section):
-    dir: str = Field("runs/run", description="Where the model/adapter, recipe.yaml, plan.json and metrics go.")
-    log_every: int = Field(10, ge=1, description="Write a metrics.jsonl line every N steps.")
-    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only the final save).")
-    keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
+    dir: str = Field(
+        "runs/run",
+        description="Where the model/adapter, recipe.yaml, plan.json and metrics go. It must not be, contain or "
+        "lie inside an input (model.path, dpo.reference_model, the data, the recipe file); one run at a time "
+        "holds it (a lock file, .finetune.lock).",
+    )
+    log_every: int = Field(10, ge=1, le=MAX_STEPS, description="Write a metrics.jsonl line every N steps.")
+    save_every: int = Field(0, ge=0, le=MAX_STEPS, description="Checkpoint every N steps (0: only the final save).")
+    keep: int = Field(2, ge=1, le=MAX_STEPS, description="How many checkpoints to keep.")
     push_to_hub: Union[str, None] = Field(
         None,
         description="Upload the final model or adapter to this Hub repository (org/name) with a model card holding "
-        "the recipe, the plan and the final metrics (rank 0, after the final save; HF_TOKEN authenticates).",
+        "the recipe, the plan and the final metrics (rank 0, after the final save; HF_TOKEN authenticates). Only "
+        "the files the run wrote are uploaded.",
+    )
+    push_private: bool = Field(
+        True,
+        description="Create the output.push_to_hub repository as private (an existing repository keeps its "
+        "visibility); false: public.",
     )
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
@@ -783,9 +835,23 @@ class OutputConfig(Section):
         "model is written in several files with model.safetensors.index.json.",
     )
 
+    @field_validator("dir")
+    @classmethod
+    def _dir_named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("is empty, which would mean the current directory; name a directory, e.g. runs/run")
+        return value
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _shard_size_positive(cls, value: str) -> str:
+        if not any(ch in "123456789" for ch in value.split(".")[0] + value.partition(".")[2]):
+            raise ValueError("is no size; write e.g. 5GiB or 500MiB")
+        return value
+
 
 class HardwareConfig(Section):
-    gpus: Union[PositiveInt, Literal["auto"]] = Field(
+    gpus: Union[Processes, Literal["auto"]] = Field(
         "auto", description="GPUs per node `finetune plan` plans for; auto: the visible ones (runs use the real ones)."
     )
     gpu_memory: Union[str, None] = Field(None, description="Memory per GPU, e.g. 80GiB; default: the visible GPU's.")
@@ -794,7 +860,7 @@ class HardwareConfig(Section):
         description="e.g. h100, a100, l4, v100 (sets memory and bf16 support; in a GPU run, the peak FLOPS its MFU "
         "is measured against, default: the GPU recognised from its device name).",
     )
-    nodes: PositiveInt = Field(1, description="Number of nodes.")
+    nodes: int = Field(1, ge=1, le=MAX_PROCESSES, description="Number of nodes.")
     interconnect: Union[str, None] = Field(
         None, description="nvlink, pcie, infiniband, ethernet or a bandwidth like 200GB/s (communication time)."
     )
@@ -1217,6 +1283,15 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
     model_problem = inputs.model.problem()
     if model_problem:
         problems.append(loaded.problem("model.path", model_problem))
+    elif inputs.model.kind in ("dir", "hub-cache"):
+        from finetune.safetensors_stream import SAFE_INDEX, read_weight_map
+
+        index = Path(inputs.model.path) / SAFE_INDEX
+        if index.is_file():
+            try:
+                read_weight_map(index)
+            except UserError as err:
+                problems.append(loaded.problem("model.path", str(err)))
     for spec, t in zip(r.data.train_specs(), inputs.train, strict=True):
         key = spec.key
         if t.kind == "missing" and not (looks_like_hub_id(t.value) and not hub_offline()):  # run downloads it
@@ -1240,7 +1315,61 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
         problems.append(
             loaded.problem("data.chat_template", f"no template file at `{template}` (a template itself contains {{%)")
         )
-    return problems
+    return problems + output_problems(loaded)
+
+
+def run_inputs(loaded: LoadedRecipe) -> list[tuple[str, Path]]:
+    """(what, path) of every local file or directory the run reads: the model, the reference model, the data
+    (each file, and the directory or file a spec names), the retain set, a chat template file, the recipe."""
+    r = loaded.recipe
+    inputs = loaded.inputs or resolve_inputs(loaded).inputs
+    assert inputs is not None
+    found: list[tuple[str, Path]] = []
+    if inputs.model.kind in ("dir", "hub-cache"):
+        found.append(("the model (model.path)", Path(inputs.model.path)))
+    if r.dpo.reference_model:
+        ref = locate_model(r.dpo.reference_model, loaded.base_dir)
+        if ref.kind in ("dir", "hub-cache"):
+            found.append(("the reference model (dpo.reference_model)", Path(ref.path)))
+    specs: list[tuple[str, DataLocation | None]] = [
+        ("data.train" if isinstance(r.data.train, str) else f"data.train.{i}", t) for i, t in enumerate(inputs.train)
+    ]
+    specs += [("data.eval", inputs.eval), ("eval.retain", inputs.retain)]
+    for key, location in specs:
+        if location is None or location.kind != "files":
+            continue
+        if not any(ch in location.target for ch in "*?["):
+            found.append((f"the data ({key})", Path(location.target)))
+        with contextlib.suppress(UserError):  # no files: reported by check_files
+            found += [(f"the data file of {key}", f) for f in location.files(key)]
+    template = r.data.chat_template
+    if template and "{" not in template:
+        found.append(("the chat template (data.chat_template)", loaded.resolve_input(template)))
+    return found
+
+
+def output_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """``output.dir`` refused when it is, contains or lies inside an input of the run (compared as real paths,
+    symlinks resolved): ``--overwrite`` would delete it, a save would replace it, and a directory of data would
+    read the run's own files back. The recipe file may be the run's own saved copy (``output.dir/recipe.yaml``,
+    which resume commands name) when it holds exactly what the run writes there."""
+    from finetune.locate import path_overlap
+
+    out = Path(os.path.expanduser(loaded.recipe.output.dir))
+    checked = run_inputs(loaded)
+    if loaded.path is not None:
+        copy_of_run = Path(os.path.realpath(loaded.path)) == Path(os.path.realpath(out / "recipe.yaml"))
+        if not (copy_of_run and Path(loaded.path).read_text() == recipe_to_yaml(loaded.recipe)):
+            checked.append(("the recipe file", Path(loaded.path)))
+    for what, path in checked:
+        relation = path_overlap(out, path)
+        if relation is not None:
+            return [loaded.problem(
+                "output.dir",
+                f"{out} {relation} {what} {path}: the run would write over or delete it; choose an output.dir "
+                "apart from every input",
+            )]
+    return []
 
 
 def _later_from_hub(loaded: LoadedRecipe, value: str) -> bool:
@@ -1264,6 +1393,8 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
             "distributed.pp_layers",
             "set without a pipeline (distributed.pp is 1); set distributed.pp or remove distributed.pp_layers",
         ))
+    if r.method in ("lora", "qlora", "auto") and not inputs.model.problem():
+        problems += lora_rank_problems(loaded, inputs)
     pipelined = isinstance(pp, int) and pp > 1
     # rows about a mixture of experts' fused weights concern these settings only (the config is read for them)
     tp = r.distributed.tp
@@ -1301,6 +1432,109 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
     return problems
 
 
+def lora_targets(target_modules: Any, model_type: str) -> list[str] | str:
+    """The modules that get LoRA adapters: the recipe's ``lora.target_modules``; when unset, peft's choice for
+    the architecture (q_proj and v_proj for Llama, Qwen2, Mistral, Gemma; c_attn for GPT-2), and every linear
+    layer (``all-linear``) for architectures peft has no choice for (Phi-3's fused qkv_proj)."""
+    if target_modules is not None:
+        return list(target_modules) if isinstance(target_modules, tuple) else target_modules
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    return list(PEFT_DEFAULTS.get(model_type) or []) or "all-linear"
+
+
+#: Config fields that are (or bound from below) a dimension of some linear layer of the model: a rank at most
+#: the smallest of them needs no model built to be checked (:func:`narrowest_lora_target`).
+WIDTH_FIELDS = (
+    "hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "v_head_dim", "qk_rope_head_dim",
+    "qk_nope_head_dim", "kv_lora_rank", "q_lora_rank", "n_embd", "num_local_experts", "num_experts",
+    "n_routed_experts",
+)
+
+
+def config_width_bound(config: dict[str, Any]) -> int:
+    """A lower bound of every linear layer's input and output width, from a config's fields (the text config's
+    too); 0 when the config names none of :data:`WIDTH_FIELDS`."""
+    values: list[int] = []
+    for cfg in (config, config.get("text_config") or {}):
+        values += [int(v) for k in WIDTH_FIELDS if isinstance(v := cfg.get(k), int) and v > 0]
+        heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+        if isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
+            values.append(hidden // heads)  # the head width when head_dim is unset
+    return min(values) if values else 0
+
+
+def narrowest_lora_target(config: Any, target_modules: Any, trust_remote_code: bool = False) -> tuple[str, int, int] | None:
+    """(name, in features, out features) of the narrowest layer LoRA would adapt on a model of ``config`` (built
+    on the meta device, targets matched by peft itself); None when no layer matches."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        peft_config = PeftLoraConfig(r=1, target_modules=lora_targets(target_modules, config.model_type))
+        try:
+            adapted = get_peft_model(model, peft_config)
+        except ValueError:  # targets the model does not have: `run` names them (peft_inject)
+            return None
+    widths = [
+        (name, int(m.in_features), int(m.out_features))
+        for name, m in adapted.named_modules()
+        if hasattr(m, "lora_A") and isinstance(getattr(m, "in_features", None), int)
+    ]
+    if not widths:
+        return None
+    name, fan_in, fan_out = min(widths, key=lambda w: min(w[1], w[2]))
+    return name.removeprefix("base_model.model."), fan_in, fan_out
+
+
+def _config_facts(location: ModelLocation) -> dict[str, Any] | None:
+    """The model's config as a dict, read without transformers (a local config.json or a catalog entry)."""
+    import json
+
+    from finetune.catalog import CATALOG
+
+    if location.kind == "catalog":
+        return dict(CATALOG[location.path])
+    path = Path(location.path) / "config.json"
+    if location.kind not in ("dir", "hub-cache") or not path.is_file():
+        return None
+    try:
+        facts = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return facts if isinstance(facts, dict) else None
+
+
+def lora_rank_problems(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
+    """``lora.r`` above the smallest dimension of a weight it adapts (the update's rank cannot exceed it): one
+    problem naming that layer. A rank no wider than the config's smallest width needs no model built."""
+    from finetune.locate import model_config
+
+    r = loaded.recipe
+    facts = _config_facts(inputs.model)
+    if facts is not None and r.lora.r <= config_width_bound(facts):
+        return []
+    try:
+        config = model_config(inputs.model, r.model.trust_remote_code)[0]
+        narrowest = narrowest_lora_target(config, r.lora.target_modules, r.model.trust_remote_code)
+    except (OSError, ValueError, UserError):  # the model's own problem is reported by model.path
+        return []
+    if narrowest is None:
+        return []
+    name, fan_in, fan_out = narrowest
+    width = min(fan_in, fan_out)
+    if r.lora.r <= width:
+        return []
+    return [loaded.problem(
+        "lora.r",
+        f"{r.lora.r} is above the smallest dimension of `{name}` ({fan_in} in, {fan_out} out), one of the layers "
+        f"lora.target_modules adapts: a rank cannot exceed it; use at most {width}",
+    )]
+
+
 def pipeline_problems(r: Recipe, config: Any) -> list[tuple[str, str]]:
     """(key, sentence) for each way a pinned pipeline (``distributed.pp`` above 1) cannot cut ``config``'s model
     as the recipe asks: the model's decoder or tied head, more stages than layers, a ``pp_layers`` split that
@@ -1322,6 +1556,18 @@ def pipeline_problems(r: Recipe, config: Any) -> list[tuple[str, str]]:
         return []
     key, _, message = found.partition(": ")
     return [(key, message)]
+
+
+def opened_run_recipe(raw: Any) -> dict[str, Any] | None:
+    """A recipe read from a run directory that ``chat``, ``eval`` or ``merge`` opens (a dict; None for anything
+    else), with ``model.trust_remote_code`` off: a directory, perhaps received from someone else, never turns
+    remote code on; the user's ``--trust-remote-code`` does."""
+    if not isinstance(raw, dict):
+        return None
+    model = raw.get("model")
+    if isinstance(model, dict) and model.get("trust_remote_code"):
+        raw = {**raw, "model": {**model, "trust_remote_code": False}}
+    return raw
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

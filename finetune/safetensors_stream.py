@@ -36,6 +36,36 @@ class StoredTensor:
     dtype: str  #: safetensors' name of its dtype (``F32``, ``BF16``, ...; :data:`ST_DTYPES`)
 
 
+def shard_name_problem(name: Any) -> str | None:
+    """Why ``name`` (a file an index's weight_map names) is not a plain file name of the model's directory: a path
+    with a separator, ``..``, an absolute path, or not a ``.safetensors`` name; None when it is one."""
+    if not isinstance(name, str) or not name:
+        return f"{name!r} is not a file name"
+    if "/" in name or "\\" in name or "\0" in name or name in (".", "..") or name.startswith("~"):
+        return f"`{name}` is a path, not a file name of the model's directory"
+    if not name.endswith(".safetensors"):
+        return f"`{name}` is not a .safetensors file"
+    return None
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a ``model.safetensors.index.json`` (tensor name -> shard file), every shard name
+    checked to be a plain file of the index's directory (:func:`shard_name_problem`): an index that names
+    ``../x`` or ``/etc/x`` would make a reader open, and a merge write, a file outside the model."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{index} is not readable JSON ({exc}); download or save the model again") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise UserError(f"{index} has no weight_map; download or save the model again")
+    for key, name in weight_map.items():
+        problem = shard_name_problem(name)
+        if problem is not None:
+            raise UserError(f"{index}: weight_map places {key} in {problem}; the index is damaged or hostile")
+    return weight_map
+
+
 def read_header(model_dir: Path) -> dict[str, StoredTensor]:
     """Every tensor of a Hugging Face safetensors directory, by its stored name, in the checkpoint's order.
 
@@ -46,7 +76,7 @@ def read_header(model_dir: Path) -> dict[str, StoredTensor]:
     from safetensors import safe_open
 
     if (model_dir / SAFE_INDEX).is_file():
-        weight_map: dict[str, str] = json.loads((model_dir / SAFE_INDEX).read_text())["weight_map"]
+        weight_map = read_weight_map(model_dir / SAFE_INDEX)
         file_of: dict[str, str] | None = weight_map
         files = list(dict.fromkeys(weight_map.values()))
     else:

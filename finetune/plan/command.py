@@ -117,10 +117,13 @@ def build_plan(opts: PlanOptions) -> Plan:
     from finetune.plan.flowchart import make_plan
     from finetune.plan.hardware import detect_hardware
     from finetune.plan.request import request_from_recipe
-    from finetune.recipe import load_recipe, recipe_with_overrides
+    from finetune.recipe import RecipeError, load_recipe, output_problems, recipe_with_overrides
 
     if opts.recipe:
         loaded = load_recipe(opts.recipe, list(opts.overrides))
+        problems = output_problems(loaded)  # validate and run refuse it too
+        if problems:
+            raise RecipeError(problems)
     elif opts.model:
         # A recipe with the defaults of a plan from flags alone; the --set overrides apply to it and are
         # checked by the schema exactly as they are on a recipe file.

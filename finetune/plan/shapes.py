@@ -310,7 +310,7 @@ def decoder_layer_names(model: Any) -> list[str]:
 
 def lora_targets(lora: Any, model_type: str) -> list[str] | str:
     """The modules that get LoRA adapters for the recipe's ``lora`` section (see finetune.adapters)."""
-    from finetune.adapters import lora_targets as targets
+    from finetune.recipe import lora_targets as targets
 
     return targets(lora.target_modules, model_type)
 
