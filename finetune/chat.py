@@ -127,7 +127,8 @@ def run_chat(opts: ChatOptions) -> int:
             raise UserError("--output is the --input file; write the answers to another file")
     rows = read_rows(opts.input) if opts.input is not None else None
     with tempfile.TemporaryDirectory(prefix="finetune-chat-") as scratch:
-        selection = select(opts.target, opts.adapters, opts.base, Path(scratch), opts.use)
+        selection = select(opts.target, opts.adapters, opts.base, Path(scratch), opts.use,
+                           trust_remote_code=opts.trust_remote_code)
         device = device_of(opts.device)
         # the prompts' token ids before any weight is read: a bad row costs nothing
         start_name = selection.names[0] if opts.use is None or opts.use in BASE_NAMES else opts.use

@@ -37,7 +37,8 @@ TrustOpt = Annotated[
     bool,
     typer.Option(
         "--trust-remote-code",
-        help="Run the Python code a model directory ships (its config's auto_map); off: only transformers' own.",
+        help="Run the Python code a model directory ships (its config's auto_map); off: only transformers' own. "
+        "Only this flag turns it on, never a run directory's recipe.",
     ),
 ]
 
@@ -166,6 +167,9 @@ def merge(
         Optional[str],
         typer.Option("--push-to-hub", metavar="ORG/NAME", help="Upload the merged model with a model card."),
     ] = None,
+    public: Annotated[
+        bool, typer.Option("--public", help="Create the --push-to-hub repository public (default: private).")
+    ] = False,
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Fold LoRA/QLoRA adapters into the base weights, streamed shard by shard, into a HF model directory."""
@@ -176,14 +180,17 @@ def merge(
             from finetune.publish import check_push
 
             check_push("--push-to-hub", push_to_hub)  # before the merge's minutes, not after
-        res = merge_adapter(run_dir, out, dtype=dtype, base=base, force=force, into_dequantized=into_dequantized,
-                            trust_remote_code=trust_remote_code)
+        res = merge_adapter(
+            run_dir, out, dtype=dtype, base=base, force=force, into_dequantized=into_dequantized,
+            trust_remote_code=trust_remote_code,
+        )
         if push_to_hub:
             from finetune.publish import push_folder
 
+            card, records = merged_card(Path(run_dir), res.out)
             url = push_folder(
-                res.out, push_to_hub, key="--push-to-hub", card=merged_card(Path(run_dir), res.out),
-                message=f"finetune merge of {Path(run_dir).name}",
+                res.out, push_to_hub, key="--push-to-hub", card=card, files=[*res.files, *records],
+                message=f"finetune merge of {Path(run_dir).name}", private=not public,
             )
     except UserError as err:
         _fail(err)
@@ -197,16 +204,19 @@ def merge(
         typer.echo(f"uploaded to the Hub: {push_to_hub} ({url})")
 
 
-def merged_card(run_dir: Path, out: Path) -> str:
-    """The merged model's card: the run's recipe, plan and metrics when ``run_dir`` is a run's output.dir."""
+def merged_card(run_dir: Path, out: Path) -> tuple[str, list[str]]:
+    """The merged model's card, and the run's records copied beside it (recipe, plan, memory, metrics) when
+    ``run_dir`` is a run's output.dir."""
     import shutil
 
-    from finetune.publish import model_card
+    from finetune.publish import RUN_RECORDS, model_card
 
-    for name in ("recipe.yaml", "plan.json", "memory.json", "metrics.jsonl"):
+    copied = []
+    for name in RUN_RECORDS:
         if (run_dir / name).is_file() and not (out / name).exists():
             shutil.copyfile(run_dir / name, out / name)
-    return model_card(out, merged_from=run_dir.name)
+            copied.append(name)
+    return model_card(out, merged_from=run_dir.name), copied
 
 
 @app.command()
@@ -476,6 +486,13 @@ def eval_(
         Optional[int], typer.Option(min=1, help="At most this many documents per task (a quick look).")
     ] = None,
     trust_remote_code: TrustOpt = False,
+    allow_task_code: Annotated[
+        bool,
+        typer.Option(
+            "--allow-task-code",
+            help="Let task files import code (`!function`) and render their templates outside Jinja's sandbox.",
+        ),
+    ] = False,
 ) -> None:
     """Evaluate a run or model with lm-evaluation-harness (and its base with --baseline): table and JSON."""
     from finetune.harness import print_report, run_eval
@@ -485,6 +502,7 @@ def eval_(
         report = run_eval(
             target, tasks, baseline=baseline, output=output, batch_size=batch_size, limit=limit,
             say=lambda text: console.print(text, markup=False), trust_remote_code=trust_remote_code,
+            allow_task_code=allow_task_code,
         )
     except UserError as err:
         _fail(err)

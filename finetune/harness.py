@@ -15,6 +15,11 @@ The model (a full model, an adapter over its base, a merged model, any Hugging F
 ``--baseline`` evaluates a second model (by default the run's base) on the same tasks, and the table shows
 each metric of both and their difference. Every check (the directory, each task, its data) happens before a
 model is loaded, and the JSON is written only after every evaluation finished.
+
+A task file runs no code unless ``--allow-task-code``: its YAML (and every file it includes) is read as plain
+YAML first, and a ``!function`` (which imports a module beside it) or any other non-plain tag is refused in one
+sentence; its prompt templates render in Jinja's sandbox (lm-eval's own environment would let a template reach
+Python). Model code of a directory runs only with ``--trust-remote-code``.
 """
 
 from __future__ import annotations
@@ -24,9 +29,13 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from finetune.errors import UserError
 
@@ -162,11 +171,58 @@ def retain_task(run: Path, recipe: dict[str, Any] | None, tokenizer: Any, name: 
     return TaskRequest(name, spec, notes=notes)
 
 
-def yaml_task(path: Path) -> TaskRequest:
+#: The tags plain YAML resolves to (what a task file may hold without --allow-task-code).
+PLAIN_TAGS = frozenset(tag for tag in yaml.SafeLoader.yaml_constructors if tag is not None)
+
+
+def task_code(path: Path, seen: frozenset[Path] = frozenset()) -> tuple[str, str] | None:
+    """(``file:line``, what) of the first thing in a task file, or in a file it includes, that would run code
+    when lm-eval reads it: a ``!function`` or a tag plain YAML does not have. Read by composing the YAML (no
+    object is built), so reading it runs nothing; None when the file is plain YAML."""
+    path = path.expanduser().resolve()
+    if path in seen or not path.is_file():
+        return None  # a cycle or a missing include: lm-eval's own reading says so
+    try:
+        root = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # not YAML: lm-eval's own reading says so
+    stack = [root] if root is not None else []
+    while stack:
+        node = stack.pop()
+        if node.tag not in PLAIN_TAGS:
+            what = f"`!function {node.value}`" if node.tag == "!function" else f"the tag `{node.tag}`"
+            return f"{path}:{node.start_mark.line + 1}", what
+        if isinstance(node, yaml.MappingNode):
+            stack += [part for pair in node.value for part in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += list(node.value)
+    includes: list[str] = []
+    if isinstance(root, yaml.MappingNode):
+        for key, value in root.value:
+            if key.value == "include":
+                items = value.value if isinstance(value, yaml.SequenceNode) else [value]
+                includes += [str(item.value) for item in items if isinstance(item, yaml.ScalarNode)]
+    for inc in includes:
+        found = task_code(path.parent / inc if not Path(inc).is_absolute() else Path(inc), seen | {path})
+        if found is not None:
+            return found
+    return None
+
+
+def yaml_task(path: Path, allow_code: bool = False) -> TaskRequest:
     """A user's lm-eval task file; relative ``data_files`` are looked up next to it (then in the current
-    directory), and a local file that does not exist is one sentence."""
+    directory), and a local file that does not exist is one sentence. Without ``allow_code`` a file that would
+    import or run code (:func:`task_code`) is refused before lm-eval reads it."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
+    if not allow_code:
+        found = task_code(path)
+        if found is not None:
+            where, what = found
+            raise UserError(
+                f"--tasks {where}: {what} would run code from beside the task file; pass --allow-task-code if "
+                "you trust the task's author, or remove it"
+            )
     try:
         cfg = load_yaml(path)
     except Exception as err:  # YAML syntax, a missing include or !function module: lm-eval's own words
@@ -245,7 +301,9 @@ def _not_local(err: BaseException) -> bool:
     )
 
 
-def build_requests(names: list[str], run: Path, recipe: dict[str, Any] | None, tokenizer: Any, workdir: Path) -> list[TaskRequest]:
+def build_requests(
+    names: list[str], run: Path, recipe: dict[str, Any] | None, tokenizer: Any, workdir: Path, allow_code: bool = False
+) -> list[TaskRequest]:
     """A :class:`TaskRequest` per ``--tasks`` name: the run's own tasks and task files built here, the rest
     registered names for lm-eval."""
     requests: list[TaskRequest] = []
@@ -258,7 +316,7 @@ def build_requests(names: list[str], run: Path, recipe: dict[str, Any] | None, t
             path = Path(name).expanduser()
             if not path.is_file():
                 raise UserError(f"--tasks {name}: no such task file")
-            requests.append(yaml_task(path))
+            requests.append(yaml_task(path, allow_code))
         else:
             requests.append(TaskRequest(name, name, registered=True))
     return requests
@@ -355,14 +413,38 @@ class EvalReport:
         }
 
 
+@contextmanager
+def sandboxed_templates(sandbox: bool) -> Iterator[None]:
+    """lm-eval's prompt templates rendered in Jinja's sandbox (its own environment, lm_eval.utils.env, is not
+    one: a template could reach Python's objects and run a command); with ``sandbox`` False, lm-eval's own."""
+    import lm_eval.utils as lm_utils
+
+    if not sandbox:
+        yield
+        return
+    from jinja2 import BaseLoader, StrictUndefined
+    from jinja2.sandbox import SandboxedEnvironment
+
+    own = lm_utils.env
+    env = SandboxedEnvironment(loader=BaseLoader(), undefined=StrictUndefined, keep_trailing_newline=True)
+    env.filters.update(own.filters)
+    lm_utils.env = env
+    try:
+        yield
+    finally:
+        lm_utils.env = own
+
+
 def run_eval(
     target: str, task_values: list[str], *, baseline: str | None = None, output: Path | None = None,
     batch_size: int = 16, limit: int | None = None, say: Any = print, trust_remote_code: bool = False,
+    allow_task_code: bool = False,
 ) -> EvalReport:
     """``finetune eval``: check everything, evaluate the model (and the baseline), then write ``output``.
 
     ``baseline``: None (no baseline), ``base`` (the model the run started from) or a model directory.
-    ``trust_remote_code``: the user's flag, for the model's and tokenizer's own code.
+    ``trust_remote_code``: model code of the directories may run (the user's flag; a run's recipe never turns it
+    on); ``allow_task_code``: task files may import code (``!function``) and render unsandboxed templates.
     """
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -373,17 +455,17 @@ def run_eval(
     from finetune.inference import load, load_baseline, select
 
     _quiet()
-    with tempfile.TemporaryDirectory(prefix="finetune-eval-") as tmp:
-        selection = select(target, [], None, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="finetune-eval-") as tmp, sandboxed_templates(not allow_task_code):
+        selection = select(target, [], None, Path(tmp), trust_remote_code=trust_remote_code)
         run = selection.run(selection.names[0])
         tokenizer = selection.tokenizers(trust_remote_code)[selection.names[0]]
-        requests = build_requests(names, run.path, run.recipe, tokenizer, Path(tmp))
+        requests = build_requests(names, run.path, run.recipe, tokenizer, Path(tmp), allow_task_code)
         manager = _task_manager(requests)
         check_registered(requests, manager)
         load_tasks(requests, manager)
         notes = [n for r in requests for n in r.notes]
         if baseline is not None and baseline != "base":
-            base_selection = select(baseline, [], None, Path(tmp), flag="--baseline")
+            base_selection = select(baseline, [], None, Path(tmp), flag="--baseline", trust_remote_code=trust_remote_code)
         loaded = load(selection, trust_remote_code=trust_remote_code)
         say(f"evaluating {loaded.label} on {', '.join(r.name for r in requests)}")
         scores = evaluate_model(loaded, requests, manager, batch_size=batch_size, limit=limit)

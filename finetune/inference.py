@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from finetune.errors import UserError
+from finetune.locate import needs_remote_code, remote_code_refused
 from finetune.rundir import BaseRef, RunDir, find_base, read_json, read_run
-from finetune.safetensors_stream import SAFE_INDEX
+from finetune.safetensors_stream import SAFE_INDEX, read_weight_map
 
 #: Adapter names that mean the base with every adapter disabled.
 BASE_NAMES = ("base", "none")
@@ -68,8 +69,7 @@ def parse_adapter(spec: str) -> tuple[str | None, str]:
 
 def _safetensors_files(d: Path) -> list[Path]:
     if (d / SAFE_INDEX).is_file():
-        index = read_json(d / SAFE_INDEX)
-        return sorted({d / f for f in index.get("weight_map", {}).values()})
+        return sorted({d / f for f in read_weight_map(d / SAFE_INDEX).values()})
     return sorted(d.glob("*.safetensors"))
 
 
@@ -107,7 +107,32 @@ def base_difference(a: Path, b: Path) -> str | None:
     return None if same else f"their weights differ ({a} and {b})"
 
 
-def base_directory(run: RunDir, ref: BaseRef, scratch: Path) -> Path:
+def with_user_trust(recipe: dict[str, Any] | None, trust_remote_code: bool) -> dict[str, Any]:
+    """A run's recipe with ``model.trust_remote_code`` set to the user's choice (``--trust-remote-code``), for
+    what is rebuilt from it (a random init's weights): the directory's own value is never used."""
+    recipe = recipe or {}
+    return {**recipe, "model": {**(recipe.get("model") or {}), "trust_remote_code": trust_remote_code}}
+
+
+def build_random(run: RunDir, config_dir: Path, trust_remote_code: bool = False, flag: str = "--base DIR") -> Any:
+    """The weights a random-init run drew from its config in ``config_dir`` and ``train.seed`` (a transformers
+    PreTrainedModel on the CPU); model code of its own runs only on the user's ``trust_remote_code``."""
+    from finetune.recipe import RecipeError, recipe_from_dict
+    from finetune.train.quantize import build_random_base
+
+    try:
+        loaded = recipe_from_dict(with_user_trust(run.recipe, trust_remote_code), base_dir=run.path)
+    except RecipeError as err:
+        raise UserError(f"{run.path / 'recipe.yaml'} is not a valid recipe ({err}); pass {flag}") from None
+    try:
+        return build_random_base(loaded, str(config_dir))
+    except ValueError as err:
+        if needs_remote_code(err):
+            raise remote_code_refused(config_dir, "--trust-remote-code") from None
+        raise
+
+
+def base_directory(run: RunDir, ref: BaseRef, scratch: Path, trust_remote_code: bool = False) -> Path:
     """The directory of ``ref``'s weights: ``ref.path``, or for a random-init run the fp32 weights its seed
     draws (as the run drew them), saved once under ``scratch``."""
     if not ref.rebuild:
@@ -115,22 +140,15 @@ def base_directory(run: RunDir, ref: BaseRef, scratch: Path) -> Path:
     out = scratch / f"base-{hashlib.sha256(str(run.path.resolve()).encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out
-    from finetune.recipe import RecipeError, recipe_from_dict
-    from finetune.train.quantize import build_random_base
-
-    try:
-        loaded = recipe_from_dict(run.recipe or {}, base_dir=run.path)
-    except RecipeError as err:
-        raise UserError(f"{run.path / 'recipe.yaml'} is not a valid recipe ({err}); pass --base DIR") from None
-    random_base: Any = build_random_base(loaded, str(ref.path))  # a transformers PreTrainedModel
+    random_base: Any = build_random(run, ref.path, trust_remote_code)  # a transformers PreTrainedModel
     random_base.save_pretrained(out, safe_serialization=True)
     return out
 
 
-def _own_base(run: RunDir, scratch: Path) -> Path | None:
+def _own_base(run: RunDir, scratch: Path, trust_remote_code: bool = False) -> Path | None:
     """The base ``run`` was trained on, from its recipe or its config (None when neither says where it is)."""
     try:
-        return base_directory(run, find_base(run), scratch)
+        return base_directory(run, find_base(run), scratch, trust_remote_code)
     except UserError:
         return None
 
@@ -145,9 +163,10 @@ class Base:
     rebuilt: bool = False  # the weights were redrawn from a random init's seed into a temporary directory
 
 
-def settle_base(adapters: list[RunDir], base: str | None, scratch: Path) -> Base:
+def settle_base(adapters: list[RunDir], base: str | None, scratch: Path, trust_remote_code: bool = False) -> Base:
     """The one base of ``adapters`` (``base``: the model directory the user named) after checking that every
-    adapter was trained on it, that they can share one peft model and one quantization."""
+    adapter was trained on it, that they can share one peft model and one quantization (``trust_remote_code``:
+    the user's, for a random init rebuilt from a config that names its own code)."""
     first = adapters[0]
     if len(adapters) > 1:
         for t in adapters:
@@ -179,9 +198,9 @@ def settle_base(adapters: list[RunDir], base: str | None, scratch: Path) -> Base
         path = where.path
     else:
         ref = find_base(first)
-        path, rebuilt = base_directory(first, ref, scratch), ref.rebuild
+        path, rebuilt = base_directory(first, ref, scratch, trust_remote_code), ref.rebuild
     for t in adapters:
-        own = _own_base(t, scratch) if (base is not None or t is not first) else path
+        own = _own_base(t, scratch, trust_remote_code) if (base is not None or t is not first) else path
         if own is None:
             continue  # a bare adapter whose config names no local base: its shapes are checked as it loads
         why = base_difference(own, path)
@@ -353,7 +372,12 @@ def load_tokenizer(d: Path, fallback: Path, trust_remote_code: bool = False) -> 
     has = [p for p in (d, fallback) if (p / "tokenizer_config.json").is_file() or (p / "tokenizer.json").is_file()]
     if not has:
         raise UserError(f"{d} has no tokenizer, nor has {fallback}; save the tokenizer beside the model")
-    tok = AutoTokenizer.from_pretrained(str(has[0]), local_files_only=True, trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(has[0]), local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        if needs_remote_code(err):
+            raise remote_code_refused(has[0], "--trust-remote-code") from None
+        raise
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -412,11 +436,12 @@ class Selection:
 
 
 def select(target: str | None, adapters: list[str], base: str | None, scratch: Path,
-           use: str | None = None, flag: str = "RUN_OR_MODEL") -> Selection:
+           use: str | None = None, flag: str = "RUN_OR_MODEL", trust_remote_code: bool = False) -> Selection:
     """Resolve what to load (``target``: RUN_OR_MODEL; ``adapters``: ``[NAME=]DIR`` each; ``base``: the base
     model the user named; ``use``: the adapter to start with): adapters over their base, or a whole model.
     Every check that needs no weights, each a sentence naming its argument (``flag``: the name of
-    ``target``'s); a random-init base is redrawn into ``scratch``."""
+    ``target``'s); a random-init base is redrawn into ``scratch`` (its config's own code run only on the
+    user's ``trust_remote_code``)."""
     specs: list[tuple[str | None, str, str]] = []  # (name, dir, flag)
     model: RunDir | None = None
     if target is not None:
@@ -449,7 +474,7 @@ def select(target: str | None, adapters: list[str], base: str | None, scratch: P
         if any(a.name == t.name for a in runs):
             raise UserError(f"{flag} {d}: two adapters are named `{t.name}`; name them with NAME=DIR")
         runs.append(t)
-    settled = settle_base(runs, base, scratch)
+    settled = settle_base(runs, base, scratch, trust_remote_code)
     if use is not None and use not in BASE_NAMES and use not in [a.name for a in runs]:
         known = ", ".join(a.name for a in runs)
         raise UserError(f"--use {use} is not an adapter here; the adapters are {known} (or base)")
@@ -539,7 +564,13 @@ def _load_model(path: Path, dtype: Any, device: Any, trust: bool, quantization: 
         kwargs["quantization_config"] = quantization
     from finetune.kernels import use_experts_kernel
 
-    return use_experts_kernel(AutoModelForCausalLM.from_pretrained(str(path), **kwargs), device, dtype).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except ValueError as err:
+        if needs_remote_code(err):
+            raise remote_code_refused(path, "--trust-remote-code") from None
+        raise
+    return use_experts_kernel(model, device, dtype).eval()
 
 
 def _stop_at_eos(model: Any, tokenizer: Any) -> None:
@@ -632,8 +663,6 @@ def load_baseline(selection: Selection, *, device: Any = None, trust_remote_code
         t = selection.model
         if t.init == "random" and t.model_path:
             from finetune.locate import locate_model
-            from finetune.recipe import recipe_from_dict
-            from finetune.train.quantize import build_random_base
 
             location = locate_model(t.model_path, t.path)
             config_dir = Path(location.path)
@@ -645,7 +674,7 @@ def load_baseline(selection: Selection, *, device: Any = None, trust_remote_code
             tok = selection.tokenizers(trust_remote_code)[""]
             from finetune.kernels import use_experts_kernel
 
-            model = build_random_base(recipe_from_dict(t.recipe or {}, base_dir=t.path), str(config_dir)).to(device)
+            model = build_random(t, config_dir, trust_remote_code, "--baseline MODEL").to(device)
             use_experts_kernel(model, device)
             model.eval()
             _stop_at_eos(model, tok)
@@ -667,7 +696,7 @@ def load_baseline(selection: Selection, *, device: Any = None, trust_remote_code
             )
         base_path = str(selection.base.path)
     with tempfile.TemporaryDirectory(prefix="finetune-baseline-") as scratch:
-        chosen = select(base_path, [], None, Path(scratch), flag="--baseline")
+        chosen = select(base_path, [], None, Path(scratch), flag="--baseline", trust_remote_code=trust_remote_code)
     session = load(chosen, device=device, trust_remote_code=trust_remote_code)
     notes = []
     mine = selection.tokenizers(trust_remote_code)[selection.names[0]]

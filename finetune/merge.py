@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.adapters import BOTTLENECK_CONFIG
 from finetune.errors import UserError
 from finetune.inference import base_directory
+from finetune.locate import needs_remote_code, path_overlap, remote_code_refused
 from finetune.methods import BottleneckAdapters, FullFineTuning, PrefixTuning
 from finetune.recipe import QuantizationConfig
 from finetune.rundir import (
@@ -109,6 +110,7 @@ class MergeResult:
     untied: list[str] = field(default_factory=list)
     into_dequantized: bool = False
     seconds: float = 0.0
+    files: list[str] = field(default_factory=list)  # the names merge wrote into ``out``
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,9 +236,14 @@ def _meta_model(config_dir: Path, trust_remote_code: bool) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code, local_files_only=True)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code, local_files_only=True)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        if needs_remote_code(err):
+            raise remote_code_refused(config_dir, "--trust-remote-code") from None
+        raise
 
 
 @dataclass
@@ -359,16 +366,9 @@ def _dequantized_experts(tensor: torch.Tensor, qcfg: QuantizationConfig, compute
 
 def _check_out_apart(out: Path, inp: Path, what: str) -> None:
     """Refuse an ``--out`` that is, contains or lies inside an input: replacing it would delete the input."""
-    o, i = out.resolve(), inp.resolve()
-    for relation, overlaps in (
-        ("is", o == i),
-        ("contains", i.is_relative_to(o)),
-        ("lies inside", o.is_relative_to(i)),
-    ):
-        if overlaps:
-            raise UserError(
-                f"--out {out} {relation} {what} {inp}, an input of the merge; choose a directory outside it"
-            )
+    relation = path_overlap(out, inp)
+    if relation is not None:
+        raise UserError(f"--out {out} {relation} {what} {inp}, an input of the merge; choose a directory outside it")
 
 
 def _check_replaceable(out: Path) -> None:
@@ -402,8 +402,8 @@ def merge(
     or an earlier merge (it holds ``finetune_merge.json``); an ``out`` that is, contains or lies inside the
     adapter or the base directory is always refused.
     ``into_dequantized`` (QLoRA runs) folds into the NF4-dequantized weights the run trained against.
-    ``trust_remote_code``: the user's flag, for a base whose config needs its own code.
-    Raises :class:`UserError` on bad input before anything is written.
+    ``trust_remote_code`` (the user's ``--trust-remote-code``, never the run directory's recipe) lets a base whose
+    config names its own code run it. Raises :class:`UserError` on bad input before anything is written.
     """
     with tempfile.TemporaryDirectory(prefix="finetune-merge-") as scratch:
         return _merge(Path(run_dir), Path(out), dtype, base, force, into_dequantized, Path(scratch), trust_remote_code)
@@ -497,7 +497,7 @@ def _merge(
     out_dtype = _torch_dtype(dtype)
     fold = _plan_fold(inputs, layout, meta, into_dequantized, out_dtype, qcfg, compute_dtype)
     extra, untied = _untie(layout, fold)
-    total = _write_and_swap_in(inputs, layout, fold, extra, untied, dtype, into_dequantized, out_path)
+    total, files = _write_and_swap_in(inputs, layout, fold, extra, untied, dtype, into_dequantized, out_path)
     rebuilt = inputs.base_dir.is_relative_to(scratch)
     return MergeResult(
         out=out_path,
@@ -510,6 +510,7 @@ def _merge(
         untied=sorted(set(untied)),
         into_dequantized=into_dequantized,
         seconds=time.perf_counter() - start,
+        files=files,
     )
 
 
@@ -526,7 +527,8 @@ def _read_inputs(
             raise UserError(f"--out {out_path} already exists; pass --force to replace it")
         _check_out_apart(out_path, run, "the adapter directory")
     source, adapter = _read_adapter(run)
-    base_dir = base_directory(source, find_base(source, base), scratch)
+    # remote code runs on the user's word alone: a run directory (perhaps received) cannot turn it on
+    base_dir = base_directory(source, find_base(source, base), scratch, trust_remote_code)
     if out_path is not None:
         _check_out_apart(out_path, base_dir, "the base model")
         _check_replaceable(out_path)
@@ -718,9 +720,9 @@ def _untie(layout: _Layout, fold: Fold) -> tuple[dict[str, list[tuple[str, str]]
 def _write_and_swap_in(
     inputs: _Inputs, layout: _Layout, fold: Fold, extra: dict[str, list[tuple[str, str]]], untied: list[str],
     dtype: str | None, into_dequantized: bool, out_path: Path,
-) -> int:
+) -> tuple[int, list[str]]:
     """Write the merged directory into a hidden sibling of ``out_path``, then swap it into place; a failure
-    leaves nothing behind. Returns the bytes of weights written."""
+    leaves nothing behind. Returns the bytes of weights written and the names of the files."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.merging-", dir=out_path.parent))
     try:
@@ -734,11 +736,12 @@ def _write_and_swap_in(
             "into_dequantized": into_dequantized,
         }
         (tmp / MERGE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        files = sorted(p.name for p in tmp.iterdir())
         swap_in(tmp, out_path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return total
+    return total, files
 
 
 def _write_shards(

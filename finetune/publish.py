@@ -3,32 +3,25 @@
 
 The card (README.md, written beside the weights) holds what makes the upload reproducible: the resolved recipe,
 the plan the run executed with its predicted and measured memory, and the final metrics. huggingface_hub does
-the upload (``create_repo`` then ``upload_folder``, one commit); ``HF_ENDPOINT`` points it at another server,
-``HF_TOKEN`` authenticates. Checkpoints, tracker files and memory snapshots stay local.
+the upload (``create_repo``, private unless asked, then ``create_commit`` of an explicit list of files: what
+the run or the merge wrote, never the folder as a whole); ``HF_ENDPOINT`` points it at another server,
+``HF_TOKEN`` authenticates (huggingface_hub reads it; finetune never writes or prints it). Checkpoints,
+tracker files, memory snapshots and anything else in the folder stay local.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
 from finetune.locate import hub_offline, looks_like_hub_id
 
-#: What never leaves output.dir: resumable state, tracker runs, debugging files, plots.
-LOCAL_ONLY = [
-    "checkpoints/*",
-    "checkpoints/**",
-    "tensorboard/**",
-    "wandb/**",
-    "mlruns/**",
-    "trackers.json",
-    "*.pickle",
-    "report.png",
-    "report.html",
-    ".*",
-]
+#: The run's own records that an upload of its model sends beside it (each when it exists) and the card.
+RUN_RECORDS = ("recipe.yaml", "plan.json", "memory.json", "metrics.jsonl")
+CARD = "README.md"
 
 
 def check_push(key: str, repo_id: str | None) -> None:
@@ -109,20 +102,37 @@ def model_card(run_dir: Path, *, merged_from: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def push_folder(folder: Path, repo_id: str, *, key: str, card: str, message: str) -> str:
-    """Write ``card`` as README.md in ``folder`` and upload the folder (less :data:`LOCAL_ONLY`) to ``repo_id``
-    in one commit; return the commit URL. A refused or failed upload is one sentence naming ``key``."""
-    from huggingface_hub import HfApi
+def upload_list(folder: Path, files: list[str]) -> list[str]:
+    """The names of ``files`` to upload from ``folder``, each checked to be a plain file inside it (a name with a
+    separator or ``..``, or a symlink leading out, is refused): the card last, each name once."""
+    names = list(dict.fromkeys([*(f for f in files if f != CARD), CARD]))
+    root = Path(os.path.realpath(folder))
+    for name in names:
+        path = folder / name
+        if "/" in name or "\\" in name or name in ("", ".", "..") or not path.is_file():
+            raise UserError(f"{folder}: `{name}` is not a file of the folder; nothing was uploaded")
+        if not Path(os.path.realpath(path)).is_relative_to(root):
+            raise UserError(f"{path} leads outside {folder} (a symlink); nothing was uploaded")
+    return names
+
+
+def push_folder(
+    folder: Path, repo_id: str, *, key: str, card: str, message: str, files: list[str], private: bool = True
+) -> str:
+    """Write ``card`` as README.md in ``folder`` and upload it and ``files`` (names in ``folder``: what the run or
+    merge wrote) to ``repo_id`` in one commit, creating the repository ``private`` unless it exists; return the
+    commit URL. A refused or failed upload is one sentence naming ``key``."""
+    from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     check_push(key, repo_id)
-    (folder / "README.md").write_text(card)
+    (folder / CARD).write_text(card)
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name))
+                  for name in upload_list(folder, files)]
     api = HfApi()
     try:
-        api.create_repo(repo_id, exist_ok=True)
-        info = api.upload_folder(
-            folder_path=str(folder), repo_id=repo_id, commit_message=message, ignore_patterns=LOCAL_ONLY
-        )
+        api.create_repo(repo_id, exist_ok=True, private=private)
+        info = api.create_commit(repo_id, operations, commit_message=message)
     except HfHubHTTPError as err:
         status = getattr(getattr(err, "response", None), "status_code", None)
         hint = " (log in with `hf auth login` or set HF_TOKEN)" if status in (401, 403) else ""

@@ -20,7 +20,10 @@ by one set of rules:
   init), else the adapter's ``base_model_name_or_path``.
 
 Nothing here decides whether code from a directory may run: ``trust_remote_code`` is the user's choice, an
-argument of the loader (:mod:`finetune.inference`), never a value read from the directory being opened.
+argument of the loader (:mod:`finetune.inference`), never a value read from the directory being opened (a
+run's recipe is read with ``model.trust_remote_code`` off, :func:`finetune.recipe.opened_run_recipe`, so that
+nothing rebuilt from it runs a directory's code either). An index's shard names are checked as the directory
+is read (no separators, no ``..``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from finetune.adapters import BOTTLENECK_CONFIG, BOTTLENECK_WEIGHTS
 from finetune.errors import UserError
 from finetune.locate import locate_model
 from finetune.methods import METHOD_TYPES
-from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE
+from finetune.recipe import opened_run_recipe
+from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, read_weight_map
 from finetune.spec import ExecSpec, Method
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -76,7 +80,7 @@ def _run_files(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         except yaml.YAMLError as err:
             why = " ".join(str(err).split())  # one line: YAML's message marks the place on lines of its own
             raise UserError(f"{d / 'recipe.yaml'} is not valid YAML ({why}); the run directory is damaged") from None
-        recipe = data if isinstance(data, dict) else None
+        recipe = opened_run_recipe(data)  # remote code stays off: only the user's --trust-remote-code turns it on
     if (d / "plan.json").is_file():
         plan = read_json(d / "plan.json")
     return recipe, plan
@@ -241,6 +245,8 @@ def read_run(value: str, flag: str = "RUN_OR_MODEL", name: str | None = None) ->
         recipe, plan = _run_files(d)
         return RunDir(d, "bottleneck", label, recipe, plan, read_json(d / BOTTLENECK_CONFIG), flag)
     if (d / "config.json").is_file():
+        if (d / SAFE_INDEX).is_file():
+            read_weight_map(d / SAFE_INDEX)  # every shard a file of the directory, before anything reads one
         if not has_weights(d):
             raise UserError(
                 f"{flag} {value} has a config.json but no safetensors weights; give a trained model (a model.init: "
@@ -354,7 +360,9 @@ def find_base(run: RunDir, base: str | None = None, *, rebuild: bool = True) -> 
         raise UserError(f"the base model {found} (from {where}) has no config.json; pass --base DIR")
     if _is_quantized(found):
         raise UserError(f"the base model {found} is stored quantized; the 16-bit base is needed: pass --base DIR")
-    if not (found / SAFE_INDEX).is_file() and not (found / SAFE_SINGLE).is_file():
+    if (found / SAFE_INDEX).is_file():
+        read_weight_map(found / SAFE_INDEX)  # every shard a file of the base's directory
+    elif not (found / SAFE_SINGLE).is_file():
         raise UserError(
             f"the base model {found} has no safetensors weights ({SAFE_SINGLE} or {SAFE_INDEX}); "
             "re-save it with save_pretrained(safe_serialization=True)"

@@ -245,11 +245,14 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, model_dir: Path, adapters: dict[str, Path], eos: int | None, ranks: list[int]) -> None:
+    def __init__(self, model_dir: Path, adapters: dict[str, Path], eos: int | None, ranks: list[int],
+                 trust_remote_code: bool = False) -> None:
         from vllm import AsyncEngineArgs, AsyncLLMEngine
         from vllm.lora.request import LoRARequest
 
-        args: dict[str, Any] = {"model": str(model_dir), "tokenizer": str(model_dir)}
+        # the model's own code runs on the user's --trust-remote-code only, as with the transformers engine
+        args: dict[str, Any] = {"model": str(model_dir), "tokenizer": str(model_dir),
+                                "trust_remote_code": trust_remote_code}
         if adapters:
             args.update(enable_lora=True, max_loras=len(adapters), max_lora_rank=max(ranks))
         self.engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**args))
@@ -497,7 +500,7 @@ def prepare(opts: ServeOptions, scratch: Path) -> tuple[Service, str]:
 
     if opts.engine not in ("auto", "transformers", "vllm"):
         raise UserError(f"--engine {opts.engine} is not one of auto, transformers, vllm")
-    selection = select(opts.target, opts.adapters, opts.base, scratch)
+    selection = select(opts.target, opts.adapters, opts.base, scratch, trust_remote_code=opts.trust_remote_code)
     device = device_of(opts.device)
     tokenizers = selection.tokenizers(opts.trust_remote_code)
     if selection.model is not None:
@@ -515,7 +518,8 @@ def prepare(opts: ServeOptions, scratch: Path) -> tuple[Service, str]:
     if problem is None:
         ranks = [int(a.adapter_config.get("r", 8)) for a in selection.adapters]
         eos = next(iter(tokenizers.values())).eos_token_id
-        engine: Any = VllmEngine(selection.model_dir, {a.name: a.path for a in selection.adapters}, eos, ranks)
+        engine: Any = VllmEngine(selection.model_dir, {a.name: a.path for a in selection.adapters}, eos, ranks,
+                                 opts.trust_remote_code)
         what = f"vLLM over {selection.model_dir}"
     else:
         session = load(selection, device=device, trust_remote_code=opts.trust_remote_code)
