@@ -66,11 +66,12 @@ def _hf_home() -> Path:
     return Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
 
 
-def hub_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
+def hub_snapshot(repo_id: str, repo_type: str = "model", revision: str | None = None) -> Path | None:
     """The local snapshot directory of a hub id in the Hugging Face cache (a model's with a config.json), or None.
 
     The cache layout is huggingface_hub's: ``models--ORG--NAME/snapshots/REV`` (``datasets--`` for a dataset),
     ``refs/main`` naming the revision; without a ref, the newest snapshot (holding a config.json, for a model).
+    ``revision`` (``model.revision``): only the snapshot of that commit, or of the branch or tag a ref names.
     """
     if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
         return None
@@ -82,6 +83,13 @@ def hub_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
     def usable(snap: Path) -> bool:
         return (snap / "config.json").is_file() if repo_type == "model" else snap.is_dir()
 
+    if revision is not None:
+        if ".." in revision.split("/") or revision.startswith("/"):
+            return None
+        ref = root / "refs" / revision  # a branch or tag names its commit; a commit hash is the snapshot's name
+        commit = ref.read_text().strip() if ref.is_file() else revision
+        snap = root / "snapshots" / commit
+        return snap if "/" not in commit and usable(snap) else None
     ref = root / "refs" / "main"
     if ref.is_file():
         snap = root / "snapshots" / ref.read_text().strip()
@@ -105,12 +113,14 @@ class ModelLocation:
 
     ``kind``: ``dir`` (a local model directory, ``path`` absolute), ``hub-cache`` (a hub id whose snapshot is
     ``path``), ``hub`` (a hub id to download: not cached, downloads allowed), ``catalog`` (a planning-only
-    config, ``path`` is the catalog key), ``missing``.
+    config, ``path`` is the catalog key), ``missing``. ``revision``: the Hub revision a hub id is pinned to
+    (``model.revision``).
     """
 
     value: str
     kind: Literal["dir", "hub-cache", "hub", "catalog", "missing"]
     path: str
+    revision: str | None = None
 
     @property
     def has_weights(self) -> bool:
@@ -159,20 +169,21 @@ class ModelLocation:
         return self.path
 
 
-def locate_model(value: str, base_dir: Path) -> ModelLocation:
-    """Resolve ``model.path``: a local directory, a cached hub id, a catalog name, or missing."""
+def locate_model(value: str, base_dir: Path, revision: str | None = None) -> ModelLocation:
+    """Resolve ``model.path``: a local directory, a cached hub id (at ``revision`` when given), a catalog name, or
+    missing."""
     local = resolve_input_path(value, base_dir)
     if local.is_dir():
         return ModelLocation(value, "dir", str(local.resolve()))
-    snap = hub_snapshot(value)
+    snap = hub_snapshot(value, revision=revision)
     if snap is not None:
-        return ModelLocation(value, "hub-cache", str(snap))
+        return ModelLocation(value, "hub-cache", str(snap), revision)
     name = catalog_name(value)
-    if name is not None:
+    if name is not None and revision is None:
         return ModelLocation(value, "catalog", name)
     if looks_like_hub_id(value) and not hub_offline():
-        return ModelLocation(value, "hub", value)
-    return ModelLocation(value, "missing", value)
+        return ModelLocation(value, "hub", value, revision)
+    return ModelLocation(value, "missing", value, revision)
 
 
 @dataclass(frozen=True)
@@ -255,7 +266,7 @@ def model_config(location: ModelLocation, trust_remote_code: bool = False) -> tu
         facts = dict(CATALOG[location.path])
         return AutoConfig.for_model(facts.pop("model_type"), **facts), f"catalog:{location.path}"
     if location.kind == "hub":  # planning needs only the config: fetch that one file
-        path = download_config(location.value)
+        path = download_config(location.value, location.revision)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
         return config, f"hub:{location.value}"
     problem = location.problem()
@@ -473,7 +484,7 @@ def fetch_hub_inputs(loaded: Any) -> bool:
         return False
     fetched = False
     if inputs.model.downloadable:
-        download_model(inputs.model.value, allow_pickle=r.model.allow_pickle)
+        download_model(inputs.model.value, allow_pickle=r.model.allow_pickle, revision=r.model.revision)
         fetched = True
     specs = r.data.train_specs()
     new_specs: list[list[str]] = [[] for _ in range(max(t.source for t in specs) + 1)]

@@ -1249,7 +1249,7 @@ def resolve_inputs(loaded: LoadedRecipe) -> LoadedRecipe:
     back as absolute paths, so the saved recipe is self-describing and every later reader sees the same files."""
     r = loaded.recipe
     base = loaded.base_dir
-    model = locate_model(r.model.path, base)
+    model = locate_model(r.model.path, base, r.model.revision)
     if model.kind == "dir":
         r.model.path = model.path
     specs = r.data.train_specs()
