@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from finetune.errors import UserError
-from finetune.locate import needs_remote_code, remote_code_refused
+from finetune.locate import check_remote_code, needs_remote_code, remote_code_refused
 from finetune.rundir import BaseRef, RunDir, find_base, read_json, read_run
 from finetune.safetensors_stream import SAFE_INDEX, read_weight_map
 
@@ -120,6 +120,7 @@ def build_random(run: RunDir, config_dir: Path, trust_remote_code: bool = False,
     from finetune.recipe import RecipeError, recipe_from_dict
     from finetune.train.quantize import build_random_base
 
+    check_remote_code(config_dir, trust_remote_code)  # before transformers reads any of it
     try:
         loaded = recipe_from_dict(with_user_trust(run.recipe, trust_remote_code), base_dir=run.path)
     except RecipeError as err:
@@ -461,6 +462,7 @@ def select(target: str | None, adapters: list[str], base: str | None, scratch: P
     if model is not None:
         if base is not None:
             raise UserError(f"--base is for adapters; {target} is a whole model")
+        check_remote_code(model.path, trust_remote_code)  # before transformers reads any of it
         return Selection([], None, model)
     if not specs:
         raise UserError("give RUN_OR_MODEL (a run's output.dir, a merged or any Hugging Face model) or --adapter DIR")
@@ -475,6 +477,7 @@ def select(target: str | None, adapters: list[str], base: str | None, scratch: P
             raise UserError(f"{flag} {d}: two adapters are named `{t.name}`; name them with NAME=DIR")
         runs.append(t)
     settled = settle_base(runs, base, scratch, trust_remote_code)
+    check_remote_code(settled.path, trust_remote_code)
     if use is not None and use not in BASE_NAMES and use not in [a.name for a in runs]:
         known = ", ".join(a.name for a in runs)
         raise UserError(f"--use {use} is not an adapter here; the adapters are {known} (or base)")

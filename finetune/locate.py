@@ -295,6 +295,27 @@ def remote_code_refused(model_dir: str | os.PathLike[str], flag: str) -> UserErr
     )
 
 
+def check_remote_code(model_dir: str | os.PathLike[str], trust_remote_code: bool, flag: str = "--trust-remote-code") -> None:
+    """Refuse, before transformers reads anything of it, a model directory that only loads by running its own code
+    (its config.json's ``auto_map`` names classes for a ``model_type`` transformers does not implement), unless
+    ``trust_remote_code`` (the user's ``flag``)."""
+    if trust_remote_code:
+        return
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # no readable config: the loader says what is wrong
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not isinstance(auto_map, dict) or not auto_map:
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if config.get("model_type") not in CONFIG_MAPPING_NAMES:
+        raise remote_code_refused(model_dir, flag)
+
+
 def resolve_model_config(
     value: str, base_dir: Path | None = None, trust_remote_code: bool = False
 ) -> tuple[Any, str]:

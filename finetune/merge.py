@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.adapters import BOTTLENECK_CONFIG
 from finetune.errors import UserError
 from finetune.inference import base_directory
-from finetune.locate import needs_remote_code, path_overlap, remote_code_refused
+from finetune.locate import check_remote_code, needs_remote_code, path_overlap, remote_code_refused
 from finetune.methods import BottleneckAdapters, FullFineTuning, PrefixTuning
 from finetune.recipe import QuantizationConfig
 from finetune.rundir import (
@@ -529,6 +529,7 @@ def _read_inputs(
     source, adapter = _read_adapter(run)
     # remote code runs on the user's word alone: a run directory (perhaps received) cannot turn it on
     base_dir = base_directory(source, find_base(source, base), scratch, trust_remote_code)
+    check_remote_code(base_dir, trust_remote_code)
     if out_path is not None:
         _check_out_apart(out_path, base_dir, "the base model")
         _check_replaceable(out_path)

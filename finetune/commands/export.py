@@ -109,11 +109,13 @@ def source_of(opts: ExportOptions) -> Iterator[Source]:
     """What ``opts.target`` holds as a :class:`Source`: a model directory as it is, an adapter folded into its
     base. One sentence for what cannot be exported."""
     from finetune.inference import load_tokenizer
+    from finetune.locate import check_remote_code
     from finetune.methods import method_type
     from finetune.rundir import find_base, read_json, read_run
 
     run = read_run(opts.target, "RUN_OR_MODEL")
     if run.kind == "model":
+        check_remote_code(run.path, opts.trust_remote_code)  # before transformers reads any of it
         config = read_json(run.path / "config.json")
         _check_family(config, run.path)
         specs, tensors = _plain_tensors(run.path)

@@ -865,6 +865,22 @@ def _refused(path: Path, exc: BaseException) -> UserError | None:
     )
 
 
+def check_metadata(ckpt: Path) -> None:
+    """Read a checkpoint's DCP metadata the safe way, before anything else happens (the launcher's preflight of
+    ``--resume``): a ``.metadata`` naming what no checkpoint holds is refused while nothing is written yet."""
+    path = ckpt / STATE_DIR / ".metadata"
+    if not path.is_file():
+        return  # Checkpointer.load says it is incomplete
+    try:
+        read_dcp_metadata(path.read_bytes())
+    except RefusedMetadata as exc:
+        raise _refused(ckpt, exc) or exc from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise UserError(
+            f"--resume: {path} is not DCP metadata ({type(exc).__name__}); the checkpoint is damaged: choose another"
+        ) from None
+
+
 def _safe_load_planner_class() -> Any:
     from torch.distributed.checkpoint import DefaultLoadPlanner
 

@@ -64,6 +64,8 @@ def unreadable(exc: BaseException) -> str:
         return _not_utf8(exc.object[exc.start], exc.start + 1)
     if isinstance(exc, json.JSONDecodeError):
         return f"not valid JSON ({exc.msg} at column {exc.colno})"
+    if isinstance(exc, UnicodeEncodeError):  # a JSON escape of half a UTF-16 pair: no character at all
+        return f"holds \\u{ord(exc.object[exc.start]):04x}, half of a UTF-16 pair, which is no character; fix its escape"
     if isinstance(exc, RecursionError):
         return "nested too deeply to read (lists or objects inside each other thousands of levels deep)"
     if isinstance(exc, ValueError) and "integer string conversion" in str(exc):
@@ -85,6 +87,7 @@ def _rows_jsonl(path: Path, bad: list[str]) -> tuple[list[str], list[str]]:
                 if not line.strip():
                     continue
                 row = json.loads(line)
+                json.dumps(row, ensure_ascii=False).encode("utf-8")  # every string a real text (no lone surrogate)
             except Exception as exc:  # whatever the line holds, it is that row's problem
                 bad.append(f"{path}:{i}: {unreadable(exc)}")
                 continue
@@ -123,6 +126,7 @@ def _rows_json(path: Path, bad: list[str]) -> tuple[list[str], list[str]]:
             bad.append(f"{path}: row {i}: expected a JSON object, got {type(row).__name__}")
             continue
         try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")  # every string a real text (no lone surrogate)
             rows.append(json.dumps(row, default=_json_default))
         except Exception as exc:
             bad.append(f"{path}: row {i}: {unreadable(exc)}")
