@@ -28,6 +28,8 @@ class HubState:
         self.commits: list[dict] = []
         self.downloads: list[str] = []
         self.validated: list[str] = []
+        self.created: dict[tuple[str, str], dict] = {}  # (type, id) -> the create request (its `visibility`)
+        self.paths: list[str] = []  # every request's path (a download at a revision names it)
 
     def add(self, kind: str, repo_id: str, files: dict[str, bytes]) -> None:
         """Create or replace a repository (``kind``: model or dataset)."""
@@ -75,6 +77,7 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
             return (kind, repo_id, parts[4:]) if (kind, repo_id) in state.repos else None
 
         def _resolve(self, head: bool) -> bool:
+            state.paths.append(unquote(urlparse(self.path).path))
             parts = [unquote(p) for p in urlparse(self.path).path.strip("/").split("/")]
             kind = "model"
             if parts and parts[0] == "datasets":
@@ -149,6 +152,7 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
                 repo_id = f"{org}/{req['name']}" if org else req["name"]
                 kind = req.get("type") or "model"
                 state.repos.setdefault((kind, repo_id), {})
+                state.created.setdefault((kind, repo_id), req)
                 return self._json({"url": f"http://{self.headers['Host']}/{repo_id}", "name": repo_id})
             if len(parts) >= 5 and parts[0] == "api" and parts[1] == "models":
                 repo_id = f"{parts[2]}/{parts[3]}"

@@ -353,7 +353,7 @@ def case_checkpoints(h: Harness, check: Check, loaded: Any, spec: Any, model: An
     other = h.sharded(loaded, spec)
     other_opt = h.optimizer(other, loaded, spec)
     dcp.load({"model": ck.ModelState(other, False), "optimizer": ck.OptimizerState(other, other_opt)},
-             checkpoint_id=where)
+             storage_reader=ck.safe_reader(where), planner=ck._SafeLoadPlanner())  # the trainer's safe load
     diff = max_diff(want, full_state(other))
     check.figure("dcp_default_group", {"backend": h.backend, "weights_max_diff": diff,
                                        "files": sorted(p.name for p in Path(where).iterdir())})

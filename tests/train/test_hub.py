@@ -101,9 +101,19 @@ def test_run_downloads_then_pushes_and_merge_pushes_with_cards(hub: HubServer, t
             "README.md": b"#",
         },
     )
-    recipe = _recipe(tmp_path, method="lora", output={"push_to_hub": "acme/tiny-reverse"})
+    recipe = _recipe(tmp_path, method="lora", model={"path": "acme/tiny-llama", "revision": "v1"},
+                     output={"push_to_hub": "acme/tiny-reverse"})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine, not the run's")  # in output.dir before the run
     res = _cli(["run", str(recipe)], hub.env)
     assert res.returncode == 0, res.stderr[-500:] + str(hub.state.unknown)
+    # model.revision pins the download: v1 is asked for, and every file of the model at the commit it names
+    assert "/api/models/acme/tiny-llama/revision/v1" in hub.state.paths
+    commit = hub.state.sha("model", "acme/tiny-llama")
+    model_files = [p for p in hub.state.paths if p.startswith("/acme/tiny-llama/resolve/")]
+    assert model_files and all(p.startswith(f"/acme/tiny-llama/resolve/{commit}/") for p in model_files), model_files
+    cached = tmp_path / "hf-home" / "hub" / "models--acme--tiny-llama"
+    assert (cached / "refs" / "v1").read_text() == commit and not (cached / "refs" / "main").exists()
     got = set(hub.state.downloads)
     assert "model:acme/tiny-llama/model.safetensors" in got and "model:acme/tiny-llama/config.json" in got
     assert not any(d.endswith(".bin") for d in got)
@@ -116,9 +126,12 @@ def test_run_downloads_then_pushes_and_merge_pushes_with_cards(hub: HubServer, t
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
 
-    # The upload: one commit with the adapter, tokenizer, run files and the card; no checkpoints.
+    # The upload: one commit with the adapter, tokenizer, run files and the card; no checkpoints, nothing the run
+    # did not write; a private repository.
     assert len(hub.state.commits) == 1
+    assert hub.state.created[("model", "acme/tiny-reverse")]["visibility"] == "private"
     pushed = hub.state.repos[("model", "acme/tiny-reverse")]
+    assert "notes.txt" not in pushed and ".finetune.lock" not in pushed
     assert {
         "adapter_model.safetensors",
         "adapter_config.json",
@@ -140,9 +153,10 @@ def test_run_downloads_then_pushes_and_merge_pushes_with_cards(hub: HubServer, t
 
     before = len(hub.state.downloads)
     merged = tmp_path / "merged"
-    res = _cli(["merge", str(out), "--out", str(merged), "--push-to-hub", "acme/merged"], hub.env)
+    res = _cli(["merge", str(out), "--out", str(merged), "--push-to-hub", "acme/merged", "--public"], hub.env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert len(hub.state.downloads) == before  # the base came from the cache
+    assert hub.state.created[("model", "acme/merged")]["visibility"] == "public"  # asked for
     pushed = hub.state.repos[("model", "acme/merged")]
     assert "model.safetensors" in pushed and "adapter_config.json" not in pushed
     card = pushed["README.md"].decode()
