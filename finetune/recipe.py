@@ -49,10 +49,10 @@ MAX_SECONDS = 30 * 24 * 3600.0  # a timeout: 30 days
 MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit
 
 #: A count of at least 1 and at most ``le``.
-Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
-Width = Annotated[int, Field(ge=1, le=MAX_WIDTH)]
-Processes = Annotated[int, Field(ge=1, le=MAX_PROCESSES)]
-Batch = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+Steps = Annotated[int, Field(gt=0, le=MAX_STEPS)]
+Width = Annotated[int, Field(gt=0, le=MAX_WIDTH)]
+Processes = Annotated[int, Field(gt=0, le=MAX_PROCESSES)]
+Batch = Annotated[int, Field(gt=0, le=MAX_TOKENS)]
 
 
 class Section(BaseModel):

@@ -115,8 +115,18 @@ def latest_checkpoint(out_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def read_meta(ckpt: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``meta.json`` of a checkpoint directory."""
-    return json.loads((Path(ckpt) / META).read_text())
+    """The ``meta.json`` of a checkpoint directory; one sentence when it is not a JSON object."""
+    path = Path(ckpt) / META
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8, an integer too long, ...
+        reason = type(exc).__name__
+        meta = None
+    else:
+        reason = f"a JSON {type(meta).__name__}, not an object"
+    if not isinstance(meta, dict):
+        raise UserError(f"{path} is not a checkpoint's meta.json ({reason}); the checkpoint is damaged: choose another")
+    return meta
 
 
 def resolve_resume(spec: str, out_dir: str | os.PathLike[str]) -> Path:
@@ -668,7 +678,6 @@ class Checkpointer:
 
         The RNG state is only staged: ``states["rng"].restore()`` applies it just before the first step.
         """
-        import torch
         from torch.distributed.checkpoint.api import CheckpointException
 
         meta = read_meta(path)
@@ -689,14 +698,22 @@ class Checkpointer:
                 f"--resume: {path} cannot be loaded into this run ({_first_error(exc)}); it is damaged or was saved "
                 "by another run or model: choose another checkpoint of this run"
             ) from None
-        small = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
-        for k in TORCH_PARTS:
-            if self.states.get(k) is not None and small.get(k) is not None:
-                self.states[k].load_state_dict(small[k])
-        self.states["train"].load_state_dict(meta)
-        self.states["data"].load_state_dict(meta["position"])
-        if self.states.get("early_stopping") is not None:
-            self.states["early_stopping"].load_state_dict(meta.get("early_stopping"))
+        small = _load_trainer_state(path)
+        try:
+            for k in TORCH_PARTS:
+                if self.states.get(k) is not None and small.get(k) is not None:
+                    self.states[k].load_state_dict(small[k])
+            self.states["train"].load_state_dict(meta)
+            self.states["data"].load_state_dict(meta["position"])
+            if self.states.get("early_stopping") is not None:
+                self.states["early_stopping"].load_state_dict(meta.get("early_stopping"))
+        except UserError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
+            raise UserError(
+                f"--resume: {path} holds counters or states this run cannot use ({type(exc).__name__}: "
+                f"{str(exc)[:200]}); it is damaged or was written by another tool: choose another checkpoint"
+            ) from None
         return meta
 
     def load_weights(self, path: Path) -> None:
@@ -865,19 +882,35 @@ def _refused(path: Path, exc: BaseException) -> UserError | None:
     )
 
 
-def check_metadata(ckpt: Path) -> None:
-    """Read a checkpoint's DCP metadata the safe way, before anything else happens (the launcher's preflight of
-    ``--resume``): a ``.metadata`` naming what no checkpoint holds is refused while nothing is written yet."""
+def check_safe_to_load(ckpt: Path) -> None:
+    """Read a checkpoint's pickles the safe way before anything else happens (the launcher's preflight of
+    ``--resume``): DCP's ``.metadata`` through :func:`read_dcp_metadata`, ``trainer.pt`` with
+    ``weights_only=True``; one naming what no checkpoint holds is refused while nothing is written yet."""
     path = ckpt / STATE_DIR / ".metadata"
-    if not path.is_file():
-        return  # Checkpointer.load says it is incomplete
+    if path.is_file():
+        try:
+            read_dcp_metadata(path.read_bytes())
+        except RefusedMetadata as exc:
+            raise _refused(ckpt, exc) or exc from None
+        except Exception as exc:  # a truncated or garbled pickle
+            raise UserError(
+                f"--resume: {path} is not DCP metadata ({type(exc).__name__}); the checkpoint is damaged: choose another"
+            ) from None
+    if (ckpt / "trainer.pt").is_file():
+        _load_trainer_state(ckpt)
+
+
+def _load_trainer_state(ckpt: Path) -> Any:
+    """``trainer.pt`` (scheduler, scaler, RNG states) with ``weights_only=True``; one sentence when that refuses it."""
+    import torch
+
     try:
-        read_dcp_metadata(path.read_bytes())
-    except RefusedMetadata as exc:
-        raise _refused(ckpt, exc) or exc from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        return torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only's unpickler refuses any global it does not know
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise UserError(
-            f"--resume: {path} is not DCP metadata ({type(exc).__name__}); the checkpoint is damaged: choose another"
+            f"--resume: {ckpt / 'trainer.pt'} cannot be read as plain tensors and numbers ({first}); it was not "
+            "written by finetune, or is damaged, and nothing of it was loaded: choose a checkpoint this run wrote"
         ) from None
 
 

@@ -83,7 +83,7 @@ def preflight_resume(loaded: LoadedRecipe, plan: Plan, resume: str | None, overw
         resume = "latest"
     path = ck.resolve_resume(resume, out_dir)
     ck.check_resume_matches(path, identity_for(loaded, plan))
-    ck.check_metadata(path)  # a planted .metadata is refused here, before the run files are written
+    ck.check_safe_to_load(path)  # a planted .metadata or trainer.pt is refused here, before anything is written
     return str(path)
 
 

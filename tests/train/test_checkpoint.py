@@ -149,6 +149,8 @@ def test_no_code_runs_when_loading_files() -> None:
         offenders += [f"{py.name}: yaml.load" for _ in re.finditer(r"yaml\.(?:load|unsafe_load)\(", text)]
     assert offenders == []
     source = Path(ck.__file__).read_text()
-    assert 'torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)' in source
+    assert 'torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=True)' in source
     # DCP's own planner unpickles non-tensor values with weights_only=False: ours overrides it.
     assert "torch.load(value, weights_only=True)" in source and "planner=_SafeLoadPlanner()" in source
+    # DCP's own reader unpickles .metadata with pickle.load: ours admits only its metadata classes.
+    assert "storage_reader=safe_reader(path)" in source and "def find_class" in source

@@ -87,7 +87,7 @@ def test_planted_metadata_runs_nothing_and_is_one_sentence(tmp_path: Path) -> No
         with pytest.raises(ck.RefusedMetadata):
             ck.safe_reader(ckpt / ck.STATE_DIR).read_metadata()
         with pytest.raises(UserError) as info:
-            ck.check_metadata(ckpt)
+            ck.check_safe_to_load(ckpt)
         message = str(info.value)
         assert message.startswith(f"--resume: {ckpt / ck.STATE_DIR / '.metadata'} names ") and (
             "which no checkpoint's metadata holds: it was not written by finetune (or was changed since), and "
@@ -96,6 +96,42 @@ def test_planted_metadata_runs_nothing_and_is_one_sentence(tmp_path: Path) -> No
         assert not marker.exists(), name
     pickle.loads(_payloads(marker)["os.system"])  # what a plain unpickler (DCP's own reader) does with it
     assert marker.exists()
+
+
+def test_load_sharded_reads_the_metadata_through_the_restricted_unpickler(tmp_path: Path) -> None:
+    """What --resume and the sharded helpers load with: a real save loads, a planted .metadata runs nothing."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    marker = tmp_path / "marker"
+    state = _real_metadata(tmp_path / "state")
+    out = {"model": {"w": torch.zeros(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)}}
+    ck.load_sharded(out, state, 1)
+    assert torch.equal(out["model"]["b"], torch.zeros(2, dtype=torch.bfloat16)) and out["model"]["w"].abs().sum() > 0
+    (state / ".metadata").write_bytes(_payloads(marker)["os.system"])
+    with pytest.raises((ck.RefusedMetadata, CheckpointException)) as info:
+        ck.load_sharded(out, state, 1)
+    assert "system" in str(info.value)  # the refused global, as DCP reports its reader's failure
+    assert not marker.exists()
+
+
+def test_a_planted_trainer_state_or_a_garbled_meta_json_is_one_sentence(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    ckpt = tmp_path / "checkpoints" / "step-2"
+    _real_metadata(ckpt / ck.STATE_DIR)
+    (ckpt / "trainer.pt").write_bytes(_payloads(marker)["os.system"])
+    with pytest.raises(UserError) as info:
+        ck.check_safe_to_load(ckpt)
+    assert str(info.value).startswith(f"--resume: {ckpt / 'trainer.pt'} cannot be read as plain tensors and numbers (")
+    assert str(info.value).endswith("nothing of it was loaded: choose a checkpoint this run wrote")
+    assert not marker.exists()
+    for text, reason in (("{not json", "JSONDecodeError"), ("[1, 2]", "a JSON list, not an object"),
+                         ('{"step": ' + "9" * 5000 + "}", "ValueError")):
+        (ckpt / ck.META).write_text(text)
+        with pytest.raises(UserError) as info:
+            ck.resolve_resume(str(ckpt), tmp_path) and ck.read_meta(ckpt)
+        assert str(info.value) == (
+            f"{ckpt / ck.META} is not a checkpoint's meta.json ({reason}); the checkpoint is damaged: choose another"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ task files
