@@ -718,20 +718,22 @@ class Checkpointer:
 
     def load_weights(self, path: Path) -> None:
         """Load only the weights of the checkpoint ``path`` into the model (every rank calls): early stopping's
-        best checkpoint, as the final model."""
-        import torch.distributed.checkpoint as dcp
-
-        from finetune.train.distributed import wait_group
+        best checkpoint, as the final model; its metadata read as ``--resume`` reads it (no code runs)."""
+        from torch.distributed.checkpoint.api import CheckpointException
 
         if not (path / STATE_DIR / ".metadata").is_file():
             raise UserError(
                 f"train.early_stopping: the best checkpoint {path} is gone; the final model is the last step's "
                 "(train.early_stopping.final_model: last keeps it so)"
             )
-        dcp.load(
-            {"model": self.states["model"]}, checkpoint_id=str(path / STATE_DIR), planner=_SafeLoadPlanner(),
-            no_dist=self.world_size == 1, process_group=wait_group(),
-        )
+        try:
+            load_sharded({"model": self.states["model"]}, path / STATE_DIR, self.world_size)
+        except (Exception, CheckpointException) as exc:
+            raise UserError(
+                f"train.early_stopping: the best checkpoint {path} cannot be loaded ({_first_error(exc)}); it was "
+                "changed since this run wrote it, and nothing of it was loaded: set train.early_stopping.final_model: "
+                "last, or resume from another checkpoint"
+            ) from None
 
 
 def save_sharded(parts: dict[str, Any], path: Path, world_size: int) -> None:

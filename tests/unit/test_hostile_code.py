@@ -134,6 +134,21 @@ def test_a_planted_trainer_state_or_a_garbled_meta_json_is_one_sentence(tmp_path
         )
 
 
+def test_early_stoppings_best_weights_load_through_the_restricted_unpickler(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    best = tmp_path / "checkpoints" / "step-4"
+    _real_metadata(best / ck.STATE_DIR)
+    model = {"w": torch.zeros(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)}
+    ck.Checkpointer(tmp_path, 0, 1, {"model": model}, files=None).load_weights(best)  # type: ignore[arg-type]
+    assert torch.equal(model["b"], torch.zeros(2, dtype=torch.bfloat16)) and model["w"].abs().sum() > 0
+    (best / ck.STATE_DIR / ".metadata").write_bytes(_payloads(marker)["os.system"])
+    with pytest.raises(UserError) as info:
+        ck.Checkpointer(tmp_path, 0, 1, {"model": model}, files=None).load_weights(best)  # type: ignore[arg-type]
+    assert str(info.value).startswith(f"train.early_stopping: the best checkpoint {best} cannot be loaded (")
+    assert "system" in str(info.value) and "nothing of it was loaded" in str(info.value)
+    assert not marker.exists()
+
+
 # ------------------------------------------------------------------------------------------------ task files
 
 
