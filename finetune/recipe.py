@@ -515,8 +515,8 @@ class TrainConfig(Section):
         "backward. auto: none, unless nothing fits on the GPUs otherwise (the planner then offloads the least that "
         "fits).",
     )
-    max_grad_norm: Union[Annotated[float, Field(gt=0, le=1e9)], None] = Field(
-        1.0, description="Clip the global gradient norm to this (above 0); null: no clipping."
+    max_grad_norm: Union[Annotated[float, Field(ge=0, le=1e9)], None] = Field(
+        1.0, description="Clip the global gradient norm to this; 0 or null: no clipping (a negative norm is refused)."
     )
     activation_checkpointing: Union[bool, Literal["auto"]] = Field(
         "auto", description="Recompute each decoder block in backward; auto: only when the planner needs it."

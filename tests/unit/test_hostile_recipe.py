@@ -70,10 +70,18 @@ def test_no_number_of_the_schema_takes_an_infinite_nan_or_absurd_value(tmp_path:
     assert accepted == []
 
 
+def test_max_grad_norm_zero_is_no_clipping_and_a_negative_one_is_refused(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path / "out"))
+    assert load_recipe(path, ["train.max_grad_norm=0"]).recipe.train.max_grad_norm == 0
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, ["train.max_grad_norm=-0.5"])
+    assert [p.key for p in info.value.problems] == ["--set train.max_grad_norm"]
+
+
 @pytest.mark.parametrize(
     ("section", "values", "key", "says"),
     [
-        ("train", {"max_grad_norm": -1}, "train.max_grad_norm", "greater than 0"),  # clipping by -1 flips gradients
+        ("train", {"max_grad_norm": -1}, "train.max_grad_norm", "greater than or equal to 0"),  # -1 flips gradients
         ("train", {"max_grad_norm": float("nan")}, "train.max_grad_norm", "finite number"),
         ("train", {"lr": float("inf")}, "train.lr", "finite number"),
         ("distributed", {"timeout": float("inf")}, "distributed.timeout", "finite number"),
