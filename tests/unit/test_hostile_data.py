@@ -73,6 +73,29 @@ def test_a_hostile_jsonl_line_is_one_bad_row(tmp_path: Path, tok, kind: str) -> 
     assert skipped.bad[0].startswith(f"{f}:2: ")
 
 
+@pytest.mark.parametrize("kind", sorted(HOSTILE_LINES))
+def test_a_hostile_line_of_a_stream_is_one_bad_row(tmp_path: Path, tok, kind: str) -> None:
+    """data.streaming reads its .jsonl while training: the same line is the same bad row there."""
+    from finetune.train.data.stream import StreamingBatches
+
+    f = _lines(tmp_path / "d.jsonl", HOSTILE_LINES[kind])
+
+    def drawn(on_bad_row: str) -> tuple[list, StreamingBatches]:
+        raw = {"model": {"path": str(TINY_MODEL)}, "train": {"seed": 0, "max_steps": 4},
+               "data": {"train": str(f), "streaming": True, "shuffle_buffer": 2, "on_bad_row": on_bad_row}}
+        data = load_data(recipe_from_dict(raw, base_dir=tmp_path), tok)
+        assert data.stream is not None
+        stream = StreamingBatches(data.stream, 16, 0, tok.pad_token_id, 4)  # two passes over the 8 lines at least
+        return stream.global_rows(0, 0), stream
+
+    with pytest.raises(UserError) as info:
+        drawn("error")
+    assert str(info.value).startswith(f"{f}:2: ") and SAYS[kind] in str(info.value), str(info.value)
+    rows, stream = drawn("skip")
+    assert len(rows) == 16 and stream.counts.bad >= 2 and f"{f}:2" not in stream.where
+    assert {w.rsplit(":", 1)[1] for w in stream.where} <= {"1", "3", "4", "5", "6", "7", "8"}
+
+
 def test_csv_long_field_bad_bytes_and_cells_that_cannot_be_read(tmp_path: Path, tok) -> None:
     f = tmp_path / "d.csv"
     f.write_bytes(

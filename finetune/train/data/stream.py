@@ -27,7 +27,7 @@ from typing import IO, Any
 from finetune.errors import UserError
 from finetune.train.data.batches import Example, collate
 from finetune.train.data.formats import BAD, DROPPED_LONG, NO_LABELS, Encoder
-from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN
+from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN, unreadable
 
 
 @dataclass
@@ -155,7 +155,8 @@ class StreamingBatches:
                 if c.file == len(files):
                     c.file, c.passes = 0, c.passes + 1
                 continue
-            row = _Row(source, c.file, c.offset, c.line + 1, raw.decode("utf-8", errors="replace").strip())
+            # lossless: bytes that are not UTF-8 are that row's problem when it is encoded (_encode)
+            row = _Row(source, c.file, c.offset, c.line + 1, raw.decode("utf-8", errors="surrogateescape").strip())
             c.offset += len(raw)
             c.line += 1
             if row.text:
@@ -176,14 +177,16 @@ class StreamingBatches:
         path = self.spec.sources[row.source].files[row.file]
         where = f"{path}:{row.line}"
         try:
-            parsed = json.loads(row.text)
-        except json.JSONDecodeError as exc:
-            self._bad(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})")
+            text = row.text.encode("utf-8", errors="surrogateescape").decode("utf-8")  # bytes that are not UTF-8
+            parsed = json.loads(text)
+            json.dumps(parsed, ensure_ascii=False).encode("utf-8")  # every string a real text (no lone surrogate)
+        except Exception as exc:  # whatever the line holds, it is that row's problem (as a file read whole)
+            self._bad(f"{where}: {unreadable(exc)}")
             return None
         if not isinstance(parsed, dict):
             self._bad(f"{where}: expected a JSON object ({{...}}) per line, got {type(parsed).__name__}")
             return None
-        out = self.spec.encoder({ROW_COLUMN: row.text, WHERE_COLUMN: where}, row.line)
+        out = self.spec.encoder({ROW_COLUMN: text, WHERE_COLUMN: where}, row.line)
         if out["status"] == BAD:
             self._bad(out["error"])
             return None
