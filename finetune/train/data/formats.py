@@ -180,7 +180,7 @@ class Encoder:
         index past them (on a GPU: a device-side assert hours in). Raises :class:`BadRow` naming the first."""
         c = self.columns
         what = "the model's embeddings" if self.embedding_rows else "the tokenizer's vocabulary"
-        for col, values in ((c["input_ids"], ids), (c["labels"], labels)):
+        for col, values in ((c.get("input_ids", "input_ids"), ids), (c.get("labels", "labels"), labels)):
             beyond = next((i for i, v in enumerate(values) if v >= self.vocab_size), None)
             if beyond is None:
                 continue
