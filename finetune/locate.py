@@ -357,14 +357,14 @@ def looks_like_hub_id(value: str) -> bool:
     return bool(org) and bool(name) and not any(ch in value for ch in "*?[ \\")
 
 
-def _endpoint() -> str:
+def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
 
 
 def _unreachable(key: str, repo_id: str, err: BaseException) -> UserError:
     reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
     return UserError(
-        f"{key}: could not download `{repo_id}` from the Hugging Face Hub at {_endpoint()} ({reason}); check the "
+        f"{key}: could not download `{repo_id}` from the Hugging Face Hub at {hub_endpoint()} ({reason}); check the "
         "network or the name, or set HF_HUB_OFFLINE=1 (--offline) to use only local files and the cache"
     )
 
@@ -376,7 +376,7 @@ def _reach(key: str, repo_id: str) -> None:
 
     logging.set_verbosity_error()  # our sentence replaces its per-retry warnings
     try:
-        get_session().head(_endpoint(), timeout=10)
+        get_session().head(hub_endpoint(), timeout=10)
     except Exception as err:
         raise _unreachable(key, repo_id, err) from None
 
@@ -390,7 +390,7 @@ def _hub_call(key: str, repo_id: str, fn: Any, *args: Any, **kwargs: Any) -> Any
         return fn(*args, **kwargs)
     except RepositoryNotFoundError:
         raise UserError(
-            f"{key}: `{repo_id}` is not a repository on the Hugging Face Hub at {_endpoint()} "
+            f"{key}: `{repo_id}` is not a repository on the Hugging Face Hub at {hub_endpoint()} "
             "(or it is private: set HF_TOKEN)"
         ) from None
     except GatedRepoError:

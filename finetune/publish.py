@@ -146,10 +146,10 @@ def push_folder(
             "httpcore",
             "httpcore2",
         ):
-            from finetune.locate import _endpoint
+            from finetune.locate import hub_endpoint
 
             raise UserError(
-                f"{key}: could not reach the Hugging Face Hub at {_endpoint()} to upload `{repo_id}` "
+                f"{key}: could not reach the Hugging Face Hub at {hub_endpoint()} to upload `{repo_id}` "
                 f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); the files stay in {folder}"
             ) from None
         raise

@@ -226,7 +226,7 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
     if key not in _CACHE:
 
         def trace(batch: int) -> TraceResult:
-            path = _disk_path(
+            path = disk_path(
                 ((*key, batch, "dense_flex") if spec.dense_flex else (*key, batch))
                 + spec.preference_key
                 + spec.sequence_parallel_key
@@ -242,7 +242,7 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
     return _CACHE[key]
 
 
-def _disk_path(key: Any) -> Any:
+def disk_path(key: Any) -> Any:
     """``$FINETUNE_CACHE/traces/<digest>.json`` for a trace (keyed also by the loss's chunking, which changes
     what a trace records), or None when there is no cache directory."""
     import sys
@@ -324,7 +324,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
 
     model, _compute, autocast = build_meta_model(config, spec, num_layers)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        _fakeify(model)
+        fakeify(model)
         ids = torch.zeros(batch, spec.seq_len, dtype=torch.long)
         batch_dict: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
         if spec.packed and spec.attn_implementation == FLEX and not spec.dense_flex:
@@ -337,7 +337,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         from finetune.plan.tracker import WindowTracker
 
         tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
-        kernels = _attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
+        kernels = attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
         step: Callable[[Any, dict[str, Any]], Any]
         if spec.objective == "sft":
             step = causal_lm_loss
@@ -362,7 +362,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
             model.get_submodule(layers[-1]).register_forward_hook(mark("layers")),
             model.get_input_embeddings().register_forward_hook(embedded),
         ]
-        with tracker, kernels, _mask_checks(spec), _sequence_parallel(model, spec), _grouped_mm_any_dtype(), \
+        with tracker, kernels, mask_checks(spec), _sequence_parallel(model, spec), grouped_mm_any_dtype(), \
                 _device_rules(spec):
             if autocast:
                 with torch.autocast("cpu", dtype=torch_dtype(spec.autocast_dtype or "fp32")):
@@ -461,7 +461,7 @@ def _traced_kernel(spec: TraceSpec) -> str:
     return "sdpa" if spec.attn_implementation == FLEX else spec.attn_implementation
 
 
-def _mask_checks(spec: TraceSpec) -> Any:
+def mask_checks(spec: TraceSpec) -> Any:
     """For flex: transformers' mask code reads tensor values (is this row packed? is this padding mask all
     ones?), which fake tensors do not have. On a GPU it would then build the packed (B, 1, T, T) mask for any
     row without a padding mask, so the flex trace runs sdpa's plain causal path instead. On CPU the answers
@@ -490,7 +490,7 @@ def _mask_checks(spec: TraceSpec) -> Any:
     return stack
 
 
-def _grouped_mm_any_dtype() -> Any:
+def grouped_mm_any_dtype() -> Any:
     """A mode under which ``aten._grouped_mm`` runs on fake tensors of any dtype, as its CPU kernel and CUDA's
     per-group fallback run: torch's meta registration (what fake tensors execute) checks for the bf16 that
     only CUDA's fused kernel needs, so an fp32 or fp16 mixture of experts could not be traced. The output has
@@ -524,7 +524,7 @@ def _grouped_mm_any_dtype() -> Any:
     return GroupedMM()
 
 
-def _attention_kernels(attn_implementation: str) -> Any:
+def attention_kernels(attn_implementation: str) -> Any:
     """The fused SDPA kernel the trainer gets on real tensors (fake tensors would otherwise take the math
     path, which materialises the (B, H, T, T) attention matrix)."""
     import contextlib
@@ -536,7 +536,7 @@ def _attention_kernels(attn_implementation: str) -> Any:
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
 
 
-def _fakeify(model: Any) -> None:
+def fakeify(model: Any) -> None:
     """Replace every meta parameter and buffer of ``model`` by an empty (fake) CPU tensor, keeping ties."""
     import torch
 

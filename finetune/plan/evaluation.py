@@ -22,10 +22,10 @@ from finetune.plan.activations import (
     WINDOWS,
     TraceSpec,
     WindowPeaks,
-    _attention_kernels,
-    _disk_path,
-    _fakeify,
-    _grouped_mm_any_dtype,
+    attention_kernels,
+    disk_path,
+    fakeify,
+    grouped_mm_any_dtype,
 )
 from finetune.plan.shapes import decoder_layer_names
 
@@ -65,7 +65,7 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
 
     from finetune.generation import greedy_tokens
     from finetune.loss import causal_lm_loss
-    from finetune.plan.activations import build_meta_model
+    from finetune.plan.activations import build_meta_model, mask_checks
     from finetune.plan.tracker import WindowTracker
 
     model, compute, autocast = build_meta_model(config, replace(spec, checkpointing=False), num_layers)
@@ -75,12 +75,13 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
         return torch.autocast("cpu", dtype=compute) if autocast else contextlib.nullcontext()
 
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-        _fakeify(model)
+        fakeify(model)
         layers = decoder_layer_names(model)
         ids = torch.zeros(batch, spec.seq_len, dtype=torch.long)
         mask = torch.ones_like(ids)
         tracker = WindowTracker(type(model).__name__, layers, model, {w: WindowPeaks() for w in WINDOWS})
-        with tracker, _attention_kernels(spec.attn_implementation), ac(), _grouped_mm_any_dtype():
+        with tracker, attention_kernels(spec.attn_implementation), ac(), grouped_mm_any_dtype(), \
+                mask_checks(spec):
             if spec.objective in ("sft", "grpo"):  # grpo's eval loss is the answers' next-token loss
                 causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask})
             else:  # preference pairs, 2 rows a sample (dpo's reference forward, or its precompute pass, alike)
@@ -100,7 +101,7 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
 
         hook = model.register_forward_pre_hook(next_call)
         try:
-            with tracker, _attention_kernels(spec.attn_implementation), _grouped_mm_any_dtype():
+            with tracker, attention_kernels(spec.attn_implementation), grouped_mm_any_dtype(), mask_checks(spec):
                 out = greedy_tokens(model, ids, mask, 3, ac)
                 del out
         finally:
@@ -119,7 +120,7 @@ def _traced(config: Any, spec: TraceSpec, layers: int, batch: int) -> EvalTrace:
         return _CACHE[key]
     from finetune.plan.cache import read_json, write_json
 
-    path = _disk_path(key)
+    path = disk_path(key)
     stored = read_json(path)
     found = None
     if isinstance(stored, dict):

@@ -145,3 +145,14 @@ def test_the_checker_sees_function_local_and_relative_imports(tmp_path: Path) ->
     deps = imports_of(PACKAGE / "train" / "trainer.py")
     assert "finetune.train.gradients" in deps and "finetune.plan.types" in deps
     assert "finetune.launch" in imports_of(PACKAGE / "cli.py")  # imported inside the `run` command
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """What two modules share is public (no leading underscore) in the one that defines it."""
+    private = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("finetune"):
+                private += [f"{module_name(path)} imports {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert private == []

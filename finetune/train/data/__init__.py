@@ -127,7 +127,7 @@ def trained_tokens(example: Example) -> int:
 
 
 @dataclass
-class _Encoded:
+class EncodedRows:
     """The usable samples of one or more sources, with their eval prompts, rows (``file:line``) and counts;
     ``origin[i]``: the index in ``sources`` of the source of ``examples[i]``."""
 
@@ -141,7 +141,7 @@ class _Encoded:
     origin: list[int] = field(default_factory=list)
     sources: list[SourceStats] = field(default_factory=list)
 
-    def extend(self, other: _Encoded) -> None:
+    def extend(self, other: EncodedRows) -> None:
         self.examples += other.examples
         self.prompts += other.prompts
         self.truncated += other.truncated
@@ -152,9 +152,9 @@ class _Encoded:
         self.origin += [len(self.sources) + i for i in other.origin]
         self.sources += other.sources
 
-    def keep(self, chosen: list[int]) -> _Encoded:
+    def keep(self, chosen: list[int]) -> EncodedRows:
         """The samples at the indices ``chosen``, with their prompts, rows and sources (the counts stay here)."""
-        return _Encoded(
+        return EncodedRows(
             examples=[self.examples[i] for i in chosen], prompts=[self.prompts[i] for i in chosen],
             where=[self.where[i] for i in chosen], origin=[self.origin[i] for i in chosen], sources=self.sources,
         )
@@ -180,7 +180,7 @@ def default_cache_dir() -> Path:
 
 def encode_source(
     src: Source, encoder: Encoder, cache_dir: Path, num_proc: int | None, recipe_key: str = "data.train"
-) -> _Encoded:
+) -> EncodedRows:
     """Tokenize one source through ``datasets.map`` into the cache (or read it back), then collect its samples
     (``recipe_key``: the recipe key that names the source, for its counts).
 
@@ -215,7 +215,7 @@ def encode_source(
         desc=f"Tokenizing {Path(src.name).name}",
     )
     stats = SourceStats(recipe_key, src.name, rows=len(src.dataset) + len(src.bad_rows), bad=len(src.bad_rows))
-    out = _Encoded(bad=list(src.bad_rows), cached=int(hit), sources=[stats])
+    out = EncodedRows(bad=list(src.bad_rows), cached=int(hit), sources=[stats])
     cols = ds.to_dict()
     rows = src.dataset[WHERE_COLUMN] if src.is_json_rows else None
     for i, (ids, labels, prompt_ids, answer, status, error) in enumerate(zip(
@@ -260,7 +260,7 @@ def _features() -> Any:
 
 
 @contextmanager
-def _local_rank_zero_first() -> Iterator[None]:
+def local_rank_zero_first() -> Iterator[None]:
     """In a multi-process run, local rank 0 tokenizes (and fills the cache) before the other ranks read it.
 
     The others wait in the wait group (finetune/train/distributed.py): tokenising a large data set may take
@@ -338,16 +338,16 @@ def data_encoder(loaded: LoadedRecipe, tokenizer: Any) -> Encoder:
     )
 
 
-def _encode_spec(location: DataLocation, key: str, loaded: LoadedRecipe, encoder: Encoder, split: str) -> _Encoded:
+def _encode_spec(location: DataLocation, key: str, loaded: LoadedRecipe, encoder: Encoder, split: str) -> EncodedRows:
     d = loaded.recipe.data
     cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
-    out = _Encoded()
+    out = EncodedRows()
     for src in read_sources(location, key, split, encoder.required_columns()):
         out.extend(encode_source(src, encoder, cache_dir, d.num_proc, key))
     return out
 
 
-def _check_bad_rows(enc: _Encoded, on_bad_row: str) -> None:
+def check_bad_rows(enc: EncodedRows, on_bad_row: str) -> None:
     if enc.bad and on_bad_row == "error":
         more = f" (and {len(enc.bad) - 1} more bad rows)" if len(enc.bad) > 1 else ""
         raise UserError(
@@ -364,8 +364,8 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
     assert inputs is not None, "load_recipe resolves the inputs"
     if d.streaming:
         return _load_streaming(loaded, encoder)
-    with _local_rank_zero_first():
-        train = _Encoded()
+    with local_rank_zero_first():
+        train = EncodedRows()
         entry_of: list[int] = []  # the data.train entry (a mixture's source) of each of train.sources
         for spec, location in zip(d.train_specs(), inputs.train, strict=True):
             before = len(train.sources)
@@ -373,8 +373,8 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
             for counted in train.sources[before:]:
                 counted.weight = spec.weight
                 entry_of.append(spec.source)
-        _check_bad_rows(train, d.on_bad_row)
-        held = _Encoded()
+        check_bad_rows(train, d.on_bad_row)
+        held = EncodedRows()
         if inputs.eval is not None:
             if inputs.eval.kind == "split":  # another split of the data.train dataset
                 cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
@@ -382,7 +382,7 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
                 held = encode_source(src, encoder, cache_dir, d.num_proc, "data.eval")
             else:
                 held = _encode_spec(inputs.eval, "data.eval", loaded, encoder, d.split)
-            _check_bad_rows(held, d.on_bad_row)
+            check_bad_rows(held, d.on_bad_row)
     if d.eval_fraction:
         n = len(train.examples)
         k = max(1, round(n * d.eval_fraction))
@@ -495,11 +495,11 @@ def _load_streaming(loaded: LoadedRecipe, encoder: Encoder) -> TaskData:
         source.files += files
     stream = StreamSpec(list(by_source.values()), encoder, d.shuffle_buffer, d.on_bad_row)
     stream.fingerprint = stream_fingerprint(stream, tokenizer_fingerprint(encoder.tokenizer))
-    held = _Encoded()
+    held = EncodedRows()
     if inputs.eval is not None:
-        with _local_rank_zero_first():
+        with local_rank_zero_first():
             held = _encode_spec(inputs.eval, "data.eval", loaded, encoder, d.split)
-        _check_bad_rows(held, d.on_bad_row)
+        check_bad_rows(held, d.on_bad_row)
     r = loaded.recipe
     if r.eval.max_samples:
         held.examples, held.prompts = held.examples[: r.eval.max_samples], held.prompts[: r.eval.max_samples]

@@ -234,10 +234,10 @@ def load_preference_data(loaded: LoadedRecipe, tokenizer: Any) -> Any:
     from finetune.train.data import (
         EvalPrompt,
         TaskData,
-        _check_bad_rows,
-        _local_rank_zero_first,
+        check_bad_rows,
         default_cache_dir,
         embedding_rows,
+        local_rank_zero_first,
         resolve_chat_template,
     )
 
@@ -252,12 +252,12 @@ def load_preference_data(loaded: LoadedRecipe, tokenizer: Any) -> Any:
     inputs = loaded.inputs
     assert inputs is not None, "load_recipe resolves the inputs"
     train, held = _Pairs([], [], bad=[]), _Pairs([], [], bad=[])
-    with _local_rank_zero_first():
+    with local_rank_zero_first():
         for i, location in enumerate(inputs.train):
             key = "data.train" if isinstance(d.train, str) else f"data.train.{i}"
             for src in read_sources(location, key, d.split, encoder.required_columns()):
                 _extend(train, encode_pairs(src, encoder, cache_dir, d.num_proc))
-        _check_bad_rows(train, d.on_bad_row)  # type: ignore[arg-type]  # reads .bad only
+        check_bad_rows(train, d.on_bad_row)  # type: ignore[arg-type]  # reads .bad only
         if inputs.eval is not None:
             if inputs.eval.kind == "split":
                 src = read_hf(inputs.train[0].value, inputs.eval.value, "data.eval", encoder.required_columns())
@@ -265,7 +265,7 @@ def load_preference_data(loaded: LoadedRecipe, tokenizer: Any) -> Any:
             else:
                 for src in read_sources(inputs.eval, "data.eval", d.split, encoder.required_columns()):
                     _extend(held, encode_pairs(src, encoder, cache_dir, d.num_proc))
-            _check_bad_rows(held, d.on_bad_row)  # type: ignore[arg-type]
+            check_bad_rows(held, d.on_bad_row)  # type: ignore[arg-type]
     if d.eval_fraction:
         n = len(train.examples)
         k = max(1, round(n * d.eval_fraction))

@@ -18,14 +18,14 @@ from typing import Any
 from finetune.errors import UserError
 from finetune.recipe import LoadedRecipe
 from finetune.train.data import (
+    EncodedRows,
     EvalPrompt,
     Example,
-    _check_bad_rows,
-    _Encoded,
-    _local_rank_zero_first,
+    check_bad_rows,
     default_cache_dir,
     embedding_rows,
     encode_source,
+    local_rank_zero_first,
     resolve_chat_template,
 )
 from finetune.train.data.formats import Encoder
@@ -79,7 +79,7 @@ def load_retain(loaded: LoadedRecipe, tokenizer: Any) -> RetainData | None:
         return None
     d = loaded.recipe.data
     columns = d.columns.model_dump()
-    with _local_rank_zero_first():
+    with local_rank_zero_first():
         sources = read_sources(inputs.retain, KEY, "train", [])
         row, where = _first_row(sources[0])
         fmt = row_format(row, columns)
@@ -94,10 +94,10 @@ def load_retain(loaded: LoadedRecipe, tokenizer: Any) -> RetainData | None:
             tokenizer, fmt, columns, d.max_seq_len, d.drop_long, False, template, embedding_rows=embedding_rows(loaded)
         )
         cache_dir = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
-        enc = _Encoded()
+        enc = EncodedRows()
         for src in sources:
             enc.extend(encode_source(src, encoder, cache_dir, d.num_proc))
-        _check_bad_rows(enc, d.on_bad_row)
+        check_bad_rows(enc, d.on_bad_row)
     if not enc.examples:
         raise UserError(f"{KEY}: no usable rows in `{loaded.recipe.eval.retain}` (every row was too long or empty)")
     prompts = [p for p in enc.prompts if p is not None]
