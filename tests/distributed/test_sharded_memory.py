@@ -55,7 +55,7 @@ def measured_run(
 ) -> dict[int, dict]:
     """fsdp x2, one step, a checkpoint (``save_every`` 0: none) and the final save; the per-rank phase peaks of
     hostmem_hooks."""
-    out = tmp / name
+    out = tmp / "runs" / name  # apart from the model directories (tmp / "big", tmp / "tiny")
     r = tiny_recipe(
         out,
         model={"path": str(model_dir), "init": init},
