@@ -10,7 +10,7 @@ The table is checked where a configuration becomes known:
 - the planner (``finetune plan`` and the plan a run executes): each candidate it considers, so an ``auto``
   choice never lands on a refused cell, and the chosen cell once more with the real process count.
 
-All three print the same sentence for the same cell, before any weights load. README's support matrix is
+All three print the same sentence for the same cell, before any weights load. the guide's support matrix is
 rendered from this table (:func:`support_matrix_markdown`); a test fails when the two disagree.
 
 Pure Python (no torch): ``finetune validate`` stays instant.
@@ -957,7 +957,7 @@ def support_matrix() -> list[tuple[str, list[Refusal | None]]]:
 
 
 def support_matrix_markdown() -> str:
-    """README's support matrix: method x strategy x tensor parallelism, then the table's other rows, each
+    """the guide's support matrix: method x strategy x tensor parallelism, then the table's other rows, each
     with its sentence. Every mark comes from :data:`TABLE`."""
     rows = support_matrix()
     notes: dict[str, int] = {}
@@ -1066,5 +1066,5 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
 )
 
 
-if __name__ == "__main__":  # python -m finetune.capabilities: README's support matrix
+if __name__ == "__main__":  # python -m finetune.capabilities: the guide's support matrix
     print(support_matrix_markdown(), end="")

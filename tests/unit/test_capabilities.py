@@ -1,5 +1,5 @@
 """The capability table: one sentence per refused cell, the same from validate, plan and run, before anything
-loads; the planner never chooses a refused cell; README's support matrix is the table's."""
+loads; the planner never chooses a refused cell; the guide's support matrix is the table's."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from finetune.spec import Method
 from tests.support import ROOT, tiny_recipe, write_recipe
 
 
-def test_readme_support_matrix_is_generated_from_the_table() -> None:
-    readme = (ROOT / "README.md").read_text()
-    found = re.search(r"<!-- support-matrix:start -->\n(.*?)<!-- support-matrix:end -->", readme, re.S)
-    assert found, "README.md has no support matrix block"
-    assert found.group(1) == support_matrix_markdown(), "README's matrix is stale: run python -m finetune.capabilities"
+def test_the_guides_support_matrix_is_generated_from_the_table() -> None:
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    found = re.search(r"<!-- support-matrix:start -->\n(.*?)<!-- support-matrix:end -->", guide, re.S)
+    assert found, "docs/guide.md has no support matrix block"
+    assert found.group(1) == support_matrix_markdown(), "the guide's matrix is stale: run python -m finetune.capabilities"
 
 
 def test_every_rule_has_a_distinct_name_and_names_real_recipe_keys() -> None:
