@@ -140,3 +140,60 @@ def test_model_flag_applies_every_set_as_a_recipe_does(tmp_path, monkeypatch):
     assert "--set train.activation_checkpointing" in bad.output
     bad = runner.invoke(app, ["plan", "--model", "tiny-llama", "--set", "train.checkpointing=true"])
     assert bad.exit_code == 2 and "unknown key `checkpointing`" in bad.output
+
+
+def _plan_json(args: list[str], cache: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(cache))
+    out = CliRunner().invoke(app, ["plan", *args, "--json"])
+    assert out.exit_code == 0, out.output
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow  # traces an 8B model's block on fake tensors (about 5 s)
+def test_qwen3_8b_offline_full_fine_tuning_on_8_gpus(tmp_path, monkeypatch):
+    """A 2025 catalog entry planned without weights or network: 8.19B parameters (the model card's), full
+    fine-tuning under ZeRO-2 once DDP's replicated model states do not fit 80 GiB."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    p = _plan_json(["--model", "Qwen/Qwen3-8B", "--gpus", "8", "--gpu-memory", "80GiB", "--seq-len", "2048",
+                    "--global-batch-size", "64"], tmp_path, monkeypatch)
+    n = 8_190_735_360
+    assert p["model"]["parameters"] == n and abs(n / 8.19e9 - 1) < 0.02
+    assert (p["model"]["source"], p["model"]["model_type"], p["model"]["layers"]) == ("catalog:qwen3-8b", "qwen3", 36)
+    c = p["chosen"]
+    assert (c["method"], c["strategy"], c["precision"], c["nproc"], c["fits"]) == ("full", "zero2", "bf16", 8, True)
+    assert c["micro_batch_size"] * c["grad_accum_steps"] * 8 == 64
+    m = c["memory"]
+    assert m["total"] == sum(v for k, v in m.items() if k != "total") and m["total"] <= 80 * 2**30
+    # fp32 master weights and gradients sharded over 8 ranks, AdamW's two fp32 moments too
+    assert (m["params"], m["grads"], m["optimizer"]) == (n * 4 // 8, n * 4 // 8, n * 8 // 8)
+    # ZeRO-2: fp32 gradients reduce-scattered, bf16 parameters all-gathered, (N-1)/N of each, every micro-batch
+    assert c["grad_accum_steps"] > 1
+    assert c["comm_bytes_per_step"] == int(7 / 8 * (4 + 2) * n) * c["grad_accum_steps"]
+    fit = next(line for line in p["walk"] if line.startswith("Full fine-tuning under DDP needs"))
+    assert "ZeRO-2 needs" in fit
+    assert not next(x for x in p["candidates"] if x["strategy"] == "ddp")["fits"]
+
+
+@pytest.mark.slow  # traces a 70B model's block on fake tensors (about 5 s)
+def test_llama_3_3_70b_offline_falls_to_qlora_on_one_gpu(tmp_path, monkeypatch):
+    """Llama-3.3-70B (70.55B) on one 80 GiB GPU: full fine-tuning and LoRA's bf16 base do not fit, QLoRA does,
+    its decoder linears packed two NF4 codes to a byte."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    p = _plan_json(["--model", "meta-llama/Llama-3.3-70B-Instruct", "--gpus", "1", "--gpu-memory", "80GiB"],
+                   tmp_path, monkeypatch)
+    n = 70_553_706_496
+    assert p["model"]["parameters"] == n and abs(n / 70.55e9 - 1) < 0.02
+    assert (p["model"]["source"], p["model"]["layers"]) == ("catalog:llama-3.3-70b", 80)
+    c = p["chosen"]
+    assert (c["method"], c["strategy"], c["fits"]) == ("qlora", "single", True)
+    h, kv, ffn, vocab, layers = 8192, 1024, 28672, 128256, 80
+    by_dtype = p["model"]["param_bytes_by_dtype"]
+    assert by_dtype["uint8"] == layers * (2 * h * h + 2 * h * kv + 3 * h * ffn) // 2
+    assert by_dtype["bf16"] == 2 * (2 * vocab * h + (2 * layers + 1) * h)  # embeddings, head, norms
+    assert by_dtype["fp32"] == p["model"]["trainable"] * 4
+    walk = "\n".join(p["walk"])
+    assert "LoRA under one process needs" in walk and "trying QLoRA" in walk
