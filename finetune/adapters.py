@@ -1,7 +1,7 @@
 """What is trained on a frozen base, injected by one function for the planner and the trainer alike.
 
 :func:`finetune.methods.inject` turns an :class:`~finetune.spec.AdapterSpec` into modules on a model: peft LoRA (with DoRA,
-rsLoRA, gaussian init), peft prefix tuning, or bottleneck adapters (Houlsby et al.: down-projection,
+rsLoRA, gaussian init), peft prefix tuning, peft prompt tuning, or bottleneck adapters (Houlsby et al.: down-projection,
 non-linearity, up-projection, added to the output of the attention and/or the MLP of every decoder layer).
 
 The planner's inventory and activation traces (finetune/plan) and the trainer (finetune/train/model.py)
@@ -118,9 +118,19 @@ def subtract_initial(weight: Any, a0: Any, b0: Any, scaling: float, *, transpose
 
 def prefix_tokens(model: Any) -> int:
     """Virtual tokens a prefix-tuned peft model puts before every sequence (0 for any other model)."""
+    return _virtual_tokens(model, "PREFIX_TUNING")
+
+
+def prompt_tokens(model: Any) -> int:
+    """Virtual token embeddings a prompt-tuned peft model puts before every sequence's own (0 for any other
+    model): positions every layer computes, whose outputs have no targets."""
+    return _virtual_tokens(model, "PROMPT_TUNING")
+
+
+def _virtual_tokens(model: Any, peft_type: str) -> int:
     inner = getattr(model, "module", model)  # DDP
     config = getattr(inner, "active_peft_config", None)
-    if config is not None and str(getattr(config, "peft_type", "")).endswith("PREFIX_TUNING"):
+    if config is not None and str(getattr(config, "peft_type", "")).endswith(peft_type):
         return int(config.num_virtual_tokens)
     return 0
 
@@ -327,17 +337,32 @@ def load_bottlenecks(model: Any, adapter_dir: str | Path) -> Any:
     return model
 
 
-def prefix_text_ids(text: str, tokenizer: Any, num_virtual_tokens: int) -> list[int]:
-    """The token ids whose keys/values start a prefix of ``num_virtual_tokens`` (prefix.init: text): ``text``
-    tokenized without special tokens, then cut to ``num_virtual_tokens`` when longer or repeated from its start
-    when shorter. The base runs over these ids as one sequence, so each virtual token's key carries the rotary
+def prefix_text_ids(text: str, tokenizer: Any, num_virtual_tokens: int, section: str = "prefix") -> list[int]:
+    """The token ids whose keys/values start a prefix of ``num_virtual_tokens`` (prefix.init: text), or whose
+    embeddings start prompt tuning's virtual tokens (``section`` prompt): ``text`` tokenized without special
+    tokens, then cut to ``num_virtual_tokens`` when longer or repeated from its start when shorter. For a
+    prefix the base runs over these ids as one sequence, so each virtual token's key carries the rotary
     position it has in the prefix (0 .. num_virtual_tokens - 1), where peft puts it."""
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise UserError(
-            "prefix.init_text: the text has no tokens; give a task instruction, or prefix.init: random"
+            f"{section}.init_text: the text has no tokens; give a task instruction, or {section}.init: random"
         )
     return [ids[i % len(ids)] for i in range(num_virtual_tokens)]
+
+
+def init_prompt_from_text(model: Any, ids: list[int]) -> None:
+    """Set a prompt-tuned peft ``model``'s virtual tokens to its frozen base's own input embeddings of ``ids``
+    (Lester et al. 2021: vectors started from real tokens learn faster and more stably than a random draw,
+    most of all on small models). peft's own text init loads a tokenizer by name; this one takes the run's ids.
+    The base's input embeddings must be whole on this process (not sharded)."""
+    import torch
+
+    weight = model.prompt_encoder[model.active_adapter].embedding.weight
+    table = model.word_embeddings.weight
+    with torch.no_grad():
+        rows = table[torch.tensor(ids, device=table.device)]
+        weight.copy_(rows.to(device=weight.device, dtype=weight.dtype))
 
 
 def init_prefix_from_text(model: Any, ids: list[int]) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 #: The recipe's methods (``method``), without ``auto``.
-METHODS = ("full", "lora", "qlora", "prefix", "adapter")
+METHODS = ("full", "lora", "qlora", "prefix", "adapter", "prompt")
 #: The data-parallel strategies (``distributed.strategy``), without ``auto``.
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp")
 SHARDED = ("zero2", "fsdp", "hsdp")  # FSDP2 fully_shard: parameters become DTensors
@@ -46,6 +46,8 @@ class Cell:
     prefix_init: str = "random"
     prefix_init_text: str | None = None
     prefix_projection: bool = False
+    prompt_init: str = "random"
+    prompt_init_text: str | None = None
     strategy: str | None = None
     processes: int | None = None  # every process of the run (nodes x per node)
     nodes: int | None = None  # the run's nodes (None: not known, as in `finetune validate`)
@@ -84,9 +86,9 @@ class Cell:
         offload: str = "none", objective: str = "sft", reference: str = "model", data_format: str | None = None,
         nodes: int | None = None, pp: int | str = 1, pp_schedule: str = "1f1b", sequence_parallel: bool = True,
         reference_model: bool = False, experts: bool | None = None, expert_lora: bool | None = None,
-        ep: int = 1, num_experts: int | None = None,
+        ep: int = 1, num_experts: int | None = None, prompt: Any = None,
     ) -> Cell:
-        """A cell from the recipe's values (``auto``: unknown) and its ``lora`` / ``prefix`` /
+        """A cell from the recipe's values (``auto``: unknown) and its ``lora`` / ``prefix`` / ``prompt`` /
         ``quantization`` sections (None: their defaults)."""
         return cls(
             method=None if method == "auto" else method,
@@ -99,6 +101,8 @@ class Cell:
             prefix_init=str(getattr(prefix, "init", "random")),
             prefix_init_text=getattr(prefix, "init_text", None),
             prefix_projection=bool(getattr(prefix, "projection", False)),
+            prompt_init=str(getattr(prompt, "init", "random")),
+            prompt_init_text=getattr(prompt, "init_text", None),
             strategy=None if strategy == "auto" else strategy,
             processes=processes,
             nodes=nodes,
@@ -139,7 +143,7 @@ class Cell:
             prefix=recipe.prefix, quantization=recipe.quantization, objective=t.objective,
             reference=reference_setting(recipe), data_format=recipe.data.format, pp=d.pp, pp_schedule=d.pp_schedule,
             sequence_parallel=d.sequence_parallel, reference_model=recipe.dpo.reference_model is not None,
-            ep=d.ep,
+            ep=d.ep, prompt=recipe.prompt,
         ), streaming=data.streaming, mixture=data.mixture, max_steps=t.max_steps is not None,
             eval_fraction=data.eval_fraction is not None)
 
@@ -223,6 +227,7 @@ def _tp(c: Cell) -> int:
 _TP_WHY = {
     "prefix": "a prefix holds every KV head",
     "adapter": "a bottleneck reads the whole hidden state, which TP's column-parallel layers hand on in parts",
+    "prompt": "the virtual tokens lengthen every row, which sequence parallelism splits with the real ones",
 }
 
 
@@ -245,7 +250,7 @@ def _lora_option(name: str, flag: str, what: str) -> Rule:
         lambda c: getattr(c, flag) and c.method is not None and not c.lora_family,
         lambda c: f"{what} is a kind of LoRA but method is {c.method}; set method: lora or qlora, or remove "
         f"lora.{flag}",
-        methods=("full", "prefix", "adapter"), topic="options",
+        methods=("full", "prefix", "adapter", "prompt"), topic="options",
     )
 
 
@@ -290,10 +295,10 @@ TABLE: tuple[Rule, ...] = (
     ),
     Rule(
         "tp-prefix-adapter", ("distributed.tp", "method"),
-        lambda c: c.split and c.method in ("prefix", "adapter"),
+        lambda c: c.split and c.method in ("prefix", "adapter", "prompt"),
         lambda c: f"{_tp(c)} with method {c.method} is not supported: tensor parallelism splits full fine-tuning "
         f"and LoRA only ({_TP_WHY[c.method or 'prefix']}); use method lora, or distributed.tp: 1",
-        methods=("prefix", "adapter"),
+        methods=("prefix", "adapter", "prompt"),
     ),
     Rule(
         "tp-qlora", ("distributed.tp", "method"),
@@ -431,7 +436,7 @@ TABLE: tuple[Rule, ...] = (
         lambda c: c.lora_dtype != "fp32" and c.method is not None and not c.lora_family,
         lambda c: f"{c.lora_dtype} is the storage dtype of LoRA's adapters, but method is {c.method}, which trains "
         "none; set method: lora or qlora, or remove lora.dtype",
-        methods=("full", "prefix", "adapter"), topic="options",
+        methods=("full", "prefix", "adapter", "prompt"), topic="options",
     ),
     Rule(
         "lora-dtype-fp16", ("lora.dtype", "precision"),
@@ -519,6 +524,31 @@ TABLE: tuple[Rule, ...] = (
         "method: prefix",
         methods=("prefix",), topic="data",
     ),
+    # -- prompt tuning -----------------------------------------------------------------------------------
+    Rule(
+        "prompt-text-empty", ("prompt.init_text", "prompt.init"),
+        lambda c: c.method == "prompt" and c.prompt_init == "text" and not (c.prompt_init_text or "").strip(),
+        lambda c: "is empty, but prompt.init: text starts the virtual tokens from a text's token embeddings; set "
+        "prompt.init_text to that text (a task instruction, say), or use prompt.init: random",
+        methods=("prompt",), topic="options",
+    ),
+    Rule(
+        "prompt-text-sharded", ("prompt.init", "distributed.strategy"),
+        lambda c: c.method == "prompt" and c.prompt_init == "text" and c.strategy in SHARDED
+        and (c.processes or 0) > 1,
+        lambda c: f"text reads init_text's rows of the base's input embeddings on each process, which "
+        f"distributed.strategy {c.strategy} on {c.processes} processes shards; use strategy ddp (or single), or "
+        "prompt.init: random",
+        methods=("prompt",),
+    ),
+    Rule(
+        "prompt-packing", ("data.packing", "method"),
+        lambda c: c.method == "prompt" and c.packing,
+        lambda c: "the virtual tokens go before each row, so the packed documents after a row's first would not "
+        "follow them (and peft drops the position ids that separate the documents); set data.packing: false for "
+        "method: prompt",
+        methods=("prompt",), topic="data",
+    ),
 )
 
 
@@ -601,7 +631,7 @@ PREFERENCE_RULES: tuple[Rule, ...] = (
         lambda c: c.objective == "dpo" and c.reference_model and c.method not in (None, "full"),
         lambda c: f"method: {c.method} compares the policy with its own base (the adapters switched off), not with "
         "another model; remove dpo.reference_model, or use method: full to compare with that checkpoint",
-        methods=("lora", "qlora", "prefix", "adapter"), topic="objective",
+        methods=("lora", "qlora", "prefix", "adapter", "prompt"), topic="objective",
     ),
     Rule(
         "reference-model-objective", ("dpo.reference_model", "train.objective"),
@@ -673,10 +703,10 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "pp-method", ("distributed.pp", "method"),
-        lambda c: c.pipelined and c.method in ("qlora", "prefix", "adapter"),
+        lambda c: c.pipelined and c.method in ("qlora", "prefix", "adapter", "prompt"),
         lambda c: f"{_pp(c)} with method {c.method} is not supported: pipeline stages run full fine-tuning and "
         "LoRA only; use method lora, or distributed.pp: 1",
-        methods=("qlora", "prefix", "adapter"),
+        methods=("qlora", "prefix", "adapter", "prompt"),
     ),
     Rule(
         "pp-lora-options", ("distributed.pp", "lora.use_dora"),
@@ -935,6 +965,8 @@ MATRIX_METHODS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("prefix", {"method": "prefix"}),
     ("prefix, init: text", {"method": "prefix", "prefix_init": "text", "prefix_init_text": "Answer."}),
     ("adapter", {"method": "adapter"}),
+    ("prompt", {"method": "prompt"}),
+    ("prompt, init: text", {"method": "prompt", "prompt_init": "text", "prompt_init_text": "Answer."}),
 )
 #: The matrix's columns: a label and the cell settings (processes as a 2-process run).
 MATRIX_COLUMNS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -1012,6 +1044,7 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"use_rslora": True},
     {"prefix_init": "text"},
     {"prefix_init": "text", "prefix_init_text": "Answer.", "prefix_projection": True},
+    {"prompt_init": "text"},
     {"checkpointing": True},
     {"packing": True},
     {"precision": "bf16", "quant_compute_dtype": "fp16"},

@@ -346,7 +346,7 @@ def plan(
     recipe: Annotated[Optional[str], typer.Argument(help="Recipe YAML file (or use --model).")] = None,
     set_: SetOpt = None,
     model: Annotated[Optional[str], typer.Option(help="Model: catalog name (llama-3.1-8b...), local dir or cached hub id.")] = None,
-    method: Annotated[Optional[str], typer.Option(help="auto | full | lora | qlora.")] = None,
+    method: Annotated[Optional[str], typer.Option(help="auto | full | lora | qlora | prefix | adapter | prompt.")] = None,
     strategy: Annotated[Optional[str], typer.Option(help="auto | single | ddp | zero1 | zero2 | fsdp | hsdp.")] = None,
     tp: Annotated[
         Optional[str], typer.Option(help="Tensor-parallel degree inside a node, or auto (default with --model).")

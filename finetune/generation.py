@@ -4,7 +4,8 @@ same loop with a sampling rule and a per-step callback for streaming and stoppin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,7 +46,20 @@ def greedy_tokens(
     (0.21) adds the virtual tokens to ``position_ids`` itself, which puts them after the prefix as in training, where
     transformers numbers the tokens from the cache's length. Adding them here too shifted every position
     by the prefix length a second time, so evaluation saw positions training never did.
+
+    A prompt-tuned peft model runs with a KV cache, its virtual tokens before each row at the positions they
+    have in training (:func:`prompted_forward`).
     """
+    from finetune.adapters import prompt_tokens
+
+    with prompted_forward(model, prompt_tokens(model)):
+        return _greedy(model, ids, mask, max_new_tokens, autocast, pick, on_step, cache)
+
+
+def _greedy(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, autocast: Any,
+    pick: Pick | None, on_step: OnStep | None, cache: bool,
+) -> torch.Tensor:
     from finetune.adapters import prefix_tokens
     from finetune.versions import kv_cache_kwarg, output_cache
 
@@ -78,6 +92,49 @@ def greedy_tokens(
         if on_step is not None and on_step(nxt):
             break
     return out_tokens
+
+
+@contextmanager
+def prompted_forward(model: torch.nn.Module, virtual: int) -> Iterator[None]:
+    """Within this context a prompt-tuned peft ``model`` (``virtual`` > 0 virtual tokens; through DDP) takes a
+    left-padded batch with its tokens' own positions and a KV cache: the first call puts the virtual tokens'
+    embeddings before the rows at positions 0 .. virtual-1 and every token after them, as training sees them
+    (rows start at position ``virtual``); later calls feed the new tokens only. peft's own prompt-tuning
+    forward drops ``position_ids`` (the left padding then moves every token's position) and prepends the
+    virtual tokens on every call (which a cache already holds). The forward is replaced on the instance, so
+    the wrappers' hooks (FSDP2 gathering the root unit's embeddings and prompt encoder) run as for any call.
+    ``virtual`` 0: nothing changes."""
+    if not virtual:
+        yield
+        return
+    from finetune.versions import kv_cache_kwarg, kv_cache_name
+
+    peft_model: Any = getattr(model, "module", model)
+    base = peft_model.get_base_model()
+
+    def forward(
+        input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = True,
+        **cached: Any,
+    ) -> Any:
+        cache = cached.get(kv_cache_name())
+        rows = input_ids.shape[0]
+        embeds = peft_model.word_embeddings(input_ids)
+        if cache is None:
+            prompt = peft_model.get_prompt(batch_size=rows).to(embeds.dtype)
+            embeds = torch.cat([prompt, embeds], dim=1)
+            first = torch.arange(virtual, device=position_ids.device).expand(rows, -1)
+            position_ids = torch.cat([first, position_ids + virtual], dim=1)
+        else:
+            position_ids = position_ids + virtual
+        mask = torch.cat([attention_mask.new_ones(rows, virtual), attention_mask], dim=1)
+        return base(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=use_cache,
+                    **kv_cache_kwarg(cache))
+
+    peft_model.forward = forward
+    try:
+        yield
+    finally:
+        del peft_model.forward
 
 
 def sampler(temperature: float, top_p: float, generator: torch.Generator) -> Pick | None:

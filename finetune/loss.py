@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from finetune import attention, router
-from finetune.adapters import base_model_of
+from finetune.adapters import base_model_of, prompt_tokens
 from finetune.loss_chunks import FUSED_CHUNK_BYTES, FUSED_HEAD, LOSS_CHUNK_BYTES  # set here by tests
 
 IGNORE_INDEX = -100
@@ -170,8 +170,15 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
     here, so the trainer and the planner's trace run the same attention). Returning the
     *sum* lets the trainer normalise by the number of label tokens in the whole global batch, so that
     gradient accumulation and data parallelism give exactly the single-process result.
+
+    A prompt-tuned model (peft) puts its virtual tokens before every row: their positions get no target
+    (:func:`before_virtual_tokens`), so the head and the loss line up with the longer rows.
     """
     shifted = shifted_labels(batch)
+    rows = batch.get("target_rows")
+    virtual = prompt_tokens(model)
+    if virtual:
+        shifted, rows = before_virtual_tokens(shifted, rows, virtual)
     kwargs = {
         "input_ids": batch["input_ids"],
         "attention_mask": batch.get("attention_mask"),
@@ -186,8 +193,9 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
     routing: contextlib.AbstractContextManager[dict[str, Any]] = (
         contextlib.nullcontext({}) if sharded else router.training_forward(model)
     )
-    # target_rows: the trainer's, found on the host copy (of this rank's positions under sequence parallelism)
-    with loss_head(model, shifted, batch.get("target_rows")) as finish, known_documents(batch), routing as extra:
+    # target_rows: the trainer's, found on the host copy (of this rank's positions under sequence parallelism;
+    # tensor parallelism refuses prompt tuning)
+    with loss_head(model, shifted, rows) as finish, known_documents(batch), routing as extra:
         out = model(**kwargs, **extra)
         loss_sum = finish(out.logits)
     targets = (shifted != IGNORE_INDEX).sum()
@@ -226,6 +234,20 @@ def loss_head(
         return _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), n)
 
     yield chunked
+
+
+def before_virtual_tokens(
+    shifted: torch.Tensor, rows: torch.Tensor | None, virtual: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The shifted labels of rows that a prompt-tuned model lengthens by ``virtual`` positions at their start
+    (none of which has a target), and the fused head's target ``rows`` (flat indices into the (B*T,) labels)
+    moved to the same positions of the (B*(virtual+T),) ones: index ``b*T + t`` becomes ``b*(virtual+T) +
+    virtual + t``, computed where ``rows`` are (no device sync)."""
+    width = shifted.shape[1]
+    padded = torch.nn.functional.pad(shifted, (virtual, 0), value=IGNORE_INDEX)
+    if rows is None:
+        return padded, None
+    return padded, rows + virtual * (torch.div(rows, width, rounding_mode="floor") + 1)
 
 
 def fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:

@@ -34,7 +34,7 @@ from finetune.adapters import BOTTLENECK_CONFIG
 from finetune.errors import UserError
 from finetune.inference import base_directory
 from finetune.locate import check_remote_code, needs_remote_code, path_overlap, remote_code_refused
-from finetune.methods import BottleneckAdapters, FullFineTuning, PrefixTuning
+from finetune.methods import BottleneckAdapters, FullFineTuning, PrefixTuning, PromptTuning
 from finetune.recipe import QuantizationConfig
 from finetune.rundir import (
     ADAPTER_CONFIG,
@@ -141,6 +141,8 @@ def _read_adapter(run: Path) -> tuple[RunDir, dict[str, torch.Tensor]]:
     config = source.adapter_config
     if source.peft_type == "PREFIX_TUNING":
         raise UserError(f"{run} holds a prefix-tuning adapter: {PrefixTuning().merge_refusal()}")
+    if source.peft_type == "PROMPT_TUNING":
+        raise UserError(f"{run} holds a prompt-tuning adapter: {PromptTuning().merge_refusal()}")
     if source.peft_type != "LORA":
         raise UserError(f"{cfg_path}: peft_type {source.peft_type} cannot be merged; only LoRA adapters can")
     for key, what in (("trainable_token_indices", "trainable tokens"),

@@ -2,7 +2,8 @@
 
 A run trains one of: every weight (:class:`FullFineTuning`); low-rank adapters (:class:`LoRA`, whose QLoRA,
 DoRA, rsLoRA and PiSSA/OLoRA are options: a quantized base, a magnitude vector, a scale, an initialisation);
-key/value prefixes (:class:`PrefixTuning`); or bottleneck modules (:class:`BottleneckAdapters`). Each class
+key/value prefixes (:class:`PrefixTuning`); virtual token embeddings before the input (:class:`PromptTuning`);
+or bottleneck modules (:class:`BottleneckAdapters`). Each class
 says, for its own method:
 
 - what it trains (``trains_adapters``: a frozen base with no gradients or optimizer state) and what the
@@ -301,6 +302,48 @@ class PrefixTuning(TrainingMethod):
         )
 
 
+class PromptTuning(TrainingMethod):
+    """Trained embedding vectors before every sequence's tokens, at the input only (peft prompt tuning, Lester
+    et al. 2021), drawn at random or started from a text's token embeddings (``prompt.init: text``, set by
+    :func:`finetune.adapters.init_prompt_from_text`; peft's own text init would load a tokenizer by name)."""
+
+    name = Method.PROMPT
+
+    @classmethod
+    def adapter_spec(cls, settings: Any = None) -> AdapterSpec:
+        return AdapterSpec.prompt(settings)
+
+    def peft_config(self) -> Any:
+        """peft's PromptTuningConfig (random init: a text init is applied to the injected embeddings)."""
+        from peft import PromptTuningConfig, PromptTuningInit
+
+        assert self.adapter is not None
+        return PromptTuningConfig(
+            task_type="CAUSAL_LM", num_virtual_tokens=self.adapter.num_virtual_tokens,
+            prompt_tuning_init=PromptTuningInit.RANDOM,
+        )
+
+    def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
+        from finetune.adapters import peft_inject
+
+        return peft_inject(model, self.peft_config(), "prompt")
+
+    def checkpoint_identity(self, recipe: Any) -> dict[str, Any]:
+        return {"prompt": recipe.prompt.model_dump()}
+
+    def saved_message(self, out: str) -> str:
+        return f"prompt saved to {out}/  load it with: PeftModel.from_pretrained(base, '{out}')"
+
+    def base_only(self, model: Any) -> AbstractContextManager[Any]:
+        return cast(AbstractContextManager[Any], model.disable_adapter())  # peft's: the base's own forward
+
+    def merge_refusal(self) -> str | None:
+        return (
+            "its trained vectors are extra input positions before every sequence, not a change of any weight, so "
+            "there is nothing to fold; load the base with the adapter instead (PeftModel.from_pretrained(base, dir))"
+        )
+
+
 class BottleneckAdapters(TrainingMethod):
     """Bottleneck modules after the attention and/or MLP of every layer (Houlsby et al.), our own modules
     (finetune/adapters.py), saved beside a config and loaded with ``finetune.adapters.load_bottlenecks``."""
@@ -369,13 +412,16 @@ METHOD_TYPES: dict[Method, type[TrainingMethod]] = {
     Method.QLORA: QLoRA,
     Method.PREFIX: PrefixTuning,
     Method.ADAPTER: BottleneckAdapters,
+    Method.PROMPT: PromptTuning,
 }
 #: The class that injects each kind of :class:`~finetune.spec.AdapterSpec`.
-ADAPTER_TYPES: dict[str, type[TrainingMethod]] = {"lora": LoRA, "prefix": PrefixTuning, "bottleneck": BottleneckAdapters}
+ADAPTER_TYPES: dict[str, type[TrainingMethod]] = {
+    "lora": LoRA, "prefix": PrefixTuning, "bottleneck": BottleneckAdapters, "prompt": PromptTuning,
+}
 
 
 def method_type(name: str | Method) -> type[TrainingMethod]:
-    """The class of a method name (``full``, ``lora``, ``qlora``, ``prefix``, ``adapter``)."""
+    """The class of a method name (``full``, ``lora``, ``qlora``, ``prefix``, ``adapter``, ``prompt``)."""
     return METHOD_TYPES[Method(name)]
 
 
@@ -390,13 +436,13 @@ def training_of(spec: ExecSpec) -> TrainingMethod:
 
 
 def adapter_method(spec: AdapterSpec) -> TrainingMethod:
-    """The method object that injects ``spec`` (its kind: lora, prefix or bottleneck)."""
+    """The method object that injects ``spec`` (its kind: lora, prefix, bottleneck or prompt)."""
     return ADAPTER_TYPES[spec.kind](spec)
 
 
 def inject(model: Any, spec: AdapterSpec, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
-    """``model`` with ``spec``'s trainable modules on its frozen base (a peft model for lora and prefix, the
-    same model with bottleneck modules for adapter); only the injected parameters require gradients. The
+    """``model`` with ``spec``'s trainable modules on its frozen base (a peft model for lora, prefix and prompt,
+    the same model with bottleneck modules for adapter); only the injected parameters require gradients. The
     planner's inventory and traces and the trainer all inject through here, so what is counted and traced is
     what is trained.
 
@@ -414,6 +460,7 @@ __all__ = [
     "FullFineTuning",
     "LoRA",
     "PrefixTuning",
+    "PromptTuning",
     "QLoRA",
     "TrainingMethod",
     "adapter_method",

@@ -156,6 +156,21 @@ class PrefixConfig(Section):
     )
 
 
+class PromptConfig(Section):
+    num_virtual_tokens: int = Field(
+        20, ge=1, description="Trained embedding vectors put before every sequence's tokens (the input only)."
+    )
+    init: Literal["random", "text"] = Field(
+        "random",
+        description="Start of the virtual tokens: random (peft's draw, one N(0, 1) vector each) or text (Lester et "
+        "al.: the frozen base's own embeddings of init_text's tokens, repeated or cut to num_virtual_tokens).",
+    )
+    init_text: Union[str, None] = Field(
+        None, description="The text whose token embeddings start the virtual tokens (init: text), e.g. a task "
+        "instruction.",
+    )
+
+
 class AdapterConfig(Section):
     size: Union[Width, None] = Field(
         None, description="Bottleneck width of each adapter; unset: hidden size / reduction_factor."
@@ -870,15 +885,17 @@ class Recipe(Section):
     """A whole fine-tuning recipe."""
 
     model: ModelConfig
-    method: Literal["full", "lora", "qlora", "prefix", "adapter", "auto"] = Field(
+    method: Literal["full", "lora", "qlora", "prefix", "adapter", "prompt", "auto"] = Field(
         "full",
         description="full: train every weight; lora: adapters on a frozen base; qlora: adapters on a 4-bit base; "
         "prefix: trained key/value prefixes (prefix tuning); adapter: bottleneck adapters after attention and MLP; "
+        "prompt: trained virtual token embeddings before the input (prompt tuning); "
         "auto: full, else lora, else qlora, the first the planner finds fits.",
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter settings (lora and qlora).")
     prefix: PrefixConfig = Field(default_factory=PrefixConfig, description="Prefix tuning settings (method prefix).")
     adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="Bottleneck adapter settings (method adapter).")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="Prompt tuning settings (method prompt).")
     quantization: QuantizationConfig = Field(
         default_factory=QuantizationConfig, description="Base-weight quantization (qlora)."
     )

@@ -42,6 +42,7 @@ class Method(_Name):
     QLORA = "qlora"
     PREFIX = "prefix"
     ADAPTER = "adapter"
+    PROMPT = "prompt"
 
     # What the name itself says (the rest of what a method decides is its class's, finetune/methods.py):
     # the title, what is injected (None: every weight is trained), a quantized base, and whether activation
@@ -54,7 +55,7 @@ class Method(_Name):
 
     @property
     def adapter_kind(self) -> str | None:
-        """What is injected into the frozen base: lora, prefix or bottleneck (None: full fine-tuning)."""
+        """What is injected into the frozen base: lora, prefix, bottleneck or prompt (None: full fine-tuning)."""
         return _METHOD_FACTS[self.value][1]
 
     @property
@@ -80,6 +81,7 @@ _METHOD_FACTS: dict[str, tuple[str, str | None, bool, bool]] = {
     "qlora": ("QLoRA", "lora", True, True),
     "prefix": ("prefix tuning", "prefix", False, False),
     "adapter": ("bottleneck adapters", "bottleneck", False, True),
+    "prompt": ("prompt tuning", "prompt", False, True),
 }
 
 
@@ -186,7 +188,7 @@ class AdapterSpec:
     """What is trained on a frozen base, the same for the planner's inventory and traces and the trainer
     (finetune/adapters.py injects it). Hashable: it keys the planner's caches."""
 
-    kind: str  # lora | prefix | bottleneck
+    kind: str  # lora | prefix | bottleneck | prompt
     # lora (peft LoraConfig): rank, scale, dropout, targets (None: peft's choice), DoRA, rsLoRA, init
     r: int = 0
     alpha: float = 0.0
@@ -196,7 +198,8 @@ class AdapterSpec:
     use_rslora: bool = False
     init: str = "default"
     dtype: str = "fp32"  # lora.dtype: the adapters' storage dtype (their gradients' and AdamW state's too)
-    # prefix (peft PrefixTuningConfig): virtual tokens per layer, reparametrisation MLP and its width
+    # prefix (peft PrefixTuningConfig): virtual tokens per layer, reparametrisation MLP and its width; prompt
+    # (peft PromptTuningConfig): virtual token embeddings before the input
     num_virtual_tokens: int = 0
     projection: bool = False
     projection_hidden: int | None = None
@@ -209,6 +212,8 @@ class AdapterSpec:
     placement: str = "both"  # attention | mlp | both
     train_norms: bool = True  # a trained gain on each adapted sublayer's normalised input (Houlsby's LN)
     embeddings: bool = False  # a bottleneck on the token embeddings' output too (before layer 0)
+    # prompt, init: text: the text whose token embeddings start the virtual tokens (None: peft's random draw)
+    prompt_init_text: str | None = None
 
     def bottleneck_size(self, hidden: int) -> int:
         """Width of a bottleneck adapter in a model of ``hidden`` features."""
@@ -242,6 +247,18 @@ class AdapterSpec:
         )
 
     @classmethod
+    def prompt(cls, settings: Any = None) -> AdapterSpec:
+        """The virtual tokens from the recipe's ``prompt`` section (None: its defaults)."""
+        if settings is None:
+            from finetune.recipe import PromptConfig
+
+            settings = PromptConfig()
+        return cls(
+            kind="prompt", num_virtual_tokens=int(settings.num_virtual_tokens),
+            prompt_init_text=settings.init_text if settings.init == "text" else None,
+        )
+
+    @classmethod
     def bottleneck(cls, settings: Any = None) -> AdapterSpec:
         """The bottleneck modules from the recipe's ``adapter`` section (None: its defaults)."""
         if settings is None:
@@ -255,13 +272,16 @@ class AdapterSpec:
         )
 
 
-def adapter_spec(method: str, lora: Any = None, prefix: Any = None, adapter: Any = None) -> AdapterSpec | None:
-    """What ``method`` injects, from the recipe's ``lora`` / ``prefix`` / ``adapter`` sections (None for full
-    fine-tuning; a missing section: its defaults): the constructor of its kind (``AdapterSpec.lora`` ...)."""
+def adapter_spec(
+    method: str, lora: Any = None, prefix: Any = None, adapter: Any = None, prompt: Any = None
+) -> AdapterSpec | None:
+    """What ``method`` injects, from the recipe's ``lora`` / ``prefix`` / ``adapter`` / ``prompt`` sections (None
+    for full fine-tuning; a missing section: its defaults): the constructor of its kind (``AdapterSpec.lora``
+    ...)."""
     kind = Method(method).adapter_kind
     if kind is None:
         return None
-    settings = {"lora": lora, "prefix": prefix, "bottleneck": adapter}[kind]
+    settings = {"lora": lora, "prefix": prefix, "bottleneck": adapter, "prompt": prompt}[kind]
     return getattr(AdapterSpec, kind)(settings)
 
 
@@ -468,6 +488,7 @@ def execution_spec(
     keep_fp32: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
     aux_loss_coef: float = 0.0,
     ep: int = 1,
+    prompt: Any = None,
 ) -> ExecSpec:
     """The :class:`ExecSpec` of a configuration, with the recipe's ``model.dtype`` and ``quantization``.
 
@@ -475,12 +496,14 @@ def execution_spec(
       full   every weight trained, in the master dtype (fp32; bf16 for bf16-pure).
       lora   frozen base in ``model.dtype`` when pinned, else the compute dtype; adapters in ``lora.dtype`` (fp32
              by default; bf16: the compute dtype), and so their gradients and AdamW state.
-      prefix, adapter   stored as lora: frozen base, the prefix encoder or the bottleneck modules fp32.
+      prefix, adapter, prompt   stored as lora: frozen base, the prefix encoder, the bottleneck modules or the
+             virtual token embeddings fp32.
       qlora  linear weights quantized: 4-bit codes in uint8, or in the compute dtype under FSDP2 (ZeRO-2 and
              FSDP alike, which then shard them like any parameter); 8-bit in int8. Every other base weight in
              ``quantization.compute_dtype`` (auto: the run's compute dtype); adapters as lora's.
     ``quantization`` is the recipe's section (bits, quant_type, double_quant, compute_dtype) or None;
-    ``lora`` / ``prefix`` / ``adapter`` the recipe's sections that shape what is trained (:func:`adapter_spec`).
+    ``lora`` / ``prefix`` / ``adapter`` / ``prompt`` the recipe's sections that shape what is trained
+    (:func:`adapter_spec`).
     ``tp``: tensor-parallel degree; ``world_size`` counts every process, the strategy applies over the
     ``world_size // tp`` data-parallel ranks. ``optimizer``: the optimizer whose state the run keeps;
     ``offload``: what lives in host memory (``auto`` is ``adamw`` / ``none``: the planner resolves both).
@@ -497,12 +520,12 @@ def execution_spec(
     assert attention in ATTENTION_KERNELS, f"attention {attention} is resolved before the spec"
     m, s, p = Method(method), Strategy(strategy), Precision(precision)
     compute = p.compute
-    trained = adapter_spec(m, lora, prefix, adapter)
-    # full fine-tuning's masters; LoRA's adapters in lora.dtype; the prefix and bottleneck modules in fp32
+    trained = adapter_spec(m, lora, prefix, adapter, prompt)
+    # full fine-tuning's masters; LoRA's adapters in lora.dtype; the prefix, bottleneck and prompt modules in fp32
     trainable = p.master if m is Method.FULL else (trained.dtype if trained is not None and trained.r else "fp32")
     frozen: str | None = None
     quant: QuantSpec | None = None
-    if m in (Method.LORA, Method.PREFIX, Method.ADAPTER):
+    if m in (Method.LORA, Method.PREFIX, Method.ADAPTER, Method.PROMPT):
         frozen = "bf16" if p is Precision.BF16_PURE else (compute if model_dtype in ("auto", None) else model_dtype)
     elif m is Method.QLORA:
         bits = int(getattr(quantization, "bits", 4))

@@ -83,6 +83,8 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("gemma2 full bf16 mb8 eager", "gemma2", {"method": "full", "precision": "bf16", "mbs": 8, "attn": "eager"}, 1),
     ("llama prefix fp32 mb16", "llama", {"method": "prefix", "precision": "fp32", "mbs": 16, "packing": False}, 1),
     ("llama adapter fp32 mb16", "llama", {"method": "adapter", "precision": "fp32", "mbs": 16}, 1),
+    # prompt tuning: 16 virtual tokens before every row, 144 positions per row in every layer
+    ("llama prompt fp32 mb16", "llama", {"method": "prompt", "precision": "fp32", "mbs": 16, "packing": False}, 1),
     ("llama dora fp32 mb16", "llama", {"method": "lora", "precision": "fp32", "mbs": 16, "dora": True}, 1),
     ("llama qlora 8-bit bf16 mb16", "llama", {"method": "qlora", "precision": "bf16", "mbs": 16, "bits": 8}, 1),
     ("llama full fp32 mb1 adamw8bit", "llama", {"method": "full", "precision": "fp32", "mbs": 1, "optimizer": "adamw8bit"}, 1),
@@ -226,7 +228,7 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
     mbs = change["mbs"]
     seq = change.get("seq", SEQ_LEN)
     packing = change.get("packing", True)
-    # without packing (prefix tuning refuses it), rows of exactly seq tokens: the planned worst case
+    # without packing (prefix and prompt tuning refuse it), rows of exactly seq tokens: the planned worst case
     rows = packed_samples(root, seq) if packing else packed_samples(root, 2 * seq)
     data = {"train": str(rows), "format": "tokenized", "max_seq_len": seq, "packing": packing}
     if "objective" in change:
@@ -237,6 +239,7 @@ def recipe_for(arch: str, change: dict, nproc: int, root: Path, out: Path, steps
         "lora": {"r": 8, "alpha": 16, "target_modules": change.get("targets", ["q_proj", "v_proj"]),
                  "use_dora": change.get("dora", False)},
         "prefix": {"num_virtual_tokens": 16},
+        "prompt": {"num_virtual_tokens": 16},
         "adapter": {"reduction_factor": 8},
         "quantization": {"bits": change.get("bits", 4)},
         "data": data,

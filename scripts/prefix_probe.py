@@ -1,4 +1,4 @@
-"""What can prefix tuning learn on the quickstart model? A small in-process sweep.
+"""What can prefix tuning (and prompt tuning) learn on the quickstart model? A small in-process sweep.
 
 Trains peft prefix tuning on recipes/quickstart-prefix.yaml's base and data (run recipes/quickstart.yaml
 first) with the trainer's own pieces (finetune.loss.causal_lm_loss, finetune.adapters.inject,
@@ -9,6 +9,12 @@ and a few generations. One line per setting, so settings can be compared side by
     python scripts/prefix_probe.py --tokens 16 --projection --lr 1e-2 --steps 150
     python scripts/prefix_probe.py --tokens 32 --lr 5e-2 --steps 100
     python scripts/prefix_probe.py --tokens 16 --lr 1e-2 --init-from-text   # Li & Liang: real tokens' K/V
+
+``--method prompt`` trains prompt tuning's virtual token embeddings (the input only) on the same task instead;
+``--init-text TEXT`` starts them from the base's embeddings of TEXT's tokens (prompt.init: text):
+
+    python scripts/prefix_probe.py --method prompt --tokens 32 --lr 1e-1 --steps 300
+    python scripts/prefix_probe.py --method prompt --tokens 32 --lr 1e-1 --init-text "Reverse the letters."
 
 On quickstart-lora.yaml's task (reversed words in capitals) pass `--recipe` a copy of the prefix recipe with
 data/reverse-upper/. The figures of both tasks are in docs/benchmarks.md ("Prefix tuning").
@@ -45,13 +51,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--init-from-text", action="store_true", help="start from real tokens' keys/values")
+    ap.add_argument("--method", choices=("prefix", "prompt"), default="prefix")
+    ap.add_argument("--init-text", help="prompt: start the virtual tokens from this text's token embeddings")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.adapters import init_prefix_from_text
+    from finetune.adapters import init_prefix_from_text, init_prompt_from_text, prefix_text_ids
     from finetune.generation import greedy_tokens, left_padded
     from finetune.loss import causal_lm_loss
     from finetune.methods import inject
@@ -67,13 +75,18 @@ def main() -> int:
     train = list(data.train)
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(loaded), dtype=torch.float32)
-    spec = AdapterSpec(
-        kind="prefix",
-        num_virtual_tokens=args.tokens,
-        projection=args.projection,
-        projection_hidden=args.hidden if args.projection else None,
-    )
+    if args.method == "prompt":
+        spec = AdapterSpec(kind="prompt", num_virtual_tokens=args.tokens, prompt_init_text=args.init_text)
+    else:
+        spec = AdapterSpec(
+            kind="prefix",
+            num_virtual_tokens=args.tokens,
+            projection=args.projection,
+            projection_hidden=args.hidden if args.projection else None,
+        )
     model = inject(base, spec)
+    if args.method == "prompt" and args.init_text:
+        init_prompt_from_text(model, prefix_text_ids(args.init_text, tok, args.tokens, "prompt"))
     if args.init_from_text:
         if args.projection:
             raise SystemExit("--init-from-text sets the prefix itself: use it without --projection")
@@ -88,6 +101,29 @@ def main() -> int:
         return 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, args.steps - warm)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    prompts = data.eval_prompts
+
+    def evaluate() -> tuple[int, int, int, list[tuple[str, str]]]:
+        """Exact, right-ignoring-case and all-capitals answers on the held-out words, and a few samples."""
+        model.eval()
+        exact = ignoring_case = capitals = 0
+        samples: list[tuple[str, str]] = []
+        for i in range(0, len(prompts), 50):
+            chunk = prompts[i : i + 50]
+            ids, mask = left_padded([p.prompt_ids for p in chunk], tok.pad_token_id)
+            out = greedy_tokens(model, ids, mask, loaded.recipe.eval.max_new_tokens, contextlib.nullcontext)
+            for p, row in zip(chunk, out.tolist(), strict=True):
+                row = row[: row.index(tok.eos_token_id)] if tok.eos_token_id in row else row
+                text, want = tok.decode(row, skip_special_tokens=True).strip(), p.answer.strip()
+                exact += text == want
+                ignoring_case += text.lower() == want.lower()
+                capitals += text.isupper()
+                if len(samples) < 4:
+                    samples.append((want, text))
+        model.train()
+        return exact, ignoring_case, capitals, samples
+
+    before = evaluate()[0]
     rng = random.Random(0)
     cpu0, wall0 = time.process_time(), time.time()
     curve = []
@@ -101,29 +137,15 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         if (step + 1) % 25 == 0:
             curve.append(f"{step + 1}:{float(s / n):.3f}")
-    model.eval()
-    exact = ignoring_case = capitals = 0
-    samples: list[tuple[str, str]] = []
-    prompts = data.eval_prompts
-    for i in range(0, len(prompts), 50):
-        chunk = prompts[i : i + 50]
-        ids, mask = left_padded([p.prompt_ids for p in chunk], tok.pad_token_id)
-        out = greedy_tokens(model, ids, mask, loaded.recipe.eval.max_new_tokens, contextlib.nullcontext)
-        for p, row in zip(chunk, out.tolist(), strict=True):
-            row = row[: row.index(tok.eos_token_id)] if tok.eos_token_id in row else row
-            text, want = tok.decode(row, skip_special_tokens=True).strip(), p.answer.strip()
-            exact += text == want
-            ignoring_case += text.lower() == want.lower()
-            capitals += text.isupper()
-            if len(samples) < 4:
-                samples.append((want, text))
+    cpu, wall = time.process_time() - cpu0, time.time() - wall0
+    exact, ignoring_case, capitals, samples = evaluate()
     n = len(prompts)
+    init = repr(args.init_text) if args.init_text else "text" if args.init_from_text else "random"
     print(
-        f"tokens {args.tokens} projection {args.projection} lr {args.lr:g} steps {args.steps} "
-        f"init {'text' if args.init_from_text else 'random'} | loss {' '.join(curve)} | exact match "
+        f"{args.method} tokens {args.tokens} projection {args.projection} lr {args.lr:g} steps {args.steps} "
+        f"init {init} | loss {' '.join(curve)} | exact match {100 * before / n:.1f}% -> "
         f"{100 * exact / n:.1f}% | ignoring case {100 * ignoring_case / n:.1f}% | all capitals "
-        f"{100 * capitals / n:.1f}% | cpu {time.process_time() - cpu0:.0f} s wall {time.time() - wall0:.0f} s | "
-        f"e.g. {samples}",
+        f"{100 * capitals / n:.1f}% | cpu {cpu:.0f} s wall {wall:.0f} s | e.g. {samples}",
         flush=True,
     )
     return 0

@@ -52,7 +52,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "recipes" / "data" / "reverse"
 
-METHODS = ("full", "lora", "qlora4", "qlora8", "dora", "rslora", "pissa", "olora", "prefix", "prefix-text", "adapter")
+METHODS = ("full", "lora", "qlora4", "qlora8", "dora", "rslora", "pissa", "olora", "prefix", "prefix-text", "adapter",
+           "prompt", "prompt-text")
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")
 TPS = (1, 2)
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit")
@@ -147,7 +148,9 @@ FIXED: tuple[Cell, ...] = (
 
 def recipe_for(cell: Cell, out_dir: Path, with_eval: bool = False) -> dict[str, Any]:
     """The two-step recipe of ``cell`` on the built-in tiny model, writing its outputs to ``out_dir``."""
-    method = {"qlora4": "qlora", "qlora8": "qlora", "prefix-text": "prefix"}.get(cell.method, cell.method)
+    method = {"qlora4": "qlora", "qlora8": "qlora", "prefix-text": "prefix", "prompt-text": "prompt"}.get(
+        cell.method, cell.method
+    )
     if method in ("dora", "rslora", "pissa", "olora"):
         method = "lora"
     recipe: dict[str, Any] = {
@@ -186,6 +189,10 @@ def recipe_for(cell: Cell, out_dir: Path, with_eval: bool = False) -> dict[str, 
             recipe["prefix"].update({"init": "text", "init_text": "Reverse the letters of the word."})
     if method == "adapter":
         recipe["adapter"] = {"reduction_factor": 4}
+    if method == "prompt":
+        recipe["prompt"] = {"num_virtual_tokens": 4}
+        if cell.method == "prompt-text":
+            recipe["prompt"].update({"init": "text", "init_text": "Reverse the letters of the word."})
     return recipe
 
 

@@ -126,7 +126,7 @@ def own_step_time(run_dir: Path, plan: Any) -> Any:
     fields = {f.name for f in dataclasses.fields(Hardware)}
     hw = Hardware(**{k: v for k, v in plan.hardware.items() if k in fields})
     c = plan.chosen
-    adapter = adapter_spec(c.method.value, r.lora, r.prefix, r.adapter)
+    adapter = adapter_spec(c.method.value, r.lora, r.prefix, r.adapter, r.prompt)
     return step_time(c, req.config, hw, seq_len=plan.model["seq_len"], adapter=adapter, steps=r.train.max_steps)
 
 

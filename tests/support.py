@@ -129,23 +129,30 @@ WEIGHT_ATOL = 1e-4
 
 
 def parity_recipe(model_dir: Path, out: Path, method: str, strategy: str) -> dict:
-    """fp32, global batch 8 in micro-batches of 2 (accumulation 4 on 1 process, 2 on 2), eval off.
-    ``method`` pissa or olora: LoRA with that ``lora.init``."""
+    """fp32, global batch 8 in micro-batches of 2 (accumulation 4 on 1 process, 2 on 2), eval off (prompt
+    tuning: 8 held-out prompts at the end, generated greedily). ``method`` pissa or olora: LoRA with that
+    ``lora.init``."""
     init = method if method in ("pissa", "olora") else "default"
-    return {
+    prompt = method == "prompt"
+    recipe = {
         "model": {"path": str(model_dir), "init": "random"},
         "method": "lora" if init != "default" else method,
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "init": init},
         "prefix": {"num_virtual_tokens": 4, "projection": True, "projection_hidden": 16},
         "adapter": {"size": 8, "embeddings": True},  # the embeddings' bottleneck sits in FSDP's root unit
+        "prompt": {"num_virtual_tokens": 4},  # the prompt encoder too
         "data": {"train": str(RECIPES / "data/reverse/train.jsonl"), "max_seq_len": 48},
-        "train": {"max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3,
+        "train": {"max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-2 if prompt else 3e-3,
                   "warmup_steps": 2, "max_grad_norm": 1.0, "seed": 0},
         "precision": "fp32",
         "distributed": {"strategy": strategy},
         # pissa/olora runs also checkpoint at step 5 (the fsdp pissa run's resume starts there)
         "output": {"dir": str(out), "log_every": 1, **({"save_every": 5} if init != "default" else {})},
     }
+    if prompt:
+        recipe["data"]["eval"] = str(RECIPES / "data/reverse/eval.jsonl")
+        recipe["eval"] = {"every": 0, "at_start": False, "max_samples": 8, "max_new_tokens": 6, "batch_size": 4}
+    return recipe
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -223,7 +223,7 @@ def _time(s: Setting, c: Candidate) -> Any:
         return None
     adapter = s.adapter
     if adapter is None and c.method.adapters:  # a pinned full run's advice prices QLoRA: LoRA's adapters
-        adapter = adapter_spec(str(c.method), s.lora, s.req.prefix, s.req.adapter)
+        adapter = adapter_spec(str(c.method), s.lora, s.req.prefix, s.req.adapter, s.req.prompt)
     return step_time(c, s.req.config, s.hw, seq_len=s.req.seq_len, adapter=adapter, steps=s.req.steps)
 
 

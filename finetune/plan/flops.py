@@ -23,7 +23,10 @@ or math attention (a causal kernel skips about half of it; the convention keeps 
 Prefix tuning's virtual tokens lengthen every row's keys and values. A mixture of experts' fused experts
 count as the weights a token computes with: top-k of each layer's routed experts (``experts x top-k / experts``
 of the fused weights); a model whose layers differ (DeepSeek-V3's dense first layers) counts each kind of
-layer as many times as it has it.
+layer as many times as it has it. Prompt tuning's ``P`` virtual tokens are positions of their own: every matmul
+runs on ``T + P`` positions for ``T`` tokens of data, so a data token costs ``(T + P) / T`` positions at
+``T + P`` keys, and gradients reach the first layer's input (the virtual tokens' embeddings are trained), so no
+input projection is spared.
 """
 
 from __future__ import annotations
@@ -59,13 +62,14 @@ def training_flops_per_token(model: Any, *, seq_len: float) -> TrainingFlops:
     count whole). Trainable means ``weight.requires_grad``.
     """
 
-    from finetune.adapters import prefix_tokens
+    from finetune.adapters import prefix_tokens, prompt_tokens
     from finetune.plan.shapes import decoder_layer_names
 
     layers = decoder_layer_names(model)
     first = layers[0] + "." if layers else None
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    frozen_input = embeddings is None or not any(p.requires_grad for p in embeddings.parameters())
+    prompt = prompt_tokens(model)
+    frozen_input = not prompt and (embeddings is None or not any(p.requires_grad for p in embeddings.parameters()))
     total = no_input_grad = trainable = 0.0
     for name, module in model.named_modules():
         found = matmul_weights(module, model.config)
@@ -79,12 +83,13 @@ def training_flops_per_token(model: Any, *, seq_len: float) -> TrainingFlops:
     config = model.config
     heads = config.num_attention_heads
     head_dim = attention_head_dim(config)
-    keys = seq_len + prefix_tokens(model)
+    keys = seq_len + prompt + prefix_tokens(model)
     attention = config.num_hidden_layers * keys * heads * head_dim
+    scale = _positions_per_token(seq_len, prompt)
     return TrainingFlops(
-        forward=2.0 * total + 4.0 * attention,
-        input_gradients=2.0 * (total - no_input_grad) + 8.0 * attention,
-        weight_gradients=2.0 * trainable,
+        forward=scale * (2.0 * total + 4.0 * attention),
+        input_gradients=scale * (2.0 * (total - no_input_grad) + 8.0 * attention),
+        weight_gradients=scale * 2.0 * trainable,
     )
 
 
@@ -115,6 +120,12 @@ def matmul_weights(module: Any, config: Any) -> tuple[float, float] | None:
         size = sum(p.numel() for p in weights) * share
         return size, sum(p.numel() for p in weights if p.requires_grad) * share
     return None
+
+
+def _positions_per_token(seq_len: float, prompt: int) -> float:
+    """Positions the model computes per token of data in rows of ``seq_len`` tokens after ``prompt`` virtual
+    tokens (1 without them)."""
+    return (seq_len + prompt) / seq_len if prompt else 1.0
 
 
 def config_flops_per_token(config: Any, *, seq_len: float, adapter: Any = None) -> TrainingFlops:
@@ -148,6 +159,7 @@ class FlopsShape:
     prefix_tokens: int  # prefix tuning's virtual tokens before every row
     trainable_params: int  # every trained value of the whole model (matmul or not; tied weights once)
     block_trainable_params: int  # ... of them in one decoder layer
+    prompt_tokens: int = 0  # prompt tuning's virtual tokens: positions of their own before every row
 
     def flops(self, seq_len: float, tp: int = 1) -> TrainingFlops:
         """Model FLOPs of one training token of one rank in rows of ``seq_len`` tokens, with the decoder layers
@@ -155,17 +167,23 @@ class FlopsShape:
         every rank, as TP replicates it)."""
         block, trained = self.block / tp, self.block_trainable / tp
         total = self.layers * block + self.outside
-        attention = self.layers * (seq_len + self.prefix_tokens) * self.attention_channels / tp
+        attention = self.layers * self.keys(seq_len) * self.attention_channels / tp
+        scale = _positions_per_token(seq_len, self.prompt_tokens)
         return TrainingFlops(
-            forward=2.0 * total + 4.0 * attention,
-            input_gradients=2.0 * (total - self.no_input_grad / tp) + 8.0 * attention,
-            weight_gradients=2.0 * (self.layers * trained + self.outside_trainable),
+            forward=scale * (2.0 * total + 4.0 * attention),
+            input_gradients=scale * (2.0 * (total - self.no_input_grad / tp) + 8.0 * attention),
+            weight_gradients=scale * 2.0 * (self.layers * trained + self.outside_trainable),
         )
+
+    def keys(self, seq_len: float) -> float:
+        """Keys every position of a row of ``seq_len`` tokens attends over (with the virtual tokens)."""
+        return seq_len + self.prompt_tokens + self.prefix_tokens
 
     def block_forward(self, seq_len: float, tp: int = 1) -> float:
         """Forward FLOPs per token of the decoder layers alone (what activation checkpointing recomputes)."""
-        attention = self.layers * (seq_len + self.prefix_tokens) * self.attention_channels / tp
-        return 2.0 * self.layers * self.block / tp + 4.0 * attention
+        attention = self.layers * self.keys(seq_len) * self.attention_channels / tp
+        scale = _positions_per_token(seq_len, self.prompt_tokens)
+        return scale * (2.0 * self.layers * self.block / tp + 4.0 * attention)
 
 
 _SHAPES: dict[Any, FlopsShape] = {}
@@ -196,7 +214,7 @@ def flops_shape(config: Any, adapter: Any = None) -> FlopsShape:
 
 
 #: Bump when what a FlopsShape records changes: invalidates the disk cache.
-FLOPS_SHAPE_VERSION = 3
+FLOPS_SHAPE_VERSION = 4
 
 
 def _shape_path(key: Any) -> Any:
@@ -229,7 +247,7 @@ def _build_shape(config: Any, adapter: Any) -> FlopsShape:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.adapters import prefix_tokens
+    from finetune.adapters import prefix_tokens, prompt_tokens
     from finetune.methods import inject
     from finetune.plan.shapes import decoder_layer_names, layer_kinds, reduced_config
 
@@ -253,7 +271,8 @@ def _build_shape(config: Any, adapter: Any) -> FlopsShape:
         return None
 
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    frozen_input = embeddings is None or not any(p.requires_grad for p in embeddings.parameters())
+    prompt = prompt_tokens(model)
+    frozen_input = not prompt and (embeddings is None or not any(p.requires_grad for p in embeddings.parameters()))
     block = block_trained = outside = outside_trained = no_input_grad = 0.0
     for name, module in model.named_modules():
         found = matmul_weights(module, model.config)
@@ -280,6 +299,7 @@ def _build_shape(config: Any, adapter: Any) -> FlopsShape:
         outside=round(outside), outside_trainable=round(outside_trained), no_input_grad=round(no_input_grad),
         attention_channels=round(heads * head_dim), prefix_tokens=prefix_tokens(model), trainable_params=round(params),
         block_trainable_params=round(block_params),
+        prompt_tokens=prompt,
     )
 
 

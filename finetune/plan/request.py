@@ -27,6 +27,7 @@ class Request:
     lora: Any = None
     prefix: Any = None  # the recipe's prefix section (method prefix)
     adapter: Any = None  # the recipe's adapter section (method adapter)
+    prompt: Any = None  # the recipe's prompt section (method prompt)
     model_dtype: str = "auto"  # model.dtype: the frozen base's storage (lora)
     quantization: Any = None  # the recipe's quantization section (qlora); None: its defaults
     attn_implementation: str = "sdpa"  # model.attn_implementation (a recipe's default is auto: settle resolves it)
@@ -77,6 +78,7 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
         lora=r.lora,
         prefix=r.prefix,
         adapter=r.adapter,
+        prompt=r.prompt,
         model_dtype=r.model.dtype,
         quantization=r.quantization,
         attn_implementation=r.model.attn_implementation,

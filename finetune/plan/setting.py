@@ -122,6 +122,7 @@ class Setting:
             pp=pp, pp_schedule=self.pp_schedule, pp_layers=pp_layers or self.pp_split(pp, tp),
             sequence_parallel=r.sequence_parallel, attention=r.attn_implementation, keep_fp32=self.inv.keep_fp32,
             aux_loss_coef=aux_loss_coef(r, self.inv), ep=self.ep_for(strategy, world or self.world, tp, pp),
+            prompt=r.prompt,
         )
 
     def ep_for(self, strategy: str, world: int, tp: int = 1, pp: int = 1) -> int:
@@ -182,11 +183,11 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
         lora=lora, prefix=req.prefix, quantization=req.quantization, objective=req.objective,
         reference=req.reference, nodes=hw.nodes, pp=req.pp, pp_schedule=req.pp_schedule,
         reference_model=req.reference_config is not None, experts=facts["experts"], expert_lora=facts["expert_lora"],
-        ep=req.ep, num_experts=routed_experts(req.config),
+        ep=req.ep, num_experts=routed_experts(req.config), prompt=req.prompt,
     )
     check(cell)
     # full, LoRA and QLoRA (the auto ladder) share LoRA's adapters; a pinned full run never reads lora:
-    adapter = adapter_spec("lora" if req.method == "auto" else req.method, lora, req.prefix, req.adapter)
+    adapter = adapter_spec("lora" if req.method == "auto" else req.method, lora, req.prefix, req.adapter, req.prompt)
     inv = with_reference(build_inventory(req.config, req.source, adapter), req, 1)
     tp, tp_auto = _resolve_tp(req, hw, world, cell, log)
     v = stages_per_rank(req.pp_schedule, req.pp_stages_per_rank)

@@ -113,7 +113,7 @@ def pipeline_share(c: Candidate, shape: Any, seq_len: int) -> tuple[float, float
     if c.pp <= 1 or not c.pp_layers:
         return 1.0, 1.0
     tp, total = c.tp, sum(c.pp_layers)
-    layer = 2.0 * shape.block / tp + 4.0 * (seq_len + shape.prefix_tokens) * shape.attention_channels / tp
+    layer = 2.0 * shape.block / tp + 4.0 * shape.keys(seq_len) * shape.attention_channels / tp
     head = 2.0 * shape.outside
     whole = total * layer + head
     v = max(1, len(c.pp_layers) // c.pp)

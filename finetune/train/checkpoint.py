@@ -197,6 +197,7 @@ _WHAT = {
     "lora": ("lora", "the adapter shape (lora.r, lora.target_modules)"),
     "prefix": ("prefix", "the prefix settings"),
     "adapter": ("adapter", "the bottleneck adapter settings"),
+    "prompt": ("prompt", "the prompt tuning settings"),
 }
 
 

@@ -168,7 +168,8 @@ def materialize(
 
 
 def redraw_injected(model: torch.nn.Module, device: torch.device) -> None:
-    """Draw peft's prefix encoder and the bottleneck adapters now that the base is loaded, exactly as the
+    """Draw peft's prompt encoder (prefix or prompt tuning) and the bottleneck adapters now that the base is
+    loaded, exactly as the
     whole-model load draws them when it injects them after loading: a twin of each module is built where
     that load builds it (the prefix encoder on CPU, as peft does, a bottleneck on the run's device) from the
     global generator in the same order, and this rank keeps its slices. Their initial values therefore
@@ -189,7 +190,9 @@ def redraw_injected(model: torch.nn.Module, device: torch.device) -> None:
         if isinstance(encoders, torch.nn.ModuleDict) and module is model:
             peft_config: Any = module.peft_config  # the peft model's adapter configs, by adapter name
             for name, encoder in encoders.items():
-                twin = type(encoder)(peft_config[name])
+                # prompt tuning's PromptEmbedding also takes the word embeddings (read by a text init only)
+                prompt = str(peft_config[name].peft_type).endswith("PROMPT_TUNING")
+                twin = type(encoder)(peft_config[name], *((module.word_embeddings,) if prompt else ()))
                 _copy_module(encoder, twin.to(device))
 
 

@@ -96,14 +96,20 @@ def save_final(
     """
     from transformers.utils import logging as hf_logging
 
-    from finetune.adapters import LORA_INIT_ATTR, has_bottlenecks, prefix_tokens, save_bottlenecks
+    from finetune.adapters import (
+        LORA_INIT_ATTR,
+        has_bottlenecks,
+        prefix_tokens,
+        prompt_tokens,
+        save_bottlenecks,
+    )
     from finetune.experts import add_to_peft_dir, experts_layer_names, peft_layout
     from finetune.train.parallel import is_sharded
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
-    # peft saves a prefix by running its prompt encoder, which FSDP2 keeps sharded in the root unit: gather
-    # the root's parameters on every rank for the save (a collective), and shard them again after.
-    gather_root = ctx.distributed and is_sharded(model) and prefix_tokens(inner) > 0
+    # peft saves a prefix (or a prompt) by running its prompt encoder, which FSDP2 keeps sharded in the root
+    # unit: gather the root's parameters on every rank for the save (a collective), and shard them again after.
+    gather_root = ctx.distributed and is_sharded(model) and (prefix_tokens(inner) > 0 or prompt_tokens(inner) > 0)
     if is_sharded(model):
         # An evaluation leaves FSDP2's root unit gathered (it never reshards after forward): its registered
         # parameters are then the all-gather's views, whose values a save read as garbage (measured: the final

@@ -213,6 +213,7 @@ class Trainer:
         keep_base = ctx.is_main and spec.method.adapters and r.model.init == "random"
         base_dir = self.out_dir / "base" if keep_base else None
         text = spec.adapter.prefix_init_text if spec.adapter is not None else None
+        prompt_text = spec.adapter.prompt_init_text if spec.adapter is not None else None
         if spec.pipeline:  # built on meta, cut into this rank's stages, wrapped, then its tensors loaded
             self.pipeline, self.stages, (self.trainable, self.total_params) = build_pipeline(
                 self.loaded, spec, ctx, n_microbatches=self.plan.chosen.grad_accum_steps,
@@ -231,12 +232,18 @@ class Trainer:
                 assert spec.adapter is not None  # the text is the adapter's
                 ids = prefix_text_ids(text, self.tokenizer, spec.adapter.num_virtual_tokens)
                 init_prefix_from_text(model, ids)
+            if prompt_text is not None:  # prompt.init: text: the base's own embeddings of the text's tokens
+                from finetune.adapters import init_prompt_from_text, prefix_text_ids
+
+                assert spec.adapter is not None
+                ids = prefix_text_ids(prompt_text, self.tokenizer, spec.adapter.num_virtual_tokens, "prompt")
+                init_prompt_from_text(model, ids)
             check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
             self.trainable, self.total_params = count_parameters(model)
             return parallelize(model, spec, ctx)
         # Sharded: built on meta, wrapped, then each rank materialises only its shards (finetune/train/load.py).
         # (prefix.init: text is refused there by the capability table when the plan is made.)
-        assert text is None, "prefix.init: text on a sharded load is refused by the capability table"
+        assert text is None and prompt_text is None, "init: text on a sharded load is refused by the capability table"
         model = build_on_meta(self.loaded, spec, ctx.device)
         check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
         self.trainable, self.total_params = count_parameters(model)

@@ -170,7 +170,7 @@ class Harness:
         kw: dict[str, Any] = {"optimizer": "adamw", "world_size": 1, **options}
         return execution_spec(
             r.method, strategy, r.precision, checkpointing=False, quantization=r.quantization,
-            lora=r.lora, prefix=r.prefix, adapter=r.adapter, **kw,
+            lora=r.lora, prefix=r.prefix, adapter=r.adapter, prompt=r.prompt, **kw,
         )
 
     def batches(self, loaded: Any) -> list[list[dict[str, Any]]]:

@@ -149,6 +149,24 @@ def test_prefix_and_bottleneck_adapter_parity(runs: Runs, method: str, strategy:
     assert max_weight_diff(dist / weights, single / weights) <= WEIGHT_ATOL
 
 
+def test_prompt_tuning_parity_under_fsdp(runs: Runs) -> None:
+    """Prompt tuning (its virtual token embeddings in FSDP's root unit, gathered for the save) gives the single
+    process's losses, saved embeddings, eval loss and greedy answers under fsdp on 2 processes: generation's
+    forward runs through the root unit's gather."""
+    single, dist = _assert_step_parity(runs, "prompt", "fsdp")
+    adapter = "adapter_model.safetensors"
+    assert list(load_file(dist / adapter)) == ["prompt_embeddings"]
+    assert max_weight_diff(dist / adapter, single / adapter) <= WEIGHT_ATOL
+
+    def final_eval(out: Path) -> dict:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "eval_exact_match" in r][-1]
+
+    got, want = final_eval(dist), final_eval(single)
+    assert max_rel([got["eval_loss"]], [want["eval_loss"]]) <= LOSS_RTOL
+    assert got["eval_exact_match"] == want["eval_exact_match"]
+
+
 # olora under ddp (each rank decomposes the whole model, rank 0's result is broadcast), pissa under fsdp (built
 # on meta, each weight gathered and decomposed once after the sharded load; zero2 loads the same way): one row
 # per load path, each init once (scripts/pissa_parity.py runs every pair).

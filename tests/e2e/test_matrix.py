@@ -68,7 +68,7 @@ def _check(results: list, what: str) -> None:
 
 def test_cell_names_round_trip() -> None:
     cells = sweep_matrix.all_cells()
-    assert len(cells) == len(set(cells)) == 11 * 5 * 2 * 3 * 4 * 2 * 3 * 2 * 2
+    assert len(cells) == len(set(cells)) == 13 * 5 * 2 * 3 * 4 * 2 * 3 * 2 * 2
     for cell in [*sweep_matrix.FIXED, *sweep_matrix.sample_cells(50, 0)]:
         assert sweep_matrix.parse_cell(cell.name) == cell
     with pytest.raises(ValueError, match="precision `fp8`"):

@@ -86,7 +86,8 @@ def test_fast_accuracy_subset_within_10_percent():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--method", "lorra"], "--method: `lorra` is not one of full, lora, qlora, prefix, adapter, auto; did you mean `lora`?"),
+        (["--method", "lorra"], "--method: `lorra` is not one of full, lora, qlora, prefix, adapter, prompt, auto; did you "
+                                "mean `lora`?"),
         (["--strategy", "fsdpp"], "--strategy: `fsdpp` is not one of auto, single, ddp, zero1, zero2, fsdp, hsdp; did you "
                                   "mean `fsdp`?"),
         (["--precision", "fp8"], "--precision: `fp8` is not one of auto, fp32, bf16, fp16, bf16-pure"),

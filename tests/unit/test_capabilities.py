@@ -38,7 +38,7 @@ def test_every_rule_has_a_distinct_name_and_names_real_recipe_keys() -> None:
                 assert leaf in field.annotation.model_fields, f"{rule.name}: no recipe key {key}"
 
 
-@pytest.mark.parametrize("method", ["full", "lora", "qlora", "prefix", "adapter"])
+@pytest.mark.parametrize("method", ["full", "lora", "qlora", "prefix", "adapter", "prompt"])
 @pytest.mark.parametrize("strategy", ["single", "ddp", "zero1", "zero2", "fsdp"])
 def test_plain_methods_train_under_every_strategy(method: str, strategy: str) -> None:
     """A method with its defaults is refused under no strategy (the matrix's plain rows are all yes)."""

@@ -37,10 +37,15 @@ def tiny(method: str) -> torch.nn.Module:
         model = get_peft_model(
             model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         )
+    if method == "prompt":  # 32 virtual token positions before each row's 128, every input projection's gradient
+        from finetune.methods import inject
+        from finetune.spec import AdapterSpec
+
+        model = inject(model, AdapterSpec(kind="prompt", num_virtual_tokens=32))
     return model
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("method", ["full", "lora", "prompt"])
 def test_flops_per_token_match_the_counted_step(method):
     model = tiny(method)
     formula = training_flops_per_token(model, seq_len=SEQ)
@@ -156,6 +161,13 @@ def test_the_config_alone_gives_the_built_models_flops():
     assert config_flops_per_token(config, seq_len=SEQ, adapter=lora) == training_flops_per_token(
         tiny("lora"), seq_len=SEQ
     )
+    from finetune.plan.flops import flops_shape
+    from finetune.spec import AdapterSpec
+
+    prompt = AdapterSpec(kind="prompt", num_virtual_tokens=32)
+    built = training_flops_per_token(tiny("prompt"), seq_len=SEQ)
+    assert config_flops_per_token(config, seq_len=SEQ, adapter=prompt) == built
+    assert flops_shape(config, prompt).flops(SEQ).per_token == pytest.approx(built.per_token, rel=1e-12)
 
 
 @pytest.mark.gpu

@@ -215,7 +215,7 @@ def test_bad_method_settings_are_one_sentence_from_validate_and_run(tmp_path: Pa
     assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
-@pytest.mark.parametrize("method", ["prefix", "adapter"])
+@pytest.mark.parametrize("method", ["prefix", "adapter", "prompt"])
 def test_plan_method_flag(method: str) -> None:
     res = CliRunner().invoke(
         app, ["plan", str(RECIPES / "quickstart.yaml"), "--method", method, "--gpus", "1", "--gpu-memory", "16GiB",
@@ -224,7 +224,7 @@ def test_plan_method_flag(method: str) -> None:
     assert res.exit_code == 0, res.output
     plan = json.loads(res.output)
     assert plan["chosen"]["method"] == method
-    assert plan["execution"]["adapter"]["kind"] == {"prefix": "prefix", "adapter": "bottleneck"}[method]
+    assert plan["execution"]["adapter"]["kind"] == {"prefix": "prefix", "adapter": "bottleneck", "prompt": "prompt"}[method]
     assert 0 < plan["model"]["trainable"] < plan["model"]["parameters"] / 10
 
 
