@@ -219,16 +219,24 @@ def merged_card(run_dir: Path, out: Path) -> tuple[str, list[str]]:
     return model_card(out, merged_from=run_dir.name), copied
 
 
+
+#: ``chat`` and ``serve``'s model: a run, a merge or any model directory (with --adapter, the base).
+RunOrModel = Annotated[
+    Optional[str],
+    typer.Argument(
+        metavar="RUN_OR_MODEL",
+        help="A run's output.dir (its model, or its adapter over the base), a merged or any HF model directory; "
+        "with --adapter, the base model.",
+    ),
+]
+#: The base the --adapter runs load onto.
+AdaptersBase = Annotated[
+    Optional[str], typer.Option(help="Base model directory (default: the one the adapters' run trained on).")
+]
+
 @app.command()
 def chat(
-    target: Annotated[
-        Optional[str],
-        typer.Argument(
-            metavar="RUN_OR_MODEL",
-            help="A run's output.dir (its model, or its adapter over the base), a merged or any HF model directory; "
-            "with --adapter, the base model.",
-        ),
-    ] = None,
+    target: RunOrModel = None,
     adapter: Annotated[
         Optional[list[str]],
         typer.Option(
@@ -239,9 +247,7 @@ def chat(
     use: Annotated[
         Optional[str], typer.Option(help="The adapter to start with (default: the first; `base`: none).")
     ] = None,
-    base: Annotated[
-        Optional[str], typer.Option(help="Base model directory (default: the one the adapters' run trained on).")
-    ] = None,
+    base: AdaptersBase = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Answer this one prompt and exit.")] = None,
     input_: Annotated[
         Optional[Path], typer.Option("--input", help="A .jsonl file of prompts to answer (with --output).")
@@ -275,14 +281,7 @@ def chat(
 
 @app.command()
 def serve(
-    target: Annotated[
-        Optional[str],
-        typer.Argument(
-            metavar="RUN_OR_MODEL",
-            help="A run's output.dir (its model, or its adapter over the base), a merged or any HF model directory; "
-            "with --adapter, the base model.",
-        ),
-    ] = None,
+    target: RunOrModel = None,
     adapter: Annotated[
         Optional[list[str]],
         typer.Option(
@@ -290,9 +289,7 @@ def serve(
             help="A run or adapter directory to serve over the shared base (repeatable); a request's `model` picks it.",
         ),
     ] = None,
-    base: Annotated[
-        Optional[str], typer.Option(help="Base model directory (default: the one the adapters' run trained on).")
-    ] = None,
+    base: AdaptersBase = None,
     host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port to listen on.")] = 8000,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="A request's max_tokens when it gives none.")] = 256,
