@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from finetune.errors import UserError
-from finetune.locate import shipped_recipes_dir
-from finetune.recipe import RecipeError, check_files, load_recipe
+from finetune.recipe.locate import shipped_recipes_dir
+from finetune.recipe.schema import RecipeError, check_files, load_recipe
 
 app = typer.Typer(
     add_completion=False,
@@ -131,7 +131,7 @@ def run(
         import os
 
         os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub when first imported (below), and by workers
-    from finetune.launch import LaunchOptions, launch
+    from finetune.commands.run import LaunchOptions, launch
 
     options = LaunchOptions(
         nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
@@ -177,7 +177,7 @@ def merge(
 
     try:
         if push_to_hub:
-            from finetune.publish import check_push
+            from finetune.storage.publish import check_push
 
             check_push("--push-to-hub", push_to_hub)  # before the merge's minutes, not after
         res = merge_adapter(
@@ -185,7 +185,7 @@ def merge(
             trust_remote_code=trust_remote_code,
         )
         if push_to_hub:
-            from finetune.publish import push_folder
+            from finetune.storage.publish import push_folder
 
             card, records = merged_card(Path(run_dir), res.out)
             url = push_folder(
@@ -209,7 +209,7 @@ def merged_card(run_dir: Path, out: Path) -> tuple[str, list[str]]:
     ``run_dir`` is a run's output.dir."""
     import shutil
 
-    from finetune.publish import RUN_RECORDS, model_card
+    from finetune.storage.publish import RUN_RECORDS, model_card
 
     copied = []
     for name in RUN_RECORDS:
@@ -265,7 +265,7 @@ def chat(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Talk to a trained model in the terminal (streamed, with history), or answer --prompt / --input."""
-    from finetune.chat import ChatOptions, run_chat
+    from finetune.commands.chat import ChatOptions, run_chat
 
     options = ChatOptions(
         target=target, adapters=list(adapter or []), base=base, use=use, prompt=prompt, input=input_,
@@ -443,7 +443,7 @@ def report(
     ] = None,
 ) -> None:
     """Draw loss, eval, learning rate, tokens/s and the plan's memory beside the measured peak (PNG or HTML)."""
-    from finetune.report import write_report
+    from finetune.commands.report import write_report
 
     try:
         path = write_report(run_dirs, out)
@@ -492,7 +492,7 @@ def eval_(
     ] = False,
 ) -> None:
     """Evaluate a run or model with lm-evaluation-harness (and its base with --baseline): table and JSON."""
-    from finetune.harness import print_report, run_eval
+    from finetune.commands.eval import print_report, run_eval
 
     console = Console(highlight=False, soft_wrap=True)
     try:

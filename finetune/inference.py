@@ -6,7 +6,7 @@
     generate(session, prompts, ...)        -> answers      # greedy or sampled, streamed piece by piece
     load_baseline(selection, session, ...) -> Session      # the model a run started from
 
-What it loads (the directories as :func:`finetune.rundir.read_run` reads them): a run's output.dir (its full
+What it loads (the directories as :func:`finetune.storage.rundir.read_run` reads them): a run's output.dir (its full
 model, its PEFT adapter over the base the run trained on, 4-bit for a QLoRA run, or its bottleneck adapters), a
 ``finetune merge`` output, or any Hugging Face model directory or hub id in the local cache. With several
 adapters the base is loaded once and each adapter is a named peft adapter on it (``load_adapter`` /
@@ -21,7 +21,7 @@ instruction-format run builds the prompt its evaluation built (``finetune.train.
 greedy answer is the run's greedy eval answer), a text run continues raw text. A directory without a recipe uses
 the tokenizer's chat template when it has one, else raw text.
 
-Generation is :func:`finetune.generation.greedy_tokens`, the loop evaluation runs, with a sampling rule and a
+Generation is :func:`finetune.model.generation.greedy_tokens`, the loop evaluation runs, with a sampling rule and a
 per-step callback that streams text and stops once every row has ended.
 
 ``trust_remote_code`` is an argument of :func:`load` and :meth:`Selection.tokenizers`: the user's choice, never
@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from finetune.errors import UserError
-from finetune.locate import check_remote_code, needs_remote_code, remote_code_refused
-from finetune.rundir import BaseRef, RunDir, find_base, read_json, read_run
-from finetune.safetensors_stream import SAFE_INDEX, read_weight_map
+from finetune.recipe.locate import check_remote_code, needs_remote_code, remote_code_refused
+from finetune.storage.rundir import BaseRef, RunDir, find_base, read_json, read_run
+from finetune.storage.safetensors_stream import SAFE_INDEX, read_weight_map
 
 #: Adapter names that mean the base with every adapter disabled.
 BASE_NAMES = ("base", "none")
@@ -100,7 +100,7 @@ def base_difference(a: Path, b: Path) -> str | None:
     if sum(f.stat().st_size for f in fa) <= _HASHED_BASE_BYTES:
         same = [f.stat().st_size for f in fa] == [f.stat().st_size for f in fb] and _digest(fa) == _digest(fb)
     else:
-        from finetune.safetensors_stream import shard_map
+        from finetune.storage.safetensors_stream import shard_map
 
         sa, sb = shard_map(a)[1], shard_map(b)[1]
         same = {k: (v.shape, v.dtype) for k, v in sa.items()} == {k: (v.shape, v.dtype) for k, v in sb.items()}
@@ -117,7 +117,7 @@ def with_user_trust(recipe: dict[str, Any] | None, trust_remote_code: bool) -> d
 def build_random(run: RunDir, config_dir: Path, trust_remote_code: bool = False, flag: str = "--base DIR") -> Any:
     """The weights a random-init run drew from its config in ``config_dir`` and ``train.seed`` (a transformers
     PreTrainedModel on the CPU); model code of its own runs only on the user's ``trust_remote_code``."""
-    from finetune.recipe import RecipeError, recipe_from_dict
+    from finetune.recipe.schema import RecipeError, recipe_from_dict
     from finetune.train.quantize import build_random_base
 
     check_remote_code(config_dir, trust_remote_code)  # before transformers reads any of it
@@ -332,7 +332,7 @@ class PromptFormat:
 def prompt_format(run: RunDir, tokenizer: Any) -> PromptFormat:
     """How ``run`` was trained to be prompted: its data format, else the tokenizer's chat template, else raw
     text."""
-    from finetune.recipe import DataColumnsConfig
+    from finetune.recipe.schema import DataColumnsConfig
     from finetune.train.data import resolve_chat_template
     from finetune.train.data.formats import Encoder
 
@@ -355,7 +355,7 @@ def prompt_format(run: RunDir, tokenizer: Any) -> PromptFormat:
 
 def loaded_recipe(run: RunDir) -> Any:
     """The run's recipe as a LoadedRecipe whose relative paths resolve next to the run."""
-    from finetune.recipe import RecipeError, recipe_from_dict
+    from finetune.recipe.schema import RecipeError, recipe_from_dict
 
     try:
         return recipe_from_dict(run.recipe or {}, base_dir=run.path)
@@ -565,7 +565,7 @@ def _load_model(path: Path, dtype: Any, device: Any, trust: bool, quantization: 
                               "device_map": {"": device}}
     if quantization is not None:
         kwargs["quantization_config"] = quantization
-    from finetune.kernels import use_experts_kernel
+    from finetune.model.kernels import use_experts_kernel
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
@@ -619,13 +619,13 @@ def load(selection: Selection, *, device: Any = None, trust_remote_code: bool = 
     names = [a.name for a in adapters]
     try:
         if adapters[0].kind == "bottleneck":
-            from finetune.adapters import load_bottlenecks
+            from finetune.model.adapters import load_bottlenecks
 
             model = load_bottlenecks(model, adapters[0].path)
         else:
             from peft import PeftModel
 
-            from finetune.experts import peft_as_targeted
+            from finetune.model.experts import peft_as_targeted
 
             with peft_as_targeted():  # each adapter's targets as saved (peft_as_targeted says why)
                 model = PeftModel.from_pretrained(model, str(adapters[0].path), adapter_name=names[0])
@@ -665,7 +665,7 @@ def load_baseline(selection: Selection, *, device: Any = None, trust_remote_code
     if selection.model is not None:
         t = selection.model
         if t.init == "random" and t.model_path:
-            from finetune.locate import locate_model
+            from finetune.recipe.locate import locate_model
 
             location = locate_model(t.model_path, t.path)
             config_dir = Path(location.path)
@@ -675,7 +675,7 @@ def load_baseline(selection: Selection, *, device: Any = None, trust_remote_code
                     "directory; give --baseline MODEL"
                 )
             tok = selection.tokenizers(trust_remote_code)[""]
-            from finetune.kernels import use_experts_kernel
+            from finetune.model.kernels import use_experts_kernel
 
             model = build_random(t, config_dir, trust_remote_code, "--baseline MODEL").to(device)
             use_experts_kernel(model, device)
@@ -735,7 +735,7 @@ def generate(session: Session, prompts: list[list[int]], *, max_new_tokens: int,
     :attr:`Answer.raw`. ``name``: the adapter whose tokenizer decodes (default: the active one)."""
     import torch
 
-    from finetune.generation import greedy_tokens, left_padded, sampler
+    from finetune.model.generation import greedy_tokens, left_padded, sampler
 
     tok = session.fmt(name).tokenizer
     eos = tok.eos_token_id

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.adapters import BOTTLENECK_CONFIG
 from finetune.errors import UserError
 from finetune.inference import base_directory
-from finetune.locate import check_remote_code, needs_remote_code, path_overlap, remote_code_refused
-from finetune.methods import BottleneckAdapters, FullFineTuning, PrefixTuning, PromptTuning
-from finetune.recipe import QuantizationConfig
-from finetune.rundir import (
+from finetune.model.adapters import BOTTLENECK_CONFIG
+from finetune.model.methods import BottleneckAdapters, FullFineTuning, PrefixTuning, PromptTuning
+from finetune.recipe.locate import check_remote_code, needs_remote_code, path_overlap, remote_code_refused
+from finetune.recipe.schema import QuantizationConfig
+from finetune.storage.rundir import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MERGE_MARKER,
@@ -45,7 +45,7 @@ from finetune.rundir import (
     has_weights,
     read_run,
 )
-from finetune.safetensors_stream import (
+from finetune.storage.safetensors_stream import (
     SAFE_INDEX,
     ST_DTYPES,
     ShardWriter,
@@ -53,7 +53,7 @@ from finetune.safetensors_stream import (
     shard_map,
     stored_name,
 )
-from finetune.swap import swap_in
+from finetune.storage.swap import swap_in
 from finetune.train.quantize import dequantized_weight, quantized_modules
 from finetune.units import DTYPE_NAMES
 
@@ -119,7 +119,7 @@ class MergeResult:
 
 
 def _read_adapter(run: Path) -> tuple[RunDir, dict[str, torch.Tensor]]:
-    """The adapter directory ``run`` as :func:`finetune.rundir.read_run` reads it, and its tensors; a clear
+    """The adapter directory ``run`` as :func:`finetune.storage.rundir.read_run` reads it, and its tensors; a clear
     error when it holds no adapter merge can fold."""
     import torch
     from safetensors.torch import load_file
@@ -217,7 +217,7 @@ def _delta_weight(d: LoraDelta, conv1d: bool) -> torch.Tensor:
     """``s·B·A`` in fp32, in the layout the base stores the weight in."""
     assert d.a is not None and d.b is not None, "an incomplete adapter is refused when it is read"
     if d.experts:  # every expert's s·B_e·A_e, in the layout the fused weight is stored in
-        from finetune.experts import expert_delta, from_peft_layout
+        from finetune.model.experts import expert_delta, from_peft_layout
 
         a3, b3 = from_peft_layout(d.a, d.b, d.experts)
         return expert_delta(a3, b3, d.scaling, d.transposed)
@@ -319,7 +319,7 @@ def _expert_weight_of(mod_name: str, modules: dict[str, Any], targets: list[str]
     for any other adapted module. ``targets``: the adapter's ``target_parameters``. peft nests one wrapper per
     adapted weight in registration order, the first innermost: ``experts.lora_A`` is the last adapted weight's,
     ``experts.base_layer.lora_A`` the one before."""
-    from finetune.experts import expert_weight_names
+    from finetune.model.experts import expert_weight_names
 
     base = mod_name.split(".base_layer")[0]
     experts = modules.get(base)
@@ -335,7 +335,7 @@ def _expert_weight_of(mod_name: str, modules: dict[str, Any], targets: list[str]
 
 def _expert_rows(d: LoraDelta, expert: int) -> torch.Tensor:
     """``s·B_e·A_e`` of one expert (out x in, fp32) from a fused weight's adapter."""
-    from finetune.experts import from_peft_layout
+    from finetune.model.experts import from_peft_layout
 
     assert d.a is not None and d.b is not None, "an incomplete adapter is refused when it is read"
     a3, b3 = from_peft_layout(d.a, d.b, d.experts)
@@ -356,7 +356,7 @@ def _tensor_reader(base_dir: Path, layout: _Layout) -> Any:
 
 def _dequantized_experts(tensor: torch.Tensor, qcfg: QuantizationConfig, compute_dtype: torch.dtype) -> torch.Tensor:
     """A fused expert weight as the 4-bit run computed with it: NF4 per expert, dequantized (fp32)."""
-    from finetune.experts import dequantized_expert_weight
+    from finetune.model.experts import dequantized_expert_weight
     from finetune.spec import QuantSpec
     from finetune.units import DTYPE_NAMES
 
@@ -608,7 +608,7 @@ def _plan_fold(
     base_dir = inputs.base_dir
     modules = dict(meta.named_modules())
     shapes = layout.shapes
-    from finetune.experts import checkpoint_pieces
+    from finetune.model.experts import checkpoint_pieces
 
     weight_delta: dict[str, tuple[LoraDelta, bool]] = {}
     bias_delta: dict[str, LoraDelta] = {}
@@ -688,7 +688,7 @@ def _plan_fold(
             if key is not None:
                 quantized[key] = conv1d
         if qcfg is not None and qcfg.bits == 4:  # a 4-bit run's fused expert weights: NF4 per expert
-            from finetune.experts import expert_weight_names, fused_experts
+            from finetune.model.experts import expert_weight_names, fused_experts
 
             for mod_name, experts in fused_experts(meta).items():
                 for weight in expert_weight_names(experts):

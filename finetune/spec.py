@@ -44,7 +44,7 @@ class Method(_Name):
     ADAPTER = "adapter"
     PROMPT = "prompt"
 
-    # What the name itself says (the rest of what a method decides is its class's, finetune/methods.py):
+    # What the name itself says (the rest of what a method decides is its class's, finetune/model/methods.py):
     # the title, what is injected (None: every weight is trained), a quantized base, and whether activation
     # checkpointing keeps its behaviour (not for prefix tuning: transformers drops the KV cache, which holds
     # the trained prefix, in checkpointed decoder layers).
@@ -186,7 +186,7 @@ class QuantSpec:
 @dataclass(frozen=True)
 class AdapterSpec:
     """What is trained on a frozen base, the same for the planner's inventory and traces and the trainer
-    (finetune/adapters.py injects it). Hashable: it keys the planner's caches."""
+    (finetune/model/adapters.py injects it). Hashable: it keys the planner's caches."""
 
     kind: str  # lora | prefix | bottleneck | prompt
     # lora (peft LoraConfig): rank, scale, dropout, targets (None: peft's choice), DoRA, rsLoRA, init
@@ -205,7 +205,7 @@ class AdapterSpec:
     projection_hidden: int | None = None
     # init: text (Li & Liang): the text whose keys/values start the prefix (None: peft's random draw)
     prefix_init_text: str | None = None
-    # bottleneck (finetune/adapters.py): width (None: hidden / reduction_factor), activation, where
+    # bottleneck (finetune/model/adapters.py): width (None: hidden / reduction_factor), activation, where
     size: int | None = None
     reduction_factor: float = 16.0
     non_linearity: str = "relu"
@@ -223,7 +223,7 @@ class AdapterSpec:
     def lora(cls, settings: Any = None) -> AdapterSpec:
         """LoRA's shape from the recipe's ``lora`` section (None: its defaults)."""
         if settings is None:
-            from finetune.recipe import LoraConfig
+            from finetune.recipe.schema import LoraConfig
 
             settings = LoraConfig()
         tm = settings.target_modules
@@ -237,7 +237,7 @@ class AdapterSpec:
     def prefix(cls, settings: Any = None) -> AdapterSpec:
         """The prefix from the recipe's ``prefix`` section (None: its defaults)."""
         if settings is None:
-            from finetune.recipe import PrefixConfig
+            from finetune.recipe.schema import PrefixConfig
 
             settings = PrefixConfig()
         return cls(
@@ -250,7 +250,7 @@ class AdapterSpec:
     def prompt(cls, settings: Any = None) -> AdapterSpec:
         """The virtual tokens from the recipe's ``prompt`` section (None: its defaults)."""
         if settings is None:
-            from finetune.recipe import PromptConfig
+            from finetune.recipe.schema import PromptConfig
 
             settings = PromptConfig()
         return cls(
@@ -262,7 +262,7 @@ class AdapterSpec:
     def bottleneck(cls, settings: Any = None) -> AdapterSpec:
         """The bottleneck modules from the recipe's ``adapter`` section (None: its defaults)."""
         if settings is None:
-            from finetune.recipe import AdapterConfig
+            from finetune.recipe.schema import AdapterConfig
 
             settings = AdapterConfig()
         return cls(
@@ -309,7 +309,7 @@ class ExecSpec:
     optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit (the optimizer state's storage)
     offload: str = "none"  # none | optimizer | parameters: what lives in host memory instead of the device
     nodes: int = 1  # hsdp: the replicas, one per node (each node's ranks shard the model); 1 otherwise
-    objective: str = "sft"  # sft | dpo | simpo | orpo (finetune/preference.py) | grpo (finetune/grpo.py)
+    objective: str = "sft"  # sft | dpo | simpo | orpo (finetune/objectives/preference.py) | grpo (finetune/objectives/grpo.py)
     # dpo's reference policy: none (sft, simpo, orpo), base (an adapter method's base, adapters off), model (a
     # frozen copy of the starting weights, stored in the frozen dtype and sharded like the policy) or precomputed
     reference: str = "none"
@@ -329,7 +329,7 @@ class ExecSpec:
     # _keep_in_fp32_modules_strict in a 16-bit base, also _keep_in_fp32_modules in fp16: DeepSeek-V3's router
     # weights and its e_score_correction_bias), as patterns searched in a tensor's name, as transformers does
     fp32_tensors: tuple[str, ...] = ()
-    # a mixture of experts' load-balancing loss, added per target token times this (0: none; finetune/router.py)
+    # a mixture of experts' load-balancing loss, added per target token times this (0: none; finetune/model/router.py)
     aux_loss_coef: float = 0.0
     # expert parallelism (distributed.ep): a mixture's routed experts split over ep ranks borrowed from the
     # data-parallel shard dimension, tokens dispatched to them by all-to-all (finetune/train/expert_parallel.py)
@@ -608,7 +608,7 @@ def attention_kernel(asked: str, *, packed: bool, device: str, flex: bool = True
     ``auto`` is flex_attention for packed rows on a GPU: transformers turns the rows' restarting positions into a
     block-sparse document mask, while sdpa is handed a (B, 1, T, T) mask, which keeps it off its flash kernel
     (flash attention takes no arbitrary mask) and costs T x T per row. Otherwise sdpa (eager for an architecture
-    without it): unpacked rows need no mask, and on CPU torch has no flex backward (finetune/flex.py runs flex
+    without it): unpacked rows need no mask, and on CPU torch has no flex backward (finetune/model/flex.py runs flex
     densely through sdpa there, correct but not smaller). A kernel the recipe names is kept.
     """
     if asked != "auto":

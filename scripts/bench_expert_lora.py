@@ -1,5 +1,5 @@
 """LoRA on a mixture's fused expert weights: peft's ``target_parameters`` (``lora.ParamWrapper``) against
-finetune's experts layer (finetune/experts.py), side by side on the same model, adapters and batch.
+finetune's experts layer (finetune/model/experts.py), side by side on the same model, adapters and batch.
 
     python scripts/bench_expert_lora.py [--experts 32] [--hidden 256] [--ffn 256] [--top-k 4] [--tokens 2048]
                                         [--batched-tokens 256] [--steps 5] [--threads 1] [--fsdp] [--nf4]
@@ -40,8 +40,8 @@ def build(args: argparse.Namespace, way: str, kernel: str):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from finetune.experts import peft_as_targeted
-    from finetune.methods import training_method
+    from finetune.model.experts import peft_as_targeted
+    from finetune.model.methods import training_method
     from finetune.spec import AdapterSpec
 
     config = Qwen3MoeConfig(
@@ -67,7 +67,7 @@ def seed_adapters(ours, theirs) -> None:
     """The same random adapter values in both models (finetune's layout converted to peft's)."""
     import torch
 
-    from finetune.experts import peft_layout
+    from finetune.model.experts import peft_layout
 
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

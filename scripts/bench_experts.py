@@ -1,6 +1,6 @@
 """A mixture of experts' experts kernel on this machine: training tokens/s of eager, batched_mm and grouped_mm.
 
-transformers 5 runs fused experts through one of several implementations (finetune/kernels.py chooses one per
+transformers 5 runs fused experts through one of several implementations (finetune/model/kernels.py chooses one per
 device and dtype for every model build). This times the training step (forward, loss, backward) of a small
 Qwen3-MoE under each, on the same weights and tokens, and prints tokens/s side by side with each kernel's ratio to
 eager, and the largest difference of its loss and gradients from eager's (the kernels compute the same thing).
@@ -38,8 +38,8 @@ def build(dtype: str, experts: int, top_k: int, hidden: int, layers: int) -> obj
 
 def time_kernel(model: object, kernel: str, ids: object, steps: int) -> tuple[float, float, list[object]]:
     """(median seconds of a training step after one warm-up, its loss, its gradients) under ``kernel``."""
-    from finetune.kernels import set_experts_kernel
-    from finetune.loss import causal_lm_loss
+    from finetune.model.kernels import set_experts_kernel
+    from finetune.objectives.loss import causal_lm_loss
 
     set_experts_kernel(model, kernel)
     times, loss = [], 0.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from finetune.loss import causal_lm_loss
+from finetune.objectives.loss import causal_lm_loss
 from finetune.train.memory import PeakMemory
 
 B, T, V = 4, 256, 8192

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from finetune.loss import (
+from finetune.objectives.loss import (
     FUSED_CHUNK_BYTES,
     IGNORE_INDEX,
     LOSS_CHUNK_BYTES,

@@ -70,7 +70,7 @@ def build(layers: int, hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimi
     """The sharded stack and the trainer's 8-bit AdamW over it."""
     from torch.distributed.fsdp import fully_shard
 
-    from finetune.recipe import TrainConfig
+    from finetune.recipe.schema import TrainConfig
     from finetune.spec import Strategy
     from finetune.train.optimizer import build_optimizer
 

@@ -43,7 +43,7 @@ def measure(name: str, model_dir: str, steps: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.recipe import TrainConfig
+    from finetune.recipe.schema import TrainConfig
     from finetune.spec import Strategy
     from finetune.train.optimizer import build_optimizer
 

@@ -36,7 +36,7 @@ def train_steps(model, stream, steps: int, batch: int) -> tuple[int, float]:
     """Real tokens and seconds for ``steps`` optimizer steps (the first step is a warm-up, not timed)."""
     import torch
 
-    from finetune.loss import causal_lm_loss
+    from finetune.objectives.loss import causal_lm_loss
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens, seconds = 0, 0.0
@@ -67,7 +67,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from finetune.recipe import recipe_from_dict
+    from finetune.recipe.schema import recipe_from_dict
     from finetune.train.data import BatchStream, load_data
 
     tok = AutoTokenizer.from_pretrained(TINY)

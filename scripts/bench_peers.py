@@ -112,7 +112,7 @@ def finetune_samples(j: dict, out: Path) -> list[dict]:
     """The job's samples as finetune tokenizes them (ids, and labels -100 off the assistant turn), in the order
     finetune's first epoch visits them: given to TRL pre-tokenized and read in order, both tools train on the
     same tokens, the same loss tokens and (unpacked) the same batches."""
-    from finetune.launch import prepare
+    from finetune.commands.run import prepare
     from finetune.train.data import BatchStream, load_data
     from finetune.train.model import load_tokenizer
 

@@ -25,7 +25,7 @@ def main() -> int:
     from transformers import AutoConfig
 
     from finetune.plan.activations import TraceSpec, trace_windows
-    from finetune.recipe import LoraConfig
+    from finetune.recipe.schema import LoraConfig
     from finetune.spec import execution_spec
 
     facts = dict(LLAMA_2_7B)

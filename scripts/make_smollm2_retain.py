@@ -7,7 +7,7 @@ A retain set (``eval.retain``) for runs that fine-tune SmolLM2-135M-Instruct: be
 answers each of these prompts exactly as written here, so the retain exact match starts at 100% and the
 retain loss is the model's own; a fine-tune that changes how it answers everyday questions shows as a drop.
 Each answer is the greedy completion the run's evaluation would generate (the chat template, the same greedy
-loop, finetune.generation.greedy_tokens); prompts whose answer does not end within ``--max-new-tokens``
+loop, finetune.model.generation.greedy_tokens); prompts whose answer does not end within ``--max-new-tokens``
 tokens (the shipped SmolLM2 recipes' eval.max_new_tokens) are left out, so a run compares whole answers.
 """
 
@@ -50,7 +50,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.generation import greedy_tokens, left_padded
+    from finetune.model.generation import greedy_tokens, left_padded
     from finetune.train.data.formats import Encoder
 
     sys.path.insert(0, str(ROOT / "scripts"))

@@ -231,7 +231,7 @@ def recipe(arch: str, root: Path, precision: str = "bf16", steps: int = 1) -> di
 def trainer_for(arch: str, root: Path, precision: str = "bf16", steps: int = 1) -> tuple[Any, Any]:
     """The trainer of ``arch``'s recipe, set up in this process (model, optimizer, data), and the recipe."""
     from finetune.plan.flowchart import plan_for_run
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
     from finetune.train.distributed import DistContext
     from finetune.train.trainer import Trainer
 

@@ -40,7 +40,7 @@ ARCHS = {
     "llama-26m": {"model_type": "llama", "vocab_size": 264, "hidden_size": 512, "intermediate_size": 1376,
                   "num_hidden_layers": 9, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
                   "max_position_embeddings": 512, "tie_word_embeddings": False},
-    # a large vocabulary: the loss runs in two chunks (finetune.loss.LOSS_CHUNK_BYTES)
+    # a large vocabulary: the loss runs in two chunks (finetune.objectives.loss.LOSS_CHUNK_BYTES)
     "llama-64k": {"model_type": "llama", "vocab_size": 65536, "hidden_size": 128, "intermediate_size": 344,
                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
     "gemma2": {"model_type": "gemma2", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 688,
@@ -89,7 +89,7 @@ CONFIGS: list[tuple[str, str, dict, int]] = [
     ("llama qlora 8-bit bf16 mb16", "llama", {"method": "qlora", "precision": "bf16", "mbs": 16, "bits": 8}, 1),
     ("llama full fp32 mb1 adamw8bit", "llama", {"method": "full", "precision": "fp32", "mbs": 1, "optimizer": "adamw8bit"}, 1),
     ("smollm2 lora bf16 mb4 packed", "smollm2", {"method": "lora", "precision": "bf16", "mbs": 4}, 1),
-    # flex attention on CPU: finetune.flex's fallback keeps a (B, 1, T, T) mask per layer, which the plan traces
+    # flex attention on CPU: finetune.model.flex's fallback keeps a (B, 1, T, T) mask per layer, which the plan traces
     ("llama full fp32 mb4 flex 512", "llama",
      {"method": "full", "precision": "fp32", "mbs": 4, "seq": 512, "attn": "flex_attention"}, 1),
     ("llama full fp32 ddp x2", "llama", {"method": "full", "precision": "fp32", "mbs": 8, "strategy": "ddp"}, 2),
@@ -262,7 +262,7 @@ def run_one(name: str, arch: str, change: dict, nproc: int, root: Path, device: 
     after two warm-up steps when there are more)."""
     from finetune.plan.flowchart import chosen_memory, chosen_stage_memory
     from finetune.plan.types import Plan
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
 
     out = root / name.replace(" ", "_")
     steps = change.get("steps", steps)  # a configuration may need more steps than the others

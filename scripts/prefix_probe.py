@@ -1,8 +1,8 @@
 """What can prefix tuning (and prompt tuning) learn on the quickstart model? A small in-process sweep.
 
 Trains peft prefix tuning on recipes/quickstart-prefix.yaml's base and data (run recipes/quickstart.yaml
-first) with the trainer's own pieces (finetune.loss.causal_lm_loss, finetune.adapters.inject,
-finetune.generation.greedy_tokens), AdamW with warmup + cosine like the trainer, and prints the loss curve,
+first) with the trainer's own pieces (finetune.objectives.loss.causal_lm_loss, finetune.model.adapters.inject,
+finetune.model.generation.greedy_tokens), AdamW with warmup + cosine like the trainer, and prints the loss curve,
 exact match on the held-out words, how many answers are right ignoring case, how many are all capitals,
 and a few generations. One line per setting, so settings can be compared side by side:
 
@@ -59,11 +59,11 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.adapters import init_prefix_from_text, init_prompt_from_text, prefix_text_ids
-    from finetune.generation import greedy_tokens, left_padded
-    from finetune.loss import causal_lm_loss
-    from finetune.methods import inject
-    from finetune.recipe import load_recipe
+    from finetune.model.adapters import init_prefix_from_text, init_prompt_from_text, prefix_text_ids
+    from finetune.model.generation import greedy_tokens, left_padded
+    from finetune.model.methods import inject
+    from finetune.objectives.loss import causal_lm_loss
+    from finetune.recipe.schema import load_recipe
     from finetune.spec import AdapterSpec
     from finetune.train.data import load_data
     from finetune.train.data.batches import collate

@@ -117,7 +117,7 @@ def own_step_time(run_dir: Path, plan: Any) -> Any:
     from finetune.plan.hardware import Hardware
     from finetune.plan.request import request_from_recipe
     from finetune.plan.timing import step_time
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
     from finetune.spec import adapter_spec
 
     loaded = load_recipe(run_dir / "recipe.yaml")

@@ -203,7 +203,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def load(tmp_path: Path, tok, **data):
     """load_data on a recipe whose data section is ``data`` (cache in tmp_path)."""
-    from finetune.recipe import recipe_from_dict
+    from finetune.recipe.schema import recipe_from_dict
     from finetune.train.data import load_data
 
     data.setdefault("cache_dir", str(tmp_path / "cache"))

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.loss import IGNORE_INDEX
-from finetune.recipe import LoadedRecipe, RecipeError, check_files, load_recipe
+from finetune.objectives.loss import IGNORE_INDEX
+from finetune.recipe.schema import LoadedRecipe, RecipeError, check_files, load_recipe
 
 #: How trained text is marked when the output is not a terminal.
 OPEN, CLOSE = "[[", "]]"

@@ -90,7 +90,7 @@ def _plain_tensors(model_dir: Path) -> tuple[list[tuple[str, list[int]]], Any]:
     """A model directory's tensors by name, read one at a time from its safetensors shards."""
     from safetensors import safe_open
 
-    from finetune.safetensors_stream import shard_map
+    from finetune.storage.safetensors_stream import shard_map
 
     shards, source_of = shard_map(model_dir)
     specs = [(k, list(source_of[k].shape)) for names in shards.values() for k in names]
@@ -109,9 +109,9 @@ def source_of(opts: ExportOptions) -> Iterator[Source]:
     """What ``opts.target`` holds as a :class:`Source`: a model directory as it is, an adapter folded into its
     base. One sentence for what cannot be exported."""
     from finetune.inference import load_tokenizer
-    from finetune.locate import check_remote_code
-    from finetune.methods import method_type
-    from finetune.rundir import find_base, read_json, read_run
+    from finetune.model.methods import method_type
+    from finetune.recipe.locate import check_remote_code
+    from finetune.storage.rundir import find_base, read_json, read_run
 
     run = read_run(opts.target, "RUN_OR_MODEL")
     if run.kind == "model":

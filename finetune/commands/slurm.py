@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.errors import UserError
-from finetune.recipe import RecipeError, check_files, load_recipe
+from finetune.recipe.schema import RecipeError, check_files, load_recipe
 from finetune.train.signals import exit_code
 
 if TYPE_CHECKING:

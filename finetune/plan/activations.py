@@ -2,7 +2,7 @@
 
 The model is built with 1 and 2 decoder layers inside ``FakeTensorMode`` (shapes and dtypes, no storage,
 no FLOPs), set up exactly as the trainer sets it up (dtype, LoRA adapters, autocast, activation checkpointing,
-the attention implementation), and ``finetune.loss.causal_lm_loss`` plus ``backward()`` run under
+the attention implementation), and ``finetune.objectives.loss.causal_lm_loss`` plus ``backward()`` run under
 a tracker that files every tensor storage as torch's ``MemTracker`` does (parameter, gradient, activation).
 
 A full model's backward runs head -> layer L-1 -> ... -> layer 0, with activations shrinking and gradients
@@ -17,7 +17,7 @@ Each window's peak is traced at two layers and extrapolated linearly in depth, w
 identical layers. In the micro-batch it is linear from 2 on, but micro-batch 1 is off that line for some
 models (torch's math SDPA path keeps one more (1, heads, T, T) tensor per layer at micro-batch 1), so
 micro-batch 1 and 2 are traced as such and larger ones are extrapolated from 2 and 4. Attention with dropout
-(GPT-2's) is traced as the trainer runs it on CPU, through :mod:`finetune.attention` (``causal_lm_loss``
+(GPT-2's) is traced as the trainer runs it on CPU, through :mod:`finetune.model.attention` (``causal_lm_loss``
 enables it on the traced model): q, k and v are kept, no (B, H, T, T) tensor.
 """
 
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from finetune.kernels import experts_implementation, set_experts_kernel
+from finetune.model.kernels import experts_implementation, set_experts_kernel
 from finetune.plan.config import concrete
 from finetune.plan.shapes import decoder_layer_names, reduced_config
 from finetune.spec import AdapterSpec, ExecSpec, Method
@@ -54,10 +54,10 @@ class TraceSpec:
     base_dtype: str = "fp32"  # dtype the model is built in: full's masters, or the frozen base's
     autocast_dtype: str | None = None  # torch.autocast around the forward (single, DDP, ZeRO-1)
     fsdp_compute_dtype: str | None = None  # FSDP2 mixed precision: every parameter computed in it, no autocast
-    # flex attention on CPU: finetune.flex's fallback (a dense mask per layer, sdpa). Out of the repr, which keys
+    # flex attention on CPU: finetune.model.flex's fallback (a dense mask per layer, sdpa). Out of the repr, which keys
     # the disk cache: every other trace keeps its cached file (activation_profile adds it to a CPU flex key).
     dense_flex: bool = field(default=False, repr=False)
-    # train.objective (dpo, simpo, orpo: 2 rows a sample, the logits materialised, finetune/preference.py) and
+    # train.objective (dpo, simpo, orpo: 2 rows a sample, the logits materialised, finetune/objectives/preference.py) and
     # the dpo reference's kind (base and model run a forward without gradients first). Out of the repr, as
     # dense_flex: the disk key names them for the preference objectives only (preference_key).
     objective: str = field(default="sft", repr=False)
@@ -65,14 +65,14 @@ class TraceSpec:
     # TP's sequence parallelism: the tp degree whose rank 0 is traced with the residual stream split over the
     # sequence (finetune.plan.tensor_parallel.sequence_parallel_trace); 1: none. Out of the repr, as above.
     sequence_parallel: int = field(default=1, repr=False)
-    # a mixture of experts' kernel (finetune.kernels): grouped_mm wherever one is traced (its memory does not
+    # a mixture of experts' kernel (finetune.model.kernels): grouped_mm wherever one is traced (its memory does not
     # depend on the routing; eager's per-expert loop reads values fake tensors do not have). Out of the repr.
     experts: str = field(default="grouped_mm", repr=False)
     # the traced depth: TRACE_LAYERS, or more for a model whose layers differ (up to two layers of its last kind,
     # the one the rest of the model repeats: finetune.plan.shapes.Inventory.trace_depth). Out of the repr, as
     # above: the disk key names it when it is not TRACE_LAYERS (depth_key).
     depth: int = field(default=TRACE_LAYERS, repr=False)
-    # a mixture of experts' load-balancing loss in the traced loss (finetune/router.py): the router logits kept
+    # a mixture of experts' load-balancing loss in the traced loss (finetune/model/router.py): the router logits kept
     # for it, its few small tensors. Out of the repr; the disk key names it when on (depth_key).
     aux_loss: bool = field(default=False, repr=False)
 
@@ -247,11 +247,11 @@ def disk_path(key: Any) -> Any:
     what a trace records), or None when there is no cache directory."""
     import sys
 
-    from finetune import loss_chunks
+    from finetune.objectives import loss_chunks
     from finetune.plan.cache import cache_file
 
-    # finetune.loss's own values when it is imported (tests set them there); else the defaults, without torch
-    loss = sys.modules.get("finetune.loss", loss_chunks)
+    # finetune.objectives.loss's own values when it is imported (tests set them there); else the defaults, without torch
+    loss = sys.modules.get("finetune.objectives.loss", loss_chunks)
     return cache_file("traces", key, TRACE_VERSION, loss.LOSS_CHUNK_BYTES, loss.FUSED_CHUNK_BYTES, loss.FUSED_HEAD)
 
 
@@ -296,7 +296,7 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
     if Method(spec.method).quantized:
         _emulate_kbit_preparation(model)
     if spec.adapter is not None:
-        from finetune.methods import inject
+        from finetune.model.methods import inject
 
         # prefix tuning: the prefix of every layer of the real model is computed up front (one embedding
         # lookup), so it is traced at full depth, outside the per-layer increment
@@ -308,7 +308,7 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
     if spec.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.aux_loss:  # the trainer's router (the coefficient does not change the memory)
-        from finetune import router
+        from finetune.model import router
 
         router.enable(model, 1.0)
     return model, torch_dtype(spec.autocast_dtype) if autocast and spec.autocast_dtype else None, autocast
@@ -320,7 +320,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_leaves
 
-    from finetune.loss import causal_lm_loss
+    from finetune.objectives.loss import causal_lm_loss
 
     model, _compute, autocast = build_meta_model(config, spec, num_layers)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -408,13 +408,13 @@ def _sequence_parallel(model: Any, spec: TraceSpec) -> Any:
 def _preference_step(spec: TraceSpec, batch: dict[str, Any]) -> Callable[[Any, dict[str, Any]], Any]:
     """The preference objective's micro-step on ``batch``'s rows as chosen and rejected (2 rows a sample): the
     policy's log-probs and backward, on rows without an attention mask as the trainer sends them (the causal
-    kernel: :func:`~finetune.preference.sequence_logps` tells transformers there is one document per row).
+    kernel: :func:`~finetune.objectives.preference.sequence_logps` tells transformers there is one document per row).
     dpo's reference forward (base or model) runs before it without gradients: it keeps nothing, and its
     transients (one layer's, and the logits') are smaller than what the policy's forward holds at its end, so
     it is not traced (its weights, for a frozen copy, are memory.py's)."""
     import torch
 
-    from finetune.preference import sequence_logps
+    from finetune.objectives.preference import sequence_logps
 
     for k in list(batch):
         batch[k] = torch.cat([batch[k], batch[k]])
@@ -428,9 +428,9 @@ def _preference_step(spec: TraceSpec, batch: dict[str, Any]) -> Callable[[Any, d
 
 def _grpo_step(spec: TraceSpec) -> Callable[[Any, dict[str, Any]], Any]:
     """grpo's micro-step: each completion row's per-token log-probs (the logits materialised in fp32, as
-    :func:`~finetune.grpo.token_logps` takes them) into the clipped loss and backward. The old policy's and the
+    :func:`~finetune.objectives.grpo.token_logps` takes them) into the clipped loss and backward. The old policy's and the
     reference's log-probabilities come with the rollout (the planner's ``rollout`` memory), not from this step."""
-    from finetune.grpo import GrpoSettings, summed_loss, token_logps, token_losses
+    from finetune.objectives.grpo import GrpoSettings, summed_loss, token_logps, token_losses
 
     settings = GrpoSettings()
 
@@ -451,10 +451,10 @@ def _traced_kernel(spec: TraceSpec) -> str:
     document mask is a ``BlockMask`` of per-block indices (int32, (B, 1, T/128, T/128) a few times: 64 KiB per
     row at 8192 tokens), not the (B, 1, T, T) tensor sdpa gets for a packed row. (Fake tensors cannot run flex
     itself: it is compiled, and torch 2.13 has no CPU backward for it.) On CPU the trainer runs
-    :mod:`finetune.flex`'s fallback, which is plain eager code, so the trace runs that very code: the BlockMask
+    :mod:`finetune.model.flex`'s fallback, which is plain eager code, so the trace runs that very code: the BlockMask
     built eagerly, then in every layer the mask evaluated densely ((B, 1, T, T) bool) and handed to sdpa."""
     if spec.attn_implementation == FLEX and spec.dense_flex:
-        from finetune import flex
+        from finetune.model import flex
 
         flex.install()  # what the trainer registers; it dispatches on the tensors' device (fake tensors: cpu)
         return FLEX
@@ -559,13 +559,13 @@ def _emulate_kbit_preparation(model: Any) -> None:
 
     The 4-bit linear weights are stood in for by compute-dtype weights: bitsandbytes dequantizes one weight at
     a time into a transient of that size, which :mod:`finetune.plan.memory` adds. A mixture's fused expert
-    weights run finetune.experts' NF4 forward, whose dequantized copy of the routed experts (on fake tensors:
+    weights run finetune.model.experts' NF4 forward, whose dequantized copy of the routed experts (on fake tensors:
     every expert) is a traced tensor of its own.
     """
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
-    from finetune.experts import stand_in_nf4
+    from finetune.model.experts import stand_in_nf4
 
     out_emb = model.get_output_embeddings()
     for p in model.parameters():

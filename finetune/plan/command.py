@@ -85,7 +85,7 @@ def check_flags(opts: PlanOptions) -> None:
 
     import pydantic
 
-    from finetune import recipe as schema
+    from finetune.recipe import schema
     from finetune.units import parse_bytes
 
     for flag, (cls, field) in FLAG_FIELDS.items():
@@ -112,12 +112,12 @@ def check_flags(opts: PlanOptions) -> None:
 def build_plan(opts: PlanOptions) -> Plan:
     """The plan for ``opts``: a recipe (with --set overrides and its hardware section) and/or flags."""
     check_flags(opts)
-    from finetune.locate import locate_model
     from finetune.plan.config import planning_config
     from finetune.plan.flowchart import make_plan
     from finetune.plan.hardware import detect_hardware
     from finetune.plan.request import request_from_recipe
-    from finetune.recipe import RecipeError, load_recipe, output_problems, recipe_with_overrides
+    from finetune.recipe.locate import locate_model
+    from finetune.recipe.schema import RecipeError, load_recipe, output_problems, recipe_with_overrides
 
     if opts.recipe:
         loaded = load_recipe(opts.recipe, list(opts.overrides))
@@ -143,7 +143,7 @@ def build_plan(opts: PlanOptions) -> Plan:
     if opts.tp is not None:
         changes["tp"] = opts.tp if opts.tp == "auto" else int(opts.tp)
     if opts.lora_r is not None:
-        from finetune.recipe import LoraConfig
+        from finetune.recipe.schema import LoraConfig
 
         base = req.lora or LoraConfig()
         changes["lora"] = base.model_copy(update={"r": opts.lora_r})

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from finetune.catalog import CATALOG
-from finetune.locate import ModelLocation, model_config
+from finetune.recipe.catalog import CATALOG
+from finetune.recipe.locate import ModelLocation, model_config
 
 #: Bump when what a config record holds changes: invalidates the disk cache.
 CONFIG_RECORD_VERSION = 1
@@ -115,7 +115,7 @@ def config_class_name(config: Any) -> str:
 
 def planning_config(location: ModelLocation, trust_remote_code: bool = False) -> tuple[Any, str]:
     """The config of a resolved ``model.path`` for planning, and where it came from (as
-    :func:`finetune.locate.model_config`): a :class:`PlanConfig` when the disk cache has a record of it, else
+    :func:`finetune.recipe.locate.model_config`): a :class:`PlanConfig` when the disk cache has a record of it, else
     the transformers config (recorded for next time). Configs with remote code and models still to be
     downloaded are always read by transformers."""
     from finetune.plan.cache import cache_file, read_json, write_json

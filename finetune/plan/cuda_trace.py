@@ -28,7 +28,7 @@ Read and found not to matter (no rule): the fused attention kernels. CPU's flash
 output and a (B, H, T) fp32 log-sum-exp, as CUDA's flash and cuDNN kernels do; CUDA's memory-efficient kernel
 (fp32 inputs, or a mask) pads the log-sum-exp to a multiple of 32 rows (at most 31 x B x H x 4 bytes a layer),
 and the kernels that draw dropout keep two 8-byte philox tensors (seed, offset) a layer. Attention with
-dropout runs on CPU through :mod:`finetune.attention` (q, k, v and a seed, the probabilities recomputed), on
+dropout runs on CPU through :mod:`finetune.model.attention` (q, k, v and a seed, the probabilities recomputed), on
 CUDA through the fused kernels (q, k, v, the output, the log-sum-exp, the philox state): the same within the
 output, which the next projection keeps anyway. 8-bit quantized linears train through the frozen
 dequantize-and-matmul path on CUDA as on CPU (finetune/train/quantize.py: int8_frozen_matmuls), which keeps

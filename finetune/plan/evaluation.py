@@ -4,7 +4,7 @@ An evaluation runs between optimizer steps, with the parameters, the optimizer s
 buffers alive but no gradients, under ``torch.no_grad``: its activations are the forward's transients, the
 (B, T, V) logits of the loss, and for exact match the prompt's logits and the KV cache that grows by one
 token per generated token. Both are traced on fake tensors by running the trainer's own functions
-(``causal_lm_loss`` and ``finetune.generation.greedy_tokens``) on the model built as
+(``causal_lm_loss`` and ``finetune.model.generation.greedy_tokens``) on the model built as
 :mod:`finetune.plan.activations` builds it, at 1 and 2 decoder layers x eval batch 1 and 2, and extrapolated
 bilinearly (the cache grows linearly in both). Generation is traced for 2 and 3 new tokens: each decode step
 adds the same cache, so the peak of step N follows; the prompt's forward (prefill) is its own peak.
@@ -63,8 +63,8 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from finetune.generation import greedy_tokens
-    from finetune.loss import causal_lm_loss
+    from finetune.model.generation import greedy_tokens
+    from finetune.objectives.loss import causal_lm_loss
     from finetune.plan.activations import build_meta_model, mask_checks
     from finetune.plan.tracker import WindowTracker
 
@@ -85,7 +85,7 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
             if spec.objective in ("sft", "grpo"):  # grpo's eval loss is the answers' next-token loss
                 causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask})
             else:  # preference pairs, 2 rows a sample (dpo's reference forward, or its precompute pass, alike)
-                from finetune.preference import sequence_logps
+                from finetune.objectives.preference import sequence_logps
 
                 rows = torch.cat([ids, ids])
                 sequence_logps(model, {"input_ids": rows, "labels": rows.clone(), "attention_mask": torch.cat([mask, mask])})

@@ -62,7 +62,7 @@ def training_flops_per_token(model: Any, *, seq_len: float) -> TrainingFlops:
     count whole). Trainable means ``weight.requires_grad``.
     """
 
-    from finetune.adapters import prefix_tokens, prompt_tokens
+    from finetune.model.adapters import prefix_tokens, prompt_tokens
     from finetune.plan.shapes import decoder_layer_names
 
     layers = decoder_layer_names(model)
@@ -135,7 +135,7 @@ def config_flops_per_token(config: Any, *, seq_len: float, adapter: Any = None) 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.methods import inject
+    from finetune.model.methods import inject
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(concrete(config))
@@ -247,8 +247,8 @@ def _build_shape(config: Any, adapter: Any) -> FlopsShape:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.adapters import prefix_tokens, prompt_tokens
-    from finetune.methods import inject
+    from finetune.model.adapters import prefix_tokens, prompt_tokens
+    from finetune.model.methods import inject
     from finetune.plan.shapes import decoder_layer_names, layer_kinds, reduced_config
 
     with torch.device("meta"):

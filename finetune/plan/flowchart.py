@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.methods import method_type
+from finetune.model.methods import method_type
 from finetune.plan import walk as w
 from finetune.plan.candidates import evaluate, evaluation_passes, plan_evaluation, step_seconds
 from finetune.plan.hardware import INTERCONNECTS, Hardware, detect_hardware
@@ -32,7 +32,7 @@ from finetune.plan.request import Request, request_from_recipe
 from finetune.plan.setting import Setting, settle
 from finetune.plan.shapes import lora_targets, moe_summary
 from finetune.plan.types import Candidate, MemoryBreakdown, Plan, Status
-from finetune.recipe import LoadedRecipe
+from finetune.recipe.schema import LoadedRecipe
 from finetune.spec import ExecSpec, Method, Precision, Strategy
 
 #: The ways the walk shrinks or moves the optimizer state when nothing fits, in order (optimizer, offload).

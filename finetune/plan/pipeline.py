@@ -28,7 +28,7 @@ unless the stage's gradients outweigh one micro-batch's activations.
 The bubble (idle fraction of a step) is ``(pp - 1) / (m + pp - 1)`` for gpipe and 1f1b and
 ``(pp - 1) / (v m + pp - 1)`` for interleaved-1f1b.
 
-Rules (finetune/capabilities.py: ``pipeline_problem``, ``split_problem``, ``stage_problem``; here
+Rules (finetune/recipe/capabilities.py: ``pipeline_problem``, ``split_problem``, ``stage_problem``; here
 :func:`microbatch_problem`): pp x tp divides the processes; each stage keeps at least one decoder layer;
 interleaved-1f1b runs 2 or more stages per rank and gradient accumulation (the pipeline's micro-batches) a
 multiple of pp (Megatron's interleaved schedule; torch's in-flight counts above hold for it); 1f1b needs at
@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.capabilities import INTERLEAVED
+from finetune.recipe.capabilities import INTERLEAVED
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -234,7 +234,7 @@ def boundaries_across_nodes(pp: int, world: int, per_node: int) -> int:
     return sum(1 for i in range(1, pp) if (i * block) // per_node != (i * block - 1) // per_node)
 
 
-# -- the rules (the model's and the layout's: finetune/capabilities.py) -------------------------------------
+# -- the rules (the model's and the layout's: finetune/recipe/capabilities.py) -------------------------------------
 
 
 def microbatch_problem(schedule: str, pp: int, microbatches: int) -> str | None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.capabilities import reference_setting
-from finetune.recipe import LoadedRecipe
+from finetune.recipe.capabilities import reference_setting
+from finetune.recipe.schema import LoadedRecipe
 
 
 @dataclass
@@ -107,8 +107,8 @@ def request_from_recipe(loaded: LoadedRecipe) -> Request:
 def reference_config(loaded: LoadedRecipe) -> Any:
     """The config of ``dpo.reference_model`` when a dpo run names one (its weights are counted from it), else
     None."""
-    from finetune.locate import locate_model
     from finetune.plan.config import planning_config
+    from finetune.recipe.locate import locate_model
 
     r = loaded.recipe
     if not r.dpo.reference_model or r.train.objective != "dpo":

@@ -9,7 +9,7 @@ overlap (they are freed before its first forward), are the largest of:
     prefill    the KV cache of every row at its full width, and the prompt's logits (rows x prompt x vocab, in
                the compute dtype, as transformers returns them) with the sampler's fp32 softmax of the last position
     scoring    one micro-batch's logits in the compute dtype and in fp32 (the log-softmax of
-               :func:`finetune.grpo.token_logps`)
+               :func:`finetune.objectives.grpo.token_logps`)
 
 ``rollout`` in the plan is the kept log-probabilities plus what those transients exceed the step's activations by:
 the step's peak is the larger of the two phases. Widths: a prompt of data.max_seq_len tokens at most, then

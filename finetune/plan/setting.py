@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from finetune.capabilities import Cell, check, first_refusal, pipeline_problem, split_problem, stage_problem
 from finetune.errors import UserError
-from finetune.experts import expert_facts, routed_experts
+from finetune.model.experts import expert_facts, routed_experts
 from finetune.plan import walk as w
 from finetune.plan.activations import ActivationProfile, TraceSpec, activation_profile
 from finetune.plan.config import config_class_name
@@ -17,6 +16,14 @@ from finetune.plan.pipeline import stages_per_rank
 from finetune.plan.request import Request
 from finetune.plan.shapes import Inventory, build_inventory
 from finetune.plan.tensor_parallel import degrees, tp_config, tp_problem
+from finetune.recipe.capabilities import (
+    Cell,
+    check,
+    first_refusal,
+    pipeline_problem,
+    split_problem,
+    stage_problem,
+)
 from finetune.spec import AdapterSpec, ExecSpec, adapter_spec, attention_kernel, execution_spec
 
 # -- the settled request ------------------------------------------------------------------------------------
@@ -170,7 +177,7 @@ def settle(req: Request, hw: Hardware, log: list[w.Step] | None = None) -> Setti
     world = hw.world
     lora = req.lora
     if lora is None:
-        from finetune.recipe import LoraConfig
+        from finetune.recipe.schema import LoraConfig
 
         lora = LoraConfig()
     # What the recipe pins, checked against the capability table before anything is traced. A preview on

@@ -1,7 +1,7 @@
 """Model inventory without weights: exact parameter counts by block, dtype and trainability.
 
 The model is built on the meta device from its config with ONE decoder layer when its decoder layers are
-identical in shape, adapters are injected by finetune.adapters.inject (peft for LoRA/DoRA and prefix
+identical in shape, adapters are injected by finetune.model.adapters.inject (peft for LoRA/DoRA and prefix
 tuning, whose prompt encoder is sized for every layer and counted outside the blocks; our bottleneck
 modules), and the totals are
 ``outside-the-blocks + num_layers x one-block``: exact, and instant even for 405B parameters. A model whose
@@ -180,7 +180,7 @@ class Inventory:
     def largest_base_numel(self, quantizable_only: bool = False) -> int:
         """The largest single base parameter (for transient copies); ``quantizable_only``: of the quantized
         linear weights, which bitsandbytes dequantizes one at a time (the dequantized experts of a fused
-        weight are the trace's: finetune.experts dequantizes the routed ones inside the traced forward)."""
+        weight are the trace's: finetune.model.experts dequantizes the routed ones inside the traced forward)."""
         ts = [t.numel for t in self.base if (t.quantizable and not t.experts) or not quantizable_only]
         return max(ts) if ts else 0
 
@@ -309,8 +309,8 @@ def decoder_layer_names(model: Any) -> list[str]:
 
 
 def lora_targets(lora: Any, model_type: str) -> list[str] | str:
-    """The modules that get LoRA adapters for the recipe's ``lora`` section (see finetune.adapters)."""
-    from finetune.recipe import lora_targets as targets
+    """The modules that get LoRA adapters for the recipe's ``lora`` section (see finetune.model.adapters)."""
+    from finetune.recipe.schema import lora_targets as targets
 
     return targets(lora.target_modules, model_type)
 
@@ -383,7 +383,7 @@ def _save_inventory(path: Any, inv: Inventory) -> None:
 
 
 def _weights(experts: Any) -> tuple[str, ...]:
-    from finetune.experts import expert_weight_names
+    from finetune.model.experts import expert_weight_names
 
     return expert_weight_names(experts)
 
@@ -420,7 +420,7 @@ def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> I
                     fp32_fp16=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())))
     if layers:
         inv.block_class = type(model.get_submodule(layers[-1])).__name__
-    from finetune.experts import fused_experts
+    from finetune.model.experts import fused_experts
 
     expert_weights = {f"{n}.{w}": m.num_experts for n, m in fused_experts(model).items() for w in _weights(m)}
     for name, p in params:
@@ -444,7 +444,7 @@ def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> I
             key=lambda i: sum(t.numel for t in inv.base if t.in_block and t.layer == i),
         )
     if adapter is not None:
-        from finetune.methods import inject
+        from finetune.model.methods import inject
 
         # prefix tuning: the prompt encoder sized for every layer of the real model (it lives outside the blocks)
         adapted = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)

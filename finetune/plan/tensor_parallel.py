@@ -127,7 +127,7 @@ def tp_comm_bytes(
 def sequence_parallel_trace(model: Any, ranks: int, seq_len: int) -> Any:
     """Hooks that make a fake-tensor trace of one TP rank's model (:func:`tp_config`) hold what sequence
     parallelism holds on rank 0 of ``ranks``; returns a context that installs them (and the head's
-    :class:`~finetune.loss.SequenceShard`) and removes them after.
+    :class:`~finetune.objectives.loss.SequenceShard`) and removes them after.
 
     The trainer's layout (finetune/train/parallel.py) on plain tensors: the first decoder block's input is cut
     to the rank's ``ceil(seq_len / ranks)`` positions (the embedding's output split over the sequence), so the
@@ -141,8 +141,8 @@ def sequence_parallel_trace(model: Any, ranks: int, seq_len: int) -> Any:
 
     import torch
 
-    from finetune.adapters import base_model_of
-    from finetune.loss import SEQUENCE_SHARD, SequenceShard
+    from finetune.model.adapters import base_model_of
+    from finetune.objectives.loss import SEQUENCE_SHARD, SequenceShard
     from finetune.plan.shapes import decoder_layer_names
 
     base = base_model_of(model)

@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from finetune.errors import UserError
-from finetune.methods import method_type
-from finetune.swap import swap_in
+from finetune.model.methods import method_type
+from finetune.storage.swap import swap_in
 
 if TYPE_CHECKING:  # torch is imported where it is used: finding and checking checkpoints needs none of it
     import torch

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from finetune.methods import method_type
+from finetune.model.methods import method_type
 from finetune.plan.types import Candidate, Plan
 from finetune.units import fmt_bytes
 

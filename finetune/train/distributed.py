@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from finetune.recipe import DEFAULT_TIMEOUT_S, DEFAULT_WAIT_TIMEOUT_S
+from finetune.recipe.schema import DEFAULT_TIMEOUT_S, DEFAULT_WAIT_TIMEOUT_S
 from finetune.spec import ExecSpec
 from finetune.train.layout import ParallelLayout
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.recipe import EarlyStoppingConfig
+from finetune.recipe.schema import EarlyStoppingConfig
 from finetune.train.evaluate import EvalResult
 from finetune.train.metrics import eval_fields
 
@@ -36,7 +36,7 @@ def reported_metrics(*, eval_rows: bool, eval_prompts: bool, preference: bool, r
     """The figures this run's evaluations report (metrics.jsonl's names): held-out rows give eval_loss, their
     prompts with answers eval_exact_match, a preference objective its eval_rewards/* and eval_logps/*, and
     eval.retain its retain_loss (and retain_exact_match where its rows have answers)."""
-    from finetune.preference import METRICS
+    from finetune.objectives.preference import METRICS
 
     names = []
     if eval_rows:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from finetune.generation import greedy_tokens, left_padded
-from finetune.loss import IGNORE_INDEX, causal_lm_loss, shifted_labels
+from finetune.model.generation import greedy_tokens, left_padded
+from finetune.objectives.loss import IGNORE_INDEX, causal_lm_loss, shifted_labels
 from finetune.train.data import EvalPrompt, Example, collate
 from finetune.train.data.batches import to_device
 from finetune.train.data.retain import RetainData
@@ -53,7 +53,7 @@ def _shard(items: list[Any], ctx: DistContext, batch_size: int) -> tuple[list[An
 def summed_loss(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], stages: StagedForward | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss, target tokens) of a batch: the model's (:func:`~finetune.loss.causal_lm_loss`), or through
+    """(summed loss, target tokens) of a batch: the model's (:func:`~finetune.objectives.loss.causal_lm_loss`), or through
     a pipeline's stages (``stages``), whose last stage computes it as ``causal_lm_loss`` does."""
     if stages is None:
         return causal_lm_loss(model, batch)
@@ -113,7 +113,7 @@ def exact_match(
     max_new_tokens: int, autocast: Any, stages: StagedForward | None = None, rewards: Any = None,
 ) -> tuple[float | None, list[tuple[str, str]]]:
     """Fraction of prompts whose greedy completion equals the expected answer (whitespace-trimmed). With
-    ``rewards`` (grpo's :class:`~finetune.rewards.Rewards`) the mean reward of those completions is kept in
+    ``rewards`` (grpo's :class:`~finetune.objectives.rewards.Rewards`) the mean reward of those completions is kept in
     ``rewards.last_mean``."""
     if not prompts:
         return None, []

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from finetune.router import experts_modules
+from finetune.model.router import experts_modules
 
 #: Attribute set on an experts module once its experts are split: (ep degree, its process group, the routed
 #: experts of the whole module).

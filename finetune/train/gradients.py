@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from finetune.loss import causal_lm_loss
+from finetune.objectives.loss import causal_lm_loss
 from finetune.train.distributed import DistContext
 from finetune.train.parallel import no_sync
 
@@ -95,7 +95,7 @@ def pipeline_step(
     through the stages: one step of the pipeline's schedule, whose ``loss_fn`` is ``loss`` (scaled as
     :func:`accumulate` scales each micro-batch). Returns this replica's summed token loss (float64, on the
     device) on every rank of the pp group."""
-    from finetune.loss import shifted_labels
+    from finetune.objectives.loss import shifted_labels
 
     ids = torch.cat([mb["input_ids"] for mb in micro]).to(ctx.device)
     labels = torch.cat([shifted_labels(mb) for mb in micro]).to(ctx.device)

@@ -28,14 +28,20 @@ from typing import Any
 
 import torch
 
-from finetune import flex
-from finetune.adapters import base_model_of
 from finetune.errors import UserError
-from finetune.kernels import use_experts_kernel
-from finetune.methods import training_of
-from finetune.recipe import LoadedRecipe
-from finetune.safetensors_stream import SAFE_SINGLE, ShardWriter, StoredTensor, read_header, stored_name
+from finetune.model import flex
+from finetune.model.adapters import base_model_of
+from finetune.model.kernels import use_experts_kernel
+from finetune.model.methods import training_of
+from finetune.recipe.schema import LoadedRecipe
 from finetune.spec import ExecSpec
+from finetune.storage.safetensors_stream import (
+    SAFE_SINGLE,
+    ShardWriter,
+    StoredTensor,
+    read_header,
+    stored_name,
+)
 from finetune.train.model import (
     add_adapters,
     copy_slice,
@@ -69,7 +75,7 @@ def loads_sharded(spec: ExecSpec, world_size: int, experts: bool = False) -> boo
 
 def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec, device: torch.device | str) -> torch.nn.Module:
     """The base model (storage dtype, parameters on meta, buffers real) with adapters, ready for parallelize
-    and to run on ``device`` (its experts kernel, finetune.kernels)."""
+    and to run on ``device`` (its experts kernel, finetune.model.kernels)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -98,7 +104,7 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec, device: torch.device | s
 
         quantize_on_meta(model, loaded, spec)
         if spec.quant.bits == 4:
-            from finetune.experts import fused_experts, quantize_experts, quantized_forward
+            from finetune.model.experts import fused_experts, quantize_experts, quantized_forward
 
             quantize_experts(model, spec.quant, on_meta=True)
             for experts in fused_experts(model).values():
@@ -174,7 +180,7 @@ def redraw_injected(model: torch.nn.Module, device: torch.device) -> None:
     that load builds it (the prefix encoder on CPU, as peft does, a bottleneck on the run's device) from the
     global generator in the same order, and this rank keeps its slices. Their initial values therefore
     follow the same seed whichever way the base was loaded."""
-    from finetune.adapters import is_bottleneck_key
+    from finetune.model.adapters import is_bottleneck_key
 
     for name, module in model.named_modules():
         if is_bottleneck_key(f"{name}.") and hasattr(module, "down") and hasattr(module, "up"):
@@ -233,7 +239,7 @@ def init_dora_magnitudes(model: torch.nn.Module) -> None:
 
 def init_decomposed(model: torch.nn.Module, init: str) -> None:
     """lora.init pissa/olora on a sharded model, one base weight at a time (every rank calls, in the same
-    order): the weight is gathered whole, rank 0 alone decomposes it (:func:`finetune.adapters.decompose`,
+    order): the weight is gathered whole, rank 0 alone decomposes it (:func:`finetune.model.adapters.decompose`,
     peft's arithmetic) and broadcasts ``A0`` and ``B0``, every rank subtracts ``scaling * B0 @ A0`` from the
     same gathered weight and keeps its slices of the residual, of ``A0`` and of ``B0``. The whole ``A0`` and
     ``B0`` are kept (``LORA_INIT_ATTR``, on every rank) for the final save's conversion to a plain LoRA of the
@@ -242,7 +248,7 @@ def init_decomposed(model: torch.nn.Module, init: str) -> None:
     decomposition."""
     import torch.distributed as dist
 
-    from finetune.adapters import LORA_INIT_ATTR, decompose, subtract_initial
+    from finetune.model.adapters import LORA_INIT_ATTR, decompose, subtract_initial
 
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     initial: dict[str, torch.Tensor] = {}
@@ -366,7 +372,7 @@ def expert_targets(
 ) -> dict[str, tuple[torch.nn.Module, bool]]:
     """The NF4 fused expert weights among ``targets`` (taken out of it), each with an :class:`_ExpertWeight`
     naming its experts module and weight (quantized as a whole checkpoint tensor, expert by expert)."""
-    from finetune.experts import NF4_ATTR, fused_experts
+    from finetune.model.experts import NF4_ATTR, fused_experts
 
     out: dict[str, tuple[torch.nn.Module, bool]] = {}
     prefix = _peft_prefix(model)
@@ -394,7 +400,7 @@ def _quantize_into(module: torch.nn.Module, full: torch.Tensor, spec: ExecSpec, 
 
     assert spec.quant is not None
     if isinstance(module, _ExpertWeight):  # a fused expert weight: each expert's slice quantized on its own
-        from finetune.experts import quantize_expert_slices, set_expert_states
+        from finetune.model.experts import quantize_expert_slices, set_expert_states
 
         codes = getattr(module.experts, module.weight_name)
         packed, states = quantize_expert_slices(full.to(codes.device), spec.quant)
@@ -449,10 +455,10 @@ class _CheckpointTensors:
 
 def expert_pieces(path: Path, stored: dict[str, StoredTensor], key: str, prefix: str) -> dict[str, Any]:
     """The checkpoint's per-expert tensors that transformers fuses into the model's ``key`` (empty when the
-    checkpoint does not keep them so), each with its place (finetune.experts.ExpertPiece)."""
+    checkpoint does not keep them so), each with its place (finetune.model.experts.ExpertPiece)."""
     import json
 
-    from finetune.experts import checkpoint_pieces
+    from finetune.model.experts import checkpoint_pieces
 
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     pieces = checkpoint_pieces(str(config.get("model_type", "")), stored)
@@ -549,7 +555,7 @@ def _checkpoint_key(name: str, prefix: str) -> str:
 
 def _is_injected(name: str) -> bool:
     """LoRA/DoRA tensors, the prefix encoder, bottleneck adapters: not in the base checkpoint."""
-    from finetune.adapters import is_bottleneck_key
+    from finetune.model.adapters import is_bottleneck_key
 
     return ".lora_" in name or name.startswith("prompt_encoder.") or is_bottleneck_key(name)
 

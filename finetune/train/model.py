@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from finetune import flex
-from finetune.kernels import use_experts_kernel
-from finetune.methods import training_of
-from finetune.recipe import LoadedRecipe
+from finetune.model import flex
+from finetune.model.kernels import use_experts_kernel
+from finetune.model.methods import training_of
+from finetune.recipe.schema import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.train.precision import keep_fp32
 from finetune.units import DTYPE_NAMES, torch_dtype
@@ -81,7 +81,7 @@ def load_base_model(
 def add_adapters(
     model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpec, *, on_meta: bool = False
 ) -> torch.nn.Module:
-    """What ``spec.adapter`` trains, on the frozen ``model`` (finetune.adapters.inject: peft LoRA/DoRA, peft
+    """What ``spec.adapter`` trains, on the frozen ``model`` (finetune.model.adapters.inject: peft LoRA/DoRA, peft
     prefix tuning, or bottleneck adapters); full fine-tuning trains every weight.
 
     ``on_meta``: the base has no values yet, so pissa/olora are not decomposed here (the sharded load does it
@@ -127,7 +127,7 @@ def broadcast_decomposed(model: torch.nn.Module) -> None:
     """
     import torch.distributed as dist
 
-    from finetune.adapters import LORA_INIT_ATTR
+    from finetune.model.adapters import LORA_INIT_ATTR
 
     initial = getattr(model, LORA_INIT_ATTR, None)
     if initial is None or not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -234,7 +234,7 @@ def init_adapters(model: torch.nn.Module, seed: int, *, gaussian: bool = False) 
             if kind == "lora_A" and gaussian:
                 torch.nn.init.normal_(full, std=1 / p.shape[-2], generator=g)
             elif kind == "lora_A" and p.dim() == 3:  # an expert weight's (experts x r x in): each (r x in) as peft draws it
-                from finetune.experts import init_lora_a
+                from finetune.model.experts import init_lora_a
 
                 init_lora_a(full, g)
             elif kind == "lora_A":

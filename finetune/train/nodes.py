@@ -83,7 +83,7 @@ def _sha256(path: Path) -> str:
 def input_fingerprints(loaded: Any) -> dict[str, str]:
     """What this node reads, by name: the model's config.json (its SHA-256) and weight files (their sizes), and
     every local data file of data.train, data.eval and eval.retain (SHA-256)."""
-    from finetune.reference_model import weight_files
+    from finetune.recipe.reference_model import weight_files
 
     inputs = loaded.inputs
     if inputs is None:

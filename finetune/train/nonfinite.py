@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.errors import UserError
-from finetune.recipe import LoadedRecipe
+from finetune.recipe.schema import LoadedRecipe
 
 
 class NonFiniteError(UserError):

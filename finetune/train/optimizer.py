@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError
-from finetune.recipe import TrainConfig
+from finetune.recipe.schema import TrainConfig
 from finetune.spec import Strategy
 
 #: bitsandbytes' block of values sharing one absmax (its optimizers' blockwise quantization).

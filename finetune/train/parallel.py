@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from finetune.adapters import base_model_of
 from finetune.errors import UserError
+from finetune.model.adapters import base_model_of
 from finetune.spec import ExecSpec
 from finetune.train.distributed import DistContext
 from finetune.units import torch_dtype
@@ -213,8 +213,8 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any, *, pipeline_st
       on the whole sequence before the blocks); the row-parallel linears reduce-scatter their outputs
       (:func:`apply_tensor_parallel`): one all-gather and one reduce-scatter per attention and per MLP in place
       of one all-reduce, the same bytes in a ring;
-    - the head: inside :func:`finetune.loss.causal_lm_loss` the final norm hands it the rank's rows and the loss
-      is computed on them (:class:`~finetune.loss.SequenceShard`); any other forward (generation, the
+    - the head: inside :func:`finetune.objectives.loss.causal_lm_loss` the final norm hands it the rank's rows and the loss
+      is computed on them (:class:`~finetune.objectives.loss.SequenceShard`); any other forward (generation, the
       preference objectives' log-probabilities) gathers the whole sequence for it.
 
     Llama-style blocks have no dropout on the residual stream; the attention's dropout runs on each rank's
@@ -226,7 +226,7 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any, *, pipeline_st
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel, parallelize_module
 
-    from finetune.loss import SEQUENCE_SHARD, SequenceShard
+    from finetune.objectives.loss import SEQUENCE_SHARD, SequenceShard
 
     base = base_model_of(model)
     decoder = getattr(base, base.base_model_prefix, base)
@@ -428,7 +428,7 @@ def mixed_precision_policy(spec: ExecSpec) -> Any:
 
 
 def offload_policy(spec: ExecSpec, device: torch.device) -> Any:
-    """FSDP2's offload policy for ``train.offload`` (finetune/capabilities.py admits it under zero2/fsdp only).
+    """FSDP2's offload policy for ``train.offload`` (finetune/recipe/capabilities.py admits it under zero2/fsdp only).
 
     ``optimizer`` (zero2) and ``parameters`` (fsdp) are both torch's ``CPUOffloadPolicy``: the sharded fp32
     parameters, their gradients and the optimizer state live in host memory, the optimizer step runs on the

@@ -24,7 +24,7 @@ position. With sequence parallelism (``distributed.sequence_parallel``, the defa
 as a whole model does (finetune.train.parallel.apply_sequence_parallel): the first stage's embeddings output
 this tp rank's rows, a stage sends its rows ``(B, T/tp, H)`` as a plain tensor and the next wraps them back into
 the sequence-sharded DTensor, and the last stage's final norm, head and loss run on the rank's rows
-(:func:`finetune.loss.loss_head`, the loss summed over tp).
+(:func:`finetune.objectives.loss.loss_head`, the loss summed over tp).
 
 The stages have static shapes (no shape inference at run time): the step's micro-batches are padded to one
 width (:meth:`Pipeline.pad`), ``data.max_seq_len`` rounded up to a multiple of ``tp`` under sequence
@@ -51,11 +51,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from finetune import attention
-from finetune.adapters import base_model_of
 from finetune.errors import UserError
-from finetune.loss import IGNORE_INDEX, known_documents, loss_head, sequence_bounds
-from finetune.recipe import LoadedRecipe
+from finetune.model import attention
+from finetune.model.adapters import base_model_of
+from finetune.objectives.loss import IGNORE_INDEX, known_documents, loss_head, sequence_bounds
+from finetune.recipe.schema import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.train.distributed import DistContext
 
@@ -85,7 +85,7 @@ def _decoder(model: torch.nn.Module) -> tuple[Any, Any]:
 
 def check_stageable(model: torch.nn.Module) -> None:
     """One sentence naming ``distributed.pp`` when the model cannot be cut into stages."""
-    from finetune.capabilities import stage_problem
+    from finetune.recipe.capabilities import stage_problem
 
     base, decoder = _decoder(model)
     problem = stage_problem(base.config)  # the stage forward reproduces Llama's family's decoder forward
@@ -339,7 +339,7 @@ class StagedForward:
 
     Called as a causal LM is (``input_ids``, ``attention_mask``, ``position_ids``), it gives the last position's
     logits (:class:`StagedOutput`: what greedy generation reads, without a KV cache); :meth:`with_targets` gives
-    the summed loss against shifted targets, computed by the last stage's forward (finetune.loss.loss_head).
+    the summed loss against shifted targets, computed by the last stage's forward (finetune.objectives.loss.loss_head).
     """
 
     def __init__(self, pipe: Pipeline, ctx: DistContext) -> None:

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     import torch
     from transformers import BitsAndBytesConfig, PreTrainedModel
 
-    from finetune.recipe import LoadedRecipe, QuantizationConfig, Recipe
+    from finetune.recipe.schema import LoadedRecipe, QuantizationConfig, Recipe
     from finetune.spec import ExecSpec, QuantSpec
-from finetune.kernels import use_experts_kernel
+from finetune.model.kernels import use_experts_kernel
 from finetune.units import torch_dtype
 
 #: Values per quantization block (bitsandbytes' and transformers' default for 4-bit weights).
@@ -165,9 +165,9 @@ def _training_paths(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def quantize_fused_experts(model: torch.nn.Module, spec: ExecSpec) -> torch.nn.Module:
-    """A 4-bit QLoRA's fused expert weights in NF4 per expert (finetune.experts), each freed as it is quantized:
+    """A 4-bit QLoRA's fused expert weights in NF4 per expert (finetune.model.experts), each freed as it is quantized:
     transformers' quantizer converts only ``nn.Linear`` layers, and a mixture's experts hold most of its weights."""
-    from finetune.experts import fused_experts, quantize_experts, quantized_forward
+    from finetune.model.experts import fused_experts, quantize_experts, quantized_forward
 
     if spec.quant is None or spec.quant.bits != 4:
         return model
@@ -332,7 +332,7 @@ def quantize_on_meta(model: torch.nn.Module, loaded: LoadedRecipe, spec: ExecSpe
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import HfQuantizer
 
-    from finetune.experts import storage_dtype
+    from finetune.model.experts import storage_dtype
 
     assert spec.quant is not None and spec.quant.bits == 4, "only 4-bit weights are quantized on meta"
     storage = storage_dtype(spec.quant)  # uint8 on one process, the compute dtype under FSDP2
@@ -373,7 +373,7 @@ def quantize_weight(weight: torch.Tensor, q: QuantSpec, conv1d: bool = False) ->
     blocks of 64 with the spec's quant_type / double quantization, packed into the storage dtype."""
     import bitsandbytes.functional as bnbf
 
-    from finetune.experts import storage_dtype
+    from finetune.model.experts import storage_dtype
 
     w = weight.to(torch_dtype(q.compute_dtype))
     if conv1d:

@@ -1,9 +1,9 @@
-"""dpo's reference policy on a rank: what the preference loss compares the policy with (finetune/preference.py).
+"""dpo's reference policy on a rank: what the preference loss compares the policy with (finetune/objectives/preference.py).
 
 The execution spec names it (``ExecSpec.reference``):
 
     base         an adapter method's base: the policy itself with its adapters switched off for the reference's
-                 forward (peft's ``disable_adapter``; bottlenecks shadowed, finetune/methods.py): no memory
+                 forward (peft's ``disable_adapter``; bottlenecks shadowed, finetune/model/methods.py): no memory
     model        full fine-tuning: a frozen copy of the starting weights (or of ``dpo.reference_model``, another
                  checkpoint of the same architecture and tokenizer), built and loaded like the policy, stored
                  in the compute dtype (as an adapter method's frozen base is), without gradients or optimizer
@@ -20,7 +20,7 @@ the seed of a random init; the method, precision and dtypes it runs in): a secon
 model reads them back instead of running the pass (:class:`ReferenceCache`); other weights compute them again.
 
 The reference's forward runs under the same autocast as the policy's and through the same
-:func:`~finetune.preference.sequence_logps`, so both log-probabilities take the same precision path.
+:func:`~finetune.objectives.preference.sequence_logps`, so both log-probabilities take the same precision path.
 """
 
 from __future__ import annotations
@@ -39,10 +39,15 @@ from typing import Any
 
 import torch
 
-from finetune.methods import training_of
-from finetune.preference import PreferenceObjective, PreferenceSettings, reference_logps, sequence_logps
-from finetune.recipe import LoadedRecipe
-from finetune.reference_model import locate_reference, weights_fingerprint
+from finetune.model.methods import training_of
+from finetune.objectives.preference import (
+    PreferenceObjective,
+    PreferenceSettings,
+    reference_logps,
+    sequence_logps,
+)
+from finetune.recipe.reference_model import locate_reference, weights_fingerprint
+from finetune.recipe.schema import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.train.data.preference import PreferenceExample, collate_pairs
 from finetune.train.distributed import DistContext

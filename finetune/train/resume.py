@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError
-from finetune.methods import training_of
+from finetune.model.methods import training_of
 from finetune.plan.types import Plan
-from finetune.recipe import LoadedRecipe, recipe_to_yaml
+from finetune.recipe.schema import LoadedRecipe, recipe_to_yaml
 from finetune.train import checkpoint as ck
 from finetune.train.distributed import DistContext
 from finetune.train.early_stopping import EarlyStopping

@@ -8,7 +8,7 @@ prompt stream's batch, so a group never spans ranks and its advantages are compu
 ``grpo.num_iterations`` optimizer steps; the first step's policy is the one that sampled them (their ``old``
 log-probabilities are computed then, when there is more than one step).
 
-Generation is :func:`finetune.generation.greedy_tokens` with the nucleus sampler of ``finetune chat``, from a
+Generation is :func:`finetune.model.generation.greedy_tokens` with the nucleus sampler of ``finetune chat``, from a
 generator seeded by (train.seed, epoch, batch, rank): a run samples the same completions again. When several
 ranks run, each generates exactly ``max_completion_length`` tokens (under FSDP every forward is a collective, as
 in evaluation); a single process stops once every completion has ended. A completion ends at its first end of
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError
-from finetune.generation import greedy_tokens, left_padded, sampler
-from finetune.grpo import GrpoSettings, advantages, count_of, token_logps
-from finetune.loss import IGNORE_INDEX
-from finetune.rewards import Rewards
+from finetune.model.generation import greedy_tokens, left_padded, sampler
+from finetune.objectives.grpo import GrpoSettings, advantages, count_of, token_logps
+from finetune.objectives.loss import IGNORE_INDEX
+from finetune.objectives.rewards import Rewards
 from finetune.train.data import EvalPrompt
 from finetune.train.data.batches import BatchStream, Example, collate, to_device
 from finetune.train.distributed import DistContext
@@ -222,7 +222,7 @@ class Rollouts:
 def rollout_reference(spec: Any, policy: torch.nn.Module, frozen: torch.nn.Module | None, temperature: float) -> Reference:
     """The reference's per-token log-probabilities: the frozen copy (full fine-tuning), or the policy with its
     adapters switched off (an adapter method's base)."""
-    from finetune.methods import training_of
+    from finetune.model.methods import training_of
     from finetune.train.parallel import unwrap
 
     if frozen is not None:
@@ -274,7 +274,7 @@ def setup_grpo(
 ) -> GrpoRun:
     """grpo's parts for the trainer (``spec.grpo``): the rewards are loaded first (a user function's file is
     imported here, before any step), then the reference where the KL term needs one."""
-    from finetune.grpo import GrpoObjective
+    from finetune.objectives.grpo import GrpoObjective
     from finetune.train.reference import build_reference_model
 
     r = loaded.recipe

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from finetune.errors import UserError
-from finetune.recipe import LoadedRecipe, recipe_to_yaml
+from finetune.recipe.schema import LoadedRecipe, recipe_to_yaml
 from finetune.train.checkpoint import FINAL_STAGING_PREFIX, remove_final_leftovers
 from finetune.train.distributed import DistContext
 
@@ -33,7 +33,7 @@ def _save_plain_lora(inner: Any, out_dir: Path, state: dict[str, Any]) -> None:
     PeftModel.from_pretrained load the original base)."""
     import math
 
-    from finetune.adapters import LORA_INIT_ATTR, plain_lora
+    from finetune.model.adapters import LORA_INIT_ATTR, plain_lora
 
     config = inner.peft_config["default"]
     kept = (config.r, config.lora_alpha, config.init_lora_weights)
@@ -77,7 +77,7 @@ class FinalStaging:
         if kind is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             return
-        from finetune.swap import move_in
+        from finetune.storage.swap import move_in
 
         replaces = MODEL_FILES if any(p.name.startswith("model") for p in self.dir.glob("*.safetensors")) else ()
         self.files = move_in(self.dir, self.out_dir, last=("config.json",), stale=replaces)
@@ -96,14 +96,14 @@ def save_final(
     """
     from transformers.utils import logging as hf_logging
 
-    from finetune.adapters import (
+    from finetune.model.adapters import (
         LORA_INIT_ATTR,
         has_bottlenecks,
         prefix_tokens,
         prompt_tokens,
         save_bottlenecks,
     )
-    from finetune.experts import add_to_peft_dir, experts_layer_names, peft_layout
+    from finetune.model.experts import add_to_peft_dir, experts_layer_names, peft_layout
     from finetune.train.parallel import is_sharded
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
@@ -251,7 +251,7 @@ def write_shards(
     tensor is sharded. ``out_dir`` is a new directory (:class:`FinalStaging`'s): an earlier model's shards are
     replaced when it is moved in. Returns the file names (on every rank).
     """
-    from finetune.safetensors_stream import ShardWriter, plan_shards, write_index
+    from finetune.storage.safetensors_stream import ShardWriter, plan_shards, write_index
 
     shards = plan_shards(specs, max_shard_bytes)
     for file, file_specs in shards:

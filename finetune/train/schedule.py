@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from finetune.recipe import EvalConfig, LoadedRecipe, TrainConfig
+from finetune.recipe.schema import EvalConfig, LoadedRecipe, TrainConfig
 from finetune.train.data import BatchStream
 from finetune.train.data.stream import StreamingBatches
 

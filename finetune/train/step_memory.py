@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from finetune.plan.types import Plan
-from finetune.recipe import LoadedRecipe
+from finetune.recipe.schema import LoadedRecipe
 from finetune.train.distributed import DistContext
 from finetune.train.memory import (
     HostPeak,

@@ -65,7 +65,7 @@ class MfuMeter:
 
     def flops_per_token(self, row_width: float) -> float:
         """The whole model's training FLOPs per token in rows ``row_width`` tokens wide."""
-        from finetune.adapters import prompt_tokens
+        from finetune.model.adapters import prompt_tokens
         from finetune.plan.flops import config_flops_per_token, training_flops_per_token
 
         if prompt_tokens(self.model):  # virtual positions of their own: not linear in the row width

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from finetune import router
-from finetune.kernels import experts_kernel_of
-from finetune.loss import causal_lm_loss, count_target_tokens, document_ids, target_rows
+from finetune.model import router
+from finetune.model.kernels import experts_kernel_of
+from finetune.objectives.loss import causal_lm_loss, count_target_tokens, document_ids, target_rows
 from finetune.plan.types import Plan
-from finetune.recipe import LoadedRecipe
+from finetune.recipe.schema import LoadedRecipe
 from finetune.train import allocator
 from finetune.train.checkpoint import ModelState, OptimizerState, RNGState
 from finetune.train.console import Reporter
@@ -123,7 +123,7 @@ class Trainer:
         self.scaler = grad_scaler(self.spec, ctx.device)
         self.micro_loss = MicroBatchLoss(self.scaler)  # how each micro-batch's loss enters backward (a pipeline's loss_fn)
         self.model = self._setup_model()
-        # a mixture of experts: its load-balancing loss in the loss, its routing counted (finetune/router.py)
+        # a mixture of experts: its load-balancing loss in the loss, its routing counted (finetune/model/router.py)
         self.router = router.enable(self.model, self.spec.aux_loss_coef)
         self.optimizer = build_optimizer(
             self.model, r.train, self.spec.strategy, tensor_parallel=self.spec.tensor_parallel or self.spec.expert_parallel,
@@ -227,13 +227,13 @@ class Trainer:
             broadcast_decomposed(model)
             # prefix.init: text: the base's own keys/values of the text, before any wrapper (every rank alike)
             if text is not None:
-                from finetune.adapters import init_prefix_from_text, prefix_text_ids
+                from finetune.model.adapters import init_prefix_from_text, prefix_text_ids
 
                 assert spec.adapter is not None  # the text is the adapter's
                 ids = prefix_text_ids(text, self.tokenizer, spec.adapter.num_virtual_tokens)
                 init_prefix_from_text(model, ids)
             if prompt_text is not None:  # prompt.init: text: the base's own embeddings of the text's tokens
-                from finetune.adapters import init_prompt_from_text, prefix_text_ids
+                from finetune.model.adapters import init_prompt_from_text, prefix_text_ids
 
                 assert spec.adapter is not None
                 ids = prefix_text_ids(prompt_text, self.tokenizer, spec.adapter.num_virtual_tokens, "prompt")
@@ -426,7 +426,7 @@ class Trainer:
     def push(self, repo_id: str) -> None:
         """Upload the files this run wrote (the final model or adapter, the tokenizer, the run files) with a model
         card (rank 0, after the final save); nothing else in output.dir."""
-        from finetune.publish import RUN_RECORDS, model_card, push_folder
+        from finetune.storage.publish import RUN_RECORDS, model_card, push_folder
 
         files = [*self.saved_files, *(f for f in RUN_RECORDS if (self.out_dir / f).is_file())]
         url = push_folder(
@@ -507,7 +507,7 @@ def train_rank(
 def _to_device(
     mb: dict[str, torch.Tensor], device: torch.device, shard: tuple[int, int] | None = None
 ) -> dict[str, torch.Tensor]:
-    """A micro-batch on the device, with the fused head's target rows (:func:`~finetune.loss.target_rows`, of
+    """A micro-batch on the device, with the fused head's target rows (:func:`~finetune.objectives.loss.target_rows`, of
     this rank's positions under sequence parallelism: ``shard``) found on its host copy first, and without its
     attention mask.
 

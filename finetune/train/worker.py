@@ -23,7 +23,7 @@ from typing import Any
 
 from finetune.errors import UserError
 from finetune.plan.types import Plan
-from finetune.recipe import LoadedRecipe, recipe_from_dict
+from finetune.recipe.schema import LoadedRecipe, recipe_from_dict
 
 
 @dataclass

@@ -10,7 +10,7 @@ The model is built three times through the tool's loader (seeded random init: eq
 tool's (fused head). Figures: milliseconds per forward + backward (the median of the timed repeats after a
 warm-up; flex's first call, its compilation, apart), the packed paths' losses and gradient norms, which must
 agree (bf16 on the GPU: 1% and 3%; fp32 on the CPU: 1e-4). ``--dry-run``: 128 tokens, one repeat, the CPU's
-flex fallback (finetune/flex.py).
+flex fallback (finetune/model/flex.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def run(check: Check) -> None:
     """The section (see the module's docstring)."""
     import torch
 
-    from finetune.loss import causal_lm_loss
-    from finetune.recipe import load_recipe
+    from finetune.objectives.loss import causal_lm_loss
+    from finetune.recipe.schema import load_recipe
     from finetune.spec import execution_spec
     from finetune.train.model import build_model
     from finetune.train.precision import autocast_factory

@@ -145,7 +145,7 @@ class Harness:
     def loaded(self, name: str, method: str, precision: str, **sections: Any) -> Any:
         """The LoadedRecipe of one case (fsdp, the harness model, the reverse data); ``sections`` update the
         case's sections (a dict updates one, anything else replaces it)."""
-        from finetune.recipe import load_recipe
+        from finetune.recipe.schema import load_recipe
 
         parts: dict[str, Any] = {
             "distributed": {"strategy": "fsdp"},
@@ -215,7 +215,7 @@ class Harness:
     def step(self, model: Any, opt: Any, spec: Any, micro: list[dict[str, Any]], scaler: Any = None) -> dict[str, float]:
         """One optimizer step as the trainer takes it: the tool's loss, autocast (when the spec asks), the loss
         scaler (fp16), the tool's clipping, the step. Returns the token-mean loss and the gradient norm."""
-        from finetune.loss import causal_lm_loss, count_target_tokens
+        from finetune.objectives.loss import causal_lm_loss, count_target_tokens
         from finetune.train.gradients import clip_gradients
         from finetune.train.precision import autocast_factory
 
@@ -240,7 +240,7 @@ class Harness:
 
     def loss(self, model: Any, spec: Any, micro: list[dict[str, Any]]) -> float:
         """The token-mean loss of ``micro`` without a step."""
-        from finetune.loss import causal_lm_loss, count_target_tokens
+        from finetune.objectives.loss import causal_lm_loss, count_target_tokens
         from finetune.train.precision import autocast_factory
 
         autocast = autocast_factory(spec, self.device)
@@ -312,7 +312,7 @@ def case_checkpoints(h: Harness, check: Check, loaded: Any, spec: Any, model: An
     """The tool's Checkpointer, then DCP through the default group, each loaded into a fresh sharded model."""
     import torch.distributed.checkpoint as dcp
 
-    from finetune.recipe import recipe_to_yaml
+    from finetune.recipe.schema import recipe_to_yaml
     from finetune.train import checkpoint as ck
     from finetune.train.state import DataPosition, TrainState
 
@@ -486,7 +486,7 @@ def optimizer8bit(check: Check) -> None:
     """Section optimizer8bit (see the module's docstring)."""
     import torch
 
-    from finetune.recipe import recipe_to_yaml
+    from finetune.recipe.schema import recipe_to_yaml
     from finetune.train import checkpoint as ck
     from finetune.train.state import DataPosition, TrainState
 
@@ -586,7 +586,7 @@ def qlora8(check: Check) -> None:
     import torch
     from transformers import AutoConfig
 
-    from finetune.loss import causal_lm_loss
+    from finetune.objectives.loss import causal_lm_loss
     from finetune.plan.activations import TRACE_LAYERS, TraceSpec, activation_profile
     from finetune.train.parallel import decoder_blocks
     from finetune.train.precision import autocast_factory
@@ -642,7 +642,7 @@ def pipeline(check: Check) -> None:
     """Section pipeline (see the module's docstring)."""
     import torch
 
-    from finetune.loss import IGNORE_INDEX, causal_lm_loss, shifted_labels
+    from finetune.objectives.loss import IGNORE_INDEX, causal_lm_loss, shifted_labels
     from finetune.train.load import build_on_meta, materialize
     from finetune.train.pipeline import StageRunner, check_stageable, prune_to_stages, stage_layers
     from finetune.train.precision import autocast_factory

@@ -42,7 +42,7 @@ def experts(check: Check) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.loss import causal_lm_loss
+    from finetune.objectives.loss import causal_lm_loss
 
     gpu = not check.dry_run
     if gpu and not torch.cuda.is_available():
@@ -106,7 +106,7 @@ def lora(check: Check) -> None:
     """Section moe_lora (see the module's docstring)."""
     import torch
 
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
     from finetune.spec import execution_spec
     from finetune.train.model import build_model
 

@@ -100,7 +100,7 @@ def _worker(rank: int, store: str, recipe: str, plan_dict: dict, result: str) ->
     from torch._dynamo.utils import counters
 
     from finetune.plan.types import Plan
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
     from finetune.train.distributed import DistContext
     from finetune.train.load import loads_sharded
     from finetune.train.parallel import decoder_blocks, is_compiled, is_sharded, unwrap
@@ -137,7 +137,7 @@ def test_trainer_compiles_every_block_on_the_sharded_load_path(tmp_path: Path, m
     """Through the trainer's own setup on 2 gloo processes (fsdp: built on meta, sharded, materialised):
     every decoder block has torch.compile applied, and a forward traces graphs with dynamo."""
     from finetune.plan.flowchart import plan_for_run
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
 
     recipe = write_recipe(tmp_path / "r.yaml", _recipe(micro, tmp_path / "out", "fsdp", True))
     plan = plan_for_run(load_recipe(str(recipe)), nproc=2, nnodes=1, device="cpu")

@@ -19,7 +19,7 @@ def _worker(rank: int, tmp: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from finetune.recipe import recipe_from_dict
+    from finetune.recipe.schema import recipe_from_dict
     from finetune.train.data import load_data
 
     os.environ["LOCAL_RANK"] = str(rank)

@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from finetune.commands.run import LaunchOptions, failure_message, first_cause, launch, torchrun_args
 from finetune.errors import UserError
-from finetune.launch import LaunchOptions, failure_message, first_cause, launch, torchrun_args
 from finetune.train.distributed import available_cores, threads_per_process
 from finetune.train.parallel import decoder_blocks
 from tests.support import (
@@ -224,8 +224,8 @@ def _decompose_and_broadcast(rank: int, port: int, out: Path) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.adapters import LORA_INIT_ATTR
-    from finetune.methods import inject
+    from finetune.model.adapters import LORA_INIT_ATTR
+    from finetune.model.methods import inject
     from finetune.spec import AdapterSpec
     from finetune.train.model import broadcast_decomposed
 
@@ -385,7 +385,7 @@ def test_a_rank_killed_after_recording_an_agreed_error_keeps_its_exit_status(tmp
     recorded and before it exited, while rank 1 exited with 2: `finetune run` exits 2, as one process would."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from finetune.launch import failure_exit_code
+    from finetune.commands.run import failure_exit_code
 
     def recorded(rank: int, exitcode: int, message: str) -> ProcessFailure:
         err = tmp_path / f"err{rank}.json"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from tests.support import LOSS_RTOL, RECIPES, arch_model_dir, finetune_run, max_rel, step_rows, write_recipe
 
 pytestmark = pytest.mark.dist

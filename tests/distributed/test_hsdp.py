@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from tests.support import (
     LOSS_RTOL,
     WEIGHT_ATOL,

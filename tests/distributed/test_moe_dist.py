@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from tests.support import LOSS_RTOL, RECIPES, arch_model_dir, finetune_run, max_rel, step_rows, write_recipe
 
 pytestmark = pytest.mark.dist

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from finetune.launch import rendezvous_id
+from finetune.commands.run import rendezvous_id
 from finetune.train.nodes import agree_with_node0, run_fingerprint
 from tests.support import TINY_MODEL, clean_env, free_port, parity_recipe, step_rows, write_recipe
 

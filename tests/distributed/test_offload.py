@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.capabilities import Cell, first_refusal
 from finetune.plan.job import job_figures, offloaded_per_rank
 from finetune.plan.memory import (
     Setup,
@@ -31,6 +30,7 @@ from finetune.plan.memory import (
     optimizer_state_bytes,
     pinned_block,
 )
+from finetune.recipe.capabilities import Cell, first_refusal
 from finetune.spec import execution_spec
 from tests.support import RECIPES, ROOT, TINY_MODEL, micro_model_dir, write_recipe
 
@@ -131,7 +131,7 @@ def test_offload_on_one_process_through_the_trainers_process_group(monkeypatch: 
     from torch.distributed.fsdp import CPUOffloadPolicy
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.loss import causal_lm_loss
+    from finetune.objectives.loss import causal_lm_loss
     from finetune.train.distributed import DistContext
     from finetune.train.gradients import clip_grad_norm
     from finetune.train.parallel import apply_fsdp, decoder_blocks
@@ -313,7 +313,7 @@ class Runs:
             recipe = write_recipe(self.root / f"{key}.yaml", _recipe(self.model, out, strategy))
             overrides = [f"train.offload={offload}", f"train.optimizer={optimizer}"]
             if strategy == "single":
-                from finetune.launch import LaunchOptions, launch
+                from finetune.commands.run import LaunchOptions, launch
 
                 assert launch(str(recipe), overrides, LaunchOptions(nproc=1)) == 0
             else:
@@ -357,7 +357,7 @@ def _worker(rank: int, store: str, recipe: str, plan_dict: dict, result: str) ->
     import torch.distributed as dist
 
     from finetune.plan.types import Plan
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
     from finetune.train.distributed import DistContext
     from finetune.train.parallel import decoder_blocks, unwrap
     from finetune.train.trainer import Trainer
@@ -410,7 +410,7 @@ def test_trainer_shards_with_the_offload_policy_and_keeps_what_the_planner_count
 
     from finetune.plan.flowchart import plan_for_run
     from finetune.plan.shapes import build_inventory
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
 
     recipe = write_recipe(tmp_path / "r.yaml", _recipe(micro, tmp_path / "out", strategy, offload=offload))
     plan = plan_for_run(load_recipe(str(recipe)), nproc=2, nnodes=1, device="cpu")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from finetune.train import checkpoint as ck
 from tests.support import RECIPES, micro_model_dir, write_recipe
 
@@ -44,7 +44,7 @@ def _recipe(model: Path, out: Path, method: str, strategy: str, optimizer: str, 
     return {
         "model": {"path": str(model), "init": "random"},
         "method": method,
-        "lora": {"r": 64, "alpha": 128, "target_modules": ["q_proj", "v_proj"]},
+        "lora": {"r": 64, "alpha": 128, "target_modules": ["q_proj", "o_proj"]},
         "data": {"train": str(RECIPES / "data/reverse/train.jsonl"), "max_seq_len": 48},
         "train": {"max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3,
                   "warmup_steps": 1, "max_grad_norm": 1.0, "seed": 0, "optimizer": optimizer},

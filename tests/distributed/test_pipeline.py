@@ -22,7 +22,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from tests.support import (
     RECIPES,
     WEIGHT_ATOL,

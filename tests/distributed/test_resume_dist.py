@@ -58,7 +58,7 @@ def _run(recipe: Path, *args: str, env: dict[str, str] | None = None) -> str:
 def _run_here(recipe: Path, resume: Path) -> str:
     """One process resuming ``resume``: the launch() `finetune run RECIPE --resume` calls, in this process (no
     interpreter start); what it printed."""
-    from finetune.launch import LaunchOptions, launch
+    from finetune.commands.run import LaunchOptions, launch
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -149,7 +149,7 @@ def _check_streamed_final_model(out: Path) -> None:
     (the weights the last checkpoint's DCP shards hold) within 1e-5."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.safetensors_stream import SAFE_INDEX
+    from finetune.storage.safetensors_stream import SAFE_INDEX
     from tests.support import TINY_MODEL
 
     index = json.loads((out / SAFE_INDEX).read_text())

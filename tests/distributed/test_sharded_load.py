@@ -51,8 +51,8 @@ def _write(model_dir: Path, out: Path, method: str, init: str, precision: str) -
 def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) -> None:
     import torch.distributed as dist
 
-    from finetune.adapters import LORA_INIT_ATTR
-    from finetune.recipe import load_recipe
+    from finetune.model.adapters import LORA_INIT_ATTR
+    from finetune.recipe.schema import load_recipe
     from finetune.spec import execution_spec
     from finetune.train.distributed import DistContext
     from finetune.train.load import build_on_meta, loads_sharded, materialize

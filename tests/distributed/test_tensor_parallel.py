@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from finetune.commands.run import LaunchOptions, launch
 from finetune.errors import UserError
-from finetune.launch import LaunchOptions, launch
 from tests.support import (
     LOSS_RTOL,
     STEPS,
@@ -244,7 +244,7 @@ def test_bad_tp_is_one_sentence_before_any_process(
     tp_model: Path, tmp_path: Path, sets: list[str], nproc: int, message: str
 ) -> None:
     recipe = write_recipe(tmp_path / "r.yaml", tp_recipe(tp_model, tmp_path / "out", "full", "auto"))
-    from finetune.recipe import RecipeError
+    from finetune.recipe.schema import RecipeError
 
     with pytest.raises((UserError, RecipeError), match=message):
         launch(str(recipe), sets, LaunchOptions(nproc=nproc))
@@ -254,7 +254,7 @@ def test_bad_tp_is_one_sentence_before_any_process(
 def test_tp_with_strategy_single_is_a_recipe_error(tp_model: Path, tmp_path: Path) -> None:
     """Caught by the capability table from the recipe (so `finetune validate` says it too), before planning or
     any process, in the planner's words."""
-    from finetune.recipe import RecipeError
+    from finetune.recipe.schema import RecipeError
 
     recipe = write_recipe(tmp_path / "r.yaml", tp_recipe(tp_model, tmp_path / "out", "full", "single"))
     with pytest.raises(RecipeError) as err:

@@ -28,7 +28,7 @@ import torch
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from tests.support import clean_env, micro_model_dir, tiny_recipe, write_jsonl, write_recipe
 
 WORDS = ["abc", "hello", "tiny", "lora"]
@@ -324,7 +324,7 @@ def test_prompt_formats_follow_the_run(model_dir: Path) -> None:
     """A directory without a recipe and a chat template: the conversation through the template; an instruction
     run: the prompt its evaluation builds, each turn alone; a text run: the raw text."""
     from finetune.inference import load_tokenizer, prompt_format
-    from finetune.rundir import RunDir
+    from finetune.storage.rundir import RunDir
 
     tok = load_tokenizer(model_dir, model_dir, False)
     chat = prompt_format(RunDir(model_dir, "model", "m"), tok)
@@ -361,7 +361,7 @@ def test_commands_in_a_session_without_a_terminal(model_dir: Path) -> None:
 def test_streaming_and_sampling_leave_the_greedy_answer_as_evaluation_computes_it(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from finetune.generation import greedy_tokens, left_padded, sampler
+    from finetune.model.generation import greedy_tokens, left_padded, sampler
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids, mask = left_padded([[1, 70, 71, 72], [1, 80]], pad_id=0)
@@ -380,7 +380,7 @@ def test_streaming_and_sampling_leave_the_greedy_answer_as_evaluation_computes_i
 
 
 def test_top_p_keeps_the_smallest_set_of_likely_tokens() -> None:
-    from finetune.generation import sampler
+    from finetune.model.generation import sampler
 
     logits = torch.log(torch.tensor([[0.05, 0.6, 0.3, 0.05]]))
     pick = sampler(1.0, 0.5, torch.Generator().manual_seed(0))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.recipe import load_recipe
+from finetune.recipe.schema import load_recipe
 
 CMD = [sys.executable, "-m", "finetune"]
 

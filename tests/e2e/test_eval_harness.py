@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from tests.support import (
     RECIPES,
     TINY_MODEL,
@@ -45,7 +45,7 @@ def own_answers(run: Path) -> list[str]:
     import torch
 
     from finetune.inference import load, select
-    from finetune.recipe import recipe_from_dict
+    from finetune.recipe.schema import recipe_from_dict
     from finetune.train.data import load_data
     from finetune.train.evaluate import greedy_generate
 

@@ -185,7 +185,7 @@ def test_the_quickstart_run_exported_computes_its_logits(tmp_path: Path) -> None
     files read back by transformers give the run's logits, and its tokenizer and chat template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.launch import LaunchOptions, launch
+    from finetune.commands.run import LaunchOptions, launch
 
     run = tmp_path / "run"
     printed = io.StringIO()

@@ -94,7 +94,7 @@ def test_cells_trained_elsewhere_are_fixed_cells_of_a_test_that_exists() -> None
 
 
 def test_recipes_are_valid(tmp_path: Path) -> None:
-    from finetune.recipe import recipe_from_dict
+    from finetune.recipe.schema import recipe_from_dict
 
     for cell in sweep_matrix.FIXED:
         r = recipe_from_dict(sweep_matrix.recipe_for(cell, tmp_path / "out", with_eval=True)).recipe

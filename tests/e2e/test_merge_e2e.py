@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.recipe import shipped_recipes_dir
+from finetune.recipe.schema import shipped_recipes_dir
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +103,7 @@ def adapter_logits(tmp: Path, run: Path, quantized: bool) -> torch.Tensor:
     """Logits of the trained model: the base (4-bit for qlora, as the run loaded it) plus the saved adapter."""
     from peft import PeftModel
 
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
     from finetune.spec import execution_spec
     from finetune.train.quantize import load_quantized
 

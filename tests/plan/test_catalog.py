@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from finetune.catalog import CATALOG, catalog_name
-from finetune.locate import ModelLocation, model_config
+from finetune.recipe.catalog import CATALOG, catalog_name
+from finetune.recipe.locate import ModelLocation, model_config
 
-# Billions of parameters, as the source cited beside each family in finetune/catalog.py publishes them.
+# Billions of parameters, as the source cited beside each family in finetune/recipe/catalog.py publishes them.
 PUBLISHED = {
     "qwen3-0.6b": 0.6, "qwen3-1.7b": 1.7, "qwen3-4b": 4.0, "qwen3-8b": 8.19, "qwen3-14b": 14.8, "qwen3-32b": 32.8,
     "qwen3-30b-a3b": 30.53, "qwen3-235b-a22b": 235.09,

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
-from finetune.kernels import experts_kernel_of, use_experts_kernel
-from finetune.loss import causal_lm_loss
+from finetune.model.kernels import experts_kernel_of, use_experts_kernel
+from finetune.objectives.loss import causal_lm_loss
 from finetune.plan.activations import TraceSpec, activation_profile, trace_windows
 from finetune.spec import execution_spec
 from finetune.train.memory import mem_tracker_class
@@ -91,7 +91,7 @@ def test_traced_activations_match_measurement(method, precision, ac, batch, tole
 def test_traced_chunked_loss_matches_measurement(monkeypatch, precision):
     """With the loss split into chunks of 16 rows (a large vocabulary's case) the trace still equals a real
     measurement: the planner sees the chunked cross-entropy because it traces the trainer's own loss."""
-    import finetune.loss as loss_mod
+    import finetune.objectives.loss as loss_mod
 
     cfg = AutoConfig.from_pretrained(TINY_MODEL)
     monkeypatch.setattr(loss_mod, "LOSS_CHUNK_BYTES", 4 * cfg.vocab_size * 16)
@@ -205,7 +205,7 @@ def test_mixture_of_experts_trace_in_any_dtype_matches_measurement(arch, method,
 def test_experts_kernel_is_chosen_per_device_for_models_with_fused_experts():
     """grouped_mm on CPU and CUDA (any dtype), eager where torch has no grouped matmul (mps); a dense model has
     no experts kernel to choose."""
-    from finetune.kernels import experts_implementation
+    from finetune.model.kernels import experts_implementation
 
     assert [experts_implementation(d, t) for d, t in [("cpu", "fp32"), ("cpu", torch.bfloat16), ("cuda", "bf16"),
                                                       ("cuda", "fp32"), ("mps", "fp32")]] == [

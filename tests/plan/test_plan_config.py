@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from transformers import GPT2Config
 
-from finetune.catalog import CATALOG
-from finetune.locate import locate_model, model_config
 from finetune.plan.config import PlanConfig, concrete, config_class_name, planning_config
 from finetune.plan.shapes import reduced_config
 from finetune.plan.tensor_parallel import tp_config, tp_problem
+from finetune.recipe.catalog import CATALOG
+from finetune.recipe.locate import locate_model, model_config
 from tests.support import TINY_MODEL
 
 

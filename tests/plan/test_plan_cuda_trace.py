@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from finetune.plan.activations import TraceSpec, trace_windows
 from finetune.plan.cuda_trace import cuda_kernels
-from finetune.recipe import LoraConfig
+from finetune.recipe.schema import LoraConfig
 from finetune.spec import execution_spec
 from tests.support import TINY_MODEL
 
@@ -84,7 +84,7 @@ def test_eight_bit_qlora_keeps_no_layer_input_in_the_cuda_trace() -> None:
     """8-bit QLoRA trains through the frozen dequantize-and-matmul path on CUDA too (finetune/train/quantize.py),
     which keeps none of a quantized layer's input: the CUDA trace equals the CPU trace and the 4-bit one (the same
     stand-in), where bitsandbytes' MatMul8bitLt would keep every quantized linear's input."""
-    from finetune.recipe import QuantizationConfig
+    from finetune.recipe.schema import QuantizationConfig
 
     def layer(bits: int, device: str) -> int:
         spec = execution_spec("qlora", "single", "bf16", checkpointing=False, quantization=QuantizationConfig(bits=bits),

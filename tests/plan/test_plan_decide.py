@@ -12,7 +12,7 @@ from finetune.plan.flowchart import decide
 from finetune.plan.hardware import Hardware
 from finetune.plan.request import Request
 from finetune.plan.types import Candidate, Plan, Status
-from finetune.recipe import LoraConfig, QuantizationConfig
+from finetune.recipe.schema import LoraConfig, QuantizationConfig
 from tests.support import TINY_MODEL
 
 CFG = AutoConfig.from_pretrained(TINY_MODEL)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from finetune.generation import greedy_tokens
-from finetune.loss import causal_lm_loss
+from finetune.model.generation import greedy_tokens
+from finetune.objectives.loss import causal_lm_loss
 from finetune.plan.activations import TraceSpec
 from finetune.plan.evaluation import eval_peak
 from finetune.plan.flowchart import make_plan
@@ -53,7 +53,7 @@ def _hw(memory: int) -> Hardware:
 
 
 def test_auto_eval_batch_is_the_largest_that_fits_and_a_pinned_one_is_checked() -> None:
-    from finetune.recipe import LoraConfig
+    from finetune.recipe.schema import LoraConfig
 
     req = Request(config=CFG, source="tiny", method="lora", strategy="single", precision="fp32", seq_len=64,
                   global_batch_size=1, micro_batch_size=1, checkpointing=False, eval_max_new_tokens=12,

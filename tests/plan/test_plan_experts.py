@@ -25,7 +25,7 @@ QWEN3_30B_A3B = {
 
 def _model(tmp: Path) -> str:
     """The catalog's name when the catalog has the model, else a directory holding its config."""
-    from finetune.catalog import catalog_name
+    from finetune.recipe.catalog import catalog_name
 
     if catalog_name("qwen3-30b-a3b") is not None:
         return "qwen3-30b-a3b"

@@ -14,7 +14,7 @@ from finetune.plan.flowchart import make_plan
 from finetune.plan.hardware import Hardware
 from finetune.plan.request import Request
 from finetune.plan.setting import settle
-from finetune.recipe import LoraConfig
+from finetune.recipe.schema import LoraConfig
 from finetune.units import fmt_bytes as gib
 from tests.support import TINY_MODEL
 

@@ -10,13 +10,13 @@ import pytest
 from transformers import AutoConfig
 
 from finetune.errors import UserError
-from finetune.locate import resolve_model_config
 from finetune.plan.candidates import evaluate
 from finetune.plan.flowchart import make_plan
 from finetune.plan.hardware import Hardware
 from finetune.plan.request import Request
 from finetune.plan.setting import settle
 from finetune.plan.types import Status
+from finetune.recipe.locate import resolve_model_config
 from tests.support import TINY_MODEL
 
 N_8B = 8_030_261_248  # Llama 3.1 8B's parameters (test_plan_shapes checks the catalog's count)

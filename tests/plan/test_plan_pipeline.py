@@ -451,7 +451,7 @@ def test_405b_full_fine_tuning_on_16_nodes_sizes_every_pipeline_layout(tmp_path)
 
 
 def test_catalog_405b_layers_and_untied_head() -> None:
-    from finetune.catalog import CATALOG
+    from finetune.recipe.catalog import CATALOG
 
     facts = CATALOG["llama-3.1-405b"]
     assert facts["num_hidden_layers"] == 126 and not facts.get("tie_word_embeddings", False)

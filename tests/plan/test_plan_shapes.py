@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, GPT2Config, Qwen2Config
 
-from finetune.catalog import CATALOG
-from finetune.locate import resolve_model_config
 from finetune.plan.shapes import build_inventory, nf4_bytes
-from finetune.recipe import LoraConfig
+from finetune.recipe.catalog import CATALOG
+from finetune.recipe.locate import resolve_model_config
+from finetune.recipe.schema import LoraConfig
 from finetune.spec import execution_spec
 from tests.support import TINY_MODEL
 

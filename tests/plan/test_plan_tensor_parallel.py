@@ -18,7 +18,7 @@ from finetune.plan.request import Request
 from finetune.plan.setting import Setting, settle
 from finetune.plan.shapes import build_inventory
 from finetune.plan.tensor_parallel import tp_config
-from finetune.recipe import LoraConfig
+from finetune.recipe.schema import LoraConfig
 from tests.support import ROOT, TINY_MODEL
 
 CFG = AutoConfig.from_pretrained(TINY_MODEL)  # 4 heads, 2 KV heads, hidden 256, intermediate 688, 4 layers

@@ -38,7 +38,7 @@ def cand(**kw) -> Candidate:
 
 
 def lora_spec():
-    from finetune.recipe import LoraConfig
+    from finetune.recipe.schema import LoraConfig
     from finetune.spec import adapter_spec
 
     return adapter_spec("lora", LoraConfig(r=16, alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
@@ -179,7 +179,7 @@ def test_flops_shape_is_the_built_models_flops():
     from transformers import AutoConfig
 
     from finetune.plan.flops import config_flops_per_token, flops_shape
-    from finetune.recipe import PrefixConfig
+    from finetune.recipe.schema import PrefixConfig
     from finetune.spec import adapter_spec
     from tests.support import TINY_MODEL
 

@@ -48,10 +48,10 @@ def runs(tmp_path_factory) -> dict[tuple[str, str, str], dict]:
     import io
     import random
 
-    from finetune.launch import LaunchOptions, launch
+    from finetune.commands.run import LaunchOptions, launch
     from finetune.plan.flowchart import chosen_memory
     from finetune.plan.types import Plan
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
 
     root = tmp_path_factory.mktemp("architectures")
     rng = random.Random(0)
@@ -117,7 +117,7 @@ def test_mixtures_of_experts_log_their_router_and_say_their_kernels(runs):
 def test_report_draws_the_router_of_a_mixture_of_experts(runs):
     """`finetune report` of a Qwen3-MoE run draws its load-balancing loss and experts' load from metrics.jsonl,
     and its HTML page has the plan's mixture-of-experts facts; a dense run gets no such row."""
-    from finetune.report import MOE_PANELS, build_figure, html_page, load_run
+    from finetune.commands.report import MOE_PANELS, build_figure, html_page, load_run
 
     r = runs[("qwen3_moe", "lora", "bf16")]
     fig = build_figure([load_run(r["dir"])])

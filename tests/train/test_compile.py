@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from tests.support import tiny_recipe, write_recipe
 
 STEPS = 4  # several optimizer updates through the compiled blocks (each new sequence length may recompile)

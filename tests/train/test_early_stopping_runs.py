@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from finetune.train import checkpoint as ck
 from tests.support import max_rel, tiny_recipe, write_recipe
 

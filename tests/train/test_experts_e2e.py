@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from tests.support import arch_model_dir, clean_env, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from finetune.errors import UserError
-from finetune.grpo import GrpoObjective, GrpoSettings, advantages
-from finetune.recipe import GrpoConfig, Recipe, RecipeError, load_recipe
-from finetune.rewards import Rewards
+from finetune.objectives.grpo import GrpoObjective, GrpoSettings, advantages
+from finetune.objectives.rewards import Rewards
+from finetune.recipe.schema import GrpoConfig, Recipe, RecipeError, load_recipe
 from tests.support import TINY_MODEL, tiny_recipe, write_recipe
 
 GRPO = {"num_generations": 4, "max_completion_length": 6, "rewards": [{"type": "exact_match"}]}
@@ -74,7 +74,7 @@ def test_capability_table_refuses_grpo_cells(tmp_path: Path, change: dict, words
     for k, v in change.items():
         recipe[k].update(v)
     path = write_recipe(tmp_path / "r.yaml", recipe)
-    from finetune.capabilities import Cell, check
+    from finetune.recipe.capabilities import Cell, check
 
     with pytest.raises((UserError, RecipeError)) as err:
         check(Cell.of_recipe(load_recipe(path).recipe))
@@ -124,7 +124,7 @@ def test_lora_accumulation_gives_the_whole_batch_loss() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.grpo import count_of
+    from finetune.objectives.grpo import count_of
 
     tok = AutoTokenizer.from_pretrained(TINY_MODEL)
     torch.manual_seed(0)

@@ -2,9 +2,9 @@
 
 Both sides start from the same weights and score the same completions: TRL through its own loss method
 (``GRPOTrainer._compute_loss`` on its input dict: prompt and completion ids and masks, advantages, the old
-policy's and the reference's per-token log-probabilities), ours through :class:`finetune.grpo.GrpoObjective` on
+policy's and the reference's per-token log-probabilities), ours through :class:`finetune.objectives.grpo.GrpoObjective` on
 our rows (prompt + completion, right-padded, labels on the completion), divided by the count the trainer
-divides by (:func:`finetune.grpo.count_of`). The old log-probabilities are perturbed from the policy's, so the
+divides by (:func:`finetune.objectives.grpo.count_of`). The old log-probabilities are perturbed from the policy's, so the
 ratio is clipped on some tokens, and the KL term is on.
 """
 
@@ -85,7 +85,7 @@ def _aligned(values, prompt_len, width):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_grpo_loss_and_gradients_match_trl(loss_type: str, setting) -> None:
-    from finetune.grpo import GrpoObjective, GrpoSettings, count_of, token_logps
+    from finetune.objectives.grpo import GrpoObjective, GrpoSettings, count_of, token_logps
 
     tok, base, trainer = setting
     temperature, beta, eps, eps_high = TEMPERATURE, BETA, EPS, EPS_HIGH

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launch import LaunchOptions, launch, prepare
+from finetune.commands.run import LaunchOptions, launch, prepare
 from finetune.plan.job import HOST_PER_PROCESS_CPU, available_host_memory
 from finetune.units import fmt_bytes
 from tests.support import tiny_recipe, write_recipe

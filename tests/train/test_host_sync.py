@@ -18,7 +18,7 @@ import torch
 
 import finetune.train.trainer as trainer_mod
 from finetune.plan.flowchart import plan_for_run
-from finetune.recipe import load_recipe
+from finetune.recipe.schema import load_recipe
 from finetune.train.trainer import Trainer
 from tests.support import tiny_recipe, write_recipe
 
@@ -106,7 +106,7 @@ def test_micro_batch_loop_and_clipping_read_nothing_on_the_host(
 def test_the_step_loss_is_the_host_loss(tmp_path: Path) -> None:
     """The figures read once equal what the step computed: the loss is the summed token loss over the
     counted target tokens, as the eval loss of the same batch computes it."""
-    from finetune.loss import causal_lm_loss, count_target_tokens
+    from finetune.objectives.loss import causal_lm_loss, count_target_tokens
 
     trainer = _trainer(tmp_path, train={"global_batch_size": 8, "micro_batch_size": 4})
     epoch, in_epoch = 0, 0

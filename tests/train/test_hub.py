@@ -191,7 +191,7 @@ def test_pickle_only_model_is_refused_unless_allowed(hub: HubServer, tmp_path: P
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["model"]["source"] == "hub:acme/pickled"
     assert hub.state.downloads == ["model:acme/pickled/config.json"]
-    code = "import sys; from finetune.locate import download_model; print(download_model(sys.argv[1], allow_pickle=True))"
+    code = "import sys; from finetune.recipe.locate import download_model; print(download_model(sys.argv[1], allow_pickle=True))"
     res = _cli(["acme/pickled"], hub.env, code=code)
     assert res.returncode == 0, res.stderr
     assert (Path(res.stdout.strip()) / "pytorch_model.bin").read_bytes() == b"pickled weights"

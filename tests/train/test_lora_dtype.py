@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.capabilities import Cell, first_refusal
 from finetune.plan.memory import Setup, candidate_memory
 from finetune.plan.shapes import build_inventory
-from finetune.recipe import LoraConfig, recipe_from_dict
+from finetune.recipe.capabilities import Cell, first_refusal
+from finetune.recipe.schema import LoraConfig, recipe_from_dict
 from finetune.spec import execution_spec
 from tests.support import TINY_MODEL, finetune_run, step_rows, tiny_recipe, write_recipe
 

@@ -27,7 +27,7 @@ MiB = 2**20
 CAPPED = """
 import os, resource, sys
 import psutil, torch
-from finetune.launch import prepare
+from finetune.commands.run import prepare
 from finetune.plan.flowchart import plan_for_run
 plan_for_run(prepare(sys.argv[2], []), nproc=1, nnodes=1, device="cpu")  # imports + trace cache, before the cap
 headroom = int(os.environ["CAP_HEADROOM"])

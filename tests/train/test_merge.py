@@ -330,8 +330,8 @@ def test_pissa_and_olora_adapters_are_saved_for_the_original_base(tmp_path: Path
     model's logits within 1e-4."""
     from peft import PeftModel
 
-    from finetune.adapters import LORA_INIT_ATTR
-    from finetune.methods import inject
+    from finetune.model.adapters import LORA_INIT_ATTR
+    from finetune.model.methods import inject
     from finetune.spec import AdapterSpec
     from finetune.train.save import _save_plain_lora
 
@@ -369,8 +369,8 @@ def test_decompose_is_peft_s_pissa_and_olora_bit_for_bit(arch: str, init: str) -
     """The sharded load decomposes one gathered weight at a time with our function: it gives exactly the A, B
     and residual base weight that peft's own init gives when it injects into the whole model (GPT-2's
     transposed Conv1D weights included)."""
-    from finetune.adapters import LORA_INIT_ATTR, decompose, subtract_initial
-    from finetune.methods import inject
+    from finetune.model.adapters import LORA_INIT_ATTR, decompose, subtract_initial
+    from finetune.model.methods import inject
     from finetune.spec import AdapterSpec
 
     targets = GPT2_ALL if arch == "gpt2" else LLAMA_ALL
@@ -398,8 +398,8 @@ def test_decompose_is_peft_s_pissa_and_olora_bit_for_bit(arch: str, init: str) -
 def test_a_decomposing_run_starts_from_the_original_model(tmp_path: Path, init: str) -> None:
     """The trainer's whole-model build keeps peft's decomposition (the seeded default init of other LoRA runs
     must not overwrite A and B): the residual base plus the initial adapter is the original model."""
-    from finetune.adapters import LORA_INIT_ATTR
-    from finetune.recipe import load_recipe
+    from finetune.model.adapters import LORA_INIT_ATTR
+    from finetune.recipe.schema import load_recipe
     from finetune.spec import execution_spec
     from finetune.train.model import build_model
     from tests.support import tiny_recipe, write_recipe

@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.experts import add_to_peft_dir, experts_layer_names, fused_experts, is_expert_codes, peft_layout
 from finetune.merge import merge
-from finetune.recipe import recipe_from_dict, recipe_to_yaml
+from finetune.model.experts import (
+    add_to_peft_dir,
+    experts_layer_names,
+    fused_experts,
+    is_expert_codes,
+    peft_layout,
+)
+from finetune.recipe.schema import recipe_from_dict, recipe_to_yaml
 from finetune.spec import execution_spec
 from finetune.train.model import build_model
 from tests.support import arch_model_dir

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from finetune.train import checkpoint as ck
 from tests.support import tiny_recipe, write_jsonl, write_recipe
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from finetune.recipe import load_recipe
+from finetune.recipe.schema import load_recipe
 from finetune.spec import Strategy
 from finetune.train.optimizer import build_optimizer
 from tests.support import RECIPES, max_rel, step_rows, tiny_recipe, write_recipe
@@ -122,7 +122,7 @@ def test_8bit_adamw_through_the_cli_follows_the_plain_run(tmp_path):
     """`finetune run` with train.optimizer adamw8bit: the plan records it, and each step's loss stays within
     EIGHT_BIT_RTOL of the same run with torch's AdamW (the reference: the launch() the CLI calls, in this
     process)."""
-    from finetune.launch import LaunchOptions, launch
+    from finetune.commands.run import LaunchOptions, launch
 
     losses = {}
     for name in ("adamw", "adamw8bit"):
@@ -232,7 +232,7 @@ def _sharded_8bit():
     biases) and the trainer's sharded 8-bit AdamW over them."""
     from torch.distributed.fsdp import fully_shard
 
-    from finetune.recipe import TrainConfig
+    from finetune.recipe.schema import TrainConfig
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])

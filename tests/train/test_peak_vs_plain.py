@@ -1,5 +1,5 @@
 """The trainer's training step holds no more tensor memory than a plain transformers step, and the planner
-predicts it; attention with dropout on CPU (finetune.attention) computes exactly dropout attention.
+predicts it; attention with dropout on CPU (finetune.model.attention) computes exactly dropout attention.
 
 The peaks are counted by scripts/peak_vs_plain.py's StorageCounter (every live tensor storage), the same
 counter for both steps.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.attention import MARK, _DropoutAttention, enable
+from finetune.model.attention import MARK, _DropoutAttention, enable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 

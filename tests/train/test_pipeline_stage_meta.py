@@ -49,7 +49,7 @@ def test_a_step_is_padded_to_the_narrowest_width_that_holds_its_rows() -> None:
     import pytest
 
     from finetune.errors import UserError
-    from finetune.loss import IGNORE_INDEX, shifted_labels
+    from finetune.objectives.loss import IGNORE_INDEX, shifted_labels
     from finetune.train.pipeline import Pipeline, row_buckets
 
     pipe = Pipeline(torch.nn.Identity(), [0], 2, None, row_buckets(88, 2), pad_id=7, sequence_parallel=False)  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 Both sides start from the same weights and see the same batch of pairs (our collation: chosen rows, then
 rejected rows, labels on the completions). TRL's loss is its trainer's ``compute_loss`` on that batch (its
 public loss API: the reference is the base with the adapter disabled for LoRA, a frozen copy for full
-fine-tuning); ours is :class:`finetune.preference.PreferenceObjective`. Each step both take the same SGD update
+fine-tuning); ours is :class:`finetune.objectives.preference.PreferenceObjective`. Each step both take the same SGD update
 from their own gradients, so a divergence in any step's gradient shows in the next step's loss.
 """
 
@@ -67,7 +67,12 @@ def _trl_trainer(model, ref, tok, loss_type: str, beta: float, tmp_path):
 @pytest.mark.parametrize("method", ["lora", "full"])
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_dpo_matches_trl(method: str, loss_type: str, tmp_path) -> None:
-    from finetune.preference import PreferenceObjective, PreferenceSettings, reference_logps, sequence_logps
+    from finetune.objectives.preference import (
+        PreferenceObjective,
+        PreferenceSettings,
+        reference_logps,
+        sequence_logps,
+    )
 
     beta = 0.1 if loss_type == "sigmoid" else 0.5
     tok, ours, batch = _model_and_batch(method)

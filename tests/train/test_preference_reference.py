@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launch import LaunchOptions, launch
-from finetune.report import PREFERENCE_PANELS, build_figure, load_run
+from finetune.commands.report import PREFERENCE_PANELS, build_figure, load_run
+from finetune.commands.run import LaunchOptions, launch
 from tests.support import RECIPES, micro_model_dir, step_rows, write_recipe
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from finetune.merge import merge
-from finetune.recipe import recipe_from_dict, recipe_to_yaml, shipped_recipes_dir
+from finetune.recipe.schema import recipe_from_dict, recipe_to_yaml, shipped_recipes_dir
 from finetune.spec import ExecSpec, execution_spec
 from finetune.train.quantize import bnb_config, dequantized_weight, load_quantized, quantized_modules
 

@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.launch import LaunchOptions, launch
-from finetune.report import PANELS, build_figure, load_run
+from finetune.commands.report import PANELS, build_figure, load_run
+from finetune.commands.run import LaunchOptions, launch
 from tests.support import tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from finetune.train import checkpoint as ck
 from tests.fault_hooks import CHECKPOINT_SLEEP
 from tests.support import RECIPES, TINY_MODEL, tiny_recipe, write_recipe

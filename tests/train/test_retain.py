@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune.errors import UserError
-from finetune.recipe import check_files, recipe_from_dict
+from finetune.recipe.schema import check_files, recipe_from_dict
 from finetune.train.console import retain_change
 from finetune.train.data.retain import load_retain
 from finetune.train.evaluate import EvalResult
@@ -86,7 +86,7 @@ BASE_STEPS, STEPS = 40, 8
 
 def _launch(recipe: Path) -> str:
     """The same launch() `finetune run RECIPE` calls, in this process (no interpreter start); what it printed."""
-    from finetune.launch import LaunchOptions, launch
+    from finetune.commands.run import LaunchOptions, launch
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -144,7 +144,7 @@ def test_full_fine_tuning_forgets_more_than_lora(forgetting) -> None:
 
 @pytest.mark.slow
 def test_report_plots_the_retain_loss(forgetting, tmp_path: Path) -> None:
-    from finetune.report import build_figure, load_run
+    from finetune.commands.report import build_figure, load_run
 
     runs = [load_run(forgetting["full"]), load_run(forgetting["lora"])]
     fig = build_figure(runs)

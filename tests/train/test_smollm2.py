@@ -39,7 +39,7 @@ def test_fused_loss_equals_logits_loss_on_the_real_model(monkeypatch):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    import finetune.loss as loss_mod
+    import finetune.objectives.loss as loss_mod
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(MODEL)

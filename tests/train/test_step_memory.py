@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
 from finetune.train.memory import PeakMemory
 from tests.support import RECIPES, micro_model_dir, tiny_recipe, write_recipe
 

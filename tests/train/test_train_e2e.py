@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.launch import prepare
+from finetune.commands.run import prepare
 from finetune.plan.flowchart import plan_for_run
 from finetune.train.trainer import train_rank
 from tests.support import tiny_recipe, write_recipe
@@ -135,7 +135,7 @@ def test_logged_tokens_are_the_real_tokens_not_padding(tmp_path: Path, packing: 
 
 def test_relative_glob_from_another_directory_validates_and_runs(tmp_path: Path) -> None:
     """The recipe lives in one directory, the data under the current one: `validate` and `run` resolve the
-    relative glob the same way (once, in finetune.locate), so a recipe that validates also runs."""
+    relative glob the same way (once, in finetune.recipe.locate), so a recipe that validates also runs."""
     import shutil
 
     from tests.support import RECIPES

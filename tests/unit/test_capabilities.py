@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from finetune.capabilities import TABLE, Cell, first_refusal, refusals, support_matrix_markdown
 from finetune.cli import app
-from finetune.methods import METHOD_TYPES, LoRA, PrefixTuning
-from finetune.recipe import recipe_from_dict
+from finetune.model.methods import METHOD_TYPES, LoRA, PrefixTuning
+from finetune.recipe.capabilities import TABLE, Cell, first_refusal, refusals, support_matrix_markdown
+from finetune.recipe.schema import recipe_from_dict
 from finetune.spec import Method
 from tests.support import ROOT, tiny_recipe, write_recipe
 
@@ -22,11 +22,11 @@ def test_the_guides_support_matrix_is_generated_from_the_table() -> None:
     guide = (ROOT / "docs" / "guide.md").read_text()
     found = re.search(r"<!-- support-matrix:start -->\n(.*?)<!-- support-matrix:end -->", guide, re.S)
     assert found, "docs/guide.md has no support matrix block"
-    assert found.group(1) == support_matrix_markdown(), "the guide's matrix is stale: run python -m finetune.capabilities"
+    assert found.group(1) == support_matrix_markdown(), "the guide's matrix is stale: run python -m finetune.recipe.capabilities"
 
 
 def test_every_rule_has_a_distinct_name_and_names_real_recipe_keys() -> None:
-    from finetune.recipe import Recipe
+    from finetune.recipe.schema import Recipe
 
     assert len({r.name for r in TABLE}) == len(TABLE)
     for rule in TABLE:
@@ -81,7 +81,7 @@ def test_method_objects_answer_what_callers_used_to_branch_on() -> None:
 
 def test_bottleneck_defaults_are_stated_once() -> None:
     """adapter.train_norms: the recipe's default is the spec's (the method class builds one from the other)."""
-    from finetune.recipe import AdapterConfig
+    from finetune.recipe.schema import AdapterConfig
     from finetune.spec import AdapterSpec, adapter_spec
 
     default = AdapterConfig().train_norms

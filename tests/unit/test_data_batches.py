@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from finetune.errors import UserError
-from finetune.loss import IGNORE_INDEX, causal_lm_loss
+from finetune.objectives.loss import IGNORE_INDEX, causal_lm_loss
 from finetune.train.data import BatchStream, Example, collate, pack
 from tests.support import TINY_MODEL
 
@@ -105,7 +105,7 @@ def assert_documents_apart(model: torch.nn.Module, batch: dict, row) -> torch.Te
 @pytest.mark.parametrize(
     "path",
     [
-        "cpu-training",  # finetune's CPU path: the BlockMask evaluated densely by sdpa (finetune.flex)
+        "cpu-training",  # finetune's CPU path: the BlockMask evaluated densely by sdpa (finetune.model.flex)
         # torch's compiled CPU kernel, forward only (compiling takes about a minute)
         pytest.param("compiled-kernel", marks=pytest.mark.slow),
     ],
@@ -115,7 +115,7 @@ def test_flex_packed_logits_equal_each_document_alone(path, monkeypatch):
     from transformers import AttentionInterface
     from transformers.integrations.flex_attention import flex_attention_forward
 
-    from finetune import flex
+    from finetune.model import flex
 
     flex.install()
     if path == "compiled-kernel":  # transformers' own flex attention (no gradients: none on CPU)

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune.errors import UserError
-from finetune.recipe import RecipeError, recipe_with_overrides
+from finetune.recipe.schema import RecipeError, recipe_with_overrides
 from finetune.train.data.formats import Encoder
 from tests.support import RECIPES, TINY_MODEL, load, write_jsonl
 

@@ -11,10 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
-from finetune.capabilities import Cell, refusals
 from finetune.cli import app
 from finetune.errors import UserError
-from finetune.recipe import RecipeError, recipe_from_dict
+from finetune.recipe.capabilities import Cell, refusals
+from finetune.recipe.schema import RecipeError, recipe_from_dict
 from finetune.train.data import draw_mixture, mixture_counts
 from finetune.train.data.formats import Encoder
 from finetune.train.data.stream import StreamingBatches, StreamSource, StreamSpec
@@ -186,7 +186,7 @@ def test_a_mixture_takes_a_cached_hub_dataset_and_keeps_weights_when_one_becomes
         ("data.train.0", "someone/tiny [train]", 4, 2), ("data.train.1", str(tmp_path / "a.jsonl"), 4, 6),
     ]
     assert sum(1 for e in data.train if e.sources == (0,)) == 2
-    # a Hub id downloaded into several files (finetune.locate.fetch_hub_inputs) stays one source, with its weight
+    # a Hub id downloaded into several files (finetune.recipe.locate.fetch_hub_inputs) stays one source, with its weight
     d = recipe_from_dict({"model": {"path": "tiny-llama"}, "data": {"train": [
         {"path": "org/set", "weight": 2}, {"path": "b.jsonl", "weight": 1}]}}).recipe.data
     d.set_train_specs([["/hub/train-0.parquet", "/hub/train-1.parquet"], ["/abs/b.jsonl"]])

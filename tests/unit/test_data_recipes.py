@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.recipe import check_files, load_recipe
+from finetune.recipe.schema import check_files, load_recipe
 from finetune.train.data import load_data
 from tests.support import RECIPES, TINY_MODEL
 

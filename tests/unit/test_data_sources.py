@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune.errors import UserError
-from finetune.recipe import check_files, recipe_from_dict
+from finetune.recipe.schema import check_files, recipe_from_dict
 from tests.support import CONVERSATION, TINY_MODEL, load, write_jsonl
 
 ROWS = [

@@ -31,8 +31,8 @@ def test_expandable_segments_unless_the_user_set_the_allocator() -> None:
 def test_the_launcher_sets_it_in_the_environment_its_workers_inherit(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """``finetune run`` configures the allocator before it plans (the planner may query the GPU) and before
     torch.distributed.run copies its environment into every worker."""
-    from finetune.launch import launch
-    from finetune.recipe import RecipeError
+    from finetune.commands.run import launch
+    from finetune.recipe.schema import RecipeError
 
     for name in allocator.ALLOC_CONF_VARS:
         monkeypatch.setenv(name, "")  # restored to what it was (unset) after the test

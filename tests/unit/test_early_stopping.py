@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import UserError
-from finetune.recipe import EarlyStoppingConfig, RecipeError, load_recipe
+from finetune.recipe.schema import EarlyStoppingConfig, RecipeError, load_recipe
 from finetune.train import checkpoint as ck
 from finetune.train.early_stopping import EarlyStopping
 from finetune.train.evaluate import EvalResult

@@ -1,4 +1,4 @@
-"""LoRA and NF4 on fused expert weights (finetune/experts.py), on tiny models of every MoE architecture:
+"""LoRA and NF4 on fused expert weights (finetune/model/experts.py), on tiny models of every MoE architecture:
 the forward of every experts implementation against transformers' own, which layers ``all-linear`` and named
 targets adapt, the saved adapter in peft's layout, and NF4 experts against their dequantized weights."""
 
@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from finetune import experts as X  # noqa: E402
 from finetune.errors import UserError  # noqa: E402
-from finetune.methods import training_method  # noqa: E402
+from finetune.model import experts as X  # noqa: E402
+from finetune.model.methods import training_method  # noqa: E402
 from finetune.spec import AdapterSpec, QuantSpec  # noqa: E402
 from tests.support import MOE_ARCHITECTURES, arch_model_dir  # noqa: E402
 
@@ -214,7 +214,7 @@ def test_nf4_experts_compute_with_their_dequantized_weights(tmp_path):
 )
 def test_validate_refuses_what_expert_weights_cannot_take(tmp_path, sections, message):
     """The capability rows about a mixture's experts, read from the model's config by validate."""
-    from finetune.recipe import check_files, load_recipe
+    from finetune.recipe.schema import check_files, load_recipe
     from tests.support import tiny_recipe, write_recipe
 
     model = arch_model_dir(tmp_path / "model", "qwen3_moe")

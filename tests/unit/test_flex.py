@@ -16,7 +16,7 @@ def test_flex_packed_run_trains_like_sdpa(tmp_path, finetune_cmd):
     """Four packed steps of the tiny model (fp32, CPU) with flex_attention and with sdpa.
 
     On CPU both runs evaluate the same document mask with the same sdpa kernel (torch 2.13 has no flex backward
-    on CPU: finetune.flex evaluates flex's BlockMask densely); only how the mask is built differs
+    on CPU: finetune.model.flex evaluates flex's BlockMask densely); only how the mask is built differs
     (create_block_mask's mask function vs transformers' sdpa_mask), so the losses agree to float rounding:
     1e-5 relative leaves room for that and none for a mask that lets one document see another (which moves the
     first loss by about 1e-2 on this data).
@@ -40,7 +40,7 @@ def test_flex_packed_run_trains_like_sdpa(tmp_path, finetune_cmd):
 
 
 def test_flex_is_a_recipe_choice_and_other_kernels_are_refused():
-    from finetune.recipe import RecipeError, recipe_from_dict
+    from finetune.recipe.schema import RecipeError, recipe_from_dict
 
     r = recipe_from_dict(
         {"model": {"path": "tiny-llama", "attn_implementation": "flex_attention"}, "data": {"train": "x"}}
@@ -82,7 +82,7 @@ def test_flex_generates_like_sdpa_on_cpu():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from finetune import flex
+    from finetune.model import flex
     from tests.support import TINY_MODEL
 
     flex.install()
@@ -106,7 +106,7 @@ def test_flex_generates_like_sdpa_on_cpu():
 
 @pytest.mark.slow  # a CLI run
 def test_cpu_flex_plan_counts_the_fallbacks_masks(tmp_path, finetune_cmd):
-    """On CPU, flex attention runs finetune.flex's fallback: every layer evaluates the document mask densely,
+    """On CPU, flex attention runs finetune.model.flex's fallback: every layer evaluates the document mask densely,
     (B, 1, T, T), and sdpa keeps an fp32 additive copy of it for backward. The run's plan (device cpu) traces
     that fallback, so memory.json's prediction is the measured peak within 5% (counting flex's GPU memory,
     no mask, would fall about 9% short). A GPU plan of the same recipe still counts no mask, and what it
@@ -174,7 +174,7 @@ def test_auto_attention_is_flex_for_packed_rows_on_gpus(tmp_path, monkeypatch, a
     builds the model with, holds the kernel, and the walk says why flex was chosen."""
     from finetune.plan.command import PlanOptions, build_plan
     from finetune.plan.flowchart import plan_for_run
-    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import load_recipe
     from tests.support import micro_model_dir
 
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))

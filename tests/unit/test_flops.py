@@ -38,7 +38,7 @@ def tiny(method: str) -> torch.nn.Module:
             model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         )
     if method == "prompt":  # 32 virtual token positions before each row's 128, every input projection's gradient
-        from finetune.methods import inject
+        from finetune.model.methods import inject
         from finetune.spec import AdapterSpec
 
         model = inject(model, AdapterSpec(kind="prompt", num_virtual_tokens=32))
@@ -152,7 +152,7 @@ def test_the_config_alone_gives_the_built_models_flops():
     from transformers import AutoConfig
 
     from finetune.plan.flops import config_flops_per_token
-    from finetune.recipe import LoraConfig
+    from finetune.recipe.schema import LoraConfig
     from finetune.spec import adapter_spec
 
     config = AutoConfig.from_pretrained(TINY_MODEL)

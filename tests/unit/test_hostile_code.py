@@ -177,7 +177,7 @@ def _task(tmp: Path, marker: Path, *, included: bool) -> Path:
 @pytest.mark.parametrize("included", [False, True])
 def test_a_task_files_function_is_refused_unless_allowed(tmp_path: Path, included: bool) -> None:
     pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
-    from finetune.harness import yaml_task
+    from finetune.commands.eval import yaml_task
 
     marker = tmp_path / "marker"
     path = _task(tmp_path, marker, included=included)
@@ -195,7 +195,7 @@ def test_a_task_files_function_is_refused_unless_allowed(tmp_path: Path, include
 
 def test_a_task_file_with_a_python_tag_is_refused(tmp_path: Path) -> None:
     pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
-    from finetune.harness import task_code
+    from finetune.commands.eval import task_code
 
     (tmp_path / "t.yaml").write_text("task: x\nclass: !!python/name:os.system\n")
     assert task_code(tmp_path / "t.yaml") == (f"{(tmp_path / 't.yaml').resolve()}:2", "the tag `tag:yaml.org,2002:python/name:os.system`")
@@ -208,7 +208,7 @@ def test_task_templates_render_in_jinja_s_sandbox() -> None:
     import lm_eval.utils as lm_utils
     from jinja2.exceptions import SecurityError
 
-    from finetune.harness import sandboxed_templates
+    from finetune.commands.eval import sandboxed_templates
 
     reach = "{{ cycler.__init__.__globals__.os.getpid() }}"
     assert lm_utils.apply_template(reach, {}) == str(os.getpid())  # lm-eval's own environment reaches Python
@@ -298,7 +298,7 @@ def test_chat_eval_serve_export_and_merge_never_take_remote_code_from_a_run_dire
 
 def test_a_run_directory_recipe_read_by_chat_eval_serve_export_and_merge_has_remote_code_off(tmp_path: Path) -> None:
     from finetune.inference import with_user_trust
-    from finetune.rundir import read_run
+    from finetune.storage.rundir import read_run
 
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"model": {"path": "x", "trust_remote_code": True}}))
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
@@ -318,7 +318,7 @@ def test_a_run_directory_recipe_read_by_chat_eval_serve_export_and_merge_has_rem
 def test_an_index_naming_a_file_outside_its_model_is_refused(tmp_path: Path, name: str) -> None:
     from safetensors.torch import save_file
 
-    from finetune.safetensors_stream import SAFE_INDEX, read_header
+    from finetune.storage.safetensors_stream import SAFE_INDEX, read_header
 
     model = micro_model_dir(tmp_path / "model")
     save_file({"model.norm.weight": torch.ones(256)}, str(tmp_path / "outside.safetensors"))
@@ -425,7 +425,7 @@ def test_a_failed_final_save_leaves_the_earlier_model_whole(tmp_path: Path) -> N
 
 
 def test_an_upload_sends_only_plain_files_of_its_folder(tmp_path: Path) -> None:
-    from finetune.publish import upload_list
+    from finetune.storage.publish import upload_list
 
     (tmp_path / "model.safetensors").write_text("w")
     (tmp_path / "README.md").write_text("card")

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from finetune.cli import app
 from finetune.errors import UserError
-from finetune.recipe import recipe_from_dict
+from finetune.recipe.schema import recipe_from_dict
 from finetune.train.data import load_data
 from tests.support import TINY_MODEL, micro_model_dir, tiny_recipe, write_recipe
 

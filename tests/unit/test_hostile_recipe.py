@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.recipe import Recipe, RecipeError, check_files, load_recipe
+from finetune.recipe.schema import Recipe, RecipeError, check_files, load_recipe
 from tests.support import RECIPES, TINY_MODEL, micro_model_dir, tiny_recipe, write_recipe
 
 
@@ -192,7 +192,7 @@ def test_output_dir_holding_the_recipe_is_refused_unless_it_is_the_runs_own_copy
     problems = [p for p in check_files(load_recipe(mine)) if p.key == "output.dir"]
     assert len(problems) == 1 and f"contains the recipe file {mine}" in problems[0].message
     # the resolved copy a run saves (what `finetune run OUT/recipe.yaml --resume` reads) is the run's own
-    from finetune.recipe import recipe_to_yaml
+    from finetune.recipe.schema import recipe_to_yaml
 
     (out / "recipe.yaml").write_text(recipe_to_yaml(load_recipe(mine).recipe))
     assert [p for p in check_files(load_recipe(out / "recipe.yaml")) if p.key == "output.dir"] == []
@@ -202,7 +202,7 @@ def test_output_dir_holding_the_recipe_is_refused_unless_it_is_the_runs_own_copy
 
 
 def test_output_dir_over_the_reference_model_or_a_chat_template_is_refused(tmp_path: Path, inputs: dict) -> None:
-    from finetune.recipe import output_problems
+    from finetune.recipe.schema import output_problems
 
     reference = _copy_model(tmp_path / "ref")
     r = tiny_recipe(reference, dpo={"reference_model": str(reference)})

@@ -14,20 +14,17 @@ PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
 
 #: Layer of each module, by its dotted name's prefix (longest match wins).
 LAYERS = {
-    "finetune": 0,  # shared: errors, units, recipe, locate, catalog, spec, loss, safetensors_stream
+    "finetune": 0,  # shared: errors, units, versions, spec, and the packages recipe, model, objectives, storage
     "finetune.plan": 1,
     "finetune.train": 2,
-    "finetune.inference": 3,  # the one inference loader (the run reader, finetune.rundir, is shared)
+    "finetune.inference": 3,  # the one inference loader (the run reader, finetune.storage.rundir, is shared)
     "finetune.merge": 3,  # the streaming fold, which `finetune export` reuses
-    "finetune.launch": 4,
-    "finetune.chat": 4,
-    "finetune.harness": 4,
-    "finetune.commands": 4,
+    "finetune.commands": 4,  # one module per verb
     "finetune.cli": 5,
     "finetune.__main__": 5,
 }
 #: The commands' modules (layer 4): none imports another's.
-COMMANDS = ("finetune.launch", "finetune.chat", "finetune.harness", "finetune.commands")
+COMMANDS = ("finetune.commands",)
 
 
 def module_name(path: Path) -> str:
@@ -93,7 +90,7 @@ def test_imports_point_one_way() -> None:
 
 
 def _command_of(module: str) -> str | None:
-    """The command a module belongs to: ``finetune.chat``, ``finetune.commands.serve``... (None: no command)."""
+    """The command a module belongs to: ``finetune.commands.chat``, ``finetune.commands.serve``... (None: no command)."""
     for c in COMMANDS:
         if module == c or module.startswith(c + "."):
             return c if c != "finetune.commands" else ".".join(module.split(".")[:3])
@@ -110,7 +107,7 @@ def test_no_command_imports_another() -> None:
         and dep != "finetune.commands"
     )
     assert across == []
-    assert _command_of("finetune.commands.serve") == "finetune.commands.serve" != _command_of("finetune.chat")
+    assert _command_of("finetune.commands.serve") == "finetune.commands.serve" != _command_of("finetune.commands.chat")
 
 
 def test_no_import_cycles() -> None:
@@ -140,19 +137,17 @@ def test_no_import_cycles() -> None:
 
 def test_the_checker_sees_function_local_and_relative_imports(tmp_path: Path) -> None:
     """The walk would catch an upward import hidden in a function."""
-    assert layer("finetune.plan.flowchart") == 1 and layer("finetune.recipe") == 0 and layer("finetune.cli") == 5
-    assert layer("finetune.rundir") == 0 and layer("finetune.inference") == 3 and layer("finetune.commands.data") == 4
+    assert layer("finetune.plan.flowchart") == 1 and layer("finetune.recipe.schema") == 0 and layer("finetune.cli") == 5
+    assert layer("finetune.storage.rundir") == 0 and layer("finetune.inference") == 3 and layer("finetune.commands.data") == 4
     deps = imports_of(PACKAGE / "train" / "trainer.py")
     assert "finetune.train.gradients" in deps and "finetune.plan.types" in deps
-    assert "finetune.launch" in imports_of(PACKAGE / "cli.py")  # imported inside the `run` command
+    assert "finetune.commands.run" in imports_of(PACKAGE / "cli.py")  # imported inside the `run` command
 
 
-def test_no_module_imports_another_modules_private_names() -> None:
-    """What two modules share is public (no leading underscore) in the one that defines it."""
-    private = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("finetune"):
-                private += [f"{module_name(path)} imports {node.module}.{a.name}" for a in node.names
-                            if a.name.startswith("_") and not a.name.startswith("__")]
-    assert private == []
+def test_the_top_level_holds_at_most_twelve_modules() -> None:
+    """Everything else lives in a package named after its concern (commands, recipe, model, objectives, storage,
+    plan, train)."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top
+    packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    assert packages == ["commands", "model", "objectives", "plan", "recipe", "storage", "train"]

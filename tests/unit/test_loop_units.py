@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.launch import prepare
+from finetune.commands.run import prepare
 from finetune.plan.flowchart import plan_for_run
 from finetune.train.gradients import clip_gradients
 from finetune.train.optimizer import param_groups

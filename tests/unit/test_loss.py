@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import finetune.loss as loss_mod
-from finetune.loss import IGNORE_INDEX, _ChunkedCrossEntropy
+import finetune.objectives.loss as loss_mod
+from finetune.objectives.loss import IGNORE_INDEX, _ChunkedCrossEntropy
 from finetune.train.memory import mem_tracker_class
 
 

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from finetune.adapters import BOTTLENECK_CONFIG, BOTTLENECK_WEIGHTS, load_bottlenecks
 from finetune.cli import app
-from finetune.launch import LaunchOptions, launch
+from finetune.commands.run import LaunchOptions, launch
+from finetune.model.adapters import BOTTLENECK_CONFIG, BOTTLENECK_WEIGHTS, load_bottlenecks
 from finetune.plan.flowchart import plan_for_run
-from finetune.recipe import recipe_from_dict
+from finetune.recipe.schema import recipe_from_dict
 from finetune.train import checkpoint as ck
 from finetune.train.model import build_model, check_model_storage, stored_bytes_by_dtype
 from tests.support import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
@@ -254,7 +254,7 @@ def test_prefix_generation_sees_the_positions_training_sees() -> None:
     from peft import PrefixTuningConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.generation import greedy_tokens, left_padded
+    from finetune.model.generation import greedy_tokens, left_padded
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).eval()
@@ -315,7 +315,7 @@ def test_int8_training_matmul_keeps_no_input_and_matches_bitsandbytes() -> None:
 def test_prefix_init_text_puts_the_bases_own_keys_and_values_in_the_prefix(tmp_path: Path, text: str) -> None:
     """With prefix.init: text, what peft hands every layer as its prefix cache is exactly the frozen base's own
     keys and values of the text's tokens, repeated (short text) or cut (long text) to the virtual tokens."""
-    from finetune.adapters import init_prefix_from_text, prefix_text_ids
+    from finetune.model.adapters import init_prefix_from_text, prefix_text_ids
     from finetune.train.model import load_tokenizer
     from finetune.versions import output_cache
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, Qwen3MoeConfig
 
-from finetune import router
-from finetune.loss import causal_lm_loss
+from finetune.model import router
+from finetune.objectives.loss import causal_lm_loss
 from finetune.plan.shapes import build_inventory
-from finetune.recipe import LoraConfig
+from finetune.recipe.schema import LoraConfig
 from finetune.spec import execution_spec
 from tests.support import ARCH_COMMON, ARCHITECTURES, MOE_ARCHITECTURES
 
@@ -124,9 +124,9 @@ def test_expert_load_counts_each_training_forward_once():
 
 
 def test_routing_is_counted_through_lora_on_the_experts():
-    """LoRA with all-linear adapts the fused experts (finetune.experts' layer around them): the block calls that
+    """LoRA with all-linear adapts the fused experts (finetune.model.experts' layer around them): the block calls that
     layer, whose hook counts every token's top-k slots once."""
-    from finetune.methods import inject
+    from finetune.model.methods import inject
     from finetune.spec import adapter_spec
 
     cfg = arch_config("qwen3_moe")
@@ -222,7 +222,7 @@ def test_moe_model_flops_match_the_flop_counter(arch):
     (the remaining gap: the routers' own matmuls and layer 0's key gradient, as for dense models)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from finetune.kernels import set_experts_kernel
+    from finetune.model.kernels import set_experts_kernel
     from finetune.plan.flops import config_flops_per_token
 
     cfg = arch_config(arch)

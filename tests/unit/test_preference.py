@@ -27,7 +27,7 @@ def tok():
 
 
 def _pairs(tmp_path, tok, rows, **data):
-    from finetune.recipe import recipe_from_dict
+    from finetune.recipe.schema import recipe_from_dict
     from finetune.train.data.preference import load_preference_data
 
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)
@@ -82,7 +82,7 @@ def test_pairs_all_too_long_say_which_key_to_raise(tmp_path, tok) -> None:
 
 
 def test_losses_at_known_values() -> None:
-    from finetune.preference import PreferenceSettings, pair_losses
+    from finetune.objectives.preference import PreferenceSettings, pair_losses
 
     logps = torch.tensor([-2.0, -6.0])  # one pair: chosen -2, rejected -6
     counts = torch.tensor([2, 3])
@@ -117,8 +117,8 @@ def test_losses_at_known_values() -> None:
     ],
 )
 def test_refused_preference_cells_one_sentence(tmp_path, changes, says) -> None:
-    from finetune.capabilities import Cell, refusals
-    from finetune.recipe import recipe_from_dict
+    from finetune.recipe.capabilities import Cell, refusals
+    from finetune.recipe.schema import recipe_from_dict
     from tests.support import tiny_recipe
 
     raw = tiny_recipe(tmp_path / "out")
@@ -138,7 +138,7 @@ def test_plan_counts_pairs_and_the_reference_copy(tmp_path) -> None:
     from finetune.plan.hardware import detect_hardware
     from finetune.plan.request import request_from_recipe
     from finetune.plan.setting import settle
-    from finetune.recipe import recipe_from_dict
+    from finetune.recipe.schema import recipe_from_dict
     from tests.support import tiny_recipe
 
     def plan(objective: str, reference: str = "model", data_format: str = "instruction"):
@@ -269,7 +269,7 @@ def test_precomputed_cache_key_follows_the_rows_and_the_weights(tmp_path) -> Non
     import os
     import shutil
 
-    from finetune.recipe import recipe_from_dict
+    from finetune.recipe.schema import recipe_from_dict
     from finetune.spec import execution_spec
     from finetune.train.data.preference import PreferenceExample
     from finetune.train.reference import ReferenceCache
@@ -318,7 +318,7 @@ def test_plan_counts_the_reference_model_from_its_own_config(tmp_path) -> None:
     from finetune.plan.memory import reference_bytes
     from finetune.plan.request import request_from_recipe
     from finetune.plan.setting import settle
-    from finetune.recipe import recipe_from_dict
+    from finetune.recipe.schema import recipe_from_dict
     from tests.support import micro_model_dir, tiny_recipe
 
     ref = micro_model_dir(tmp_path / "ref", num_hidden_layers=2)

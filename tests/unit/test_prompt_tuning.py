@@ -13,10 +13,16 @@ import torch
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.loss import IGNORE_INDEX, before_virtual_tokens, causal_lm_loss, shifted_labels, target_rows
-from finetune.methods import PromptTuning, inject
+from finetune.model.methods import PromptTuning, inject
+from finetune.objectives.loss import (
+    IGNORE_INDEX,
+    before_virtual_tokens,
+    causal_lm_loss,
+    shifted_labels,
+    target_rows,
+)
 from finetune.plan.flowchart import plan_for_run
-from finetune.recipe import recipe_from_dict
+from finetune.recipe.schema import recipe_from_dict
 from finetune.spec import AdapterSpec
 from finetune.train.model import build_model, check_model_storage, stored_bytes_by_dtype
 from tests.support import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
@@ -101,7 +107,7 @@ def test_generation_sees_the_positions_training_sees() -> None:
     """Every greedy step of a left-padded batch (KV cache) gives the logits of peft's training forward over the
     unpadded row (virtual tokens at 0..P-1, the row after them); without the override peft drops the positions
     and prepends the virtual tokens at every cached step."""
-    from finetune.generation import greedy_tokens, left_padded
+    from finetune.model.generation import greedy_tokens, left_padded
 
     model = _tiny_prompted(4).eval()
     steps: list[torch.Tensor] = []
@@ -124,7 +130,7 @@ def test_generation_sees_the_positions_training_sees() -> None:
 
 @pytest.mark.parametrize("text", ["Reverse", "Reverse the letters of the word, then write them out."])
 def test_init_text_starts_from_the_bases_own_embeddings(tmp_path: Path, text: str) -> None:
-    from finetune.adapters import init_prompt_from_text, prefix_text_ids
+    from finetune.model.adapters import init_prompt_from_text, prefix_text_ids
     from finetune.train.model import load_tokenizer
 
     tokens = 8
@@ -193,7 +199,7 @@ def test_merge_refuses_a_prompt_with_the_way_to_load_it(tmp_path: Path) -> None:
 def prompt_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Six steps of prompt tuning from a text init with a checkpoint at step 3 (evaluation at the end), then the
     same run resumed from that checkpoint: (run, resumed)."""
-    from finetune.launch import LaunchOptions, launch
+    from finetune.commands.run import LaunchOptions, launch
 
     root = tmp_path_factory.mktemp("prompt")
 
@@ -241,8 +247,8 @@ def test_the_saved_prompt_loads_with_peft_and_generates_as_the_run_evaluated(pro
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from finetune.generation import greedy_tokens, left_padded
-    from finetune.recipe import load_recipe
+    from finetune.model.generation import greedy_tokens, left_padded
+    from finetune.recipe.schema import load_recipe
     from finetune.train.data import load_data
     from finetune.train.model import load_tokenizer
 

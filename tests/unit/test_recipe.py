@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.recipe import RecipeError, check_files, load_recipe
+from finetune.recipe.schema import RecipeError, check_files, load_recipe
 from tests.support import RECIPES, tiny_recipe, write_recipe
 
 BAD = """\

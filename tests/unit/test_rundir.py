@@ -1,4 +1,4 @@
-"""The one reader of what a run left (finetune/rundir.py), on real directories of files: what each holds, its
+"""The one reader of what a run left (finetune/storage/rundir.py), on real directories of files: what each holds, its
 method and dtypes, the base of an adapter, and the sentence for each directory that holds nothing to load."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from finetune.errors import UserError
-from finetune.rundir import find_base, has_weights, read_run
 from finetune.spec import execution_spec
+from finetune.storage.rundir import find_base, has_weights, read_run
 
 
 def model_dir(d: Path, *, weights: bool = True, **config: object) -> Path:

@@ -10,8 +10,14 @@ import torch
 from safetensors.torch import save_file
 
 from finetune.errors import UserError
-from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, StoredTensor, read_header, stored_name
-from finetune.swap import swap_in
+from finetune.storage.safetensors_stream import (
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    StoredTensor,
+    read_header,
+    stored_name,
+)
+from finetune.storage.swap import swap_in
 
 
 def _sharded(tmp_path: Path) -> Path:

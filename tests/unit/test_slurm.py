@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
+from finetune.commands.run import LaunchOptions, with_slurm
 from finetune.errors import UserError
-from finetune.launch import LaunchOptions, with_slurm
 from finetune.train.signals import StopRequest
 from finetune.train.slurm import SlurmJob, expand_hostlist, gpus_on_node, job_port, requeued
 

@@ -110,7 +110,7 @@ def test_the_eval_schedule() -> None:
 
 @pytest.mark.slow  # plans the tiny recipe, then the next configuration for the message
 def test_the_phase_a_trainer_records_is_the_one_the_oom_message_names(tmp_path: Path) -> None:
-    from finetune.launch import prepare
+    from finetune.commands.run import prepare
     from finetune.plan.flowchart import plan_for_run
     from finetune.train.preflight import oom_message
     from tests.support import tiny_recipe, write_recipe

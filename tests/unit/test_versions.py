@@ -139,7 +139,7 @@ def test_the_kv_cache_goes_in_and_out_under_this_transformers_name() -> None:
     from transformers.masking_utils import create_causal_mask
     from transformers.models.llama.modeling_llama import LlamaModel
 
-    from finetune.generation import greedy_tokens
+    from finetune.model.generation import greedy_tokens
     from finetune.versions import kv_cache_kwarg, kv_cache_name, output_cache
 
     need = floor("transformers")
@@ -154,7 +154,7 @@ def test_the_kv_cache_goes_in_and_out_under_this_transformers_name() -> None:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # a deprecated name would warn
         first = model(input_ids=ids, use_cache=True, **kv_cache_kwarg(None))
-        layer = output_cache(first).layers[0]  # what finetune.adapters reads for prefix.init: text
+        layer = output_cache(first).layers[0]  # what finetune.model.adapters reads for prefix.init: text
         assert layer.keys.shape == layer.values.shape == (1, 1, 4, 16), f"cache.layers[i].keys with {need}"
         step = model(input_ids=torch.tensor([[5]]), use_cache=True, **kv_cache_kwarg(output_cache(first)))
         assert output_cache(step).get_seq_length() == 5, f"passing the cache back as `{name}=` with {need}"
@@ -186,7 +186,7 @@ def test_peft_lora_inits_and_prefix_config() -> None:
 
 
 def test_peft_prefix_offsets_position_ids_by_its_virtual_tokens() -> None:
-    """finetune.generation passes the tokens' own positions; peft puts them after the prefix."""
+    """finetune.model.generation passes the tokens' own positions; peft puts them after the prefix."""
     from peft import PrefixTuningConfig, get_peft_model
 
     virtual = 3

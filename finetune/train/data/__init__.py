@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.locate import DataLocation
-from finetune.loss import IGNORE_INDEX
-from finetune.recipe import LoadedRecipe
+from finetune.objectives.loss import IGNORE_INDEX
+from finetune.recipe.locate import DataLocation
+from finetune.recipe.schema import LoadedRecipe
 from finetune.train.data.batches import BatchStream, Example, collate, pack
 from finetune.train.data.formats import (
     BAD,
@@ -312,7 +312,7 @@ def chat_template_name(loaded: LoadedRecipe) -> str:
 def embedding_rows(loaded: LoadedRecipe) -> int | None:
     """The rows of the model's token embeddings (its config's vocab_size): every token id and label of the data
     must be below it. None when the config cannot say (the tokenizer's length is used then)."""
-    from finetune.locate import model_config
+    from finetune.recipe.locate import model_config
 
     inputs = loaded.inputs
     if inputs is None or inputs.model.problem() is not None:

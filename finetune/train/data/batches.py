@@ -4,7 +4,7 @@ Packing puts several samples in one row of ``max_seq_len`` tokens, position ids 
 sample and no attention mask. transformers (5.x, ``masking_utils.find_packed_sequence_indices``) then
 builds a block-diagonal causal mask for sdpa and eager attention, so no token attends across samples; this
 needs ``position_ids`` given, ``attention_mask=None`` and no KV cache (``use_cache=False``). The loss
-(``finetune.loss``) also drops the target that would cross from one sample into the next.
+(``finetune.objectives.loss``) also drops the target that would cross from one sample into the next.
 
 The order of rows is a pure function of (seed, epoch): every process computes the same permutation and
 takes its own slice of each global batch, so N processes see exactly the rows one process would.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.loss import IGNORE_INDEX
+from finetune.objectives.loss import IGNORE_INDEX
 
 
 @dataclass

@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.loss import IGNORE_INDEX
+from finetune.objectives.loss import IGNORE_INDEX
 from finetune.train.data.rows import BadRow, describe, list_value
 
 #: The spellings of an assistant message's reasoning, the first one present wins.

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.loss import IGNORE_INDEX
+from finetune.objectives.loss import IGNORE_INDEX
 from finetune.train.data.chat import (
     ChatTemplate,
     assistant_spans,

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.loss import IGNORE_INDEX
-from finetune.recipe import LoadedRecipe
+from finetune.objectives.loss import IGNORE_INDEX
+from finetune.recipe.schema import LoadedRecipe
 from finetune.train.data.batches import BatchStream, Example
 from finetune.train.data.formats import BAD, DROPPED_LONG, OK, TRUNCATED, BadRow, Encoder, describe, row_error
 from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN, Source, read_hf, read_sources

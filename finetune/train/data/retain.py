@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.recipe import LoadedRecipe
+from finetune.recipe.schema import LoadedRecipe
 from finetune.train.data import (
     EncodedRows,
     EvalPrompt,

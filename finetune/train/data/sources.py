@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.locate import DATA_SUFFIXES as SUFFIXES
-from finetune.locate import DataLocation
+from finetune.recipe.locate import DATA_SUFFIXES as SUFFIXES
+from finetune.recipe.locate import DataLocation
 
 ROW_COLUMN = "__row__"
 WHERE_COLUMN = "__where__"

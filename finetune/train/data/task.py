@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.recipe import LoadedRecipe
+from finetune.recipe.schema import LoadedRecipe
 from finetune.train.data import TaskData, load_data
 from finetune.train.data.preference import load_preference_data
 

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from finetune import attention
-from finetune.loss import IGNORE_INDEX, known_documents, shifted_labels
+from finetune.model import attention
+from finetune.objectives.loss import IGNORE_INDEX, known_documents, shifted_labels
 
 #: The metrics a preference step and evaluation report (metrics.jsonl columns; ``eval_`` prefixed for evaluation)
 METRICS = (
@@ -73,7 +73,7 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
     The logits are materialised (the rows' log-softmax is needed per row, which the fused SFT head does not
     keep) and the log-softmax is taken in fp32 whatever the compute dtype. A batch without an attention mask
     or position ids (the trainer's: right-padded rows) is one document per row, which transformers' mask code
-    is told (:func:`~finetune.loss.known_documents`) instead of reading the position ids on the host: no device
+    is told (:func:`~finetune.objectives.loss.known_documents`) instead of reading the position ids on the host: no device
     sync, and the causal kernel without a (B, 1, T, T) mask, on real and fake tensors alike."""
     shifted = shifted_labels(batch)
     if not getattr(model, attention.MARK, False):

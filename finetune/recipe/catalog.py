@@ -3,7 +3,7 @@
 Each entry holds only what ``AutoConfig.for_model`` needs to build the architecture on the meta device:
 sizes, vocabulary, attention layout, tying; for a mixture of experts also the experts, how many a token is
 routed to, the shared experts and the dense layers before the first expert layer. Weights are never involved.
-``finetune.locate.model_config`` builds the config of a resolved ``model.path`` from these facts when it
+``finetune.recipe.locate.model_config`` builds the config of a resolved ``model.path`` from these facts when it
 names a catalog entry. Each family's comment says where its facts and its published parameter count come
 from (``tests/plan/test_catalog.py`` builds every entry on the meta device and checks the count within 2%).
 """

@@ -1,4 +1,4 @@
-"""How the loss is cut into chunks: sizes :mod:`finetune.loss` reads (as its own module globals, which tests
+"""How the loss is cut into chunks: sizes :mod:`finetune.objectives.loss` reads (as its own module globals, which tests
 and benchmarks set there) and the planner's trace cache is keyed by. No torch import: a warm `finetune plan`
 reads them without importing torch."""
 

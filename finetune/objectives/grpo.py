@@ -1,7 +1,7 @@
 """GRPO (group relative policy optimisation) with verifiable rewards: the advantages of a group of sampled
 completions and the clipped policy loss, shared by the trainer and the planner.
 
-Each prompt gets ``G`` completions (``grpo.num_generations``), each completion a reward (finetune/rewards.py).
+Each prompt gets ``G`` completions (``grpo.num_generations``), each completion a reward (finetune/objectives/rewards.py).
 A completion's advantage is its reward minus its group's mean, divided by the group's standard deviation (+1e-4)
 when ``scale_rewards`` is ``group``, by the whole batch's when ``batch``, not at all when ``none``.
 
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from finetune import attention
-from finetune.loss import IGNORE_INDEX, known_documents, shifted_labels
+from finetune.model import attention
+from finetune.objectives.loss import IGNORE_INDEX, known_documents, shifted_labels
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")

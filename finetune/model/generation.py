@@ -50,7 +50,7 @@ def greedy_tokens(
     A prompt-tuned peft model runs with a KV cache, its virtual tokens before each row at the positions they
     have in training (:func:`prompted_forward`).
     """
-    from finetune.adapters import prompt_tokens
+    from finetune.model.adapters import prompt_tokens
 
     with prompted_forward(model, prompt_tokens(model)):
         return _greedy(model, ids, mask, max_new_tokens, autocast, pick, on_step, cache)
@@ -60,7 +60,7 @@ def _greedy(
     model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, autocast: Any,
     pick: Pick | None, on_step: OnStep | None, cache: bool,
 ) -> torch.Tensor:
-    from finetune.adapters import prefix_tokens
+    from finetune.model.adapters import prefix_tokens
     from finetune.versions import kv_cache_kwarg, output_cache
 
     virtual = prefix_tokens(model) if cache else 0

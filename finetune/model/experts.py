@@ -89,7 +89,7 @@ def expert_facts(config: Any, target_modules: Any) -> dict[str, bool]:
     them."""
     if not has_fused_experts(config):
         return {"experts": False, "expert_lora": False}
-    if target_modules is None:  # as finetune.recipe.lora_targets resolves it
+    if target_modules is None:  # as finetune.recipe.schema.lora_targets resolves it
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
         target_modules = list(PEFT_DEFAULTS.get(str(config.model_type)) or []) or "all-linear"

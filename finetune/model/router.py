@@ -4,7 +4,7 @@ The load-balancing loss (Switch Transformer's, as transformers computes it for Q
 when the model is called with ``output_router_logits``) is a property of one forward's tokens: the number of
 experts times the sum over experts of (the expert's routed slots per token) x (its mean router probability).
 It is top-k when the router spreads tokens evenly, more the more it favours some experts. The project's loss is summed over target tokens and divided by the global batch's target tokens
-(:mod:`finetune.loss`), so the term is added the same way: a micro-batch adds ``coef x aux x its target
+(:mod:`finetune.objectives.loss`), so the term is added the same way: a micro-batch adds ``coef x aux x its target
 tokens`` to its summed loss, which the trainer divides by the global count. The step's objective is then
 ``cross-entropy + coef x (the target-token-weighted mean of the micro-batches' aux)``, the same for any split
 of the same micro-batches over gradient accumulation and data-parallel ranks (loss parity); a model without
@@ -93,7 +93,7 @@ def model_aux_coef(model: torch.nn.Module) -> float:
 
 def enable(model: torch.nn.Module, coef: float) -> RouterState | None:
     """Count ``model``'s routing and add its load-balancing loss times ``coef`` (0: none) to
-    :func:`finetune.loss.causal_lm_loss`'s sum; None (nothing done) for a model without experts."""
+    :func:`finetune.objectives.loss.causal_lm_loss`'s sum; None (nothing done) for a model without experts."""
     found = experts_modules(model)
     if not found:
         return None
@@ -118,7 +118,7 @@ def state_of(model: torch.nn.Module) -> RouterState | None:
 
 @contextlib.contextmanager
 def training_forward(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
-    """Around one forward of :func:`finetune.loss.causal_lm_loss`: the routing is counted (a training forward
+    """Around one forward of :func:`finetune.objectives.loss.causal_lm_loss`: the routing is counted (a training forward
     only), and the keywords the model needs to compute its load-balancing loss."""
     state = state_of(model)
     if state is None or not model.training:

@@ -117,7 +117,7 @@ def _generation_task(name: str, rows: list[dict[str, str]], max_new_tokens: int,
 
 
 def _run_recipe(run: Path, recipe: dict[str, Any] | None, key: str) -> Any:
-    from finetune.recipe import RecipeError, recipe_from_dict
+    from finetune.recipe.schema import RecipeError, recipe_from_dict
 
     if recipe is None:
         raise UserError(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.locate import hub_offline, looks_like_hub_id
+from finetune.recipe.locate import hub_offline, looks_like_hub_id
 
 #: The run's own records that an upload of its model sends beside it (each when it exists) and the card.
 RUN_RECORDS = ("recipe.yaml", "plan.json", "memory.json", "metrics.jsonl")
@@ -146,7 +146,7 @@ def push_folder(
             "httpcore",
             "httpcore2",
         ):
-            from finetune.locate import hub_endpoint
+            from finetune.recipe.locate import hub_endpoint
 
             raise UserError(
                 f"{key}: could not reach the Hugging Face Hub at {hub_endpoint()} to upload `{repo_id}` "

@@ -9,9 +9,13 @@ from typing import Any
 
 import torch
 
-from finetune import attention, router
-from finetune.adapters import base_model_of, prompt_tokens
-from finetune.loss_chunks import FUSED_CHUNK_BYTES, FUSED_HEAD, LOSS_CHUNK_BYTES  # set here by tests
+from finetune.model import attention, router
+from finetune.model.adapters import base_model_of, prompt_tokens
+from finetune.objectives.loss_chunks import (  # set here by tests
+    FUSED_CHUNK_BYTES,
+    FUSED_HEAD,
+    LOSS_CHUNK_BYTES,
+)
 
 IGNORE_INDEX = -100
 
@@ -164,9 +168,9 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
     from the last hidden state chunk by chunk, so the (B, T, V) logits never exist whole, nor their
     gradient. Models whose head is not a plain bias-free linear layer (a LoRA-adapted head, a biased head,
     Gemma 2's logit soft-capping) fall back to the chunked loss over materialised logits. A mixture of experts
-    whose router :func:`finetune.router.enable` set up adds its load-balancing loss times its coefficient per
-    target token (:mod:`finetune.router`), and has its routing counted. Attention with
-    dropout on CPU keeps no (B, H, T, T) tensor for backward (:mod:`finetune.attention`, enabled on the model
+    whose router :func:`finetune.model.router.enable` set up adds its load-balancing loss times its coefficient per
+    target token (:mod:`finetune.model.router`), and has its routing counted. Attention with
+    dropout on CPU keeps no (B, H, T, T) tensor for backward (:mod:`finetune.model.attention`, enabled on the model
     here, so the trainer and the planner's trace run the same attention). Returning the
     *sum* lets the trainer normalise by the number of label tokens in the whole global batch, so that
     gradient accumulation and data parallelism give exactly the single-process result.

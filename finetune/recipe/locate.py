@@ -1,6 +1,6 @@
 """Where a recipe's inputs are: the one place a model path or a data spec is turned into something to read.
 
-:func:`finetune.recipe.load_recipe` resolves ``model.path``, ``data.train`` and ``data.eval`` once, with these
+:func:`finetune.recipe.schema.load_recipe` resolves ``model.path``, ``data.train`` and ``data.eval`` once, with these
 functions, and keeps the answers on the loaded recipe; validate, plan, run, resume and merge read those
 answers instead of searching again. Lookup order for a relative path: next to the recipe, the current
 directory, then the shipped ``recipes/`` (``tiny-llama`` names ``recipes/models/tiny-llama``).
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from finetune.catalog import CATALOG, catalog_name
 from finetune.errors import UserError
+from finetune.recipe.catalog import CATALOG, catalog_name
 
 #: Data files this tool reads.
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -29,11 +29,11 @@ DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 def shipped_recipes_dir() -> Path:
     """The directory of shipped recipes: installed with the package, or the repo's ``recipes/``."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "_recipes", here.parent / "recipes"):
+    package = Path(__file__).resolve().parents[1]  # finetune/
+    for cand in (package / "_recipes", package.parent / "recipes"):
         if cand.is_dir():
             return cand
-    return here.parent / "recipes"
+    return package.parent / "recipes"
 
 
 def resolve_input_path(value: str, base_dir: Path) -> Path:

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from finetune.locate import ModelLocation, locate_model
+from finetune.recipe.locate import ModelLocation, locate_model
 
 #: Files that hold a model's weights (a directory without any has nothing to compare with).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -26,7 +26,7 @@ WEIGHT_INDEXES = ("config.json", "model.safetensors.index.json", "pytorch_model.
 
 
 def locate_reference(value: str, base_dir: Path) -> ModelLocation:
-    """Where ``dpo.reference_model`` is (as :func:`~finetune.locate.locate_model` finds ``model.path``)."""
+    """Where ``dpo.reference_model`` is (as :func:`~finetune.recipe.locate.locate_model` finds ``model.path``)."""
     return locate_model(value, base_dir)
 
 

@@ -1,6 +1,6 @@
 """What is trained on a frozen base, injected by one function for the planner and the trainer alike.
 
-:func:`finetune.methods.inject` turns an :class:`~finetune.spec.AdapterSpec` into modules on a model: peft LoRA (with DoRA,
+:func:`finetune.model.methods.inject` turns an :class:`~finetune.spec.AdapterSpec` into modules on a model: peft LoRA (with DoRA,
 rsLoRA, gaussian init), peft prefix tuning, peft prompt tuning, or bottleneck adapters (Houlsby et al.: down-projection,
 non-linearity, up-projection, added to the output of the attention and/or the MLP of every decoder layer).
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.errors import UserError
-from finetune.recipe import LoadedRecipe, RecipeError, check_files, load_recipe, resolve_inputs
+from finetune.recipe.schema import LoadedRecipe, RecipeError, check_files, load_recipe, resolve_inputs
 
 if TYPE_CHECKING:
     from finetune.plan.types import Plan
@@ -39,7 +39,7 @@ class LaunchOptions:
 def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
     """Load the recipe (its inputs resolved once, made absolute) and refuse missing or planning-only inputs."""
     loaded = load_recipe(recipe, overrides)
-    from finetune.locate import fetch_hub_inputs
+    from finetune.recipe.locate import fetch_hub_inputs
 
     if fetch_hub_inputs(loaded):  # hub ids neither local nor cached: downloaded once, here, before planning
         resolve_inputs(loaded)
@@ -48,7 +48,7 @@ def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
         raise RecipeError(problems)
     assert loaded.inputs is not None
     loaded.inputs.model.weights_dir()  # a planning-only catalog name fails here, before planning
-    from finetune.publish import check_push
+    from finetune.storage.publish import check_push
 
     check_push("output.push_to_hub", loaded.recipe.output.push_to_hub)
     if loaded.recipe.output.trackers:

@@ -67,7 +67,7 @@ class Cell:
     reference_model: bool = False  # dpo.reference_model is set (another checkpoint as the reference)
     data_format: str | None = None  # data.format (None: not known, as in `finetune plan` of a bare config)
     # the model: a mixture of experts with fused expert weights, and whether LoRA's targets adapt them
-    # (finetune.experts; None: not known, as in `finetune validate` without a reason to read the config)
+    # (finetune.model.experts; None: not known, as in `finetune validate` without a reason to read the config)
     experts: bool | None = None
     expert_lora: bool | None = None
     num_experts: int | None = None  # routed experts per layer (None: not known)
@@ -129,7 +129,7 @@ class Cell:
 
     @classmethod
     def of_recipe(cls, recipe: Any, processes: int | None = None) -> Cell:
-        """The cell a validated :class:`~finetune.recipe.Recipe` pins (``auto`` values unknown);
+        """The cell a validated :class:`~finetune.recipe.schema.Recipe` pins (``auto`` values unknown);
         ``processes``: the run's process count when known, else the recipe's ``distributed.nproc`` x nodes."""
         d, t = recipe.distributed, recipe.train
         if processes is None and d.nproc != "auto":
@@ -464,7 +464,7 @@ TABLE: tuple[Rule, ...] = (
         f"{c.lora_init}, or init: default",
         methods=("lora",), topic="options",
     ),
-    # -- a mixture of experts' fused expert weights (finetune/experts.py) ---------------------------------
+    # -- a mixture of experts' fused expert weights (finetune/model/experts.py) ---------------------------------
     Rule(
         "experts-dora", ("lora.use_dora", "lora.target_modules"),
         lambda c: c.lora_family and c.use_dora and bool(c.expert_lora),
@@ -1099,5 +1099,5 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
 )
 
 
-if __name__ == "__main__":  # python -m finetune.capabilities: the guide's support matrix
+if __name__ == "__main__":  # python -m finetune.recipe.capabilities: the guide's support matrix
     print(support_matrix_markdown(), end="")

@@ -32,7 +32,7 @@ PREFERENCE_PANELS = ("reward accuracy", "reward margin", "chosen and rejected re
 PREFERENCE_COLUMNS = ("rewards/accuracy", "rewards/margin", "rewards/chosen", "rewards/rejected")
 
 #: A row of panels drawn when a run trained a mixture of experts (metrics.jsonl's ``aux_loss`` and
-#: ``expert_load`` columns, finetune/router.py): its load-balancing loss and how unevenly its experts are loaded.
+#: ``expert_load`` columns, finetune/model/router.py): its load-balancing loss and how unevenly its experts are loaded.
 MOE_PANELS = ("load-balancing loss", "expert load (busiest / mean expert)")
 MOE_COLUMNS = ("aux_loss", "expert_load")
 

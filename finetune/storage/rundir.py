@@ -21,7 +21,7 @@ by one set of rules:
 
 Nothing here decides whether code from a directory may run: ``trust_remote_code`` is the user's choice, an
 argument of the loader (:mod:`finetune.inference`), never a value read from the directory being opened (a
-run's recipe is read with ``model.trust_remote_code`` off, :func:`finetune.recipe.opened_run_recipe`, so that
+run's recipe is read with ``model.trust_remote_code`` off, :func:`finetune.recipe.schema.opened_run_recipe`, so that
 nothing rebuilt from it runs a directory's code either). An index's shard names are checked as the directory
 is read (no separators, no ``..``).
 """
@@ -36,13 +36,13 @@ from typing import Any, Literal
 
 import yaml
 
-from finetune.adapters import BOTTLENECK_CONFIG, BOTTLENECK_WEIGHTS
 from finetune.errors import UserError
-from finetune.locate import locate_model
-from finetune.methods import METHOD_TYPES
-from finetune.recipe import opened_run_recipe
-from finetune.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, read_weight_map
+from finetune.model.adapters import BOTTLENECK_CONFIG, BOTTLENECK_WEIGHTS
+from finetune.model.methods import METHOD_TYPES
+from finetune.recipe.locate import locate_model
+from finetune.recipe.schema import opened_run_recipe
 from finetune.spec import ExecSpec, Method
+from finetune.storage.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, read_weight_map
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")

@@ -27,11 +27,11 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from finetune.adapters import DECOMPOSING_INITS
+from finetune.model.adapters import DECOMPOSING_INITS
 from finetune.spec import AdapterSpec, ExecSpec, Method, QuantSpec
 
 if TYPE_CHECKING:
-    from finetune.capabilities import Cell
+    from finetune.recipe.capabilities import Cell
 
 
 class TrainingMethod:
@@ -74,7 +74,7 @@ class TrainingMethod:
 
     def supports(self, cell: Cell) -> str | None:
         """The capability table's sentence when this method cannot run ``cell`` (None: it can)."""
-        from finetune.capabilities import first_refusal
+        from finetune.recipe.capabilities import first_refusal
 
         found = first_refusal(cell.with_(method=self.name.value))
         return None if found is None else str(found)
@@ -175,7 +175,7 @@ class LoRA(TrainingMethod):
         """peft's LoraConfig for a model of ``model_config`` (``stand_in``: pissa/olora drawn as default)."""
         from peft import LoraConfig as PeftLoraConfig
 
-        from finetune.recipe import lora_targets
+        from finetune.recipe.schema import lora_targets
 
         spec = self.adapter
         assert spec is not None
@@ -188,8 +188,8 @@ class LoRA(TrainingMethod):
         )
 
     def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
-        from finetune.adapters import LORA_INIT_ATTR, peft_inject
-        from finetune.experts import (
+        from finetune.model.adapters import LORA_INIT_ATTR, peft_inject
+        from finetune.model.experts import (
             fused_experts,
             lora_config_with_experts,
             peft_as_targeted,
@@ -197,7 +197,7 @@ class LoRA(TrainingMethod):
         )
 
         config = self.peft_config(model.config, stand_in=stand_in)
-        if fused_experts(model):  # a mixture of experts: its expert weights and routers as finetune.experts says
+        if fused_experts(model):  # a mixture of experts: its expert weights and routers as finetune.model.experts says
             targets = resolve_lora_targets(model, config.target_modules)
             with peft_as_targeted():
                 adapted = peft_inject(model, lora_config_with_experts(config, model, targets), "lora.target_modules")
@@ -280,7 +280,7 @@ class PrefixTuning(TrainingMethod):
     def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
         import warnings
 
-        from finetune.adapters import peft_inject
+        from finetune.model.adapters import peft_inject
 
         # peft hands the prefix over as `past_key_values`, which transformers 5 renames
         warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
@@ -305,7 +305,7 @@ class PrefixTuning(TrainingMethod):
 class PromptTuning(TrainingMethod):
     """Trained embedding vectors before every sequence's tokens, at the input only (peft prompt tuning, Lester
     et al. 2021), drawn at random or started from a text's token embeddings (``prompt.init: text``, set by
-    :func:`finetune.adapters.init_prompt_from_text`; peft's own text init would load a tokenizer by name)."""
+    :func:`finetune.model.adapters.init_prompt_from_text`; peft's own text init would load a tokenizer by name)."""
 
     name = Method.PROMPT
 
@@ -324,7 +324,7 @@ class PromptTuning(TrainingMethod):
         )
 
     def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
-        from finetune.adapters import peft_inject
+        from finetune.model.adapters import peft_inject
 
         return peft_inject(model, self.peft_config(), "prompt")
 
@@ -346,7 +346,7 @@ class PromptTuning(TrainingMethod):
 
 class BottleneckAdapters(TrainingMethod):
     """Bottleneck modules after the attention and/or MLP of every layer (Houlsby et al.), our own modules
-    (finetune/adapters.py), saved beside a config and loaded with ``finetune.adapters.load_bottlenecks``."""
+    (finetune/model/adapters.py), saved beside a config and loaded with ``finetune.model.adapters.load_bottlenecks``."""
 
     name = Method.ADAPTER
 
@@ -355,7 +355,7 @@ class BottleneckAdapters(TrainingMethod):
         return AdapterSpec.bottleneck(settings)
 
     def inject(self, model: Any, *, num_layers: int | None = None, stand_in: bool = False) -> Any:
-        from finetune.adapters import add_bottlenecks
+        from finetune.model.adapters import add_bottlenecks
 
         assert self.adapter is not None
         return add_bottlenecks(model, self.adapter)
@@ -369,7 +369,7 @@ class BottleneckAdapters(TrainingMethod):
     def saved_message(self, out: str) -> str:
         return (
             f"bottleneck adapters saved to {out}/  load them with: "
-            f"finetune.adapters.load_bottlenecks(base, '{out}')"
+            f"finetune.model.adapters.load_bottlenecks(base, '{out}')"
         )
 
     def base_only(self, model: Any) -> AbstractContextManager[Any]:
@@ -379,7 +379,7 @@ class BottleneckAdapters(TrainingMethod):
         return (
             "they add a non-linear module after attention and MLP, not a linear update of a weight, so they "
             "cannot be folded into the base; load the base with them instead "
-            "(finetune.adapters.load_bottlenecks(base, dir))"
+            "(finetune.model.adapters.load_bottlenecks(base, dir))"
         )
 
 
@@ -387,7 +387,7 @@ class BottleneckAdapters(TrainingMethod):
 def _bottlenecks_off(model: Any) -> Any:
     """Every bottleneck of ``model`` passes its input through unchanged and every trained gain is 1, for the
     context's duration (their hooks stay; each module's own forward and gain are shadowed on the instance)."""
-    from finetune.adapters import EMBED_NAME, HEAD_GAIN_NAME, SLOT_NAMES
+    from finetune.model.adapters import EMBED_NAME, HEAD_GAIN_NAME, SLOT_NAMES
 
     names = (*SLOT_NAMES.values(), EMBED_NAME, HEAD_GAIN_NAME)
     shadowed = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names]

@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from finetune.errors import UserError
-from finetune.locate import (
+from finetune.recipe.locate import (
     DataLocation,
     ModelLocation,
     hub_offline,
@@ -711,7 +711,7 @@ class DpoConfig(Section):
 
 
 class RewardConfig(Section):
-    """One of grpo's rewards (finetune/rewards.py)."""
+    """One of grpo's rewards (finetune/objectives/rewards.py)."""
 
     type: Literal["exact_match", "regex", "json", "length", "python"] = Field(
         description="exact_match: 1 when the completion equals the row's answer; regex: 1 when it matches `pattern` "
@@ -1103,7 +1103,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> list[Problem]:
 
 @dataclass(frozen=True)
 class Inputs:
-    """Where the recipe's inputs are, resolved once (see finetune.locate)."""
+    """Where the recipe's inputs are, resolved once (see finetune.recipe.locate)."""
 
     model: ModelLocation
     train: list[DataLocation]
@@ -1262,7 +1262,7 @@ def recipe_from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Loade
 
 
 def resolve_inputs(loaded: LoadedRecipe) -> LoadedRecipe:
-    """Resolve ``model.path``, ``data.train`` and ``data.eval`` once (finetune.locate) and write what was found
+    """Resolve ``model.path``, ``data.train`` and ``data.eval`` once (finetune.recipe.locate) and write what was found
     back as absolute paths, so the saved recipe is self-describing and every later reader sees the same files."""
     r = loaded.recipe
     base = loaded.base_dir
@@ -1301,7 +1301,7 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
     if model_problem:
         problems.append(loaded.problem("model.path", model_problem))
     elif inputs.model.kind in ("dir", "hub-cache"):
-        from finetune.safetensors_stream import SAFE_INDEX, read_weight_map
+        from finetune.storage.safetensors_stream import SAFE_INDEX, read_weight_map
 
         index = Path(inputs.model.path) / SAFE_INDEX
         if index.is_file():
@@ -1322,7 +1322,7 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
         ))
     problems += check_method(loaded, inputs)
     if r.dpo.reference_model and r.train.objective == "dpo":
-        from finetune.reference_model import reference_model_problem
+        from finetune.recipe.reference_model import reference_model_problem
 
         ref_problem = reference_model_problem(r.dpo.reference_model, loaded.base_dir, inputs.model)
         if ref_problem:
@@ -1370,7 +1370,7 @@ def output_problems(loaded: LoadedRecipe) -> list[Problem]:
     symlinks resolved): ``--overwrite`` would delete it, a save would replace it, and a directory of data would
     read the run's own files back. The recipe file may be the run's own saved copy (``output.dir/recipe.yaml``,
     which resume commands name) when it holds exactly what the run writes there."""
-    from finetune.locate import path_overlap
+    from finetune.recipe.locate import path_overlap
 
     out = Path(os.path.expanduser(loaded.recipe.output.dir))
     checked = run_inputs(loaded)
@@ -1398,9 +1398,9 @@ def _later_from_hub(loaded: LoadedRecipe, value: str) -> bool:
 
 
 def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
-    """Settings that contradict each other (every row of the capability table, finetune/capabilities.py, that
+    """Settings that contradict each other (every row of the capability table, finetune/recipe/capabilities.py, that
     refuses what the recipe pins) or the model: one problem each, naming the key."""
-    from finetune.capabilities import Cell, refusals
+    from finetune.recipe.capabilities import Cell, refusals
 
     r = loaded.recipe
     problems = [loaded.problem(found.key, found.message) for found in refusals(Cell.of_recipe(r))]
@@ -1423,14 +1423,14 @@ def check_method(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
     if not wanted or inputs.model.problem():
         return problems
     from finetune.errors import UserError
-    from finetune.locate import model_config
+    from finetune.recipe.locate import model_config
 
     try:
         config = model_config(inputs.model, r.model.trust_remote_code)[0]
     except (OSError, ValueError, UserError):  # the model's own problem is reported by model.path
         return problems
     if expert_rows:
-        from finetune.experts import expert_facts, routed_experts
+        from finetune.model.experts import expert_facts, routed_experts
 
         seen = {(p.key, p.message) for p in problems}
         cell = Cell.of_recipe(r).with_(**expert_facts(config, r.lora.target_modules), num_experts=routed_experts(config))
@@ -1511,7 +1511,7 @@ def _config_facts(location: ModelLocation) -> dict[str, Any] | None:
     """The model's config as a dict, read without transformers (a local config.json or a catalog entry)."""
     import json
 
-    from finetune.catalog import CATALOG
+    from finetune.recipe.catalog import CATALOG
 
     if location.kind == "catalog":
         return dict(CATALOG[location.path])
@@ -1528,7 +1528,7 @@ def _config_facts(location: ModelLocation) -> dict[str, Any] | None:
 def lora_rank_problems(loaded: LoadedRecipe, inputs: Inputs) -> list[Problem]:
     """``lora.r`` above the smallest dimension of a weight it adapts (the update's rank cannot exceed it): one
     problem naming that layer. A rank no wider than the config's smallest width needs no model built."""
-    from finetune.locate import model_config
+    from finetune.recipe.locate import model_config
 
     r = loaded.recipe
     facts = _config_facts(inputs.model)
@@ -1556,7 +1556,7 @@ def pipeline_problems(r: Recipe, config: Any) -> list[tuple[str, str]]:
     """(key, sentence) for each way a pinned pipeline (``distributed.pp`` above 1) cannot cut ``config``'s model
     as the recipe asks: the model's decoder or tied head, more stages than layers, a ``pp_layers`` split that
     does not add up. What depends on the process count is checked by plan and run."""
-    from finetune.capabilities import INTERLEAVED, pipeline_problem, split_problem, stage_problem
+    from finetune.recipe.capabilities import INTERLEAVED, pipeline_problem, split_problem, stage_problem
 
     d = r.distributed
     pp = int(d.pp)
