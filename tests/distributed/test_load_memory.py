@@ -57,7 +57,7 @@ def start_lora_run(
     """`finetune run` of LoRA (bf16) under fsdp on 2 gloo processes, one step, with tests/hostmem_hooks.py;
     the process, its output directory and the hooks' directory. ``code``: another checkout of finetune to run
     (scripts/bench_load_memory.py --old-ref)."""
-    out = tmp / name
+    out = tmp / f"{name}-run"  # apart from the model directory, which is tmp / name
     r = tiny_recipe(
         out,
         model={"path": str(model_dir), "init": "pretrained"},
