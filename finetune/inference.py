@@ -118,7 +118,7 @@ def build_random(run: RunDir, config_dir: Path, trust_remote_code: bool = False,
     """The weights a random-init run drew from its config in ``config_dir`` and ``train.seed`` (a transformers
     PreTrainedModel on the CPU); model code of its own runs only on the user's ``trust_remote_code``."""
     from finetune.recipe.schema import RecipeError, recipe_from_dict
-    from finetune.train.quantize import build_random_base
+    from finetune.train.model.quantize import build_random_base
 
     check_remote_code(config_dir, trust_remote_code)  # before transformers reads any of it
     try:
@@ -607,7 +607,11 @@ def load(selection: Selection, *, device: Any = None, trust_remote_code: bool = 
     assert base is not None, "select returns a base with the adapters"
     adapters = selection.adapters
     if base.quantized is not None:
-        from finetune.train.quantize import bnb_config, disable_cpu_packed_inference, int8_frozen_matmuls
+        from finetune.train.model.quantize import (
+            bnb_config,
+            disable_cpu_packed_inference,
+            int8_frozen_matmuls,
+        )
 
         compute = torch_dtype(base.quantized.compute_dtype)
         quant = bnb_config(loaded_recipe(base.quantized).recipe, compute)

@@ -54,7 +54,7 @@ from finetune.storage.safetensors_stream import (
     stored_name,
 )
 from finetune.storage.swap import swap_in
-from finetune.train.quantize import dequantized_weight, quantized_modules
+from finetune.train.model.quantize import dequantized_weight, quantized_modules
 from finetune.units import DTYPE_NAMES
 
 if TYPE_CHECKING:

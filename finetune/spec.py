@@ -332,7 +332,7 @@ class ExecSpec:
     # a mixture of experts' load-balancing loss, added per target token times this (0: none; finetune/model/router.py)
     aux_loss_coef: float = 0.0
     # expert parallelism (distributed.ep): a mixture's routed experts split over ep ranks borrowed from the
-    # data-parallel shard dimension, tokens dispatched to them by all-to-all (finetune/train/expert_parallel.py)
+    # data-parallel shard dimension, tokens dispatched to them by all-to-all (finetune/train/parallel/expert_parallel.py)
     ep: int = 1
 
     @property

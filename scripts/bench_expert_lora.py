@@ -99,7 +99,7 @@ def step_seconds(models: list, ids, steps: int) -> list[float]:
 
 def peak_bytes(model, ids) -> int:
     """The peak tensor bytes of one forward + backward (MemTracker)."""
-    from finetune.train.memory import mem_tracker_class
+    from finetune.train.metrics.memory import mem_tracker_class
 
     tracker = mem_tracker_class()()
     tracker.track_external(model)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from finetune.objectives.loss import causal_lm_loss
-from finetune.train.memory import PeakMemory
+from finetune.train.metrics.memory import PeakMemory
 
 B, T, V = 4, 256, 8192
 

@@ -29,7 +29,7 @@ from finetune.objectives.loss import (
     _ChunkedCrossEntropy,
     _FusedLinearCrossEntropy,
 )
-from finetune.train.memory import mem_tracker_class
+from finetune.train.metrics.memory import mem_tracker_class
 
 
 def torch_loss(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 One process, a group of one rank on gloo, a Llama-shaped stack of linears (``--layers`` x (hidden x hidden),
 default 12 x 1024 x 1024: 4 MiB per fp32 moment) under FSDP2, and the trainer's 8-bit AdamW over its shards
 (finetune/train/optimizer.py: LocalShardOptimizer) after one step. Each way saves the model and the optimizer
-through the checkpointer's DCP path (finetune/train/checkpoint.py: save_sharded) and loads them back into a
+through the checkpointer's DCP path (finetune/train/checkpoint/checkpointer.py: save_sharded) and loads them back into a
 fresh model and optimizer (load_sharded):
 
 - ``exported``: the optimizer's plain ``state_dict()``, every moment dequantized first (what a checkpoint held
@@ -86,7 +86,7 @@ class Exported:
     """The optimizer's plain state dict as the checkpoint's optimizer part: every moment dequantized first."""
 
     def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        from finetune.train.checkpoint import OptimizerState
+        from finetune.train.checkpoint.checkpointer import OptimizerState
 
         self.inner, self.opt = OptimizerState(model, opt), opt
 
@@ -102,7 +102,7 @@ class Exported:
 
 
 def measure(way: str, layers: int, hidden: int, root: Path) -> dict[str, float]:
-    from finetune.train.checkpoint import ModelState, OptimizerState, load_sharded, save_sharded
+    from finetune.train.checkpoint.checkpointer import ModelState, OptimizerState, load_sharded, save_sharded
 
     model, opt = build(layers, hidden)
     model(torch.randn(4, hidden)).square().mean().backward()

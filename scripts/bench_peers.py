@@ -114,7 +114,7 @@ def finetune_samples(j: dict, out: Path) -> list[dict]:
     same tokens, the same loss tokens and (unpacked) the same batches."""
     from finetune.commands.run import prepare
     from finetune.train.data import BatchStream, load_data
-    from finetune.train.model import load_tokenizer
+    from finetune.train.model.build import load_tokenizer
 
     loaded = prepare(str(write_recipe({**j, "packing": False}, out)), [])
     tok = load_tokenizer(loaded)
@@ -180,8 +180,8 @@ def run_trl(j: dict, out: Path) -> dict:
 
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tok, peft_config=lora)
     # The same initial adapters as finetune's (peft's distributions, drawn per parameter name; see
-    # finetune.train.model.init_adapters): the two runs then start from the same weights.
-    from finetune.train.model import init_adapters
+    # finetune.train.model.build.init_adapters): the two runs then start from the same weights.
+    from finetune.train.model.build import init_adapters
 
     init_adapters(trainer.model, j["seed"])
     trainer.add_callback(Clock())

@@ -1,7 +1,7 @@
 """DDP's gradient buckets: per-rank host memory with and without ``gradient_as_bucket_view``, side by side.
 
 Two gloo processes train a Llama of a few tens of MB (random weights) for a few optimizer steps the way the
-trainer does (finetune.train.parallel.data_parallel, fused AdamW, no_sync for the non-final micro-batches,
+trainer does (finetune.train.parallel.parallelize.data_parallel, fused AdamW, no_sync for the non-final micro-batches,
 clip_grad_norm_, zero_grad(set_to_none=True)) in three modes: ``copy``, the buckets a second copy of the
 gradients (torch's default, ``bucket_view=False``); ``view``, the gradients views into the buckets (the
 trainer's ``bucket_view=True``); and ``view, zeroed in place``, the views with ``zero_grad(set_to_none=False)``
@@ -62,9 +62,9 @@ def _rank(
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.train.distributed import DistContext
     from finetune.train.optimizer import optimizer_class
-    from finetune.train.parallel import data_parallel, no_sync
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.parallelize import data_parallel, no_sync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -2,7 +2,7 @@
 last one. Memory against communication, side by side, from one run.
 
 Two gloo processes train a Llama of 26M parameters (random weights, fp32, full fine-tuning) the way the trainer
-does (``finetune.train.parallel.parallelize`` from the execution spec, ``finetune.train.gradients.accumulate``,
+does (``finetune.train.parallel.parallelize.parallelize`` from the execution spec, ``finetune.train.gradients.accumulate``,
 clipping, fused AdamW, ``zero_grad(set_to_none=True)``), under fsdp and zero2, with accumulation 4, in both modes:
 
 ``last``   ``set_requires_gradient_sync(False)`` on the non-final micro-batches: every unit keeps its unsharded
@@ -79,12 +79,12 @@ def _rank(rank: int, port: int, strategy: str, every: bool, accum: int, steps: i
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.spec import execution_spec
-    from finetune.train.distributed import DistContext
     from finetune.train.gradients import accumulate
-    from finetune.train.memory import PeakMemory
+    from finetune.train.metrics.memory import PeakMemory
     from finetune.train.optimizer import optimizer_class
-    from finetune.train.parallel import parallelize
-    from finetune.train.preflight import RunPhase
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.parallelize import parallelize
+    from finetune.train.runtime.preflight import RunPhase
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

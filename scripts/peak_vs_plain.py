@@ -232,7 +232,7 @@ def trainer_for(arch: str, root: Path, precision: str = "bf16", steps: int = 1) 
     """The trainer of ``arch``'s recipe, set up in this process (model, optimizer, data), and the recipe."""
     from finetune.plan.flowchart import plan_for_run
     from finetune.recipe.schema import load_recipe
-    from finetune.train.distributed import DistContext
+    from finetune.train.parallel.distributed import DistContext
     from finetune.train.trainer import Trainer
 
     path = root / f"{arch}.yaml"

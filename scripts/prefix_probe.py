@@ -67,7 +67,7 @@ def main() -> int:
     from finetune.spec import AdapterSpec
     from finetune.train.data import load_data
     from finetune.train.data.batches import collate
-    from finetune.train.model import load_tokenizer, resolve_model_path
+    from finetune.train.model.build import load_tokenizer, resolve_model_path
 
     loaded = load_recipe(args.recipe)
     tok = load_tokenizer(loaded)

@@ -85,7 +85,8 @@ class HostMemoryHooks(TrainerHooks):
             return
         _SAMPLER = _Sampler()
         _PHASES["environment"] = {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-        from finetune.train import resume, trainer
+        from finetune.train import trainer
+        from finetune.train.checkpoint import resume
 
         trainer.Trainer._setup_model = _record("load", trainer.Trainer._setup_model)
         trainer.Trainer.save = _record("final", trainer.Trainer.save)

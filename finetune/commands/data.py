@@ -150,7 +150,7 @@ def inspect_data(loaded: LoadedRecipe, show: int) -> DataReport:
     """Read and tokenize the recipe's data as a run would (tokenizer only), and take its first ``show`` samples."""
     from finetune.train.data import chat_template_name
     from finetune.train.data.task import load_task_data
-    from finetune.train.model import load_tokenizer
+    from finetune.train.model.build import load_tokenizer
 
     tokenizer = load_tokenizer(loaded)
     data = load_task_data(loaded, tokenizer)

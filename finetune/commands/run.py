@@ -14,8 +14,8 @@ from finetune.recipe.schema import LoadedRecipe, RecipeError, check_files, load_
 
 if TYPE_CHECKING:
     from finetune.plan.types import Plan
-    from finetune.train.slurm import SlurmJob
-    from finetune.train.worker import RunRequest
+    from finetune.train.runtime.slurm import SlurmJob
+    from finetune.train.runtime.worker import RunRequest
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
 
     check_push("output.push_to_hub", loaded.recipe.output.push_to_hub)
     if loaded.recipe.output.trackers:
-        from finetune.train.trackers import check_installed
+        from finetune.train.metrics.trackers import check_installed
 
         check_installed(list(loaded.recipe.output.trackers))  # before any weights load, not after
     return loaded
@@ -60,9 +60,9 @@ def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
 
 def with_slurm(options: LaunchOptions, env: Mapping[str, str] | None = None) -> tuple[LaunchOptions, SlurmJob | None]:
     """``options`` with the nodes, this node's rank and the rendezvous endpoint that no flag gave taken from
-    SLURM's environment under ``srun`` (:class:`~finetune.train.slurm.SlurmJob`), else one node; and the job.
+    SLURM's environment under ``srun`` (:class:`~finetune.train.runtime.slurm.SlurmJob`), else one node; and the job.
     Explicit flags win; a step that started several tasks per node is refused in one sentence."""
-    from finetune.train.slurm import SlurmJob
+    from finetune.train.runtime.slurm import SlurmJob
 
     job = SlurmJob.from_env(env)
     given = (options.nnodes, options.node_rank, options.rdzv_endpoint)
@@ -78,9 +78,9 @@ def with_slurm(options: LaunchOptions, env: Mapping[str, str] | None = None) -> 
 def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOptions()) -> int:
     """Run ``recipe``: plan, then train in-process (1 process) or through torch.distributed.run (N)."""
     options, job = with_slurm(options)
-    from finetune.train import allocator
+    from finetune.train.runtime import allocator
 
-    allocator.configure()  # before CUDA initialises here; the workers inherit it (finetune/train/allocator.py)
+    allocator.configure()  # before CUDA initialises here; the workers inherit it (finetune/train/runtime/allocator.py)
     import torch
 
     from finetune.plan.flowchart import plan_for_run
@@ -107,14 +107,14 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
         # A requeued job continues from its newest checkpoint, or starts again without one; an --overwrite in
         # its command line was done by its first attempt.
         resume, options = "auto", replace(options, overwrite=False)
-    from finetune.train.lock import OutputLock
+    from finetune.train.checkpoint.lock import OutputLock
 
     # node 0's launcher prepares output.dir (clears, resumes, writes the run files): it holds the directory from
     # here to its exit, so a second run into it is refused before it touches anything there
     with OutputLock(r.output.dir) if options.node_rank == 0 else contextlib.nullcontext():
         if options.node_rank == 0:
-            from finetune.train.resume import preflight_resume
-            from finetune.train.save import write_run_files
+            from finetune.train.checkpoint.resume import preflight_resume
+            from finetune.train.checkpoint.save import write_run_files
 
             resume = preflight_resume(loaded, plan, resume, options.overwrite)  # the checkpoint path; a mismatch is a UserError
             write_run_files(loaded, plan.to_dict())
@@ -124,7 +124,7 @@ def launch(recipe: str, overrides: list[str], options: LaunchOptions = LaunchOpt
             return train_rank(
                 loaded, plan, measure_memory=options.measure_memory, resume=resume, debug_memory=options.debug_memory
             ).exit_code
-        from finetune.train.worker import RunRequest
+        from finetune.train.runtime.worker import RunRequest
 
         request = RunRequest.of(
             loaded, plan, resume=resume, measure_memory=options.measure_memory, debug_memory=options.debug_memory
@@ -153,7 +153,7 @@ def check_host_memory(plan: Plan, options: LaunchOptions) -> None:
         raise UserError(problem)
 
 
-#: The signals the launcher's agent forwards to its workers (each a graceful stop: finetune.train.signals).
+#: The signals the launcher's agent forwards to its workers (each a graceful stop: finetune.train.runtime.signals).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
@@ -191,7 +191,7 @@ def torchrun_args(request_path: Path, options: LaunchOptions, run_id: str) -> li
         # Node 0 hosts the rendezvous store: said explicitly, so that several nodes on one host (or an
         # endpoint written as an IP) never both try to host it.
         args.append(f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'},join_timeout=300")
-    return [*args, "-m", "finetune.train.worker", str(request_path)]
+    return [*args, "-m", "finetune.train.runtime.worker", str(request_path)]
 
 
 def rendezvous_id(rdzv_endpoint: str | None) -> str:
@@ -217,7 +217,7 @@ def launch_workers(request: RunRequest, options: LaunchOptions) -> int:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
-    from finetune.train.distributed import threads_per_process
+    from finetune.train.parallel.distributed import threads_per_process
 
     nproc, nnodes = options.nproc or 1, options.nnodes or 1
     run_id = rendezvous_id(options.rdzv_endpoint)
@@ -229,7 +229,7 @@ def launch_workers(request: RunRequest, options: LaunchOptions) -> int:
     with tempfile.TemporaryDirectory(prefix="finetune-launch-") as tmp:
         argv = torchrun_args(request.write(Path(tmp) / "request.json"), options, run_id)
         # On SIGTERM/Ctrl-C, and SLURM's warning signals USR1/USR2 (sbatch --signal), the agent forwards the
-        # signal to the workers, which finish the step and save a checkpoint (finetune.train.signals.StopRequest);
+        # signal to the workers, which finish the step and save a checkpoint (finetune.train.runtime.signals.StopRequest);
         # it waits this long before SIGKILL (torch's default: 30 s).
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
         config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(argv))

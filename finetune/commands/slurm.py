@@ -2,7 +2,7 @@
 
 The script asks for N nodes with one task each (``finetune run`` starts a node's G processes itself, through
 torchrun's agent) and runs ``srun finetune run RECIPE --resume auto``, which takes the nodes, this node's rank
-and the rendezvous host from SLURM's environment (finetune/train/slurm.py). It is written for a job that
+and the rendezvous host from SLURM's environment (finetune/train/runtime/slurm.py). It is written for a job that
 outlives its time limit: ``--signal=USR1@M`` warns the job M seconds before the limit, every rank finishes its
 step and saves a checkpoint and the run exits with 138; the script then requeues the job (``--requeue``,
 ``scontrol requeue``), whose next attempt (``SLURM_RESTART_COUNT`` above 0) resumes from that checkpoint. M is
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.errors import UserError
 from finetune.recipe.schema import RecipeError, check_files, load_recipe
-from finetune.train.signals import exit_code
+from finetune.train.runtime.signals import exit_code
 
 if TYPE_CHECKING:
     from finetune.plan.types import Plan

@@ -4,7 +4,7 @@
 rsLoRA, gaussian init), peft prefix tuning, peft prompt tuning, or bottleneck adapters (Houlsby et al.: down-projection,
 non-linearity, up-projection, added to the output of the attention and/or the MLP of every decoder layer).
 
-The planner's inventory and activation traces (finetune/plan) and the trainer (finetune/train/model.py)
+The planner's inventory and activation traces (finetune/plan) and the trainer (finetune/train/model/build.py)
 all call it, so what is counted and traced is what is trained.
 
 Bottleneck adapters are our own small modules: AdapterHub's ``adapters`` package (1.3.0) pins

@@ -128,7 +128,7 @@ class TrainingMethod:
     def base_only(self, model: Any) -> AbstractContextManager[Any]:
         """Within this context ``model`` (the adapted model, unwrapped from DDP) computes as its frozen base:
         dpo's reference policy for an adapter method, at no memory cost. Full fine-tuning has no base to switch
-        to (its reference is a frozen copy, finetune/train/reference.py)."""
+        to (its reference is a frozen copy, finetune/train/model/reference.py)."""
         raise AssertionError(f"{self.title} trains every weight: its dpo reference is a frozen copy")
 
 

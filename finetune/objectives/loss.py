@@ -113,7 +113,7 @@ SEQUENCE_SHARD = "_finetune_sequence_shard"
 @dataclass
 class SequenceShard:
     """This rank's place among the tensor-parallel ranks that split the residual stream over the sequence
-    (sequence parallelism, set on the head by finetune.train.parallel).
+    (sequence parallelism, set on the head by finetune.train.parallel.parallelize).
 
     The final norm's output reaches the head through :meth:`hand_over`: this rank's rows inside :meth:`rows`
     (:func:`causal_lm_loss`: the fused head and loss run on them, so the head's inputs, logits and
@@ -213,7 +213,7 @@ def loss_head(
     """Within this context a forward of ``model``'s output head leads to the summed next-token cross-entropy
     against ``targets`` (the shifted labels, (B, T)): the function it yields turns what the head returned into
     that sum. :func:`causal_lm_loss` runs the whole model inside it, the last pipeline stage its final norm and
-    head (finetune.train.pipeline).
+    head (finetune.train.parallel.pipeline).
 
     The head is fused with the loss (:class:`fused_head`: the head returns the sum itself) where
     :func:`fusable_head` allows it; under sequence parallelism it runs on this rank's rows of the sequence and

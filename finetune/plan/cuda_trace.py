@@ -31,7 +31,7 @@ and the kernels that draw dropout keep two 8-byte philox tensors (seed, offset) 
 dropout runs on CPU through :mod:`finetune.model.attention` (q, k, v and a seed, the probabilities recomputed), on
 CUDA through the fused kernels (q, k, v, the output, the log-sum-exp, the philox state): the same within the
 output, which the next projection keeps anyway. 8-bit quantized linears train through the frozen
-dequantize-and-matmul path on CUDA as on CPU (finetune/train/quantize.py: int8_frozen_matmuls), which keeps
+dequantize-and-matmul path on CUDA as on CPU (finetune/train/model/quantize.py: int8_frozen_matmuls), which keeps
 nothing of its input, so the trace's stand-in is right on both.
 """
 

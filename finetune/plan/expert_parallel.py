@@ -1,5 +1,5 @@
 """What expert parallelism (``distributed.ep``) changes in a plan: the experts a rank gathers, the routed
-tokens it sends by all-to-all, and the buffers of that exchange (finetune/train/expert_parallel.py runs it).
+tokens it sends by all-to-all, and the buffers of that exchange (finetune/train/parallel/expert_parallel.py runs it).
 
 Under FSDP each rank stores ``1/dp`` of every weight with or without ep: ep borrows its ranks from dp_shard, and
 FSDP shards each rank's ``E/ep`` experts over the ``dp/ep`` ranks ep leaves. What ep divides is what a rank

@@ -186,7 +186,7 @@ def unsharded_bytes(
 
 def reference_bytes(inv: Inventory, spec: ExecSpec) -> int:
     """Bytes of dpo's frozen reference copy (``reference: model`` under full fine-tuning) before sharding: every
-    base weight in the frozen dtype (finetune/train/reference.py); 0 for every other objective and reference."""
+    base weight in the frozen dtype (finetune/train/model/reference.py); 0 for every other objective and reference."""
     if spec.reference != "model":
         return 0
     per = DTYPE_BYTES[spec.reference_dtype]

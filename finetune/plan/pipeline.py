@@ -3,7 +3,7 @@ flight, its bubble, and the sentences that refuse a pipeline that cannot run.
 
 The layers are split over ``pp`` ranks x ``v`` stages per rank (``v`` > 1 only for interleaved-1f1b, whose
 virtual stage ``s`` runs on rank ``s % pp``). The first stage also holds the embeddings, the last the final norm,
-the head and the loss (finetune/train/pipeline.py builds exactly that), so a balanced split gives those two
+the head and the loss (finetune/train/parallel/pipeline.py builds exactly that), so a balanced split gives those two
 stages fewer decoder layers: each part counts as layer-equivalents, the larger of its forward FLOPs and its
 parameters over one decoder layer's (:func:`layer_equivalents`), and :func:`balanced_split` minimises the
 costliest stage.

@@ -2,7 +2,7 @@
 
 Under ``distributed.tp: N`` the trainer splits every decoder block's linear layers over N ranks of a node as
 transformers' ``config.base_model_tp_plan`` says (q/k/v and gate/up column-wise, o_proj and down_proj
-row-wise; finetune/train/parallel.py). One rank then holds exactly the block of a model with ``heads / N``
+row-wise; finetune/train/parallel/parallelize.py). One rank then holds exactly the block of a model with ``heads / N``
 attention heads, ``kv_heads / N`` KV heads and ``intermediate / N`` MLP features, at the same hidden size
 and head dimension, while embeddings, norms and the head stay whole (replicated). So the planner's
 inventory and its activation traces use that model, :func:`tp_config`: parameters, gradients, optimizer
@@ -129,7 +129,7 @@ def sequence_parallel_trace(model: Any, ranks: int, seq_len: int) -> Any:
     parallelism holds on rank 0 of ``ranks``; returns a context that installs them (and the head's
     :class:`~finetune.objectives.loss.SequenceShard`) and removes them after.
 
-    The trainer's layout (finetune/train/parallel.py) on plain tensors: the first decoder block's input is cut
+    The trainer's layout (finetune/train/parallel/parallelize.py) on plain tensors: the first decoder block's input is cut
     to the rank's ``ceil(seq_len / ranks)`` positions (the embedding's output split over the sequence), so the
     norms and residual adds of every block, the final norm and the fused head and loss run on them; the module
     around the column-parallel linears (attention, MLP) gathers a new whole-sequence tensor (the all-gather,

@@ -349,7 +349,7 @@ TABLE: tuple[Rule, ...] = (
         lambda c: f"{_tp(c)} with hsdp is not supported (a replicate x shard x tp mesh is not built by finetune); "
         "use fsdp with tensor parallelism, or distributed.tp: 1",
     ),
-    # -- offload (FSDP2's CPUOffloadPolicy: finetune/train/parallel.py) -----------------------------------
+    # -- offload (FSDP2's CPUOffloadPolicy: finetune/train/parallel/parallelize.py) -----------------------------------
     Rule(
         "offload-unsharded", ("train.offload", "distributed.strategy"),
         lambda c: c.offload in OFFLOADS and c.strategy in ("single", "ddp", "zero1"),
@@ -673,7 +673,7 @@ def _pp(c: Cell) -> int:
     return c.pp or 1
 
 
-# Pipeline parallelism (finetune/train/pipeline.py): stage models of full fine-tuning and LoRA, over a
+# Pipeline parallelism (finetune/train/parallel/pipeline.py): stage models of full fine-tuning and LoRA, over a
 # (pp, dp, tp) mesh with FSDP2 (or nothing) over dp, driven by torch.distributed.pipelining's schedules.
 PIPELINE_RULES: tuple[Rule, ...] = (
     Rule(
@@ -763,7 +763,7 @@ def _ep(c: Cell) -> int:
     return c.ep
 
 
-# Expert parallelism (finetune/train/expert_parallel.py): a mixture's routed experts split over ep ranks that
+# Expert parallelism (finetune/train/parallel/expert_parallel.py): a mixture's routed experts split over ep ranks that
 # ep borrows from FSDP2's shard dimension, tokens dispatched by all-to-all, on one node's fsdp/zero2 mesh.
 EXPERT_PARALLEL_RULES: tuple[Rule, ...] = (
     Rule(
@@ -872,7 +872,7 @@ def check(cell: Cell) -> None:
 
 # ------------------------------------------------------------------------------------------------------
 # Pipeline rules that need the model's config or the layout's numbers: validate (with the model's config),
-# the planner (finetune/plan/setting.py) and the trainer (finetune/train/pipeline.py) refuse with these.
+# the planner (finetune/plan/setting.py) and the trainer (finetune/train/parallel/pipeline.py) refuse with these.
 # ------------------------------------------------------------------------------------------------------
 #: the interleaved schedule's name (several stages per rank)
 INTERLEAVED = "interleaved-1f1b"
@@ -918,7 +918,7 @@ def pipeline_problem(
     return None
 
 
-#: model types whose decoder the trainer's pipeline stages run (finetune/train/pipeline.py): Llama's family
+#: model types whose decoder the trainer's pipeline stages run (finetune/train/parallel/pipeline.py): Llama's family
 STAGE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 

@@ -5,7 +5,7 @@ Full fine-tuning compares the policy with its starting weights unless ``dpo.refe
 model directory (the SFT model the policy starts from, another run's output). That model must score the same
 token ids as the policy (the same vocabulary size and token map) and be of the same architecture family
 (``model_type``), so it is built, held and sharded as the policy's frozen copy is
-(finetune/train/reference.py). :func:`reference_model_problem` says in one sentence what does not match.
+(finetune/train/model/reference.py). :func:`reference_model_problem` says in one sentence what does not match.
 
 Pure Python (json and file stats, no torch or transformers): ``finetune validate`` stays instant.
 """

@@ -20,10 +20,10 @@ from finetune.objectives.loss import IGNORE_INDEX, causal_lm_loss, shifted_label
 from finetune.train.data import EvalPrompt, Example, collate
 from finetune.train.data.batches import to_device
 from finetune.train.data.retain import RetainData
-from finetune.train.distributed import DistContext
+from finetune.train.parallel.distributed import DistContext
 
 if TYPE_CHECKING:
-    from finetune.train.pipeline import StagedForward
+    from finetune.train.parallel.pipeline import StagedForward
 
 
 @dataclass
@@ -163,7 +163,7 @@ def evaluate(
     try:
         prefs = None
         if task and objective is not None:  # preference pairs: the objective's loss and figures
-            from finetune.train.reference import preference_eval
+            from finetune.train.model.reference import preference_eval
 
             with phase("evaluation"):
                 loss, prefs = preference_eval(

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from finetune.objectives.loss import causal_lm_loss
-from finetune.train.distributed import DistContext
-from finetune.train.parallel import no_sync
+from finetune.train.parallel.distributed import DistContext
+from finetune.train.parallel.parallelize import no_sync
 
 if TYPE_CHECKING:
-    from finetune.train.layout import ParallelLayout
-    from finetune.train.pipeline import Pipeline
-    from finetune.train.preflight import RunPhase
+    from finetune.train.parallel.layout import ParallelLayout
+    from finetune.train.parallel.pipeline import Pipeline
+    from finetune.train.runtime.preflight import RunPhase
 
 
 class MicroBatchLoss:
@@ -67,7 +67,7 @@ def accumulate(
 ) -> torch.Tensor:
     """Forward and backward every micro-batch (``phase`` follows: forward, backward); gradients are synchronised
     on the last one only, or, with ``sync_every_micro_batch`` (the execution spec's: FSDP2's strategies),
-    reduce-scattered after every one (:func:`~finetune.train.parallel.no_sync`). Returns this rank's summed
+    reduce-scattered after every one (:func:`~finetune.train.parallel.parallelize.no_sync`). Returns this rank's summed
     token loss, a float64 tensor on the device.
 
     Nothing here reads a device value on the host: ``global_tokens`` may be a device tensor (the all-reduced

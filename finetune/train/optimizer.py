@@ -16,7 +16,7 @@ absmax (:func:`_requantize`), so a save and load on the same layout gives back t
 The fp32 moments are 8 bytes per local parameter, four times the 8-bit state, and exist only for the
 checkpoint: the checkpointer streams them (:meth:`LocalShardOptimizer.streamed`). Its state dict then holds a
 placeholder per moment (a :class:`MomentStream`: the layout, no values), and torch.distributed.checkpoint's
-planners (finetune/train/checkpoint.py) ask it for one moment when the writer reaches it (dequantized a slice
+planners (finetune/train/checkpoint/checkpointer.py) ask it for one moment when the writer reaches it (dequantized a slice
 of blocks at a time on the device, copied into host memory) and hand it each moment once the reader has filled
 it (quantized back a slice at a time on the device). On the device a save or a resume adds one slice
 (:data:`CHUNK` values), not 8 bytes per parameter; in host memory a resume adds one moment of one parameter,
@@ -275,7 +275,7 @@ class LocalShardOptimizer(torch.optim.Optimizer):
     @contextlib.contextmanager
     def streamed(self) -> Iterator[None]:
         """For the duration, :meth:`state_dict` holds a :class:`MomentStream` placeholder for each moment
-        instead of its values, which torch.distributed.checkpoint's planners of finetune/train/checkpoint.py
+        instead of its values, which torch.distributed.checkpoint's planners of finetune/train/checkpoint/checkpointer.py
         write and read one moment at a time (module docstring)."""
         self._streaming = True
         try:

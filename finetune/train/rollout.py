@@ -35,7 +35,7 @@ from finetune.objectives.loss import IGNORE_INDEX
 from finetune.objectives.rewards import Rewards
 from finetune.train.data import EvalPrompt
 from finetune.train.data.batches import BatchStream, Example, collate, to_device
-from finetune.train.distributed import DistContext
+from finetune.train.parallel.distributed import DistContext
 
 #: ``batch -> per-token log-probs`` of a reference policy (the frozen copy, or the base with its adapters off).
 Reference = Callable[[dict[str, Any]], torch.Tensor]
@@ -131,7 +131,7 @@ class Rollouts:
     @torch.no_grad()
     def make(self, model: torch.nn.Module, epoch: int, in_epoch: int, micro_batch_size: int) -> Rollout:
         """Sample, score and batch this rank's completions of the step's prompts."""
-        from finetune.train.reference import reshard
+        from finetune.train.model.reference import reshard
 
         s, ctx, tok = self.settings, self.ctx, self.tokenizer
         layout = ctx.layout
@@ -174,7 +174,7 @@ class Rollouts:
     def _log_probs(self, model: torch.nn.Module, micro: list[dict[str, Any]]) -> None:
         """The old policy's (more than one step per batch) and the reference's (the KL term) per-token
         log-probabilities of every micro-batch, on the host."""
-        from finetune.train.reference import reshard
+        from finetune.train.model.reference import reshard
 
         s = self.settings
         if s.num_iterations == 1 and self.reference is None:
@@ -223,7 +223,7 @@ def rollout_reference(spec: Any, policy: torch.nn.Module, frozen: torch.nn.Modul
     """The reference's per-token log-probabilities: the frozen copy (full fine-tuning), or the policy with its
     adapters switched off (an adapter method's base)."""
     from finetune.model.methods import training_of
-    from finetune.train.parallel import unwrap
+    from finetune.train.parallel.parallelize import unwrap
 
     if frozen is not None:
         ref: Any = frozen
@@ -275,7 +275,7 @@ def setup_grpo(
     """grpo's parts for the trainer (``spec.grpo``): the rewards are loaded first (a user function's file is
     imported here, before any step), then the reference where the KL term needs one."""
     from finetune.objectives.grpo import GrpoObjective
-    from finetune.train.reference import build_reference_model
+    from finetune.train.model.reference import build_reference_model
 
     r = loaded.recipe
     settings = GrpoSettings.of(r.grpo)

@@ -9,13 +9,13 @@ Read top to bottom, this is everything ``finetune run`` does on a rank once the 
                 and checkpointing as the recipe says
     train_step  one optimizer step over the global batch (micro-batches, gradient accumulation, clipping,
                 non-finite policy), with the memory probe around the first two steps
-                (:mod:`~finetune.train.step_memory`); the metrics row, tokens/s and MFU of every step come from
-                :class:`~finetune.train.metrics.MetricsProcessor`, the evaluations from the
+                (:mod:`~finetune.train.metrics.step_memory`); the metrics row, tokens/s and MFU of every step come from
+                :class:`~finetune.train.metrics.log.MetricsProcessor`, the evaluations from the
                 :class:`~finetune.train.schedule.EvalSchedule`
     evaluate    eval loss and exact match (collective-safe: every rank runs the same forwards)
     save        the final model or adapter, and the tokenizer (rank 0 writes; every rank gathers)
 
-The process group is the worker's (finetune.train.worker): it joins it before the trainer starts and leaves it after.
+The process group is the worker's (finetune.train.runtime.worker): it joins it before the trainer starts and leaves it after.
 
 A global batch is split into ``grad_accum_steps`` micro-batches on each of ``world_size`` ranks. Every
 micro-batch's summed token loss is divided by the number of target tokens in the *whole global batch*
@@ -39,9 +39,10 @@ from finetune.model.kernels import experts_kernel_of
 from finetune.objectives.loss import causal_lm_loss, count_target_tokens, document_ids, target_rows
 from finetune.plan.types import Plan
 from finetune.recipe.schema import LoadedRecipe
-from finetune.train import allocator
-from finetune.train.checkpoint import ModelState, OptimizerState, RNGState
-from finetune.train.console import Reporter
+from finetune.train.checkpoint.checkpointer import ModelState, OptimizerState, RNGState
+from finetune.train.checkpoint.early_stopping import early_stopping_for
+from finetune.train.checkpoint.resume import RunCheckpoints, build_checkpointer, resume_command
+from finetune.train.checkpoint.save import save_final
 from finetune.train.data import BatchStream, TaskData
 from finetune.train.data.batches import to_device
 from finetune.train.data.preference import PreferenceStream
@@ -49,35 +50,34 @@ from finetune.train.data.retain import RetainData, load_retain
 from finetune.train.data.stream import StreamingBatches
 from finetune.train.data.task import load_task_data
 from finetune.train.determinism import seed_everything
-from finetune.train.distributed import DistContext
-from finetune.train.early_stopping import early_stopping_for
 from finetune.train.evaluate import EvalResult, evaluate
 from finetune.train.gradients import MicroBatchLoss, accumulate, clip_grad_norm, pipeline_step
 from finetune.train.hooks import TrainerHooks, load_hooks
-from finetune.train.load import build_on_meta, loads_sharded, materialize
-from finetune.train.metrics import MetricsProcessor, MetricsWriter, first_retain
-from finetune.train.model import (
+from finetune.train.metrics.console import Reporter
+from finetune.train.metrics.log import MetricsProcessor, MetricsWriter, first_retain
+from finetune.train.metrics.step_memory import StepMemory
+from finetune.train.metrics.throughput import MfuMeter, row_widths
+from finetune.train.model.build import (
     broadcast_decomposed,
     build_model,
     check_model_storage,
     count_parameters,
     load_tokenizer,
 )
+from finetune.train.model.load import build_on_meta, loads_sharded, materialize
+from finetune.train.model.reference import preference_figures, setup_objective
 from finetune.train.nonfinite import nonfinite_limit, nonfinite_policy, nonfinite_stop
 from finetune.train.optimizer import build_optimizer
-from finetune.train.parallel import parallelize, unwrap
-from finetune.train.pipeline import Pipeline, StagedForward, build_pipeline
+from finetune.train.parallel.distributed import DistContext
+from finetune.train.parallel.parallelize import parallelize, unwrap
+from finetune.train.parallel.pipeline import Pipeline, StagedForward, build_pipeline
 from finetune.train.precision import autocast_factory, grad_scaler
-from finetune.train.preflight import RunPhase
-from finetune.train.reference import preference_figures, setup_objective
-from finetune.train.resume import RunCheckpoints, build_checkpointer, resume_command
 from finetune.train.rollout import GrpoRun, setup_grpo
-from finetune.train.save import save_final
+from finetune.train.runtime import allocator
+from finetune.train.runtime.preflight import RunPhase
+from finetune.train.runtime.signals import StopRequest
 from finetune.train.schedule import EvalSchedule, lr_scheduler, total_steps
-from finetune.train.signals import StopRequest
 from finetune.train.state import DataPosition, RunResult, StepResult, TrainState, position
-from finetune.train.step_memory import StepMemory
-from finetune.train.throughput import MfuMeter, row_widths
 from finetune.units import parse_bytes
 
 
@@ -147,7 +147,7 @@ class Trainer:
                 )
             else:
                 self.stream = stream(self.data.train, r.train.global_batch_size, r.train.seed, self.tokenizer.pad_token_id)
-            # dpo, simpo, orpo (None: sft); dpo's reference (finetune/train/reference.py), before any resume
+            # dpo, simpo, orpo (None: sft); dpo's reference (finetune/train/model/reference.py), before any resume
             self.objective, self.reference = setup_objective(
                 self.loaded, self.spec, self.model, self.data, ctx, self.autocast, self.tokenizer.pad_token_id,
                 eval_batch_size(r, chosen),
@@ -241,7 +241,7 @@ class Trainer:
             check_model_storage(model, spec, self.plan.model.get("param_bytes_by_dtype"))
             self.trainable, self.total_params = count_parameters(model)
             return parallelize(model, spec, ctx)
-        # Sharded: built on meta, wrapped, then each rank materialises only its shards (finetune/train/load.py).
+        # Sharded: built on meta, wrapped, then each rank materialises only its shards (finetune/train/model/load.py).
         # (prefix.init: text is refused there by the capability table when the plan is made.)
         assert text is None and prompt_text is None, "init: text on a sharded load is refused by the capability table"
         model = build_on_meta(self.loaded, spec, ctx.device)
@@ -460,7 +460,7 @@ def open_trackers(loaded: LoadedRecipe, plan: Plan, ctx: DistContext, resume_ste
     """output.trackers on rank 0 (none elsewhere), started fresh or continued at ``resume_step``."""
     import json
 
-    from finetune.train.trackers import Trackers
+    from finetune.train.metrics.trackers import Trackers
 
     # Through JSON: the plan's enums become their plain names, as in plan.json (wandb would write their names).
     config = json.loads(json.dumps({"recipe": loaded.recipe.model_dump(mode="json"), "plan": plan.to_dict()}))
@@ -477,10 +477,10 @@ def train_rank(
     """Run the whole training of this rank as ``plan`` says (setup, then train, which saves).
 
     Before anything is loaded, the preflight checks that this rank can hold the plan; running out of memory
-    later raises :class:`~finetune.train.preflight.OutOfMemory` naming the phase, the step and what to run
+    later raises :class:`~finetune.train.runtime.preflight.OutOfMemory` naming the phase, the step and what to run
     instead (``debug_memory``: with a CUDA allocator snapshot), never torch's traceback.
     """
-    from finetune.train import preflight as pf
+    from finetune.train.runtime import preflight as pf
 
     ctx = ctx or DistContext.from_env()
     pf.preflight(loaded, plan, ctx)

@@ -33,7 +33,7 @@ def run(check: Check) -> None:
     from finetune.objectives.loss import causal_lm_loss
     from finetune.recipe.schema import load_recipe
     from finetune.spec import execution_spec
-    from finetune.train.model import build_model
+    from finetune.train.model.build import build_model
     from finetune.train.precision import autocast_factory
 
     gpu = not check.dry_run

@@ -1,7 +1,7 @@
 """Section compile: ``train.compile`` with LoRA and activation checkpointing on a model of more than 8 blocks.
 
 Two runs of the same LoRA job through `finetune run` (bf16, activation checkpointing on, 12 blocks): compiled
-and eager. Each decoder block is compiled (finetune.train.parallel.compile_blocks), the checkpoint traced into
+and eager. Each decoder block is compiled (finetune.train.parallel.parallelize.compile_blocks), the checkpoint traced into
 its graph; the blocks share one compiled graph. Figures: the first step's seconds (the compilation), steady
 tokens/s of both, their losses, which must agree within 2% (inductor's kernels round differently).
 

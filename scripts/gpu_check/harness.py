@@ -6,7 +6,7 @@ One process group of one rank serves every section of a worker process (:func:`s
 group at world size 1, the harness makes the one it gives several processes (nccl on a GPU, gloo on a CPU)
 and says so. Its backend string and whether it takes a CPU tensor's all-reduce (FSDP2's CPU offload keeps
 gradients on the host: clipping all-reduces them) are the first figures. A DistContext that counts as
-distributed makes ``finetune.train.parallel.parallelize`` shard with FSDP2 as on many GPUs. Each case builds
+distributed makes ``finetune.train.parallel.parallelize.parallelize`` shard with FSDP2 as on many GPUs. Each case builds
 its model as the trainer's sharded path does (``load.build_on_meta`` -> ``parallelize`` -> ``load.materialize``)
 and trains it with the tool's loss, precision helpers, optimizer and clipping:
 
@@ -90,7 +90,7 @@ class Harness:
         import torch
         import torch.distributed as dist
 
-        from finetune.train.distributed import DistContext
+        from finetune.train.parallel.distributed import DistContext
 
         self.check, self.torch = check, torch
         gpu = not check.dry_run
@@ -177,7 +177,7 @@ class Harness:
         """The micro-batches of the first steps (the same for every case: same data, seed and batch)."""
         if self._data is None:
             from finetune.train.data import BatchStream, load_data
-            from finetune.train.model import load_tokenizer
+            from finetune.train.model.build import load_tokenizer
 
             tok = load_tokenizer(loaded)
             stream = BatchStream(load_data(loaded, tok).train, self.batch, 0, tok.pad_token_id)
@@ -191,8 +191,8 @@ class Harness:
 
     def sharded(self, loaded: Any, spec: Any) -> Any:
         """The trainer's sharded path: built on meta, parallelized (FSDP2), then this rank's shards filled."""
-        from finetune.train.load import build_on_meta, materialize
-        from finetune.train.parallel import parallelize
+        from finetune.train.model.load import build_on_meta, materialize
+        from finetune.train.parallel.parallelize import parallelize
 
         self.torch.manual_seed(0)
         model = parallelize(build_on_meta(loaded, spec, self.device), spec, self.ctx.laid_out(spec))
@@ -201,7 +201,7 @@ class Harness:
 
     def whole(self, loaded: Any, spec: Any) -> Any:
         """The whole-model load (what one process builds), not wrapped."""
-        from finetune.train.model import build_model
+        from finetune.train.model.build import build_model
 
         self.torch.manual_seed(0)
         return build_model(loaded, spec, self.device)
@@ -282,7 +282,7 @@ def case_full_bf16(h: Harness, check: Check) -> tuple[Any, Any, Any, Any]:
     """FSDP2 full fine-tuning in bf16 against the unsharded run; returns what the checkpoint cases reuse."""
     from torch.distributed.tensor import DTensor
 
-    from finetune.train.parallel import is_sharded
+    from finetune.train.parallel.parallelize import is_sharded
 
     loaded = h.loaded("full_bf16", "full", "bf16")
     spec = h.spec(loaded)
@@ -313,7 +313,7 @@ def case_checkpoints(h: Harness, check: Check, loaded: Any, spec: Any, model: An
     import torch.distributed.checkpoint as dcp
 
     from finetune.recipe.schema import recipe_to_yaml
-    from finetune.train import checkpoint as ck
+    from finetune.train.checkpoint import checkpointer as ck
     from finetune.train.state import DataPosition, TrainState
 
     batches = h.batches(loaded)
@@ -362,7 +362,7 @@ def case_checkpoints(h: Harness, check: Check, loaded: Any, spec: Any, model: An
 
 def case_qlora(h: Harness, check: Check) -> None:
     """QLoRA 4-bit under FSDP2: sharded load against the whole-model quantizing load, then two steps."""
-    from finetune.train.parallel import parallelize
+    from finetune.train.parallel.parallelize import parallelize
 
     loaded = h.loaded("qlora", "qlora", "bf16")
     spec = h.spec(loaded)
@@ -487,7 +487,7 @@ def optimizer8bit(check: Check) -> None:
     import torch
 
     from finetune.recipe.schema import recipe_to_yaml
-    from finetune.train import checkpoint as ck
+    from finetune.train.checkpoint import checkpointer as ck
     from finetune.train.state import DataPosition, TrainState
 
     h = shared(check)
@@ -588,7 +588,7 @@ def qlora8(check: Check) -> None:
 
     from finetune.objectives.loss import causal_lm_loss
     from finetune.plan.activations import TRACE_LAYERS, TraceSpec, activation_profile
-    from finetune.train.parallel import decoder_blocks
+    from finetune.train.parallel.parallelize import decoder_blocks
     from finetune.train.precision import autocast_factory
 
     h = shared(check)
@@ -643,8 +643,8 @@ def pipeline(check: Check) -> None:
     import torch
 
     from finetune.objectives.loss import IGNORE_INDEX, causal_lm_loss, shifted_labels
-    from finetune.train.load import build_on_meta, materialize
-    from finetune.train.pipeline import StageRunner, check_stageable, prune_to_stages, stage_layers
+    from finetune.train.model.load import build_on_meta, materialize
+    from finetune.train.parallel.pipeline import StageRunner, check_stageable, prune_to_stages, stage_layers
     from finetune.train.precision import autocast_factory
 
     h = shared(check)

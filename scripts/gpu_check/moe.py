@@ -108,7 +108,7 @@ def lora(check: Check) -> None:
 
     from finetune.recipe.schema import load_recipe
     from finetune.spec import execution_spec
-    from finetune.train.model import build_model
+    from finetune.train.model.build import build_model
 
     gpu = not check.dry_run
     if gpu and not torch.cuda.is_available():

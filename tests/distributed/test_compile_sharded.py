@@ -101,9 +101,9 @@ def _worker(rank: int, store: str, recipe: str, plan_dict: dict, result: str) ->
 
     from finetune.plan.types import Plan
     from finetune.recipe.schema import load_recipe
-    from finetune.train.distributed import DistContext
-    from finetune.train.load import loads_sharded
-    from finetune.train.parallel import decoder_blocks, is_compiled, is_sharded, unwrap
+    from finetune.train.model.load import loads_sharded
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.parallelize import decoder_blocks, is_compiled, is_sharded, unwrap
     from finetune.train.trainer import Trainer
 
     os.environ["LOCAL_RANK"] = str(rank)

@@ -120,10 +120,10 @@ def _train(rank: int, port: int, bucket_view: bool, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from finetune.train.distributed import DistContext
     from finetune.train.gradients import clip_gradients
     from finetune.train.optimizer import optimizer_class
-    from finetune.train.parallel import apply_activation_checkpointing, data_parallel, no_sync
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.parallelize import apply_activation_checkpointing, data_parallel, no_sync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from finetune.commands.run import LaunchOptions, failure_message, first_cause, launch, torchrun_args
 from finetune.errors import UserError
-from finetune.train.distributed import available_cores, threads_per_process
-from finetune.train.parallel import decoder_blocks
+from finetune.train.parallel.distributed import available_cores, threads_per_process
+from finetune.train.parallel.parallelize import decoder_blocks
 from tests.support import (
     LOSS_RTOL,
     RECIPES,
@@ -206,7 +206,7 @@ def test_pissa_under_fsdp_merges_onto_the_original_base_and_resumes_exactly(
 
     resumed = tmp_path / "resumed"
     shutil.copytree(dist, resumed)
-    from finetune.train import checkpoint as ck
+    from finetune.train.checkpoint import checkpointer as ck
 
     assert [s for s, _ in ck.list_checkpoints(resumed)] == [5, 10]
     shutil.rmtree(dict(ck.list_checkpoints(resumed))[10])
@@ -227,7 +227,7 @@ def _decompose_and_broadcast(rank: int, port: int, out: Path) -> None:
     from finetune.model.adapters import LORA_INIT_ATTR
     from finetune.model.methods import inject
     from finetune.spec import AdapterSpec
-    from finetune.train.model import broadcast_decomposed
+    from finetune.train.model.build import broadcast_decomposed
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -352,7 +352,7 @@ def test_torchrun_arguments_and_flag_errors(tmp_path: Path) -> None:
                  "--rdzv-endpoint=host0:29500", "--max-restarts=3", "--rdzv-id=x"):
         assert want in args
     assert "--rdzv-conf=is_host=false,join_timeout=300" in args
-    assert args[-3:] == ["-m", "finetune.train.worker", str(spec)]
+    assert args[-3:] == ["-m", "finetune.train.runtime.worker", str(spec)]
     with pytest.raises(UserError, match="--rdzv-endpoint: a run on several nodes needs"):
         torchrun_args(spec, LaunchOptions(nproc=1, nnodes=2, node_rank=0, rdzv_endpoint=None, max_restarts=0), run_id="x")
     with pytest.raises(UserError, match=r"--node-rank: 2 is not in 0\.\.1"):

@@ -1,6 +1,6 @@
 """FSDP2 internals on 2 gloo processes: mixed precision policy, fp16 loss scaling across shards, full state dict.
 
-One spawned pair of processes (no CLI) wraps a 2-block Llama with finetune.train.parallel.parallelize for
+One spawned pair of processes (no CLI) wraps a 2-block Llama with finetune.train.parallel.parallelize.parallelize for
 ``fsdp`` + fp16 + activation checkpointing and checks what torch does with it; then a tied-embedding GPT-2
 under fp32 fsdp, whose gathered gradients must equal a single process's.
 """
@@ -22,8 +22,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from finetune.spec import execution_spec
-    from finetune.train.distributed import DistContext
-    from finetune.train.parallel import decoder_blocks, full_state_dict, parallelize
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.parallelize import decoder_blocks, full_state_dict, parallelize
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -85,7 +85,7 @@ def _gpt2_fsdp_grads_match(ctx) -> dict:
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from finetune.spec import execution_spec
-    from finetune.train.parallel import decoder_blocks, parallelize
+    from finetune.train.parallel.parallelize import decoder_blocks, parallelize
 
     torch.manual_seed(1)
     config = GPT2Config(vocab_size=64, n_layer=2, n_head=2, n_embd=32, resid_pdrop=0.0, embd_pdrop=0.0,

@@ -35,8 +35,8 @@ LAYOUTS: dict[str, tuple[dict, list[tuple[str, ...]]]] = {
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from finetune.train.distributed import DistContext
-    from finetune.train.layout import ParallelLayout
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.layout import ParallelLayout
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)

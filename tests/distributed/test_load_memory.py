@@ -2,7 +2,7 @@
 tiny model: each rank's peak RssAnon over the whole run exceeds the tiny run's by at most its half of the
 model in bf16 plus three decoder layers (FSDP's gathered units) plus 64 MiB, not by the checkpoint; and the
 plan's host memory per node is within 10% of the sum of the ranks' measured peaks, while loading and over the
-whole run (finetune/plan/job.py; finetune/train/heap.py says where glibc's sliding mmap threshold puts the memory).
+whole run (finetune/plan/job.py; finetune/train/runtime/heap.py says where glibc's sliding mmap threshold puts the memory).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def test_lora_fsdp_of_an_fp32_checkpoint_holds_its_shards_not_the_checkpoint(tmp
     runs = [start_lora_run(tmp_path, name, tmp_path / name) for name in ("mid", "tiny")]
     (mid, job), (tiny, _) = (finish_run(*run) for run in runs)
     bound = sizes["bf16"] // 2 + 3 * sizes["block"] + 64 * MiB
-    for rank in (0, 1):  # the allocator setting the launcher gives its workers (finetune/train/allocator.py)
+    for rank in (0, 1):  # the allocator setting the launcher gives its workers (finetune/train/runtime/allocator.py)
         assert mid[rank]["environment"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     for rank in (0, 1):
         over = mid[rank]["run"]["peak"] - tiny[rank]["run"]["peak"]

@@ -17,7 +17,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from finetune.commands.run import rendezvous_id
-from finetune.train.nodes import agree_with_node0, run_fingerprint
+from finetune.train.parallel.nodes import agree_with_node0, run_fingerprint
 from tests.support import TINY_MODEL, clean_env, free_port, parity_recipe, step_rows, write_recipe
 
 pytestmark = pytest.mark.dist
@@ -38,8 +38,8 @@ def test_fingerprint_leaves_out_per_node_keys() -> None:
 def _agree(rank: int, port: int, results: dict) -> None:
     import torch.distributed as dist
 
-    from finetune.train import nodes
-    from finetune.train.distributed import DistContext, all_gather_json
+    from finetune.train.parallel import nodes
+    from finetune.train.parallel.distributed import DistContext, all_gather_json
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", GROUP_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -75,7 +75,7 @@ def test_an_offload_refusal_names_the_key_and_what_to_write() -> None:
 def test_offload_policy_pins_host_memory_only_for_a_gpu() -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from finetune.train.parallel import offload_policy
+    from finetune.train.parallel.parallelize import offload_policy
 
     plain = execution_spec("full", "zero2", "fp32", checkpointing=False, world_size=2)
     off = execution_spec("full", "zero2", "fp32", checkpointing=False, world_size=2, offload="optimizer")
@@ -91,7 +91,7 @@ def test_offload_asks_for_gloo_beside_nccl() -> None:
     """FSDP2's CPU offload keeps gradients and optimizer state as CPU DTensors, whose collectives (clipping's
     full_tensor, the loss scaler, the final save's gather) an NCCL-only group refuses: the trainer asks for
     ``cuda:nccl,cpu:gloo`` when the run offloads, plain nccl otherwise, gloo on CPU."""
-    from finetune.train.distributed import process_group_backend
+    from finetune.train.parallel.distributed import process_group_backend
 
     gpu = torch.device("cuda", 0)
     assert process_group_backend(gpu, offload=True) == "cuda:nccl,cpu:gloo"
@@ -112,7 +112,7 @@ def test_offload_asks_for_gloo_beside_nccl() -> None:
 def test_a_worker_asks_for_the_host_backend_when_its_run_may_offload(
     monkeypatch: pytest.MonkeyPatch, execution: dict, recipe_offload: str, env: dict, want: bool
 ) -> None:
-    from finetune.train.worker import RunRequest, offloads
+    from finetune.train.runtime.worker import RunRequest, offloads
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -132,9 +132,9 @@ def test_offload_on_one_process_through_the_trainers_process_group(monkeypatch: 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.objectives.loss import causal_lm_loss
-    from finetune.train.distributed import DistContext
     from finetune.train.gradients import clip_grad_norm
-    from finetune.train.parallel import apply_fsdp, decoder_blocks
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.parallelize import apply_fsdp, decoder_blocks
 
     if dist.is_initialized():
         pytest.skip("this process already has a process group")
@@ -358,8 +358,8 @@ def _worker(rank: int, store: str, recipe: str, plan_dict: dict, result: str) ->
 
     from finetune.plan.types import Plan
     from finetune.recipe.schema import load_recipe
-    from finetune.train.distributed import DistContext
-    from finetune.train.parallel import decoder_blocks, unwrap
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.parallelize import decoder_blocks, unwrap
     from finetune.train.trainer import Trainer
 
     os.environ["LOCAL_RANK"] = str(rank)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from finetune.commands.run import LaunchOptions, launch
-from finetune.train import checkpoint as ck
+from finetune.train.checkpoint import checkpointer as ck
 from tests.support import RECIPES, micro_model_dir, write_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.train import checkpoint as ck
+from finetune.train.checkpoint import checkpointer as ck
 from tests.support import RECIPES, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.dist

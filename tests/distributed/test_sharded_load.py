@@ -54,10 +54,10 @@ def _worker(rank: int, store: str, cases: list[tuple[str, str, str, str, str]]) 
     from finetune.model.adapters import LORA_INIT_ATTR
     from finetune.recipe.schema import load_recipe
     from finetune.spec import execution_spec
-    from finetune.train.distributed import DistContext
-    from finetune.train.load import build_on_meta, loads_sharded, materialize
-    from finetune.train.model import build_model
-    from finetune.train.parallel import parallelize
+    from finetune.train.model.build import build_model
+    from finetune.train.model.load import build_on_meta, loads_sharded, materialize
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.parallelize import parallelize
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     for recipe, out, method, precision, _ in cases:

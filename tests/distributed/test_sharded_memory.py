@@ -89,7 +89,7 @@ def test_no_rank_holds_the_whole_model(tmp_path: Path) -> None:
     make_model(tmp_path / "tiny", {})
     big = measured_run(tmp_path, "big", tmp_path / "big")
     tiny = measured_run(tmp_path, "tiny", tmp_path / "tiny")
-    # model.init: random, drawn one module at a time (finetune/train/seeded.py): the same bound while loading
+    # model.init: random, drawn one module at a time (finetune/train/model/seeded.py): the same bound while loading
     # (only its load phase is measured against the bound: no checkpoint).
     seeded = measured_run(tmp_path, "big-random", tmp_path / "big", init="random", save_every=0)
     mib = 2**20

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.train.slurm import job_port
+from finetune.train.runtime.slurm import job_port
 from tests.support import (
     LOSS_RTOL,
     TINY_MODEL,

@@ -28,7 +28,7 @@ def _timeouts(rank: int, port: int, results: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from finetune.train import distributed as d
+    from finetune.train.parallel import distributed as d
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))

@@ -106,7 +106,7 @@ def test_crash_and_refusal_lines() -> None:
     output = (
         "step 1/2 | loss 5.5\n"
         "Traceback (most recent call last):\n"
-        '  File "/x/site-packages/finetune/train/parallel.py", line 10, in wrap\n'
+        '  File "/x/site-packages/finetune/train/parallel/parallelize.py", line 10, in wrap\n'
         "    fully_shard(m)\n"
         '  File "/x/site-packages/torch/distributed/fsdp/_api.py", line 99, in fully_shard\n'
         "    raise RuntimeError('boom')\n"
@@ -115,7 +115,7 @@ def test_crash_and_refusal_lines() -> None:
     )
     exc, where = sweep_matrix.last_exception(output)
     assert exc == "RuntimeError: boom"
-    assert where == "torch/distributed/fsdp/_api.py:99 (fully_shard), from finetune/train/parallel.py:10 (wrap)"
+    assert where == "torch/distributed/fsdp/_api.py:99 (fully_shard), from finetune/train/parallel/parallelize.py:10 (wrap)"
     assert sweep_matrix.error_lines(output) == ["rank 0 failed: RuntimeError: boom"]
     assert sweep_matrix.last_exception("error: r.yaml:3: method: no") == ("", "")
     boxed = (  # a single-process run's traceback, drawn by rich

@@ -105,7 +105,7 @@ def adapter_logits(tmp: Path, run: Path, quantized: bool) -> torch.Tensor:
 
     from finetune.recipe.schema import load_recipe
     from finetune.spec import execution_spec
-    from finetune.train.quantize import load_quantized
+    from finetune.train.model.quantize import load_quantized
 
     if quantized:
         loaded = load_recipe(tmp / "qlora.yaml")

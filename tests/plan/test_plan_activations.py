@@ -10,7 +10,7 @@ from finetune.model.kernels import experts_kernel_of, use_experts_kernel
 from finetune.objectives.loss import causal_lm_loss
 from finetune.plan.activations import TraceSpec, activation_profile, trace_windows
 from finetune.spec import execution_spec
-from finetune.train.memory import mem_tracker_class
+from finetune.train.metrics.memory import mem_tracker_class
 from tests.support import ARCH_COMMON, ARCHITECTURES, TINY_MODEL
 
 LORA = (8, 16.0, 0.0, ("q_proj", "v_proj"))

@@ -81,7 +81,7 @@ def test_the_trace_key_names_the_device() -> None:
 
 @pytest.mark.slow  # three fake-tensor traces of the tiny model (seconds each on 2 cores)
 def test_eight_bit_qlora_keeps_no_layer_input_in_the_cuda_trace() -> None:
-    """8-bit QLoRA trains through the frozen dequantize-and-matmul path on CUDA too (finetune/train/quantize.py),
+    """8-bit QLoRA trains through the frozen dequantize-and-matmul path on CUDA too (finetune/train/model/quantize.py),
     which keeps none of a quantized layer's input: the CUDA trace equals the CPU trace and the 4-bit one (the same
     stand-in), where bitsandbytes' MatMul8bitLt would keep every quantized linear's input."""
     from finetune.recipe.schema import QuantizationConfig

@@ -17,7 +17,7 @@ from finetune.plan.evaluation import eval_peak
 from finetune.plan.flowchart import make_plan
 from finetune.plan.hardware import Hardware
 from finetune.plan.request import Request
-from finetune.train.memory import PeakMemory
+from finetune.train.metrics.memory import PeakMemory
 from tests.support import TINY_MODEL
 
 CFG = AutoConfig.from_pretrained(TINY_MODEL)

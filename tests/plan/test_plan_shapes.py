@@ -86,7 +86,7 @@ def test_qlora_storage_matches_a_real_bitsandbytes_model(tmp_path):
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16),
     )
-    # as the trainer does (finetune.train.model.add_adapters): no fp32 upcast of the non-quantized parameters
+    # as the trainer does (finetune.train.model.build.add_adapters): no fp32 upcast of the non-quantized parameters
     q = get_peft_model(q, PeftLora(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     storages: dict[int, int] = {}
     for p in q.parameters():

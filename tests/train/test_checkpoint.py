@@ -13,7 +13,7 @@ import torch
 
 from finetune.cli import bare_resume
 from finetune.errors import UserError
-from finetune.train import checkpoint as ck
+from finetune.train.checkpoint import checkpointer as ck
 from finetune.units import checkpoint_bytes
 
 

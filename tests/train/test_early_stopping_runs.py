@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.commands.run import LaunchOptions, launch
-from finetune.train import checkpoint as ck
+from finetune.train.checkpoint import checkpointer as ck
 from tests.support import max_rel, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.slow  # trainings through the CLI

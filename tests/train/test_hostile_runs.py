@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.train import checkpoint as ck
-from finetune.train.lock import LOCK_NAME
+from finetune.train.checkpoint import checkpointer as ck
+from finetune.train.checkpoint.lock import LOCK_NAME
 from tests.support import RECIPES, clean_env, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.slow

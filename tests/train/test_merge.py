@@ -333,7 +333,7 @@ def test_pissa_and_olora_adapters_are_saved_for_the_original_base(tmp_path: Path
     from finetune.model.adapters import LORA_INIT_ATTR
     from finetune.model.methods import inject
     from finetune.spec import AdapterSpec
-    from finetune.train.save import _save_plain_lora
+    from finetune.train.checkpoint.save import _save_plain_lora
 
     base = tmp_path / "base"
     tiny_model("llama", bias=True).save_pretrained(base)
@@ -401,7 +401,7 @@ def test_a_decomposing_run_starts_from_the_original_model(tmp_path: Path, init: 
     from finetune.model.adapters import LORA_INIT_ATTR
     from finetune.recipe.schema import load_recipe
     from finetune.spec import execution_spec
-    from finetune.train.model import build_model
+    from finetune.train.model.build import build_model
     from tests.support import tiny_recipe, write_recipe
 
     lora = {"r": 4, "alpha": 8, "init": init, "target_modules": ["q_proj", "v_proj"]}

@@ -16,7 +16,7 @@ from finetune.model.experts import (
 )
 from finetune.recipe.schema import recipe_from_dict, recipe_to_yaml
 from finetune.spec import execution_spec
-from finetune.train.model import build_model
+from finetune.train.model.build import build_model
 from tests.support import arch_model_dir
 
 pytestmark = pytest.mark.slow  # builds and quantizes a model, merges twice

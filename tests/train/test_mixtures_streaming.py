@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from finetune.commands.run import LaunchOptions, launch
-from finetune.train import checkpoint as ck
+from finetune.train.checkpoint import checkpointer as ck
 from tests.support import tiny_recipe, write_jsonl, write_recipe
 
 pytestmark = pytest.mark.slow  # trainings of a few steps

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.train.preflight import OOM_EXIT
+from finetune.train.runtime.preflight import OOM_EXIT
 from tests.support import clean_env, finetune_run, tiny_recipe, write_recipe
 
 HOOKS = Path(__file__).resolve().parent / "oom_hooks.py"

@@ -248,7 +248,7 @@ def test_eight_bit_checkpoint_holds_one_moment_at_a_time_and_resumes(tmp_path, o
     first held eight), loading holds one moment's host buffer (and the reader's copy of it), and the loaded
     8-bit state is the saved one: the same codes, each block's absmax within an ulp, the next step's weights
     equal."""
-    from finetune.train.checkpoint import ModelState, OptimizerState, load_sharded, save_sharded
+    from finetune.train.checkpoint.checkpointer import ModelState, OptimizerState, load_sharded, save_sharded
     from finetune.train.optimizer import LocalShardOptimizer
 
     model, opt = _sharded_8bit()

@@ -1,4 +1,4 @@
-"""The pipeline stages' static shapes (finetune/train/pipeline.py: stage_meta_args), which let torch's
+"""The pipeline stages' static shapes (finetune/train/parallel/pipeline.py: stage_meta_args), which let torch's
 PipelineStage skip the first step's shape inference (whose autograd.grad the CPU memory probe's hooks refuse)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from finetune.spec import execution_spec
-from finetune.train.pipeline import stage_meta_args
+from finetune.train.parallel.pipeline import stage_meta_args
 
 
 def _spec(method: str, precision: str, tp: int = 1, sequence_parallel: bool = False):
@@ -35,7 +35,7 @@ def test_hidden_states_are_the_tp_ranks_rows_in_the_residual_streams_dtype() -> 
 
 
 def test_row_buckets_halve_the_widest_and_keep_sequence_shards_even() -> None:
-    from finetune.train.pipeline import row_buckets
+    from finetune.train.parallel.pipeline import row_buckets
 
     assert row_buckets(2048, 1) == (2048,)
     assert row_buckets(2048, 4) == (256, 512, 1024, 2048)
@@ -50,7 +50,7 @@ def test_a_step_is_padded_to_the_narrowest_width_that_holds_its_rows() -> None:
 
     from finetune.errors import UserError
     from finetune.objectives.loss import IGNORE_INDEX, shifted_labels
-    from finetune.train.pipeline import Pipeline, row_buckets
+    from finetune.train.parallel.pipeline import Pipeline, row_buckets
 
     pipe = Pipeline(torch.nn.Identity(), [0], 2, None, row_buckets(88, 2), pad_id=7, sequence_parallel=False)  # type: ignore[arg-type]
 

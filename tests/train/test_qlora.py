@@ -11,7 +11,7 @@ import yaml
 from finetune.merge import merge
 from finetune.recipe.schema import recipe_from_dict, recipe_to_yaml, shipped_recipes_dir
 from finetune.spec import ExecSpec, execution_spec
-from finetune.train.quantize import bnb_config, dequantized_weight, load_quantized, quantized_modules
+from finetune.train.model.quantize import bnb_config, dequantized_weight, load_quantized, quantized_modules
 
 TINY = str(shipped_recipes_dir() / "models" / "tiny-llama")
 INPUT_IDS = torch.tensor([[1, 70, 71, 72, 40, 101, 102, 103, 104, 2], [1, 80, 90, 100, 110, 120, 33, 44, 55, 2]])
@@ -141,7 +141,7 @@ def test_qlora_merge_into_16bit_base_and_into_dequantized(tmp_path: Path) -> Non
 def test_qlora_bf16_keeps_the_frozen_base_in_bf16_and_trains(tmp_path: Path) -> None:
     """The trainer's own QLoRA setup (load_quantized + add_adapters) at bf16: embeddings, norms and head stay
     bf16 (no fp32 upcast), adapters are fp32, the residual stream is bf16, and AdamW steps lower the loss."""
-    from finetune.train.model import add_adapters
+    from finetune.train.model.build import add_adapters
 
     loaded = recipe_from_dict(
         {"model": {"path": TINY, "init": "random"}, "method": "qlora", "precision": "bf16",
@@ -175,7 +175,7 @@ def test_qlora_parameter_count_is_the_unquantized_models(tmp_path: Path, precisi
     FSDP), so counting numel() gave about half the parameters and twice the trainable share."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.train.model import count_parameters
+    from finetune.train.model.build import count_parameters
 
     targets = ["q_proj", "v_proj"]
     base = load_quantized(qlora_recipe(), TINY, candidate(precision, strategy), "cpu", tmp_path / "base")

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from finetune.cli import app
 from finetune.commands.run import LaunchOptions, launch
-from finetune.train import checkpoint as ck
+from finetune.train.checkpoint import checkpointer as ck
 from tests.fault_hooks import CHECKPOINT_SLEEP
 from tests.support import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
 

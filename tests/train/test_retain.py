@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 
 from finetune.errors import UserError
 from finetune.recipe.schema import check_files, recipe_from_dict
-from finetune.train.console import retain_change
 from finetune.train.data.retain import load_retain
 from finetune.train.evaluate import EvalResult
+from finetune.train.metrics.console import retain_change
 from tests.support import RECIPES, TINY_MODEL, clean_env, tiny_recipe, write_jsonl, write_recipe
 
 REVERSE = RECIPES / "data" / "reverse"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from finetune.commands.run import LaunchOptions, launch
-from finetune.train.memory import PeakMemory
+from finetune.train.metrics.memory import PeakMemory
 from tests.support import RECIPES, micro_model_dir, tiny_recipe, write_recipe
 
 BATCH, SEQ = 2, 64

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from finetune.train import allocator
 from finetune.train.data import Example
 from finetune.train.data.batches import collate, to_device, transfer_options
+from finetune.train.runtime import allocator
 
 
 def test_expandable_segments_unless_the_user_set_the_allocator() -> None:

@@ -9,8 +9,8 @@ import pytest
 
 from finetune.errors import UserError
 from finetune.recipe.schema import EarlyStoppingConfig, RecipeError, load_recipe
-from finetune.train import checkpoint as ck
-from finetune.train.early_stopping import EarlyStopping
+from finetune.train.checkpoint import checkpointer as ck
+from finetune.train.checkpoint.early_stopping import EarlyStopping
 from finetune.train.evaluate import EvalResult
 from tests.support import tiny_recipe, write_recipe
 

@@ -13,7 +13,7 @@ import torch
 from finetune.plan.flowchart import plan_for_run
 from finetune.recipe.schema import recipe_from_dict
 from finetune.spec import Method, Strategy, execution_spec
-from finetune.train.model import build_model, check_model_storage, stored_bytes_by_dtype
+from finetune.train.model.build import build_model, check_model_storage, stored_bytes_by_dtype
 from tests.support import RECIPES, TINY_MODEL
 
 

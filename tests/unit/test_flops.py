@@ -111,7 +111,7 @@ def test_the_summary_gains_one_mfu_line_on_a_gpu_and_none_on_cpu(tmp_path):
     from finetune.plan.flops import mfu
     from finetune.plan.types import Candidate
     from finetune.spec import Method, Precision, Strategy
-    from finetune.train.console import Reporter
+    from finetune.train.metrics.console import Reporter
     from finetune.train.state import RunResult
 
     chosen = Candidate(

@@ -75,7 +75,7 @@ def test_a_gpu_run_without_a_known_peak_says_how_to_name_one(tmp_path) -> None:
 
     from finetune.plan.types import Candidate
     from finetune.spec import Method, Precision, Strategy
-    from finetune.train.console import Reporter
+    from finetune.train.metrics.console import Reporter
     from finetune.train.state import RunResult
 
     chosen = Candidate(method=Method("full"), strategy=Strategy("single"), precision=Precision("bf16"),

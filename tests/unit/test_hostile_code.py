@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 from finetune.cli import app
 from finetune.errors import UserError
-from finetune.train import checkpoint as ck
-from finetune.train.lock import LOCK_NAME, OutputLock
+from finetune.train.checkpoint import checkpointer as ck
+from finetune.train.checkpoint.lock import LOCK_NAME, OutputLock
 from tests.support import TINY_MODEL, micro_model_dir, tiny_recipe, write_recipe
 
 
@@ -338,7 +338,7 @@ def test_an_index_naming_a_file_outside_its_model_is_refused(tmp_path: Path, nam
 def _holder(out: Path) -> subprocess.Popen:
     """Another process holding ``out``'s lock (it prints `held` once it does, and waits for stdin to close)."""
     code = (
-        "import sys; from finetune.train.lock import OutputLock\n"
+        "import sys; from finetune.train.checkpoint.lock import OutputLock\n"
         f"lock = OutputLock({str(out)!r}); lock.acquire(); print('held', flush=True); sys.stdin.read()\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -401,8 +401,8 @@ def test_without_flock_the_written_holder_decides(tmp_path: Path, monkeypatch: p
 
 
 def test_a_failed_final_save_leaves_the_earlier_model_whole(tmp_path: Path) -> None:
-    from finetune.train.distributed import DistContext
-    from finetune.train.save import FinalStaging
+    from finetune.train.checkpoint.save import FinalStaging
+    from finetune.train.parallel.distributed import DistContext
 
     out = tmp_path / "out"
     out.mkdir()

@@ -151,3 +151,26 @@ def test_the_top_level_holds_at_most_twelve_modules() -> None:
     assert len(top) <= 12, top
     packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
     assert packages == ["commands", "model", "objectives", "plan", "recipe", "storage", "train"]
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """What two modules share is public (no leading underscore) in the one that defines it."""
+    private = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("finetune"):
+                private += [
+                    f"{module_name(path)} imports {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    assert private == []
+
+
+def test_train_is_grouped_by_concern() -> None:
+    """train/ holds the loop's own modules at its top and the rest in its packages (parallel, data, ...)."""
+    flat = sorted(p.stem for p in (PACKAGE / "train").glob("*.py") if p.stem != "__init__")
+    packages = sorted(p.name for p in (PACKAGE / "train").iterdir() if (p / "__init__.py").is_file())
+    assert packages == ["checkpoint", "data", "metrics", "model", "parallel", "runtime"]
+    assert len(flat) <= 12, flat
+    assert module_name(PACKAGE / "train" / "parallel" / "layout.py") == "finetune.train.parallel.layout"

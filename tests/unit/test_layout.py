@@ -1,4 +1,4 @@
-"""The parallel layout (finetune/train/layout.py): degrees from the execution spec, every rank's coordinates over
+"""The parallel layout (finetune/train/parallel/layout.py): degrees from the execution spec, every rank's coordinates over
 a matrix of layouts, the mesh's dimensions and its validation; the mesh itself built in a real gloo world of 1.
 
 The coordinates are checked against the numbering torchrun gives and the strategies' meshes used: tp fastest,
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from finetune.spec import execution_spec
-from finetune.train.layout import ParallelLayout
+from finetune.train.parallel.layout import ParallelLayout
 
 #: (world, pp, dp_replicate, dp_shard, tp)
 MATRIX = [
@@ -137,7 +137,7 @@ def test_a_layout_never_changes_and_its_context_neither() -> None:
     """A context is built once: the plan's layout is a new context over the same process, never an edit."""
     import dataclasses
 
-    from finetune.train.distributed import DistContext
+    from finetune.train.parallel.distributed import DistContext
 
     ctx = DistContext(1, 4, 1, torch.device("cpu"))
     assert (ctx.layout.dp, ctx.layout.dp_rank) == (4, 1)  # every rank a replica before the plan

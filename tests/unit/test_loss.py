@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import finetune.objectives.loss as loss_mod
 from finetune.objectives.loss import IGNORE_INDEX, _ChunkedCrossEntropy
-from finetune.train.memory import mem_tracker_class
+from finetune.train.metrics.memory import mem_tracker_class
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -7,7 +7,7 @@ import pytest
 
 from finetune.plan.memory import CUDA_CONTEXT_BYTES, overhead_parts
 from finetune.plan.types import MemoryBreakdown
-from finetune.train.memory import memory_report, summary_line
+from finetune.train.metrics.memory import memory_report, summary_line
 
 GiB, MiB = 2**30, 2**20
 # 10 GiB of tensors, 5% allocator slack, the CUDA context term
@@ -57,7 +57,7 @@ def test_the_overhead_splits_into_its_two_terms() -> None:
 def test_a_phase_compares_the_worst_rank_and_each_node_s_host_memory() -> None:
     """A checkpoint's save on 2 nodes of 2 ranks: the plan's tensors against the rank that peaked highest, and
     the plan's host memory per node against the node whose ranks' host peaks sum highest."""
-    from finetune.train.memory import phase_line, phase_report
+    from finetune.train.metrics.memory import phase_line, phase_report
 
     ranks = [
         {"rank": r, "measured_peak": peak, "by_category": {}, "host_peak": host}

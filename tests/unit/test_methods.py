@@ -16,8 +16,8 @@ from finetune.commands.run import LaunchOptions, launch
 from finetune.model.adapters import BOTTLENECK_CONFIG, BOTTLENECK_WEIGHTS, load_bottlenecks
 from finetune.plan.flowchart import plan_for_run
 from finetune.recipe.schema import recipe_from_dict
-from finetune.train import checkpoint as ck
-from finetune.train.model import build_model, check_model_storage, stored_bytes_by_dtype
+from finetune.train.checkpoint import checkpointer as ck
+from finetune.train.model.build import build_model, check_model_storage, stored_bytes_by_dtype
 from tests.support import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
 
 TINY = json.loads((TINY_MODEL / "config.json").read_text())
@@ -285,7 +285,7 @@ def test_int8_training_matmul_keeps_no_input_and_matches_bitsandbytes() -> None:
 
     import bitsandbytes as bnb
 
-    from finetune.train.quantize import int8_frozen_matmuls
+    from finetune.train.model.quantize import int8_frozen_matmuls
 
     torch.manual_seed(0)
     dense = torch.nn.Linear(64, 48)
@@ -316,7 +316,7 @@ def test_prefix_init_text_puts_the_bases_own_keys_and_values_in_the_prefix(tmp_p
     """With prefix.init: text, what peft hands every layer as its prefix cache is exactly the frozen base's own
     keys and values of the text's tokens, repeated (short text) or cut (long text) to the virtual tokens."""
     from finetune.model.adapters import init_prefix_from_text, prefix_text_ids
-    from finetune.train.model import load_tokenizer
+    from finetune.train.model.build import load_tokenizer
     from finetune.versions import output_cache
 
     tokens = 8

@@ -148,7 +148,7 @@ def test_deepseek_router_stays_fp32_in_a_bf16_base_as_the_spec_says():
     """DeepSeek-V3 keeps its router weight and e_score_correction_bias in fp32 (transformers'
     _keep_in_fp32_modules_strict): the execution spec of a bf16 LoRA base names them, the inventory counts
     their fp32 bytes, and the trainer's storage check accepts the model transformers builds."""
-    from finetune.train.model import check_model_storage
+    from finetune.train.model.build import check_model_storage
     from finetune.train.precision import keep_fp32
 
     cfg = arch_config("deepseek_v3")

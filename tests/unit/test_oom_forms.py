@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from finetune.train.preflight import DEBUG_MEMORY_HISTORY, failed_allocation, is_oom
+from finetune.train.runtime.preflight import DEBUG_MEMORY_HISTORY, failed_allocation, is_oom
 from tests.train.oom_hooks import NCCL_CALLOC
 
 NCCL_HEAD = (

@@ -272,7 +272,7 @@ def test_precomputed_cache_key_follows_the_rows_and_the_weights(tmp_path) -> Non
     from finetune.recipe.schema import recipe_from_dict
     from finetune.spec import execution_spec
     from finetune.train.data.preference import PreferenceExample
-    from finetune.train.reference import ReferenceCache
+    from finetune.train.model.reference import ReferenceCache
     from tests.support import tiny_recipe
 
     pairs = [PreferenceExample([5, 6, 7], [X, 6, 7], rejected_ids=[5, 8], rejected_labels=[X, 8])]

@@ -24,7 +24,7 @@ from finetune.objectives.loss import (
 from finetune.plan.flowchart import plan_for_run
 from finetune.recipe.schema import recipe_from_dict
 from finetune.spec import AdapterSpec
-from finetune.train.model import build_model, check_model_storage, stored_bytes_by_dtype
+from finetune.train.model.build import build_model, check_model_storage, stored_bytes_by_dtype
 from tests.support import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
 
 TINY = json.loads((TINY_MODEL / "config.json").read_text())
@@ -131,7 +131,7 @@ def test_generation_sees_the_positions_training_sees() -> None:
 @pytest.mark.parametrize("text", ["Reverse", "Reverse the letters of the word, then write them out."])
 def test_init_text_starts_from_the_bases_own_embeddings(tmp_path: Path, text: str) -> None:
     from finetune.model.adapters import init_prompt_from_text, prefix_text_ids
-    from finetune.train.model import load_tokenizer
+    from finetune.train.model.build import load_tokenizer
 
     tokens = 8
     loaded = _loaded(tmp_path, num_virtual_tokens=tokens, init="text", init_text=text)
@@ -227,7 +227,7 @@ def _rows(out: Path) -> list[dict]:
 def test_a_resumed_run_repeats_the_losses_and_the_prompt_to_the_bit(prompt_run: tuple[Path, Path]) -> None:
     from safetensors.torch import load_file
 
-    from finetune.train import checkpoint as ck
+    from finetune.train.checkpoint import checkpointer as ck
 
     run, resumed = prompt_run
     losses = [(r["step"], r["loss"]) for r in _rows(run) if "loss" in r]
@@ -250,7 +250,7 @@ def test_the_saved_prompt_loads_with_peft_and_generates_as_the_run_evaluated(pro
     from finetune.model.generation import greedy_tokens, left_padded
     from finetune.recipe.schema import load_recipe
     from finetune.train.data import load_data
-    from finetune.train.model import load_tokenizer
+    from finetune.train.model.build import load_tokenizer
 
     run, _ = prompt_run
     config = json.loads((run / "adapter_config.json").read_text())

@@ -8,8 +8,8 @@ import pytest
 
 from finetune.commands.run import LaunchOptions, with_slurm
 from finetune.errors import UserError
-from finetune.train.signals import StopRequest
-from finetune.train.slurm import SlurmJob, expand_hostlist, gpus_on_node, job_port, requeued
+from finetune.train.runtime.signals import StopRequest
+from finetune.train.runtime.slurm import SlurmJob, expand_hostlist, gpus_on_node, job_port, requeued
 
 
 @pytest.mark.parametrize(

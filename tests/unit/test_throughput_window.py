@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.train.metrics import MetricsProcessor, MetricsWriter
+from finetune.train.metrics.log import MetricsProcessor, MetricsWriter
+from finetune.train.metrics.throughput import MfuMeter
 from finetune.train.state import StepResult
-from finetune.train.throughput import MfuMeter
 
 
 def test_time_between_steps_is_outside_the_window(tmp_path: Path) -> None:

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from finetune.train.evaluate import EvalResult
-from finetune.train.metrics import MetricsProcessor, MetricsWriter
-from finetune.train.preflight import RunPhase
+from finetune.train.metrics.log import MetricsProcessor, MetricsWriter
+from finetune.train.metrics.throughput import MfuMeter, row_widths
+from finetune.train.runtime.preflight import RunPhase
 from finetune.train.schedule import EvalSchedule
 from finetune.train.state import StepResult
-from finetune.train.throughput import MfuMeter, row_widths
 from tests.support import TINY_MODEL
 
 
@@ -112,7 +112,7 @@ def test_the_eval_schedule() -> None:
 def test_the_phase_a_trainer_records_is_the_one_the_oom_message_names(tmp_path: Path) -> None:
     from finetune.commands.run import prepare
     from finetune.plan.flowchart import plan_for_run
-    from finetune.train.preflight import oom_message
+    from finetune.train.runtime.preflight import oom_message
     from tests.support import tiny_recipe, write_recipe
 
     loaded = prepare(str(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path / "out"))), [])

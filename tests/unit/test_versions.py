@@ -102,8 +102,8 @@ def test_ddp_is_built_with_the_buffer_keyword_this_torch_has(tmp_path: Path) -> 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from finetune.train.distributed import DistContext
-    from finetune.train.parallel import data_parallel
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.parallelize import data_parallel
     from finetune.versions import ddp_has_forward_sync_buffers, ddp_no_buffer_sync
 
     params = inspect.signature(DistributedDataParallel.__init__).parameters

@@ -263,12 +263,12 @@ def _features() -> Any:
 def local_rank_zero_first() -> Iterator[None]:
     """In a multi-process run, local rank 0 tokenizes (and fills the cache) before the other ranks read it.
 
-    The others wait in the wait group (finetune/train/distributed.py): tokenising a large data set may take
+    The others wait in the wait group (finetune/train/parallel/distributed.py): tokenising a large data set may take
     longer than the training group's timeout.
     """
     import torch.distributed as dist
 
-    from finetune.train.distributed import wait_barrier
+    from finetune.train.parallel.distributed import wait_barrier
 
     active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0

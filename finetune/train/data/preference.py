@@ -11,7 +11,7 @@ file, line and field, as for every format.
 A micro-batch of ``B`` pairs is one batch of ``2B`` rows: the chosen rows, then the rejected ones, padded
 together (:func:`collate_pairs`), so one forward pass runs both. ``ref_logps`` holds the reference policy's
 log-probabilities of both completions when dpo.reference is precomputed (filled in before training, or read back
-from the cache beside the tokenized data: finetune/train/reference.py).
+from the cache beside the tokenized data: finetune/train/model/reference.py).
 """
 
 from __future__ import annotations

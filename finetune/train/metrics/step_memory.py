@@ -1,13 +1,13 @@
 """The memory of a run's first optimizer steps and of the phases around them: measured on every rank,
 gathered to rank 0, written to memory.json and printed beside the plan's prediction.
 
-On CUDA always, on CPU with ``--measure-memory``: a :class:`~finetune.train.memory.PeakMemory` probe wraps the
+On CUDA always, on CPU with ``--measure-memory``: a :class:`~finetune.train.metrics.memory.PeakMemory` probe wraps the
 first two steps a run (or a resumed run) takes on every rank. After two steps the measurement includes AdamW's
 state, so it compares with the plan's steady state; a one-step run compares with the planner's first-step figure
 (no optimizer state yet). Each rank's figures (tensors; on CUDA also the allocator's reserve and the device's used
 memory) go to rank 0, which compares the plan with the worst rank's.
 
-The first of each phase in :data:`~finetune.train.memory.PHASES` is measured the same way (:meth:`StepMemory.phase`):
+The first of each phase in :data:`~finetune.train.metrics.memory.PHASES` is measured the same way (:meth:`StepMemory.phase`):
 the evaluation's loss pass and its generation beside the plan's evaluation at its batch, the first checkpoint's
 save beside the states the plan counts and, sampled per process, the plan's host memory per node for a save.
 memory.json keeps them under ``phases`` (written with the steps' report, and again after each later phase).
@@ -25,8 +25,7 @@ import torch
 
 from finetune.plan.types import Plan
 from finetune.recipe.schema import LoadedRecipe
-from finetune.train.distributed import DistContext
-from finetune.train.memory import (
+from finetune.train.metrics.memory import (
     HostPeak,
     PeakMemory,
     memory_report,
@@ -36,6 +35,7 @@ from finetune.train.memory import (
     worst_rank,
     write_report,
 )
+from finetune.train.parallel.distributed import DistContext
 
 #: The steps measured: the 2nd is the steady state (AdamW's state exists by then).
 MEASURED_STEPS = 2

@@ -58,7 +58,7 @@ METRICS = "metrics.jsonl"
 #: What a run writes at the top of output.dir besides checkpoints/ and base/ (``--overwrite`` removes them).
 RUN_FILES = (
     METRICS,
-    "trackers.json",  # tracker run ids (finetune.train.trackers): a fresh run starts new tracker runs
+    "trackers.json",  # tracker run ids (finetune.train.metrics.trackers): a fresh run starts new tracker runs
     "recipe.yaml",
     "plan.json",
     "model.safetensors",
@@ -431,7 +431,7 @@ class ModelState:
         """Parameter name -> tensor (this rank's shard)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        from finetune.train.parallel import has_dtensors, is_sharded, unwrap
+        from finetune.train.parallel.parallelize import has_dtensors, is_sharded, unwrap
 
         if self.adapters_only and not is_sharded(self.model) and not has_dtensors(self.model):
             # The adapters alone, read from the module: torch's state-dict helpers walk every key of the model,
@@ -448,7 +448,7 @@ class ModelState:
         """Copy ``state`` into the model (a frozen base is not in a checkpoint: not strict then)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from finetune.train.parallel import has_dtensors, is_sharded, unwrap
+        from finetune.train.parallel.parallelize import has_dtensors, is_sharded, unwrap
 
         if self.adapters_only and not is_sharded(self.model) and not has_dtensors(self.model):
             unwrap(self.model).load_state_dict(state, strict=False)  # see state_dict (already loaded in place)
@@ -591,10 +591,10 @@ class Checkpointer:
     def _agree(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank, through the wait group: the others wait here while rank 0 removes
         leftovers or finishes a checkpoint (fsync of every file), which may take longer than the training
-        group's timeout (finetune/train/distributed.py)."""
+        group's timeout (finetune/train/parallel/distributed.py)."""
         if self.world_size == 1:
             return value
-        from finetune.train.distributed import wait_broadcast
+        from finetune.train.parallel.distributed import wait_broadcast
 
         return wait_broadcast(value)
 
@@ -670,7 +670,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if self.world_size > 1:
-            from finetune.train.distributed import wait_barrier
+            from finetune.train.parallel.distributed import wait_barrier
 
             wait_barrier()
 
@@ -743,7 +743,7 @@ def save_sharded(parts: dict[str, Any], path: Path, world_size: int) -> None:
     are written waits for the slowest storage unseen by NCCL's watchdog; 8-bit AdamW's moments streamed."""
     import torch.distributed.checkpoint as dcp
 
-    from finetune.train.distributed import wait_group
+    from finetune.train.parallel.distributed import wait_group
 
     dcp.save(parts, checkpoint_id=str(path), no_dist=world_size == 1, process_group=wait_group(),
              planner=StreamingSavePlanner())
@@ -755,7 +755,7 @@ def load_sharded(parts: dict[str, Any], path: Path, world_size: int) -> None:
     code and streams 8-bit AdamW's moments."""
     import torch.distributed.checkpoint as dcp
 
-    from finetune.train.distributed import wait_group
+    from finetune.train.parallel.distributed import wait_group
 
     dcp.load(parts, storage_reader=safe_reader(path), planner=_SafeLoadPlanner(), no_dist=world_size == 1,
              process_group=wait_group())

@@ -85,7 +85,7 @@ def load_quantized(
     """The base model of ``path`` with 4-bit (or 8-bit) linear weights on ``device``, ready for adapters.
 
     Non-quantized parameters (embeddings, norms, the head) are in the compute dtype and stay there (see
-    ``finetune.train.model.add_adapters``: no fp32 upcast).
+    ``finetune.train.model.build.add_adapters``: no fp32 upcast).
     For ``model.init: random`` the seeded fp32 model is saved to ``base_dir`` (the run's ``base/``; a
     temporary directory when None) and quantized while loading from there. The codes' storage dtype and the
     compute dtype are the execution spec's (the compute dtype under FSDP2, so it can shard them; else uint8).

@@ -61,7 +61,7 @@ class Reporter:
         if plan.execution is not None:
             self.plain(kernels_line(plan, experts_kernel))
         if plan.execution is not None and plan.execution.compile:
-            # finetune.train.parallel.parallelize compiled each decoder block before wrapping (every load path)
+            # finetune.train.parallel.parallelize.parallelize compiled each decoder block before wrapping (every load path)
             n = plan.model.get("layers")
             blocks = f"{n} decoder block{'s' if n != 1 else ''}" if n else "every decoder block"
             self.print(f"compile: {blocks} compiled (torch.compile)")

@@ -7,7 +7,7 @@ degrees, outermost first::
 
     pp  x  dp_replicate  x  dp_shard  x  tp          (ep splits dp_shard: dp_shard = expert_shard x ep)
 
-- ``pp``: pipeline stages (finetune.train.pipeline), outermost, so that the stages' point-to-point sends are the
+- ``pp``: pipeline stages (finetune.train.parallel.pipeline), outermost, so that the stages' point-to-point sends are the
   ones that cross nodes;
 - ``dp_replicate`` x ``dp_shard`` = ``dp``: the data-parallel replicas, each reading its own slice of the global
   batch. DDP and ZeRO-1 replicate over all of them (``dp_replicate = dp``); zero2 and fsdp shard over all of them
@@ -31,7 +31,7 @@ groups all share one root mesh. A layout of one process builds none.
 
 Expert parallelism (``distributed.ep``, ``ExecSpec.ep``; its rows in the capability table: a mixture of
 experts, ep divides ``dp_shard`` and the experts, a sharded strategy): the experts' all-to-all runs over
-:attr:`ep_mesh` and their ``fully_shard`` over :attr:`expert_fsdp_mesh` (finetune/train/expert_parallel.py).
+:attr:`ep_mesh` and their ``fully_shard`` over :attr:`expert_fsdp_mesh` (finetune/train/parallel/expert_parallel.py).
 """
 
 from __future__ import annotations

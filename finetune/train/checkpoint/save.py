@@ -20,8 +20,8 @@ import torch
 
 from finetune.errors import UserError
 from finetune.recipe.schema import LoadedRecipe, recipe_to_yaml
-from finetune.train.checkpoint import FINAL_STAGING_PREFIX, remove_final_leftovers
-from finetune.train.distributed import DistContext
+from finetune.train.checkpoint.checkpointer import FINAL_STAGING_PREFIX, remove_final_leftovers
+from finetune.train.parallel.distributed import DistContext
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -104,7 +104,7 @@ def save_final(
         save_bottlenecks,
     )
     from finetune.model.experts import add_to_peft_dir, experts_layer_names, peft_layout
-    from finetune.train.parallel import is_sharded
+    from finetune.train.parallel.parallelize import is_sharded
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars between our own lines
     # peft saves a prefix (or a prompt) by running its prompt encoder, which FSDP2 keeps sharded in the root

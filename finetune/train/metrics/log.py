@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.train.evaluate import EvalResult
+from finetune.train.metrics.throughput import MfuMeter, Throughput
 from finetune.train.state import StepResult
-from finetune.train.throughput import MfuMeter, Throughput
 
 if TYPE_CHECKING:
     from finetune.plan.flops import Utilisation
@@ -51,7 +51,7 @@ class MetricsWriter:
     def __init__(self, path: Path, enabled: bool, trackers: Any = None) -> None:
         self.path = path
         self.enabled = enabled
-        self.trackers = trackers  # finetune.train.trackers.Trackers: the same rows, to TensorBoard/wandb/MLflow
+        self.trackers = trackers  # finetune.train.metrics.trackers.Trackers: the same rows, to TensorBoard/wandb/MLflow
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
 

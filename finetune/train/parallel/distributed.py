@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from finetune.recipe.schema import DEFAULT_TIMEOUT_S, DEFAULT_WAIT_TIMEOUT_S
 from finetune.spec import ExecSpec
-from finetune.train.layout import ParallelLayout
+from finetune.train.parallel.layout import ParallelLayout
 
 #: The wait group of this process (None before a multi-process DistContext exists, and after it closes).
 _WAIT_GROUP: Any = None
@@ -40,7 +40,7 @@ _WAIT_GROUP: Any = None
 class DistContext:
     """This process's place in the job (a single process is rank 0 of 1) and the run's parallel layout.
 
-    ``layout`` (:class:`~finetune.train.layout.ParallelLayout`): the degrees, this rank's coordinates and the
+    ``layout`` (:class:`~finetune.train.parallel.layout.ParallelLayout`): the degrees, this rank's coordinates and the
     device mesh; every rank a data-parallel replica until the plan is read, then the plan's
     (:meth:`laid_out`). A context never changes once built.
     """

@@ -14,7 +14,7 @@ token there, and every rank reads it back from its own ``output.dir``. Ranks on 
 of each checkpoint into one directory, so a node whose ``output.dir`` is not that directory (a local path, a
 typo) would leave every checkpoint incomplete; it is refused before training.
 
-Everything travels as JSON in byte tensors (:func:`finetune.train.distributed.all_gather_json`), never as
+Everything travels as JSON in byte tensors (:func:`finetune.train.parallel.distributed.all_gather_json`), never as
 pickles. The c10d store and the process groups themselves are unauthenticated: several nodes need a trusted
 network (docs/security.md).
 """
@@ -133,7 +133,7 @@ def agree_with_node0(
     """
     if not ctx.distributed:
         return plan
-    from finetune.train.distributed import all_gather_json
+    from finetune.train.parallel.distributed import all_gather_json
 
     mine = {
         "node": int(os.environ.get("GROUP_RANK", 0)), "recipe": run_fingerprint(recipe), "plan": plan,
@@ -180,7 +180,7 @@ def nodes_of(ctx: Any) -> int:
     """How many nodes this job spans (from every rank's GROUP_RANK)."""
     if not ctx.distributed:
         return 1
-    from finetune.train.distributed import all_gather_json
+    from finetune.train.parallel.distributed import all_gather_json
 
     return len(set(all_gather_json(int(os.environ.get("GROUP_RANK", 0)))))
 
@@ -191,7 +191,7 @@ def check_shared_output(out_dir: str | os.PathLike[str], ctx: Any) -> None:
     Raises the same :class:`UserError` on every rank naming the nodes that do not see it."""
     if nodes_of(ctx) < 2:
         return
-    from finetune.train.distributed import all_gather_json
+    from finetune.train.parallel.distributed import all_gather_json
 
     out = Path(out_dir)
     sent: list[str] | None = None

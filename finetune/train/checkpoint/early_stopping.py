@@ -1,7 +1,7 @@
 """Early stopping (``train.early_stopping``): watch one figure of every evaluation, keep the best one's checkpoint,
 stop once it has not improved for ``patience`` evaluations in a row.
 
-The run's checkpoint lifecycle (finetune/train/resume.py) asks :meth:`EarlyStopping.observe` after each
+The run's checkpoint lifecycle (finetune/train/checkpoint/resume.py) asks :meth:`EarlyStopping.observe` after each
 evaluation during training (and after the final one): an improvement (beyond the best value so far by more
 than ``min_delta``, in the metric's better direction) resets the count and makes that step's checkpoint the
 best one, which is saved then whatever ``output.save_every`` says, named by ``checkpoints/best.json`` and never
@@ -21,7 +21,7 @@ from typing import Any
 from finetune.errors import UserError
 from finetune.recipe.schema import EarlyStoppingConfig
 from finetune.train.evaluate import EvalResult
-from finetune.train.metrics import eval_fields
+from finetune.train.metrics.log import eval_fields
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,12 @@ and the resume command a user is shown.
 The loop calls :meth:`RunCheckpoints.start` once the model, optimizer, scheduler and scaler exist (it loads
 the checkpoint into them, or prepares a fresh start), :meth:`RunCheckpoints.restore_rng` just before the
 first step, and :meth:`RunCheckpoints.after_step` after every optimizer step, which also turns SIGTERM and
-Ctrl-C (recorded by :class:`finetune.train.signals.StopRequest`) into a checkpoint and a clean exit. The files
-themselves are :mod:`finetune.train.checkpoint`'s business.
+Ctrl-C (recorded by :class:`finetune.train.runtime.signals.StopRequest`) into a checkpoint and a clean exit. The files
+themselves are :mod:`finetune.train.checkpoint.checkpointer`'s business.
 
 Resume sources: ``--resume`` (``latest``, ``auto`` or a path) and, under ``--max-restarts``, torchrun's restart
 counter: a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the newest checkpoint by itself,
-as does a requeued SLURM job (``SLURM_RESTART_COUNT`` > 0, :mod:`finetune.train.slurm`). ``auto`` resumes from
+as does a requeued SLURM job (``SLURM_RESTART_COUNT`` > 0, :mod:`finetune.train.runtime.slurm`). ``auto`` resumes from
 the newest checkpoint when there is one and starts the run otherwise.
 """
 
@@ -30,12 +30,12 @@ from finetune.errors import UserError
 from finetune.model.methods import training_of
 from finetune.plan.types import Plan
 from finetune.recipe.schema import LoadedRecipe, recipe_to_yaml
-from finetune.train import checkpoint as ck
-from finetune.train.distributed import DistContext
-from finetune.train.early_stopping import EarlyStopping
+from finetune.train.checkpoint import checkpointer as ck
+from finetune.train.checkpoint.early_stopping import EarlyStopping
 from finetune.train.evaluate import EvalResult
-from finetune.train.signals import StopRequest
-from finetune.train.slurm import requeued
+from finetune.train.parallel.distributed import DistContext
+from finetune.train.runtime.signals import StopRequest
+from finetune.train.runtime.slurm import requeued
 from finetune.train.state import TrainState, position
 from finetune.units import checkpoint_bytes
 
@@ -52,7 +52,7 @@ def build_checkpointer(
     loaded: LoadedRecipe, plan: Plan, ctx: DistContext, states: dict[str, Any], total_steps: int,
     half_written: Callable[[int], None] | None = None,
 ) -> ck.Checkpointer:
-    """The run's checkpointer over ``states`` (see :class:`finetune.train.checkpoint.Checkpointer`)."""
+    """The run's checkpointer over ``states`` (see :class:`finetune.train.checkpoint.checkpointer.Checkpointer`)."""
     r = loaded.recipe
     files = ck.RunFiles(
         identity=identity_for(loaded, plan), recipe_yaml=recipe_to_yaml(r), plan=plan.to_dict(), keep=r.output.keep,
@@ -126,11 +126,11 @@ class RunCheckpoints:
     inner: torch.nn.Module  # the unwrapped model (its parameter sizes make the disk check)
     total_steps: int
     say: Callable[[str], None]  # Reporter.plain
-    early: EarlyStopping | None = None  # train.early_stopping (finetune/train/early_stopping.py)
+    early: EarlyStopping | None = None  # train.early_stopping (finetune/train/checkpoint/early_stopping.py)
     last_saved: Path | None = None
     last_saved_step: int = -1
     save_seconds: list[float] = field(default_factory=list)
-    # a context around a save, given the phase's name (the memory probe's: finetune/train/step_memory.py)
+    # a context around a save, given the phase's name (the memory probe's: finetune/train/metrics/step_memory.py)
     measure: Callable[[str], contextlib.AbstractContextManager[Any]] = lambda _: contextlib.nullcontext()
     stop_eval: EvalResult | None = None  # the evaluation that stopped the run early
 

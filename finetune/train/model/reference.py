@@ -50,10 +50,10 @@ from finetune.recipe.reference_model import locate_reference, weights_fingerprin
 from finetune.recipe.schema import LoadedRecipe
 from finetune.spec import ExecSpec
 from finetune.train.data.preference import PreferenceExample, collate_pairs
-from finetune.train.distributed import DistContext
-from finetune.train.load import build_on_meta, loads_sharded, materialize
-from finetune.train.model import build_model
-from finetune.train.parallel import parallelize, unwrap
+from finetune.train.model.build import build_model
+from finetune.train.model.load import build_on_meta, loads_sharded, materialize
+from finetune.train.parallel.distributed import DistContext
+from finetune.train.parallel.parallelize import parallelize, unwrap
 from finetune.units import torch_dtype
 
 

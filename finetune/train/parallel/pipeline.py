@@ -2,12 +2,12 @@
 
 The decoder layers run as stages on ``pp`` ranks, driven by a ``torch.distributed.pipelining`` schedule (GPipe,
 1F1B or interleaved 1F1B). :func:`build_pipeline` (torchtitan's ``pipeline_llm``) builds, on the layout's meshes
-(finetune/train/layout.py), this rank's model part and the schedule over its stages, and returns them as a
+(finetune/train/parallel/layout.py), this rank's model part and the schedule over its stages, and returns them as a
 :class:`Pipeline`; the trainer does the rest as for one model: its step differs in one branch (the schedule runs
 the micro-batches: finetune.train.gradients.pipeline_step, with the loss scaled as every step's is), its
 clipping reduces the gradient norm over the pp group too, its evaluation calls the stages' forward
 (:class:`StagedForward`) where it would call the model, and the final save gathers every stage's tensors
-(finetune.train.save). Nothing here steps, clips, evaluates, computes a loss of its own or saves.
+(finetune.train.checkpoint.save). Nothing here steps, clips, evaluates, computes a loss of its own or saves.
 
 Stages keep their names. A rank's stage model is the whole model with the decoder layers it does not own
 removed (the layer list becomes a dict keyed by each layer's index), the input embeddings kept on the first
@@ -21,7 +21,7 @@ The layout's pp dimension is outermost and tp innermost (the ranks of a TP group
 node): tensor parallelism over ``tp`` and FSDP2 (zero2/fsdp) over ``dp_shard`` apply to each stage model as to
 a whole one, then the schedule sends the hidden states between the ``pp`` ranks of the same ``(dp, tp)``
 position. With sequence parallelism (``distributed.sequence_parallel``, the default with tp) each stage runs it
-as a whole model does (finetune.train.parallel.apply_sequence_parallel): the first stage's embeddings output
+as a whole model does (finetune.train.parallel.parallelize.apply_sequence_parallel): the first stage's embeddings output
 this tp rank's rows, a stage sends its rows ``(B, T/tp, H)`` as a plain tensor and the next wraps them back into
 the sequence-sharded DTensor, and the last stage's final norm, head and loss run on the rank's rows
 (:func:`finetune.objectives.loss.loss_head`, the loss summed over tp).
@@ -57,7 +57,7 @@ from finetune.model.adapters import base_model_of
 from finetune.objectives.loss import IGNORE_INDEX, known_documents, loss_head, sequence_bounds
 from finetune.recipe.schema import LoadedRecipe
 from finetune.spec import ExecSpec
-from finetune.train.distributed import DistContext
+from finetune.train.parallel.distributed import DistContext
 
 
 def stage_layers(spec: ExecSpec) -> list[range]:
@@ -211,14 +211,18 @@ def build_stage_model(
     loaded: LoadedRecipe, spec: ExecSpec, ctx: DistContext, base_dir: Path | None
 ) -> tuple[torch.nn.Module, list[int], tuple[int, int]]:
     """This rank's stage model: built on meta, cut to its stages, tensor-parallel over the layout's ``tp``,
-    sharded over its ``dp_shard`` (zero2/fsdp), then this rank's tensors alone loaded (finetune/train/load.py).
+    sharded over its ``dp_shard`` (zero2/fsdp), then this rank's tensors alone loaded (finetune/train/model/load.py).
     Returns the model, its stages and the whole model's (trainable, total) parameter counts.
 
     ``base_dir``: rank 0 of an adapter run from a random init writes the whole seeded base there.
     """
-    from finetune.train.load import build_on_meta, materialize, write_seeded_base
-    from finetune.train.model import count_parameters
-    from finetune.train.parallel import apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel
+    from finetune.train.model.build import count_parameters
+    from finetune.train.model.load import build_on_meta, materialize, write_seeded_base
+    from finetune.train.parallel.parallelize import (
+        apply_activation_checkpointing,
+        apply_fsdp,
+        apply_tensor_parallel,
+    )
 
     layout = ctx.layout
     assert (layout.pp, layout.tp) == (spec.pp, spec.tp), "the context is laid out as the spec says"

@@ -1,13 +1,13 @@
 """Expert parallelism (``distributed.ep``): a mixture's routed experts split over the ep ranks, tokens sent to
 them by all-to-all.
 
-The ep ranks are ``ep`` neighbouring ranks of the data-parallel shard dimension (finetune/train/layout.py: ep
+The ep ranks are ``ep`` neighbouring ranks of the data-parallel shard dimension (finetune/train/parallel/layout.py: ep
 borrows its ranks from dp_shard). Each holds experts ``[r*E/ep, (r+1)*E/ep)`` of every experts module: its
 fused 3-D weights (and their biases, and LoRA's per-expert factors) become DTensors on the layout's
-:attr:`~finetune.train.layout.ParallelLayout.ep_mesh`, sharded on dim 0, so loading, saving and checkpoints see
+:attr:`~finetune.train.parallel.layout.ParallelLayout.ep_mesh`, sharded on dim 0, so loading, saving and checkpoints see
 the whole tensors as under any other sharding (:func:`shard_experts`). FSDP2 then shards each rank's experts
 over what is left of dp_shard (``expert_fsdp_mesh``), while every other weight is sharded over the whole of
-dp_shard (finetune/train/parallel.py: ``apply_fsdp``).
+dp_shard (finetune/train/parallel/parallelize.py: ``apply_fsdp``).
 
 One experts forward under ep (:func:`dispatch_forward`; the router, its load-balancing loss and the routing
 counts run before it on this rank's tokens, as without ep):

@@ -1,7 +1,7 @@
 """Build the model a Plan asks for: tokenizer, weights (pretrained or seeded random), dtype, adapters.
 
 Order: load -> (quantize) -> adapters; tensor parallelism, activation checkpointing, compilation, sharding
-and data parallelism are applied afterwards, once for every load path, by finetune.train.parallel.
+and data parallelism are applied afterwards, once for every load path, by finetune.train.parallel.parallelize.
 """
 
 from __future__ import annotations
@@ -51,16 +51,16 @@ def load_base_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.train.heap import fix_mmap_threshold
+    from finetune.train.runtime.heap import fix_mmap_threshold
 
-    fix_mmap_threshold()  # before the first large block is freed (finetune/train/heap.py)
+    fix_mmap_threshold()  # before the first large block is freed (finetune/train/runtime/heap.py)
     r = loaded.recipe
     path = resolve_model_path(loaded)
     dtype = torch_dtype(spec.base_dtype(False))
     common = {"trust_remote_code": r.model.trust_remote_code, "attn_implementation": spec.attention}
     flex.install_if(spec.attention)
     if spec.quant is not None:
-        from finetune.train.quantize import load_quantized
+        from finetune.train.model.quantize import load_quantized
 
         return load_quantized(loaded, path, spec, device, base_dir=base_dir)
     if r.model.init == "random":
@@ -85,7 +85,7 @@ def add_adapters(
     prefix tuning, or bottleneck adapters); full fine-tuning trains every weight.
 
     ``on_meta``: the base has no values yet, so pissa/olora are not decomposed here (the sharded load does it
-    after loading, finetune.train.load.init_decomposed); the peft config still names the init.
+    after loading, finetune.train.model.load.init_decomposed); the peft config still names the init.
     """
     # QLoRA: no peft prepare_model_for_kbit_training. It would upcast the frozen embeddings, norms and head to
     # fp32, which doubles the residual stream's activations (every 4-bit matmul returns its input's dtype) and
@@ -102,7 +102,7 @@ def build_model(
     loaded: LoadedRecipe, spec: ExecSpec, device: torch.device, *, base_dir: Path | None = None
 ) -> torch.nn.Module:
     """Base model + adapters, stored as ``spec`` says (activation checkpointing, compilation and wrapping
-    are finetune.train.parallel's, applied once for every strategy and load path).
+    are finetune.train.parallel.parallelize's, applied once for every strategy and load path).
 
     ``base_dir``: see :func:`load_base_model` (given by rank 0 of an adapter run from a random init).
     """

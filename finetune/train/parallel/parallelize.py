@@ -29,7 +29,7 @@ checkpointing per block, then ``torch.compile`` per block (``train.compile``), t
 (blocks, then the root) or DDP, then prefetch wiring. Checkpointing and compilation are applied here and
 nowhere else, so they hold for every strategy and both load paths (a whole model, or one built on meta and
 materialised after sharding). Everything is read from the execution spec (finetune/spec.py), and every mesh is
-a view of the layout's one world mesh (finetune/train/layout.py: ``tp_mesh``, ``fsdp_mesh``).
+a view of the layout's one world mesh (finetune/train/parallel/layout.py: ``tp_mesh``, ``fsdp_mesh``).
 """
 
 from __future__ import annotations
@@ -43,17 +43,17 @@ import torch
 from finetune.errors import UserError
 from finetune.model.adapters import base_model_of
 from finetune.spec import ExecSpec
-from finetune.train.distributed import DistContext
+from finetune.train.parallel.distributed import DistContext
 from finetune.units import torch_dtype
 
 
 def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torch.nn.Module:
     """Apply the execution spec: tensor parallelism, activation checkpointing and compilation of the decoder
     blocks (every strategy), then the strategy's wrapping over the data-parallel ranks, on ``ctx``'s parallel
-    layout (its meshes: :class:`~finetune.train.layout.ParallelLayout`).
+    layout (its meshes: :class:`~finetune.train.parallel.layout.ParallelLayout`).
 
     ``model`` may still be on the meta device (the sharded load path): compiling only marks each block, the
-    graphs are traced at its first forward, after :func:`finetune.train.load.materialize`.
+    graphs are traced at its first forward, after :func:`finetune.train.model.load.materialize`.
     """
     # each rank would train alone on its slice: refused by the capability table when the plan is made
     assert not (ctx.distributed and not spec.strategy.distributed), "strategy single on several processes"
@@ -71,7 +71,7 @@ def parallelize(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> tor
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         apply_tensor_parallel(model, layout.tp_mesh, sequence_parallel=spec.sequence_parallel)
     if spec.ep > 1:
-        from finetune.train.expert_parallel import apply_expert_parallel
+        from finetune.train.parallel.expert_parallel import apply_expert_parallel
 
         # Before checkpointing: a recomputed block dispatches its tokens again, as its forward did.
         apply_expert_parallel(model, layout.ep_mesh)
@@ -220,7 +220,7 @@ def apply_sequence_parallel(model: torch.nn.Module, tp_mesh: Any, *, pipeline_st
     Llama-style blocks have no dropout on the residual stream; the attention's dropout runs on each rank's
     heads as without sequence parallelism.
 
-    ``pipeline_stage``: ``model`` is a pipeline stage (finetune.train.pipeline), whose embeddings exist on the
+    ``pipeline_stage``: ``model`` is a pipeline stage (finetune.train.parallel.pipeline), whose embeddings exist on the
     first stage only and whose final norm and head on the last only; the stages pass each rank's rows.
     """
     from torch.distributed.tensor import Replicate, Shard
@@ -483,7 +483,7 @@ def apply_fsdp(model: torch.nn.Module, spec: ExecSpec, ctx: DistContext) -> torc
 
 def _shard_experts_units(model: torch.nn.Module, layout: Any, reshard: bool, policy: Any, offload: Any) -> None:
     """Expert parallelism: each experts module (its weights DTensors on the ep mesh,
-    finetune/train/expert_parallel.py) an FSDP2 unit of its own over the expert mesh (what ep leaves of
+    finetune/train/parallel/expert_parallel.py) an FSDP2 unit of its own over the expert mesh (what ep leaves of
     dp_shard), before its block's unit takes the block's other weights over the whole of dp_shard.
 
     An expert's gradient on its ep rank already sums every ep rank's tokens; FSDP2 sums it over the expert's
@@ -492,7 +492,7 @@ def _shard_experts_units(model: torch.nn.Module, layout: Any, reshard: bool, pol
     """
     from torch.distributed.fsdp import fully_shard
 
-    from finetune.train.expert_parallel import EP_ATTR
+    from finetune.train.parallel.expert_parallel import EP_ATTR
 
     mesh = layout.expert_fsdp_mesh
     for module in [m for m in model.modules() if hasattr(m, EP_ATTR)]:

@@ -2,7 +2,7 @@
 
 The model is built on the meta device (parameters without storage; the small non-persistent buffers such
 as rotary tables are real), QLoRA's linears become ``Linear4bit`` with packed 4-bit codes on meta, adapters
-are injected, then ``finetune.train.parallel.parallelize`` applies activation checkpointing and
+are injected, then ``finetune.train.parallel.parallelize.parallelize`` applies activation checkpointing and
 ``fully_shard`` as for any run. Only then does :func:`materialize` give each rank storage for *its* shards
 and fill them:
 
@@ -11,9 +11,9 @@ and fill them:
   one tensor at a time, and ``copy_`` casts each slice into the storage dtype. No broadcast is needed: the
   file is read where it lies, so a rank's anonymous memory is its shards plus one slice.
 - QLoRA's 4-bit weights: each rank reads one whole weight at a time, quantizes it exactly as transformers'
-  quantizing loader does (finetune.train.quantize.quantize_weight), keeps its slice of the codes and the
+  quantizing loader does (finetune.train.model.quantize.quantize_weight), keeps its slice of the codes and the
   whole quantization state (bitsandbytes needs it whole after FSDP gathers the codes).
-- ``model.init: random``: the seeded init is replayed one module at a time (finetune.train.seeded), giving
+- ``model.init: random``: the seeded init is replayed one module at a time (finetune.train.model.seeded), giving
   the weights of ``torch.manual_seed(seed); from_config(...)`` bit for bit; each rank keeps its slices.
 - Adapters initialised from the loaded model come after the base: DoRA's magnitudes from one gathered base
   weight at a time, peft's prefix encoder and the bottleneck adapters redrawn from the global generator where
@@ -42,7 +42,7 @@ from finetune.storage.safetensors_stream import (
     read_header,
     stored_name,
 )
-from finetune.train.model import (
+from finetune.train.model.build import (
     add_adapters,
     copy_slice,
     init_adapters,
@@ -79,9 +79,9 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec, device: torch.device | s
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.train.heap import fix_mmap_threshold
+    from finetune.train.runtime.heap import fix_mmap_threshold
 
-    fix_mmap_threshold()  # before the first large block is freed (finetune/train/heap.py)
+    fix_mmap_threshold()  # before the first large block is freed (finetune/train/runtime/heap.py)
     r = loaded.recipe
     path = resolve_model_path(loaded)
     flex.install_if(spec.attention)
@@ -100,7 +100,7 @@ def build_on_meta(loaded: LoadedRecipe, spec: ExecSpec, device: torch.device | s
     keep_fp32(model, spec)
     use_experts_kernel(model, device, spec.compute_dtype)
     if spec.quant is not None:
-        from finetune.train.quantize import quantize_on_meta
+        from finetune.train.model.quantize import quantize_on_meta
 
         quantize_on_meta(model, loaded, spec)
         if spec.quant.bits == 4:
@@ -147,7 +147,7 @@ def materialize(
     targets = base_targets(model)
     quantized = quantized_targets(model, targets) if spec.quant is not None else {}
     quantized.update(expert_targets(model, targets) if spec.quant is not None else {})
-    from finetune.train.seeded import release_free_heap
+    from finetune.train.model.seeded import release_free_heap
 
     if r.model.init == "random":
         fill_seeded(targets, quantized, loaded, spec, base_dir)
@@ -161,7 +161,7 @@ def materialize(
                     _quantize_into(module, files.get(key), spec, conv1d)
                     release_free_heap()
     if spec.quant is not None:
-        from finetune.train.quantize import disable_cpu_packed_inference
+        from finetune.train.model.quantize import disable_cpu_packed_inference
 
         disable_cpu_packed_inference(model)
     if spec.adapter is not None:
@@ -285,7 +285,7 @@ def init_decomposed(model: torch.nn.Module, init: str) -> None:
                 initial[names[id(b)]] = b0.cpu()
                 full = residual  # a second adapter on the same layer decomposes what the first left
         del full
-    from finetune.train.parallel import unwrap
+    from finetune.train.parallel.parallelize import unwrap
 
     setattr(unwrap(model), LORA_INIT_ATTR, initial)
 
@@ -298,9 +298,9 @@ def fill_seeded(
     base_dir: Path | None,
 ) -> None:
     """Fill ``targets`` (and quantize ``quantized``) with today's seeded random init, drawn one tensor at a time
-    (finetune.train.seeded); ``base_dir``: rank 0 of an adapter run also writes the seeded base there, tensor
+    (finetune.train.model.seeded); ``base_dir``: rank 0 of an adapter run also writes the seeded base there, tensor
     by tensor. A model whose init cannot be replayed that way is built whole, as before."""
-    from finetune.train.seeded import NotReplayable, replay_seeded_init
+    from finetune.train.model.seeded import NotReplayable, replay_seeded_init
 
     r = loaded.recipe
     config, dtype, kwargs = _seeded_args(loaded, spec)
@@ -396,7 +396,7 @@ class _ExpertWeight(torch.nn.Module):
 def _quantize_into(module: torch.nn.Module, full: torch.Tensor, spec: ExecSpec, conv1d: bool) -> None:
     """Quantize one whole checkpoint weight, keep this rank's slice of its codes and the whole quantization
     state (which every rank needs when FSDP has gathered the codes for a forward)."""
-    from finetune.train.quantize import quantize_weight
+    from finetune.train.model.quantize import quantize_weight
 
     assert spec.quant is not None
     if isinstance(module, _ExpertWeight):  # a fused expert weight: each expert's slice quantized on its own
@@ -483,7 +483,7 @@ def fused_from_pieces(pieces: dict[str, Any], read: Any) -> torch.Tensor:
 
 def _seeded_args(loaded: LoadedRecipe, spec: ExecSpec) -> tuple[Any, torch.dtype, dict[str, Any]]:
     """The config, dtype and keywords of today's seeded ``from_config`` (fp32 for QLoRA, which quantizes the
-    seeded fp32 weights as finetune.train.quantize.load_quantized does)."""
+    seeded fp32 weights as finetune.train.model.quantize.load_quantized does)."""
     from transformers import AutoConfig
 
     r = loaded.recipe

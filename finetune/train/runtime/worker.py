@@ -1,4 +1,4 @@
-"""The entry point of each process torch.distributed.run starts: ``python -m finetune.train.worker SPEC``.
+"""The entry point of each process torch.distributed.run starts: ``python -m finetune.train.runtime.worker SPEC``.
 
 SPEC is the :class:`RunRequest` the launcher wrote as JSON: the resolved recipe, the Plan and the run
 options, so that every rank executes exactly what the launcher planned. The worker sets its torch
@@ -60,7 +60,7 @@ class RunRequest:
         return cls(**d)
 
     def write(self, path: Path) -> Path:
-        """Save as JSON (the file ``python -m finetune.train.worker`` reads)."""
+        """Save as JSON (the file ``python -m finetune.train.runtime.worker`` reads)."""
         path.write_text(json.dumps(self.to_dict()))
         return path
 
@@ -95,7 +95,7 @@ def _set_threads() -> None:
     """Torch threads = this node's cores / its processes (OMP_NUM_THREADS, when set, wins)."""
     import torch
 
-    from finetune.train.distributed import threads_per_process
+    from finetune.train.parallel.distributed import threads_per_process
 
     n = os.environ.get("OMP_NUM_THREADS")
     threads = int(n) if n and n.isdigit() else threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -104,14 +104,19 @@ def _set_threads() -> None:
 
 def run_worker(request_path: str) -> None:
     """Train this rank as the request says; global rank 0 writes recipe.yaml, plan.json and every output."""
-    from finetune.train import allocator
+    from finetune.train.runtime import allocator
 
     allocator.configure()  # inherited from the launcher; before CUDA initialises in any case
     _quiet_if_not_main(int(os.environ.get("RANK", 0)))
     _set_threads()
-    from finetune.train.distributed import DistContext
-    from finetune.train.nodes import agree_with_node0, check_shared_output, input_fingerprints, several_nodes
-    from finetune.train.save import write_run_files
+    from finetune.train.checkpoint.save import write_run_files
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.nodes import (
+        agree_with_node0,
+        check_shared_output,
+        input_fingerprints,
+        several_nodes,
+    )
     from finetune.train.trainer import train_rank
 
     request = RunRequest.read(request_path)
@@ -136,7 +141,7 @@ def run_worker(request_path: str) -> None:
 
 def offloads(request: RunRequest) -> bool:
     """Whether this run may keep state in host memory (``train.offload``), which its process group must know
-    before it exists (finetune/train/distributed.py: gloo beside NCCL): this node's plan offloads, or on several
+    before it exists (finetune/train/parallel/distributed.py: gloo beside NCCL): this node's plan offloads, or on several
     nodes the recipe leaves it to the planner, since every node runs node 0's plan, which may."""
     planned = (request.plan.get("execution") or {}).get("offload", "none") != "none"
     several_nodes = int(os.environ.get("WORLD_SIZE", 1)) > int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        sys.stderr.write("usage: python -m finetune.train.worker SPEC.json (started by `finetune run`)\n")
+        sys.stderr.write("usage: python -m finetune.train.runtime.worker SPEC.json (started by `finetune run`)\n")
         sys.exit(2)
     handler = get_error_handler()
     handler.initialize()
