@@ -658,6 +658,13 @@ GRPO_RULES: tuple[Rule, ...] = (
         topic="objective",
     ),
     Rule(
+        "grpo-streaming", ("data.streaming", "train.objective"),
+        lambda c: c.streaming and c.objective == "grpo",
+        lambda c: "grpo draws whole groups of prompts from data.train, read whole before training, which a stream "
+        "never holds; set data.streaming: false",
+        topic="data",
+    ),
+    Rule(
         "grpo-reference-offload", ("grpo.beta", "train.offload"),
         lambda c: c.objective == "grpo" and c.reference == "model" and c.method == "full" and c.offload in OFFLOADS,
         lambda c: f"grpo.beta above 0 keeps a frozen copy of the weights on the GPUs, beside the state "
@@ -1096,6 +1103,7 @@ _EXTRAS: tuple[dict[str, Any], ...] = (
     {"streaming": True, "packing": True},
     {"streaming": True, "eval_fraction": True},
     {"streaming": True, "objective": "dpo", "data_format": "preference"},
+    {"streaming": True, "objective": "grpo", "data_format": "instruction"},
 )
 
 

@@ -1337,7 +1337,8 @@ def check_files(loaded: LoadedRecipe) -> list[Problem]:
 
 def run_inputs(loaded: LoadedRecipe) -> list[tuple[str, Path]]:
     """(what, path) of every local file or directory the run reads: the model, the reference model, the data
-    (each file, and the directory or file a spec names), the retain set, a chat template file, the recipe."""
+    (each file, and the directory or file a spec names), the retain set, a chat template file, grpo's python
+    reward files."""
     r = loaded.recipe
     inputs = loaded.inputs or resolve_inputs(loaded).inputs
     assert inputs is not None
@@ -1362,6 +1363,11 @@ def run_inputs(loaded: LoadedRecipe) -> list[tuple[str, Path]]:
     template = r.data.chat_template
     if template and "{" not in template:
         found.append(("the chat template (data.chat_template)", loaded.resolve_input(template)))
+    if r.train.objective == "grpo":  # a python reward's file, relative to the recipe as the rewards read it
+        for i, reward in enumerate(r.grpo.rewards):
+            if reward.type == "python" and reward.file:
+                path = Path(reward.file) if Path(reward.file).is_absolute() else loaded.base_dir / reward.file
+                found.append((f"the reward function's file (grpo.rewards.{i}.file)", path))
     return found
 
 

@@ -68,6 +68,7 @@ def test_schema_refuses_python_rewards_without_the_opt_in_and_partial_groups() -
 @pytest.mark.parametrize(("change", "words"), [
     ({"data": {"packing": True}}, "grpo scores each sampled completion on its own row"),
     ({"data": {"format": "text"}}, "grpo samples completions of prompts, which data.format: text rows do not have"),
+    ({"data": {"streaming": True}}, "data.streaming: grpo draws whole groups of prompts from data.train"),
 ])
 def test_capability_table_refuses_grpo_cells(tmp_path: Path, change: dict, words: str) -> None:
     recipe = tiny_recipe(tmp_path / "out", train={"objective": "grpo"}, grpo=GRPO)

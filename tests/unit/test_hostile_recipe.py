@@ -201,7 +201,7 @@ def test_output_dir_holding_the_recipe_is_refused_unless_it_is_the_runs_own_copy
     assert [p.key for p in check_files(load_recipe(out / "recipe.yaml"))] == ["output.dir"]
 
 
-def test_output_dir_over_the_reference_model_or_a_chat_template_is_refused(tmp_path: Path, inputs: dict) -> None:
+def test_output_dir_over_the_reference_model_a_chat_template_or_a_reward_file_is_refused(tmp_path: Path, inputs: dict) -> None:
     from finetune.recipe.schema import output_problems
 
     reference = _copy_model(tmp_path / "ref")
@@ -214,6 +214,15 @@ def test_output_dir_over_the_reference_model_or_a_chat_template_is_refused(tmp_p
     r = tiny_recipe(template.parent, data={"chat_template": str(template)})
     [problem] = output_problems(load_recipe(write_recipe(tmp_path / "tpl.yaml", r)))
     assert "contains the chat template (data.chat_template)" in problem.message
+    # grpo's python reward: its file, relative to the recipe, as the rewards read it
+    rewards = tmp_path / "rewards"
+    rewards.mkdir()
+    (rewards / "mine.py").write_text("def score(prompt, completion, answer):\n    return 0.0\n")
+    grpo = {"rewards": [{"type": "python", "file": "rewards/mine.py", "function": "score"}], "trust_reward_code": True}
+    r = tiny_recipe(rewards, train={"objective": "grpo"}, grpo=grpo)
+    [problem] = output_problems(load_recipe(write_recipe(tmp_path / "grpo.yaml", r)))
+    assert "contains the reward function's file (grpo.rewards.0.file)" in problem.message
+    assert str(rewards / "mine.py") in problem.message
 
 
 def test_output_dir_apart_from_every_input_passes(tmp_path: Path) -> None:
