@@ -101,7 +101,7 @@ def synchronising_once(inner_class: type[Any]) -> type[Any]:
     """
     if inner_class in _ONCE:
         return _ONCE[inner_class]
-    from bitsandbytes.utils import sync_gpu
+    from bitsandbytes.optim import optimizer as bnb_optimizer
 
     @torch.no_grad()
     def step(self: Any, closure: Any = None) -> Any:
@@ -123,8 +123,8 @@ def synchronising_once(inner_class: type[Any]) -> type[Any]:
                 self.prefetch_state(p)
                 self.update_step(group, p, gindex, pindex)
                 last = p
-        if last is not None:
-            sync_gpu(last)  # a no-op on the CPU
+        if last is not None:  # the function bitsandbytes' own step synchronises with (a no-op on the CPU)
+            bnb_optimizer.sync_gpu(last)
         return loss
 
     cls = type(inner_class.__name__, (inner_class,), {"step": step, "__doc__": inner_class.__doc__})

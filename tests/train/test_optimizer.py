@@ -179,6 +179,46 @@ def test_eight_bit_step_synchronising_once_updates_as_bitsandbytes_does(name):
     assert opts["ours"].state[params["ours"][1]]["step"] == 2  # its step without a gradient was skipped
 
 
+@pytest.mark.parametrize("name", ["adamw8bit", "paged_adamw8bit"])
+def test_eight_bit_step_synchronises_once_where_bitsandbytes_does_per_parameter(name, monkeypatch):
+    """Counted through the function bitsandbytes' optimizer synchronises the device with (its ``sync_gpu``,
+    still called, a no-op for CPU tensors): per step, the stock step calls it once for every parameter with a
+    gradient (a paged optimizer once more after its loop); the trainer's once, for the last parameter updated.
+    Over three steps of four parameters, one of them without a gradient in the second step."""
+    import bitsandbytes as bnb
+    from bitsandbytes.optim import optimizer as bnb_optimizer
+
+    from finetune.train.optimizer import optimizer_class
+
+    real = bnb_optimizer.sync_gpu
+    calls: list[torch.Tensor] = []
+
+    def counting(t: torch.Tensor) -> None:
+        calls.append(t)
+        real(t)
+
+    monkeypatch.setattr(bnb_optimizer, "sync_gpu", counting)
+    cls, options = optimizer_class(name)
+    stock = {"adamw8bit": bnb.optim.AdamW8bit, "paged_adamw8bit": bnb.optim.PagedAdamW8bit}[name]
+    shapes = [(64, 128), (96, 64), (8,), (300,)]
+    counts: dict[str, list[int]] = {}
+    for key, kind in (("ours", cls), ("stock", stock)):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        opt = kind(params, lr=1e-2, **(options if key == "ours" else {}))
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = None if (step == 1 and i == 1) else torch.randn(p.shape)
+            calls.clear()
+            opt.step()
+            counts.setdefault(key, []).append(len(calls))
+            if key == "ours":
+                assert calls[0] is params[-1]  # after the last update
+    paged = 1 if name == "paged_adamw8bit" else 0
+    assert counts["stock"] == [4 + paged, 3 + paged, 4 + paged]
+    assert counts["ours"] == [1, 1, 1]
+
+
 class _LiveBytes:
     """A dispatch mode counting the bytes of the storages made inside it that are still alive, per producing
     operator (``ops`` of interest: their outputs' storages alone are counted) and at most ever."""
