@@ -1,11 +1,12 @@
 """train.offload: FSDP2's CPU offload (optimizer under zero2, parameters under fsdp), what the capability table
 refuses, and what the planner counts for it.
 
-The fast tier checks the table's sentences, the offload policy the trainer passes to ``fully_shard``, and the
-planner's arithmetic (device bytes, host bytes per node, bytes over the host link). The slow tier trains a
-2-block Llama on 2 gloo processes through the real CLI with offload and compares every step's loss and
-gradient norm with the same run without offload and with one process (the parity tolerance of
-tests/distributed/test_distributed.py: 1e-4 relative), checks that the state the trainer really keeps on the host is the
+The fast tier checks the table's sentences, the offload policy the trainer passes to ``fully_shard``, the process
+group a worker joins (gloo beside NCCL; one process training through it on gloo), and the planner's arithmetic
+(device bytes, host bytes per node, bytes over the host link). The slow tier trains a 2-block Llama on 2 gloo
+processes through the real CLI with offload and compares every step's loss and gradient norm with the same run
+without offload and with one process (the parity tolerance of tests/distributed/test_distributed.py: 1e-4
+relative), checks that the state the trainer really keeps on the host is the
 planner's ``offloaded_bytes``, and that the planner's peak is within 5% of the measured one.
 """
 
@@ -32,7 +33,8 @@ from finetune.plan.memory import (
 )
 from finetune.recipe.capabilities import Cell, first_refusal
 from finetune.spec import execution_spec
-from tests.support import RECIPES, ROOT, TINY_MODEL, micro_model_dir, write_recipe
+from finetune.train.runtime.allocator import ALLOC_CONF_VARS
+from tests.support import RECIPES, ROOT, TINY_MODEL, micro_model_dir, tiny_recipe, write_recipe
 
 # tests/distributed/test_distributed.py's parity tolerance (relative, on every step's loss and gradient norm)
 LOSS_RTOL = 1e-4
@@ -97,6 +99,69 @@ def test_offload_asks_for_gloo_beside_nccl() -> None:
     assert process_group_backend(gpu, offload=True) == "cuda:nccl,cpu:gloo"
     assert process_group_backend(gpu) == "nccl"
     assert process_group_backend(torch.device("cpu"), offload=True) == process_group_backend(torch.device("cpu")) == "gloo"
+
+
+class _Joined(Exception):
+    """Raised in place of joining the process group, once its arguments are recorded."""
+
+
+@pytest.mark.parametrize(
+    ("offload", "world", "want"),
+    [("optimizer", 1, "cuda:nccl,cpu:gloo"), ("parameters", 2, "cuda:nccl,cpu:gloo"), ("none", 2, "nccl"),
+     ("none", 1, None)],
+)
+def test_a_gpu_worker_joins_the_group_its_offload_needs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, offload: str, world: int, want: str | None
+) -> None:
+    """The worker's own start (run_worker: the request read, DistContext.from_env with offloads(request)) on a
+    machine whose torch sees a GPU: what it passes to init_process_group. An offloading run asks for gloo beside
+    NCCL on the GPU it set, a single offloading process included (alone: a store of its own); a plain run on
+    several GPUs for NCCL alone; a plain single process for no group. Only what a CPU machine cannot have is
+    stood in for: CUDA's availability, its set_device, and NCCL's group (the call is recorded, then stopped)."""
+    import torch.distributed as dist
+
+    from finetune.recipe.schema import load_recipe
+    from finetune.train.runtime import worker
+
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", *ALLOC_CONF_VARS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # the worker sets this process's threads
+    devices: list[int] = []
+    joined: list[dict] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+
+    def init_process_group(**kwargs: object) -> None:
+        joined.append(kwargs)
+        raise _Joined
+
+    def next_call(*args: object) -> None:
+        raise _Joined
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    train = {"offload": offload} if offload != "none" else {}
+    strategy = {"optimizer": "zero2", "parameters": "fsdp"}.get(offload, "ddp" if world > 1 else "single")
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path / "out", train=train,
+                                                           distributed={"strategy": strategy}))
+    request = worker.RunRequest(
+        recipe=load_recipe(str(recipe)).recipe.model_dump(mode="json"), plan={"execution": {"offload": offload}},
+        base_dir=str(tmp_path),
+    ).write(tmp_path / "request.json")
+    if want is None:  # a single process without offload joins nothing: the run goes on (stopped at its next call)
+        monkeypatch.setattr("finetune.train.parallel.nodes.agree_with_node0", next_call)
+    with pytest.raises(_Joined):
+        worker.run_worker(str(request))
+    assert devices == [0]
+    if want is None:
+        assert joined == [] and not dist.is_initialized()
+        return
+    assert len(joined) == 1 and joined[0]["backend"] == want, joined
+    assert joined[0]["device_id"] == torch.device("cuda", 0)
+    if world == 1:  # no torchrun rendezvous: a group of one over a store in this process
+        assert (joined[0]["rank"], joined[0]["world_size"]) == (0, 1)
+        assert isinstance(joined[0]["store"], dist.HashStore)
 
 
 @pytest.mark.parametrize(
