@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import warnings
 from importlib.metadata import version
 from pathlib import Path
 
@@ -129,6 +130,78 @@ def test_ddp_is_built_with_the_buffer_keyword_this_torch_has(tmp_path: Path) -> 
         dist.destroy_process_group()
     for a, b in zip(plain.parameters(), twin.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-7)
+
+
+def _ddp_buffers_worker(rank: int, store: str, result: str) -> None:
+    """Both spellings of data_parallel's buffer keyword on 2 gloo processes (the detected one, then the one a
+    torch without ``forward_sync_buffers`` gets): each rank's buffer after the wrap and after a forward, the
+    gradients of the first backward, and a plain model's gradients of the same global batch."""
+    import copy
+
+    import torch.distributed as dist
+
+    import finetune.versions as versions
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.parallel.parallelize import data_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    detected = versions.ddp_has_forward_sync_buffers
+    out = {}
+    try:
+        for branch in ("detected", "without forward_sync_buffers"):
+            if branch != "detected":
+                versions.ddp_has_forward_sync_buffers = lambda: False  # what torch < 2.13 answers
+            torch.manual_seed(0)
+            plain = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+            twin = copy.deepcopy(plain)
+            twin.register_buffer("table", torch.full((3,), float(rank)))  # a rank's own value
+            xs = torch.randn(2, 5, 4)  # every rank draws both halves of the global batch; it trains on its own
+            (sum(plain(x).square().sum() for x in xs) / 2).backward()  # DDP averages the ranks' gradients
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated on torch >= 2.13
+                ddp = data_parallel(twin, DistContext(rank, 2, rank, torch.device("cpu")))
+            wrapped = twin.table.clone()
+            ddp(xs[rank]).square().sum().backward()
+            grads = [p.grad.clone() for p in twin.parameters()]
+            twin.table.fill_(10.0 + rank)
+            ddp(xs[rank]).square().sum().backward()  # a second step's forward: the buffers broadcast again?
+            out[branch] = {
+                "keyword": versions.ddp_no_buffer_sync(), "wrapped": wrapped, "forward": twin.table.clone(),
+                "grads": grads, "plain": [p.grad for p in plain.parameters()],
+            }
+    finally:
+        versions.ddp_has_forward_sync_buffers = detected
+        dist.destroy_process_group()
+    torch.save(out, f"{result}.{rank}")
+
+
+@pytest.mark.dist
+def test_ddp_without_forward_sync_buffers_syncs_no_buffers(tmp_path: Path) -> None:
+    """On 2 gloo processes, data_parallel as a torch without ``forward_sync_buffers`` (torch 2.11, 2.12) builds
+    it: ``broadcast_buffers=False``, and each rank keeps its own buffer at the wrap and through every forward.
+    With the detected keyword (``forward_sync_buffers=False`` on torch >= 2.13) the wrap broadcasts rank 0's
+    buffers once, and no forward does. Either way the gradients are a plain model's over the global batch."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from finetune.versions import ddp_has_forward_sync_buffers
+
+    result = str(tmp_path / "result")
+    mp.spawn(_ddp_buffers_worker, args=(tempfile.mktemp(dir=tmp_path), result), nprocs=2)
+    new = ddp_has_forward_sync_buffers()
+    for rank in range(2):
+        got = torch.load(f"{result}.{rank}", weights_only=False)
+        old = got["without forward_sync_buffers"]
+        assert old["keyword"] == {"broadcast_buffers": False}
+        assert torch.equal(old["wrapped"], torch.full((3,), float(rank)))  # not synced at the wrap
+        detected = got["detected"]
+        assert detected["keyword"] == ({"forward_sync_buffers": False} if new else {"broadcast_buffers": False})
+        assert torch.equal(detected["wrapped"], torch.full((3,), 0.0 if new else float(rank)))
+        for branch in (old, detected):
+            assert torch.equal(branch["forward"], torch.full((3,), 10.0 + rank))  # nor before a forward
+            for g, want in zip(branch["grads"], branch["plain"], strict=True):
+                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
 
 
 def test_the_kv_cache_goes_in_and_out_under_this_transformers_name() -> None:
