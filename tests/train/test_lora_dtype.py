@@ -123,3 +123,76 @@ def test_bf16_adapters_train_save_merge_and_measure_half(tmp_path: Path) -> None
     with torch.no_grad():
         want, got = adapted(torch.tensor(IDS)).logits, merged(torch.tensor(IDS)).logits
     assert (got - want).abs().max().item() < 1e-4
+
+
+def _trained_bytes(tmp_path: Path, dtype: str) -> dict[str, int]:
+    """One optimizer step of the trainer (in this process, bf16 precision, LoRA in ``dtype``): the bytes of the
+    adapters, of the gradients backward gave them, and of AdamW's state after the step, beside the plan's."""
+    from finetune.plan.flowchart import chosen_memory, plan_for_run
+    from finetune.recipe.schema import load_recipe
+    from finetune.train.parallel.distributed import DistContext
+    from finetune.train.trainer import Trainer
+
+    recipe = write_recipe(tmp_path / f"{dtype}.yaml", tiny_recipe(
+        tmp_path / dtype, method="lora", precision="bf16", lora={**LORA, "dtype": dtype},
+        train={"max_steps": 1, "warmup_steps": 0}, eval={"every": 0},
+    ))
+    loaded = load_recipe(str(recipe))
+    plan = plan_for_run(loaded, nproc=1, nnodes=1, device="cpu")
+    trainer = Trainer(loaded, plan, DistContext(0, 1, 0, torch.device("cpu")))
+    trainer.setup()
+    adapters = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads: dict[int, int] = {}
+    for p in adapters:  # the gradient as backward left it, before the optimizer frees it
+        p.register_post_accumulate_grad_hook(lambda p: grads.__setitem__(id(p), p.grad.nbytes))
+    trainer.train_step()
+    state = [v for s in trainer.optimizer.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]  # AdamW's moments (its step counter is a scalar)
+    return {
+        "values": sum(p.numel() for p in adapters), "planned_values": plan.model["trainable"],
+        "params": sum(p.nbytes for p in adapters), "grads": sum(grads.values()),
+        "optimizer": sum(t.nbytes for t in state), "planned_optimizer": chosen_memory(loaded, plan, device="cpu").optimizer,
+        "grads_seen": len(grads), "tensors": len(adapters),
+    }
+
+
+@pytest.mark.slow  # two trainers built and stepped once in this process
+def test_bf16_adapters_halve_what_the_trainer_holds(tmp_path: Path) -> None:
+    """Measured on the trainer's own tensors after a real step: bf16 adapters take half the bytes of fp32 ones,
+    and so do their gradients and AdamW's two moments (2 x 2 bytes a value against 2 x 4), the state the plan
+    counts."""
+    fp32, bf16 = _trained_bytes(tmp_path, "fp32"), _trained_bytes(tmp_path, "bf16")
+    for got in (fp32, bf16):
+        assert got["values"] == got["planned_values"] > 0 and got["grads_seen"] == got["tensors"]
+        assert got["optimizer"] == got["planned_optimizer"]
+    assert fp32["values"] == bf16["values"]
+    values = bf16["values"]
+    assert (fp32["params"], fp32["grads"], fp32["optimizer"]) == (4 * values, 4 * values, 8 * values)
+    assert (bf16["params"], bf16["grads"], bf16["optimizer"]) == (2 * values, 2 * values, 4 * values)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_plan_says_the_adapters_dtype_and_what_the_other_would_cost(tmp_path: Path, dtype: str) -> None:
+    """The plan's sentence about the adapters (walk.AdapterStorage): their values, the dtype they are kept in,
+    the bytes of the adapters, their gradients and AdamW's two moments in that dtype, and in the other; fp32
+    adapters under bf16 compute are pointed at lora.dtype: bf16."""
+    from finetune.plan.flowchart import plan_for_run
+    from finetune.recipe.schema import load_recipe
+    from finetune.units import fmt_bytes
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(
+        tmp_path / "out", method="lora", precision="bf16", lora={**LORA, "dtype": dtype}, eval={"every": 0},
+    ))
+    plan = plan_for_run(load_recipe(str(recipe)), nproc=1, nnodes=1, device="cpu")
+    (step,) = [s for s in plan.steps if s["kind"] == "AdapterStorage"]
+    values = plan.model["trainable"]
+    size = {"fp32": 4, "bf16": 2}
+    other = "bf16" if dtype == "fp32" else "fp32"
+    assert (step["dtype"], step["values"], step["compute"]) == (dtype, values, "bf16")
+    assert step["state_bytes"] == 4 * size[dtype] * values  # adapters, gradients, two moments
+    assert step["other_bytes"] == 4 * size[other] * values
+    head = (f"LoRA's adapters ({values / 1e6:.2f}M values) are kept in {dtype} (lora.dtype), with their gradients "
+            f"and the optimizer state: {fmt_bytes(step['state_bytes'])} before sharding")
+    tail = {"fp32": f"; lora.dtype: bf16 keeps them in the compute dtype ({fmt_bytes(step['other_bytes'])}).",
+            "bf16": f", the compute dtype (fp32 adapters: {fmt_bytes(step['other_bytes'])})."}[dtype]
+    assert head + tail in plan.walk
