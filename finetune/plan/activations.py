@@ -289,8 +289,18 @@ def build_meta_model(config: Any, spec: TraceSpec, num_layers: int) -> tuple[Any
     autocast = spec.autocast_dtype is not None
     # Built on the meta device (peft's dtype moves do not work on fake parameters), then every parameter
     # and buffer is replaced by a fake CPU tensor of the same shape, dtype and sharing.
+    cfg = concrete(cfg)
+    kernel = _traced_kernel(spec)
+    mapping = AutoModelForCausalLM._model_mapping
+    sdpa = type(cfg) not in mapping or getattr(mapping[type(cfg)], "_supports_sdpa", True)
+    built = "eager" if kernel == "sdpa" and not sdpa else kernel  # sdpa: flex on a GPU (see _traced_kernel)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(concrete(cfg), dtype=dtype, attn_implementation=_traced_kernel(spec))
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=built)
+    if built != kernel:
+        # An architecture without sdpa in transformers (gpt-oss) keeps flex's fused-kernel footprint in the trace:
+        # its attention layers are pointed at sdpa, which ignores what the kernel adds (gpt-oss's sinks: a
+        # (B, H, T) rescale of the output), instead of eager's (B, H, T, T) probabilities that flex never holds.
+        model.config._attn_implementation_internal = "sdpa"
     set_experts_kernel(model, spec.experts)
     model.train()
     if Method(spec.method).quantized:

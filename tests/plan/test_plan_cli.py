@@ -154,6 +154,35 @@ def _plan_json(args: list[str], cache: Path, monkeypatch: pytest.MonkeyPatch) ->
     return json.loads(out.stdout)
 
 
+#: The catalog's mixtures of experts a user plans by name (qwen3-8b and llama-3.3-70b have tests of their own
+#: below): (name, published parameters, hardware on which a configuration fits, so that its blocks are traced:
+#: the method it takes there).
+PUBLISHED = [
+    ("qwen3-30b-a3b", 30.53e9, ["--gpus", "1"], "lora"),
+    ("qwen3-235b-a22b", 235.09e9, ["--gpus", "8"], "lora"),
+    ("gpt-oss-20b", 20.91e9, ["--gpus", "1"], "lora"),  # attention with sinks: no sdpa in transformers
+    ("gpt-oss-120b", 116.83e9, ["--gpus", "1"], "qlora"),
+    # multi-head latent attention, an fp32 router, three dense layers before the mixture
+    ("deepseek-v3", 671.0e9, ["--gpus", "8", "--nodes", "2"], "qlora"),
+]
+
+
+@pytest.mark.slow  # traces each model's blocks on fake tensors (5-30 s each on a loaded 2-core machine)
+@pytest.mark.parametrize(("name", "published", "hardware", "method"), PUBLISHED, ids=[x[0] for x in PUBLISHED])
+def test_catalog_models_plan_offline_with_their_published_size(
+    name: str, published: float, hardware: list[str], method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`finetune plan --model NAME` with downloads off: the entry's parameter count within 2% of the model
+    card's, and a configuration that fits 80 GiB GPUs, its activations traced from the model's own blocks."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    p = _plan_json(["--model", name, "--gpu-memory", "80GiB", *hardware], tmp_path, monkeypatch)
+    assert p["model"]["source"] == f"catalog:{name}"
+    assert abs(p["model"]["parameters"] / published - 1) < 0.02, p["model"]["parameters"]
+    c = p["chosen"]
+    assert (c["method"], c["fits"]) == (method, True)
+    assert c["memory"]["activations"] > 0 and c["memory"]["total"] <= 80 * 2**30
+
+
 @pytest.mark.slow  # traces an 8B model's block on fake tensors (about 5 s)
 def test_qwen3_8b_offline_full_fine_tuning_on_8_gpus(tmp_path, monkeypatch):
     """A 2025 catalog entry planned without weights or network: 8.19B parameters (the model card's), full
