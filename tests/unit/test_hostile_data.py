@@ -173,8 +173,9 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_makes_its_rows_bad(tmp_pa
     ), message
 
 
-def test_finetune_data_and_validate_say_it_in_one_line(tmp_path: Path) -> None:
-    """Through the CLI: exit 2, one sentence with file:line, no traceback, nothing written."""
+def test_finetune_data_says_it_in_one_line(tmp_path: Path) -> None:
+    """``finetune data`` reads every row: exit 2, one sentence with file:line, no traceback, nothing written
+    (``validate`` reads no rows: tests/e2e/test_hostile_cli.py)."""
     f = _lines(tmp_path / "d.jsonl", HOSTILE_LINES["JSON nested 10^5 deep"])
     r = tiny_recipe(tmp_path / "out", data={"train": str(f), "eval": None, "max_seq_len": 48,
                                             "cache_dir": str(tmp_path / "cache")})
