@@ -24,19 +24,19 @@ from finetune.plan.rollout import rollout_bytes
 from finetune.plan.setting import Setting
 from finetune.plan.shapes import Inventory
 from finetune.plan.tensor_parallel import tp_comm_bytes, tp_config
-from finetune.plan.types import Candidate, MemoryBreakdown, Status
+from finetune.plan.types import Candidate, Config, MemoryBreakdown, Status
 from finetune.spec import DTYPE_BYTES, Method, Precision, Strategy, adapter_spec
 
 
 # -- one candidate --------------------------------------------------------------------------------------------
 def evaluate(
-    s: Setting, method: str, strategy: str, mbs: int, ac: bool, *, tp: int = 1, first_step: bool = False,
-    traced: frozenset[tuple[str, bool, int]] | None = None, optimizer: str | None = None,
-    offload: str | None = None, pp: int = 1,
+    s: Setting, config: Config, *, first_step: bool = False, traced: frozenset[tuple[str, bool, int]] | None = None,
 ) -> Candidate:
     """One configuration's per-GPU memory, communication and time. ``traced``: trace activations only for
     the (method, checkpointing, tp) the walk traced (the table's other rows are marked not traced). With
     ``pp`` pipeline ranks the memory is the worst rank's (every rank's in ``stage_memory``)."""
+    method, strategy, mbs, ac = config.method, config.strategy, config.micro_batch_size, config.activation_checkpointing
+    tp, pp, optimizer, offload = config.tp, config.pp, config.optimizer, config.offload
     world = 1 if strategy == "single" else s.world
     if spec_pp(strategy, pp) > 1:  # stages take unpacked rows (finetune/plan/pipeline.py)
         s = s.for_pipeline()

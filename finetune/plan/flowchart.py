@@ -31,7 +31,7 @@ from finetune.plan.pipeline import microbatch_problem, pipeline_note
 from finetune.plan.request import Request, request_from_recipe
 from finetune.plan.setting import Setting, settle
 from finetune.plan.shapes import lora_targets, moe_summary
-from finetune.plan.types import Candidate, MemoryBreakdown, Plan, Status
+from finetune.plan.types import Candidate, Config, MemoryBreakdown, Plan, Status
 from finetune.recipe.schema import LoadedRecipe
 from finetune.spec import ExecSpec, Method, Precision, Strategy
 
@@ -119,10 +119,7 @@ def _chosen_candidate(
 ) -> Candidate:
     c = plan.chosen
     s = _chosen_setting(loaded, plan, device=device, seq_len=seq_len)
-    return evaluate(
-        s, c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing, first_step=first_step, tp=c.tp,
-        optimizer=c.optimizer, offload=c.offload, pp=c.pp,
-    )
+    return evaluate(s, c.config, first_step=first_step)
 
 
 
@@ -199,38 +196,34 @@ class _Walk:
         self.tried: list[Candidate] = []
         self.said: set[str] = set()
 
-    def refused(
-        self, method: str, strategy: str, tp: int, ac: bool, optimizer: str | None = None,
-        offload: str | None = None, *, say: bool = True, pp: int = 1,
-    ) -> bool:
-        """Whether the capability table refuses the configuration; the first time a sentence rules out a
-        candidate the walk considers, it is said (and the refused candidate kept with why)."""
-        text = self.s.refusal(method, strategy, tp, ac, optimizer, offload, pp)
+    def refused(self, config: Config, *, say: bool = True) -> bool:
+        """Whether the capability table refuses ``config``; the first time a sentence rules out a candidate the
+        walk considers, it is said (and the refused candidate kept with why)."""
+        text = self.s.refusal(config)
         if text is None:
             return False
         if say and text not in self.said:
             self.said.add(text)
-            self.log.append(w.RuledOut(method, strategy, tp, text))
-            self.tried.append(_refused(self.s, method, strategy, tp, ac, text, optimizer, offload, pp))
+            self.log.append(w.RuledOut(config.method, config.strategy, config.tp, text))
+            self.tried.append(_refused(self.s, config, text))
         return True
 
     def attempt(
-        self, method: str, strategies: list[str], mbs: int, ac: bool, tp: int, clause: bool,
-        optimizer: str | None = None, offload: str | None = None, with_method: bool = True, setting: str = "",
-        say: bool = True, pp: int = 1,
+        self, config: Config, strategies: list[str], clause: bool, *, with_method: bool = True, setting: str = "",
+        say: bool = True,
     ) -> Candidate | None:
-        """``method`` under each of ``strategies`` in order (tp, checkpointing and state fixed). The first
+        """``config`` under each of ``strategies`` in order (its tp, checkpointing and state fixed). The first
         that fits is the answer, unless a later one that also fits is predicted faster by more than
         :data:`TIME_MARGIN` (every strategy after the first fit is evaluated for that); the sentence lists
         the attempts up to the first fit."""
+        method, mbs = config.method, config.micro_batch_size
         attempts: list[w.Attempt] = []
         fitting: list[Candidate] = []
         for strategy in strategies:
-            if self.refused(method, strategy, tp, ac, optimizer, offload, say=not fitting, pp=pp):
+            tried = config.with_(strategy=strategy)
+            if self.refused(tried, say=not fitting):
                 continue
-            c = self.host_checked(
-                evaluate(self.s, method, strategy, mbs, ac, tp=tp, optimizer=optimizer, offload=offload, pp=pp)
-            )
+            c = self.host_checked(evaluate(self.s, tried))
             self.tried.append(c)
             if fitting:  # past the first fit: only to compare the predicted time
                 if c.fits:
@@ -265,16 +258,14 @@ class _Walk:
         return replace(c, status=Status.HOST_OVER)
 
 
-def _refused(
-    s: Setting, method: str, strategy: str, tp: int, ac: bool, why: str, optimizer: str | None, offload: str | None,
-    pp: int = 1,
-) -> Candidate:
-    optimizer = optimizer or (s.req.optimizer if s.req.optimizer != "auto" else "adamw")
-    offload = offload or (s.req.offload if s.req.offload != "auto" else "none")
+def _refused(s: Setting, config: Config, why: str) -> Candidate:
+    optimizer = config.optimizer or (s.req.optimizer if s.req.optimizer != "auto" else "adamw")
+    offload = config.offload or (s.req.offload if s.req.offload != "auto" else "none")
     return Candidate(
-        method=Method(method), strategy=Strategy(strategy), precision=Precision(s.precision), micro_batch_size=1,
-        grad_accum_steps=1, activation_checkpointing=ac, nproc=s.hw.gpus_per_node, nnodes=s.hw.nodes,
-        status=Status.REFUSED, why=why, tp=tp, optimizer=optimizer, offload=offload, pp=pp,
+        method=Method(config.method), strategy=Strategy(config.strategy), precision=Precision(s.precision),
+        micro_batch_size=1, grad_accum_steps=1, activation_checkpointing=config.activation_checkpointing,
+        nproc=s.hw.gpus_per_node, nnodes=s.hw.nodes, status=Status.REFUSED, why=why, tp=config.tp,
+        optimizer=optimizer, offload=offload, pp=config.pp,
     )
 
 
@@ -340,10 +331,8 @@ def _try_method(
     for ac in acs:
         if offload == "parameters":
             strategies = [x for x in strategies if x in ("zero2", "fsdp")]
-        found = wk.attempt(
-            method, strategies, mbs1, ac, s.tp, ac and len(acs) > 1, optimizer, offload, setting=setting, say=say,
-            pp=s.pp,
-        )
+        config = Config(method, "", mbs1, ac, s.tp, s.pp, optimizer, offload)
+        found = wk.attempt(config, strategies, ac and len(acs) > 1, setting=setting, say=say)
         if found is not None:
             return found
     return None
@@ -352,7 +341,9 @@ def _try_method(
 def _try_tensor_parallel(wk: _Walk, method: str, mbs1: int, acs: list[bool]) -> Candidate | None:
     """The smallest TP degree (inside a node) under which ``method`` fits at micro-batch ``mbs1``."""
     s = wk.s
-    if not s.tp_auto or all(wk.refused(method, x, 2, acs[0], say=False) for x in _tp_strategies(s, 2)):
+    if not s.tp_auto or all(
+        wk.refused(Config(method, x, mbs1, acs[0], tp=2), say=False) for x in _tp_strategies(s, 2)
+    ):
         return None
     fsdp = [c for c in wk.tried if c.method == method and c.strategy == "fsdp" and c.tp == 1 and c.memory.total]
     wk.log.append(w.TryTensorParallel(
@@ -361,7 +352,8 @@ def _try_tensor_parallel(wk: _Walk, method: str, mbs1: int, acs: list[bool]) -> 
     ))
     for tp in s.tp_auto:
         for ac in acs:
-            found = wk.attempt(method, _tp_strategies(s, tp), mbs1, ac, tp, ac and len(acs) > 1, with_method=False)
+            config = Config(method, "", mbs1, ac, tp)
+            found = wk.attempt(config, _tp_strategies(s, tp), ac and len(acs) > 1, with_method=False)
             if found is not None:
                 return found
     return None
@@ -393,7 +385,8 @@ def _try_pipeline(wk: _Walk, method: str, mbs1: int, acs: list[bool]) -> Candida
                 continue
             tried: list[Candidate] = []
             for ac in acs:
-                found = wk.attempt(method, _tp_strategies(s, tp, pp), mbs1, ac, tp, False, say=False, pp=pp)
+                config = Config(method, "", mbs1, ac, tp, pp)
+                found = wk.attempt(config, _tp_strategies(s, tp, pp), False, say=False)
                 tried += [c for c in wk.tried[-2:] if c.pp == pp and c.tp == tp and c.activation_checkpointing == ac]
                 if found is not None:
                     break
@@ -507,11 +500,8 @@ def _smaller_state(wk: _Walk, mbs1: int, acs: list[bool]) -> Candidate | None:
         if not sized:
             return None
         best = min(sized, key=lambda c: c.memory.total)
-        if wk.refused(best.method, best.strategy, best.tp, best.activation_checkpointing, optimizer, offload, say=False):
-            same = best
-        else:
-            same = evaluate(s, best.method, best.strategy, best.micro_batch_size, best.activation_checkpointing,
-                            tp=best.tp, optimizer=optimizer, offload=offload)
+        smaller = best.config.with_(optimizer=optimizer, offload=offload)
+        same = best if wk.refused(smaller, say=False) else evaluate(s, smaller)
         if same.memory.total >= best.memory.total:
             continue  # saves nothing on the smallest configuration so far (e.g. adapters too small for 8 bits)
         host = _host_peak(s, same)[0] if offload != "none" else 0
@@ -544,8 +534,7 @@ def _largest_micro_batch(wk: _Walk, c: Candidate) -> Candidate:
     for b in sorted(b for b in range(2, per_rank + 1) if per_rank % b == 0):
         if c.pp > 1 and microbatch_problem(c.pp_schedule, c.pp, per_rank // b):
             break  # fewer micro-batches than the schedule needs (more would only come from smaller ones)
-        cand = evaluate(s, c.method, c.strategy, b, c.activation_checkpointing, tp=c.tp, optimizer=c.optimizer,
-                        offload=c.offload, pp=c.pp)
+        cand = evaluate(s, c.config.with_(micro_batch_size=b))
         if not cand.fits:
             break
         fitting.append(cand)
@@ -591,8 +580,7 @@ def _shorter_sequences(s: Setting, tried: list[Candidate]) -> tuple[int, Candida
     t: float = max(64, seq_len // 2 // 64 * 64)
     for _ in range(8):
         t = int(t)
-        found = evaluate(s.at_seq_len(t), c.method, c.strategy, c.micro_batch_size, c.activation_checkpointing,
-                         tp=c.tp, optimizer=c.optimizer, offload=c.offload, pp=c.pp)
+        found = evaluate(s.at_seq_len(t), c.config)
         excess = found.memory.total - cap
         if found.fits:
             best = (t, found, excess)
@@ -639,13 +627,13 @@ def _nothing_fits(wk: _Walk) -> Candidate:
         for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
             if k <= s.world:
                 continue
-            c = evaluate(s.on_gpus(k), method, strat, 1, ac, optimizer=best.optimizer, offload=best.offload)
+            c = evaluate(s.on_gpus(k), Config(method, strat, 1, ac, optimizer=best.optimizer, offload=best.offload))
             if c.fits:
                 advice.append(f"{w.method_name(method)} under {w.strategy_name(strat)} would fit on {k} GPUs "
                               f"({w.fmt_bytes(c.memory.total)} per GPU).")
                 break
     if s.req.method not in ("auto", "qlora"):
-        q = evaluate(s, "qlora", best.strategy, 1, best.activation_checkpointing)
+        q = evaluate(s, Config("qlora", best.strategy, 1, best.activation_checkpointing))
         advice.append(f"QLoRA would need {w.fmt_bytes(q.memory.total)} per GPU "
                       f"({'fits' if q.fits else 'still too much'}).")
     shorter = _shorter_sequences(s, [c for c in wk.tried if c.status is not Status.REFUSED])
@@ -733,25 +721,19 @@ def _communication(s: Setting, chosen: Candidate, table: list[Candidate]) -> lis
 
 def _table(s: Setting, traced: frozenset[tuple[str, bool, int]]) -> list[Candidate]:
     """Every method x strategy (x TP degree) at micro-batch 1, for the table (refused cells left out)."""
-    out = []
     mbs1 = s.req.micro_batch_size or 1
     ac = bool(s.req.checkpointing)
+    configs: list[Config] = []
     for method in _methods(s):
         if s.tp == 1:
-            for strategy in _table_strategies(s):
-                if not s.refusal(method, strategy, 1, ac):
-                    out.append(evaluate(s, method, strategy, mbs1, ac, traced=traced))
+            configs += [Config(method, strategy, mbs1, ac) for strategy in _table_strategies(s)]
         for tp in [s.tp] if s.tp > 1 else s.tp_auto:
             if s.pp > 1:
                 break
-            for strategy in _tp_strategies(s, tp):
-                if not s.refusal(method, strategy, tp, ac):
-                    out.append(evaluate(s, method, strategy, mbs1, ac, tp=tp, traced=traced))
+            configs += [Config(method, strategy, mbs1, ac, tp) for strategy in _tp_strategies(s, tp)]
         if s.pp > 1:  # the pinned pipeline
-            for strategy in _tp_strategies(s, s.tp, s.pp):
-                if not s.refusal(method, strategy, s.tp, ac, pp=s.pp):
-                    out.append(evaluate(s, method, strategy, mbs1, ac, tp=s.tp, traced=traced, pp=s.pp))
-    return out
+            configs += [Config(method, strategy, mbs1, ac, s.tp, s.pp) for strategy in _tp_strategies(s, s.tp, s.pp)]
+    return [evaluate(s, c, traced=traced) for c in configs if not s.refusal(c)]
 
 
 def _check_host_memory(s: Setting, rows: list[Candidate]) -> tuple[list[Candidate], dict[str, Any], list[w.Step]]:

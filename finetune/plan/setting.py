@@ -16,6 +16,7 @@ from finetune.plan.pipeline import stages_per_rank
 from finetune.plan.request import Request
 from finetune.plan.shapes import Inventory, build_inventory
 from finetune.plan.tensor_parallel import degrees, tp_config, tp_problem
+from finetune.plan.types import Config
 from finetune.recipe.capabilities import (
     Cell,
     check,
@@ -150,18 +151,16 @@ class Setting:
             self.profiles[key] = activation_profile(tp_config(self.req.config, spec.tp), trace)
         return self.profiles[key]
 
-    def refusal(
-        self, method: str, strategy: str, tp: int = 1, ac: bool | None = None, optimizer: str | None = None,
-        offload: str | None = None, pp: int = 1,
-    ) -> str | None:
-        """The capability table's sentence when this configuration cannot run with the recipe's other
-        settings (None: it can)."""
+    def refusal(self, config: Config) -> str | None:
+        """The capability table's sentence when ``config`` cannot run with the recipe's other settings (None: it
+        can)."""
+        pp = config.pp
         cell = self.cell.with_(
-            method=method, strategy=strategy, tp=tp, pp=pp, pp_schedule=self.pp_schedule,
-            processes=1 if strategy == "single" else self.cell.processes,
+            method=config.method, strategy=config.strategy, tp=config.tp, pp=pp, pp_schedule=self.pp_schedule,
+            processes=1 if config.strategy == "single" else self.cell.processes,
             **(PIPELINE_CELL if pp > 1 and self.pp == 1 else {}),  # the walk's own pipeline (distributed.pp: auto)
-            checkpointing=self.cell.checkpointing if ac is None else ac, precision=self.precision,
-            optimizer=optimizer or self.cell.optimizer, offload=offload or self.cell.offload,
+            checkpointing=config.activation_checkpointing, precision=self.precision,
+            optimizer=config.optimizer or self.cell.optimizer, offload=config.offload or self.cell.offload,
         )
         found = first_refusal(cell)
         return None if found is None else str(found)

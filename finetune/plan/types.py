@@ -7,7 +7,7 @@ accumulation, activation checkpointing, processes) and reports its measured peak
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -94,9 +94,34 @@ class StepTime:
         return cls(**{k: v for k, v in d.items() if k not in ("step", "job")})
 
 
+@dataclass(frozen=True)
+class Config:
+    """What the walk tries: one configuration, before it is sized.
+
+    The records that describe a configuration, from what the user asked to what runs: the recipe (what the user
+    wrote) -> :class:`~finetune.plan.request.Request` (what to plan, the recipe's ``auto`` left open) ->
+    :class:`Config` (one configuration the walk tries) -> :class:`Candidate` (a configuration with its memory,
+    communication and time) -> :class:`~finetune.spec.ExecSpec` (how the chosen one stores, computes and shards
+    every tensor: what the trainer runs). The capability table reads a configuration as its ``Cell``.
+    ``optimizer`` and ``offload`` of None are the recipe's."""
+
+    method: str
+    strategy: str
+    micro_batch_size: int = 1
+    activation_checkpointing: bool = False
+    tp: int = 1
+    pp: int = 1
+    optimizer: str | None = None
+    offload: str | None = None
+
+    def with_(self, **changes: Any) -> Config:
+        """This configuration with ``changes`` (field names) applied."""
+        return replace(self, **changes)
+
+
 @dataclass
 class Candidate:
-    """One configuration the planner considered (and the chosen one)."""
+    """One configuration the planner considered (and the chosen one), with its figures."""
 
     method: Method
     strategy: Strategy
@@ -164,6 +189,14 @@ class Candidate:
     def world_size(self) -> int:
         """Processes over all nodes."""
         return self.nproc * self.nnodes
+
+    @property
+    def config(self) -> Config:
+        """The configuration these figures are of."""
+        return Config(
+            self.method.value, self.strategy.value, self.micro_batch_size, self.activation_checkpointing, self.tp,
+            self.pp, self.optimizer, self.offload,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""

@@ -22,6 +22,7 @@ from finetune.plan.candidates import evaluate
 from finetune.plan.hardware import Hardware
 from finetune.plan.request import Request
 from finetune.plan.setting import settle
+from finetune.plan.types import Config
 from tests.support import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ def states(strategy: str, global_batch: int, precision: str = "fp32", gpus: int 
                   method="full", precision=precision)
     hw = Hardware("cuda", gpus, 1, 10**12, True, "h100", "nvlink", 300e9, True)
     s = settle(req, hw)
-    c = evaluate(s, "full", strategy, 1, False, traced=frozenset())
+    c = evaluate(s, Config("full", strategy, 1, False), traced=frozenset())
     return c.memory, c.grad_accum_steps
 
 

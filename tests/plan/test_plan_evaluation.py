@@ -63,9 +63,10 @@ def test_auto_eval_batch_is_the_largest_that_fits_and_a_pinned_one_is_checked() 
     # memory for training and an evaluation of 6 rows, not 7
     from finetune.plan.candidates import evaluate, plan_evaluation
     from finetune.plan.setting import settle
+    from finetune.plan.types import Config
 
     p = settle(req, _hw(2**40))
-    c, _ = plan_evaluation(p, evaluate(p, "lora", "single", 1, False))
+    c, _ = plan_evaluation(p, evaluate(p, Config("lora", "single", 1, False)))
     at = {}
     for b in (6, 7):
         q = make_plan(Request(**{**req.__dict__, "eval_batch_size": b}), _hw(2**40))

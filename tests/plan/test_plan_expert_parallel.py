@@ -11,6 +11,7 @@ from finetune.plan.expert_parallel import all_to_all_bytes
 from finetune.plan.hardware import Hardware
 from finetune.plan.request import Request
 from finetune.plan.setting import settle
+from finetune.plan.types import Config
 from tests.support import arch_model_dir
 
 GPUS = 8
@@ -27,8 +28,8 @@ def _setting(tmp_path, ep: int, log: list | None = None):
 
 def test_ep_2_halves_the_experts_a_rank_gathers_and_adds_the_all_to_all(tmp_path) -> None:
     one, two = _setting(tmp_path, 1), _setting(tmp_path, 2)
-    plain = evaluate(one, "full", "fsdp", 2, False, traced=frozenset())
-    split = evaluate(two, "full", "fsdp", 2, False, traced=frozenset())
+    plain = evaluate(one, Config("full", "fsdp", 2, False), traced=frozenset())
+    split = evaluate(two, Config("full", "fsdp", 2, False), traced=frozenset())
     assert (plain.ep, split.ep) == (1, 2) and split.to_dict()["ep"] == 2
     # the tiny Qwen3-MoE: 2 layers of 8 experts, each expert 3 x 32 x 64 values, gathered in bf16
     experts = 2 * 8 * 3 * 32 * 64 * 2

@@ -14,6 +14,7 @@ from finetune.plan.flowchart import make_plan
 from finetune.plan.hardware import Hardware
 from finetune.plan.request import Request
 from finetune.plan.setting import settle
+from finetune.plan.types import Config
 from finetune.recipe.schema import LoraConfig
 from finetune.units import fmt_bytes as gib
 from tests.support import TINY_MODEL
@@ -35,7 +36,7 @@ def req(**kw) -> Request:
 def totals(r: Request, gpus: int = 2) -> dict:
     """Per-GPU totals at micro-batch 1 without checkpointing, by (method, strategy)."""
     p = settle(r, hw(10**15, gpus))
-    return {(m, s): evaluate(p, m, s, 1, False).memory.total
+    return {(m, s): evaluate(p, Config(m, s, 1, False)).memory.total
             for m in ("full", "lora", "qlora") for s in ("ddp", "zero1", "zero2", "fsdp")}
 
 
@@ -78,7 +79,7 @@ def test_fsdp_when_zero2_does_not_fit():
 
 def test_lora_when_full_does_not_fit_even_with_checkpointing():
     t_ac = settle(req(), hw(10**15))
-    full_ac = min(evaluate(t_ac, "full", s, 1, True).memory.total for s in ("ddp", "zero2", "fsdp"))
+    full_ac = min(evaluate(t_ac, Config("full", s, 1, True)).memory.total for s in ("ddp", "zero2", "fsdp"))
     lora_best = min(T["lora", s] for s in ("ddp", "zero2", "fsdp"))
     plan = make_plan(req(), hw(between(lora_best, min(full_ac, min(T["full", s] for s in ("ddp", "zero2", "fsdp"))))))
     assert plan.chosen.method == "lora"
@@ -87,8 +88,8 @@ def test_lora_when_full_does_not_fit_even_with_checkpointing():
 
 def test_qlora_when_lora_does_not_fit():
     p = settle(req(), hw(10**15))
-    lora_min = min(evaluate(p, "lora", s, 1, ac).memory.total for s in ("ddp", "zero2", "fsdp") for ac in (False, True))
-    qlora_min = min(evaluate(p, "qlora", s, 1, ac).memory.total for s in ("ddp", "zero2", "fsdp") for ac in (False, True))
+    lora_min = min(evaluate(p, Config("lora", s, 1, ac)).memory.total for s in ("ddp", "zero2", "fsdp") for ac in (False, True))
+    qlora_min = min(evaluate(p, Config("qlora", s, 1, ac)).memory.total for s in ("ddp", "zero2", "fsdp") for ac in (False, True))
     plan = make_plan(req(), hw(between(qlora_min, lora_min)))
     assert plan.chosen.method == "qlora" and plan.chosen.fits
     assert any("trying QLoRA" in s for s in plan.walk)

@@ -15,7 +15,7 @@ from finetune.plan.flowchart import make_plan
 from finetune.plan.hardware import Hardware
 from finetune.plan.request import Request
 from finetune.plan.setting import settle
-from finetune.plan.types import Status
+from finetune.plan.types import Config, Status
 from finetune.recipe.locate import resolve_model_config
 from tests.support import TINY_MODEL
 
@@ -32,8 +32,8 @@ def test_llama_8b_full_hsdp_on_2_nodes_of_8_gpus_as_computed_by_hand() -> None:
     cfg, src = resolve_model_config("llama-3.1-8b")
     s = settle(Request(config=cfg, source=src, method="full", precision="bf16", seq_len=1024,
                        global_batch_size=64, micro_batch_size=1), two_nodes(10**15))
-    hsdp = evaluate(s, "full", "hsdp", 1, False, traced=frozenset())  # model states (activations not traced)
-    fsdp = evaluate(s, "full", "fsdp", 1, False, traced=frozenset())
+    hsdp = evaluate(s, Config("full", "hsdp", 1, False), traced=frozenset())  # model states (activations not traced)
+    fsdp = evaluate(s, Config("full", "fsdp", 1, False), traced=frozenset())
     assert hsdp.status is Status.NOT_TRACED
     # fp32 master weights and AdamW's two fp32 moments, split over the 8 GPUs of a node (fsdp: all 16)
     assert hsdp.memory.params == -(-4 * N_8B // 8) == 4_015_130_624
@@ -76,7 +76,7 @@ def test_the_walk_chooses_hsdp_on_two_nodes_when_it_fits_and_is_faster(monkeypat
 
     monkeypatch.setattr(memory, "NCCL_COMMUNICATOR_BYTES", dict.fromkeys(memory.NCCL_COMMUNICATOR_BYTES, 0))
     s = settle(tiny(), two_nodes(10**15))
-    total = {st: evaluate(s, "full", st, 1, False).memory.total for st in ("zero2", "fsdp", "hsdp")}
+    total = {st: evaluate(s, Config("full", st, 1, False)).memory.total for st in ("zero2", "fsdp", "hsdp")}
     assert total["fsdp"] < total["hsdp"] < total["zero2"]
     plan = make_plan(tiny(), two_nodes((total["hsdp"] + total["zero2"]) // 2))
     c = plan.chosen

@@ -29,6 +29,7 @@ from finetune.plan.pipeline import (
 from finetune.plan.request import Request
 from finetune.plan.setting import settle
 from finetune.plan.shapes import build_inventory
+from finetune.plan.types import Config
 from tests.support import RECIPES, TINY_MODEL, tiny_recipe, write_recipe
 
 CFG = AutoConfig.from_pretrained(TINY_MODEL)  # hidden 256, 4 layers, vocab 264, untied head
@@ -165,7 +166,7 @@ def test_stage_inventories_hold_their_layers_and_ends() -> None:
 
 def test_per_stage_memory_of_the_tiny_model_by_hand() -> None:
     s = _setting()
-    c = evaluate(s, "full", "ddp", 2, False, pp=2)
+    c = evaluate(s, Config("full", "ddp", 2, False, pp=2))
     assert c.pp_layers == (2, 2) and c.grad_accum_steps == 4 and c.dp == 1
     r0, r1 = c.stage_memory
     # fp32 full fine-tuning on one replica: 4 bytes of weight, 4 of gradient, 8 of AdamW state per parameter
@@ -220,7 +221,7 @@ def test_gpipe_peaks_at_the_first_backward_with_every_micro_batch_and_no_earlier
     activations and its own position embeddings; on the first stage also the embeddings' output, on the last
     what the final norm, the head and the loss retain (its input is a receive buffer, counted apart)."""
     s = _setting(pp_schedule="gpipe", seq_len=128, micro_batch_size=4, global_batch_size=16)
-    c = evaluate(s, "full", "ddp", 4, False, pp=2)
+    c = evaluate(s, Config("full", "ddp", 4, False, pp=2))
     assert c.grad_accum_steps == 4
     spec = s.exec_spec("full", "ddp", False, 4, 1, pp=2)
     prof = activation_profile(CFG, TraceSpec.of(spec, seq_len=128, packed=False, attn_implementation="sdpa",
@@ -245,7 +246,7 @@ def test_gpipe_peaks_at_the_first_backward_with_every_micro_batch_and_no_earlier
         assert (m.grads, m.activations) == first
         assert m.grads < 4 * n  # not the stage's whole gradients
     # 1f1b's rank 0 peaks in its steady state: 2 micro-batches in flight and every gradient of the stage
-    one = evaluate(_setting(seq_len=128, micro_batch_size=4, global_batch_size=16), "full", "ddp", 4, False, pp=2)
+    one = evaluate(_setting(seq_len=128, micro_batch_size=4, global_batch_size=16), Config("full", "ddp", 4, False, pp=2))
     assert one.stage_memory[0].grads == 4 * (2 * LAYER + EMBED)
     assert one.stage_memory[0].activations == (
         max(max(w.acts, w.grads_and_acts - w.grads_at_peak) for w in (windows["first"], windows["last"]))
@@ -262,7 +263,7 @@ def test_sequence_parallel_stages_divide_their_boundaries_and_residual_stream_by
     base: dict = dict(config=CFG, source="tiny", method="full", strategy="ddp", precision="fp32", seq_len=48,
                       global_batch_size=8, micro_batch_size=2, checkpointing=False, pp=2, tp=2)
     sp, whole = (settle(Request(**base, sequence_parallel=on), hw) for on in (True, False))
-    c_sp, c_whole = (evaluate(x, "full", "ddp", 2, False, tp=2, pp=2) for x in (sp, whole))
+    c_sp, c_whole = (evaluate(x, Config("full", "ddp", 2, False, tp=2, pp=2)) for x in (sp, whole))
     assert (c_sp.dp, c_sp.grad_accum_steps) == (1, 4)
     row = 48 * 256 * 4
     # receive buffers for the other 3 micro-batches of 2 rows: each tp rank's half of the sequence under SP
@@ -287,8 +288,8 @@ def test_sequence_parallel_stages_divide_their_boundaries_and_residual_stream_by
 
 
 def test_gpipe_holds_every_micro_batch_and_its_time_has_a_bubble() -> None:
-    one = evaluate(_setting(pp_schedule="1f1b"), "full", "ddp", 2, False, pp=2)
-    all_ = evaluate(_setting(pp_schedule="gpipe"), "full", "ddp", 2, False, pp=2)
+    one = evaluate(_setting(pp_schedule="1f1b"), Config("full", "ddp", 2, False, pp=2))
+    all_ = evaluate(_setting(pp_schedule="gpipe"), Config("full", "ddp", 2, False, pp=2))
     layer_rows = all_.stage_memory[1].activations - one.stage_memory[1].activations
     assert layer_rows > 0  # the last stage keeps 4 micro-batches under gpipe, 1 under 1f1b
     assert one.time is not None and one.time.bubble == pytest.approx(one.time.compute * (1 / 5) / (4 / 5))
@@ -301,7 +302,7 @@ def test_a_layout_the_walk_chooses_says_what_runs_it() -> None:
     s = settle(Request(config=CFG, source="tiny", method="full", seq_len=64, global_batch_size=8, tp="auto",
                        pp="auto", packed=True), hw)
     assert s.pp == 1 and s.pp_auto == (2,)  # stages across the 2 nodes; tp inside one
-    c = evaluate(s, "full", "fsdp", 1, False, pp=2)
+    c = evaluate(s, Config("full", "fsdp", 1, False, pp=2))
     assert (c.pp, c.dp, c.grad_accum_steps) == (2, 2, 4)
     step = _pipeline_layout(s, c)
     assert step.settings == ("distributed.pp: 2", "distributed.strategy: fsdp", "data.packing: false")

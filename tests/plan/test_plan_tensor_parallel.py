@@ -18,6 +18,7 @@ from finetune.plan.request import Request
 from finetune.plan.setting import Setting, settle
 from finetune.plan.shapes import build_inventory
 from finetune.plan.tensor_parallel import tp_config
+from finetune.plan.types import Config
 from finetune.recipe.schema import LoraConfig
 from tests.support import ROOT, TINY_MODEL
 
@@ -79,8 +80,8 @@ def test_fsdp_alone_does_not_fit_but_tp_inside_the_node_does(monkeypatch) -> Non
     monkeypatch.setattr(memory, "NCCL_COMMUNICATOR_BYTES", dict.fromkeys(memory.NCCL_COMMUNICATOR_BYTES, 0))
     r = req(config=CFG.__class__(**{**CFG.to_dict(), "num_key_value_heads": 4}), sequence_parallel=False)
     p = planner(r, hw(10**15, per_node=2, nodes=4))
-    fsdp = evaluate(p, "full", "fsdp", 1, False).memory.total
-    tp2 = min(evaluate(p, "full", s, 1, False, tp=2).memory.total for s in ("zero2", "fsdp"))
+    fsdp = evaluate(p, Config("full", "fsdp", 1, False)).memory.total
+    tp2 = min(evaluate(p, Config("full", s, 1, False, tp=2)).memory.total for s in ("zero2", "fsdp"))
     assert tp2 < fsdp
     assert p.tp_auto == (2,)
     plan = make_plan(r, hw((tp2 + fsdp) // 2, per_node=2, nodes=4))
@@ -102,7 +103,7 @@ def test_fsdp_alone_does_not_fit_but_tp_inside_the_node_does(monkeypatch) -> Non
 
 def test_tp_is_not_tried_when_fsdp_fits() -> None:
     p = planner(req(), hw(10**15))
-    fsdp = evaluate(p, "full", "fsdp", 1, False).memory.total
+    fsdp = evaluate(p, Config("full", "fsdp", 1, False)).memory.total
     plan = make_plan(req(), hw(fsdp * 1.01))
     assert plan.chosen.tp == 1 and not any("tensor parallelism" in s for s in plan.walk)
 

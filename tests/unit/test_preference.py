@@ -138,6 +138,7 @@ def test_plan_counts_pairs_and_the_reference_copy(tmp_path) -> None:
     from finetune.plan.hardware import detect_hardware
     from finetune.plan.request import request_from_recipe
     from finetune.plan.setting import settle
+    from finetune.plan.types import Config
     from finetune.recipe.schema import recipe_from_dict
     from tests.support import tiny_recipe
 
@@ -147,7 +148,7 @@ def test_plan_counts_pairs_and_the_reference_copy(tmp_path) -> None:
         req = replace(request_from_recipe(recipe_from_dict(raw, base_dir=tmp_path)), for_run=True)
         s = settle(req, detect_hardware(device="cpu", gpus=1, nodes=1, nproc=1))
         acts = s.profile(s.exec_spec("full", "single", False)).at(s.inv.num_layers, 4)["first"].grads_and_acts
-        return evaluate(s, "full", "single", 4, False).memory, acts, s.inv.storage(s.exec_spec("full", "single", False))
+        return evaluate(s, Config("full", "single", 4, False)).memory, acts, s.inv.storage(s.exec_spec("full", "single", False))
 
     sft, sft_acts, storage = plan("sft")
     model, _, _ = plan("dpo", "model", "preference")

@@ -270,3 +270,21 @@ def test_the_saved_prompt_loads_with_peft_and_generates_as_the_run_evaluated(pro
     assert exact == final["eval_exact_match"]
     res = CliRunner().invoke(app, ["merge", str(run), "--out", str(run.parent / "merged")])
     assert res.exit_code == 2 and "prompt-tuning adapter" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.slow  # one training step through the real CLI
+def test_the_plan_accuracy_row_of_prompt_tuning_is_within_5_percent(tmp_path: Path) -> None:
+    """scripts/plan_accuracy.py's prompt tuning row (16 virtual tokens before each of 16 rows of 128 tokens,
+    fp32): the planner's first-step prediction against the trainer's measured peak (MemTracker)."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        import plan_accuracy
+    finally:
+        sys.path.pop(0)
+    name, arch, change, nproc = next(c for c in plan_accuracy.CONFIGS if c[0] == "llama prompt fp32 mb16")
+    r = plan_accuracy.run_one(name, arch, change, nproc, tmp_path)
+    assert "predicted" in r, r
+    assert r["chosen"]["method"] == "prompt" and abs(r["error"]) <= 0.05, r
