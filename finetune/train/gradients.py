@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from finetune.objectives.loss import causal_lm_loss
+from finetune.train.data.batches import to_device
 from finetune.train.parallel.distributed import DistContext
 from finetune.train.parallel.parallelize import no_sync
 
@@ -97,8 +98,8 @@ def pipeline_step(
     device) on every rank of the pp group."""
     from finetune.objectives.loss import shifted_labels
 
-    ids = torch.cat([mb["input_ids"] for mb in micro]).to(ctx.device)
-    labels = torch.cat([shifted_labels(mb) for mb in micro]).to(ctx.device)
+    ids = to_device(torch.cat([mb["input_ids"] for mb in micro]), ctx.device)
+    labels = to_device(torch.cat([shifted_labels(mb) for mb in micro]), ctx.device)
     loss.start(global_tokens, ctx.layout.dp, ids.device)
     schedule = pipe.schedule.for_shape(ids.shape[0] // len(micro), ids.shape[1])
     assert len(micro) == pipe.schedule.n_microbatches, f"{len(micro)} micro-batches, the schedule runs {pipe.schedule.n_microbatches}"

@@ -49,6 +49,7 @@ from finetune.objectives.preference import (
 from finetune.recipe.reference_model import locate_reference, weights_fingerprint
 from finetune.recipe.schema import LoadedRecipe
 from finetune.spec import ExecSpec
+from finetune.train.data.batches import to_device
 from finetune.train.data.preference import PreferenceExample, collate_pairs
 from finetune.train.model.build import build_model
 from finetune.train.model.load import build_on_meta, loads_sharded, materialize
@@ -279,7 +280,7 @@ def precompute(
         for b in range(n_batches):
             idx = mine[b * batch_size : (b + 1) * batch_size]
             chunk = [pairs[i] for i in idx] or pairs[:1]  # a dummy batch keeps the ranks in step
-            batch = {k: v.to(ctx.device) for k, v in collate_pairs(chunk, pad_id).items()}
+            batch = {k: to_device(v, ctx.device) for k, v in collate_pairs(chunk, pad_id).items()}
             with autocast():
                 logps = reference_logps(forward, batch)
             if idx:
@@ -332,7 +333,7 @@ def preference_eval(
     loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for b in range(n_batches):
         chunk = mine[b * batch_size : (b + 1) * batch_size]
-        batch = {k: v.to(ctx.device) for k, v in collate_pairs(chunk or pairs[:1], pad_id).items()}
+        batch = {k: to_device(v, ctx.device) for k, v in collate_pairs(chunk or pairs[:1], pad_id).items()}
         with autocast():
             s, _ = objective(model, batch)
         if chunk:
