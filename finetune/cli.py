@@ -26,6 +26,16 @@ app = typer.Typer(
     help="Fine-tune Hugging Face causal LMs from YAML recipes; `finetune plan` predicts memory first.",
 )
 recipes_app = typer.Typer(add_completion=False, no_args_is_help=False, help="The shipped recipes: ls, cp.")
+
+
+@app.callback()
+def _start() -> None:
+    """Before any command: the libraries' chatter silenced (finetune.versions.quiet_library_notes)."""
+    from finetune.versions import quiet_library_notes
+
+    quiet_library_notes()
+
+
 app.add_typer(recipes_app, name="recipes")
 err_console = Console(stderr=True, highlight=False)
 

@@ -19,7 +19,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
+import warnings
 from typing import Any
+
+
+def quiet_library_notes() -> None:
+    """Silence library chatter that tells a user of the tool nothing: bitsandbytes' note about an optional CPU
+    kernel package, and a transformers deprecation that peft triggers. Called where a command starts (the CLI's
+    commands, each worker process), never at import: importing finetune changes no logging or warnings setting."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
 
 
 @functools.cache

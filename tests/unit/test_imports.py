@@ -8,6 +8,8 @@ so does any cycle between modules.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
@@ -174,3 +176,21 @@ def test_train_is_grouped_by_concern() -> None:
     assert packages == ["checkpoint", "data", "metrics", "model", "parallel", "runtime"]
     assert len(flat) <= 12, flat
     assert module_name(PACKAGE / "train" / "parallel" / "layout.py") == "finetune.train.parallel.layout"
+
+
+def test_importing_finetune_changes_no_logging_or_warnings_setting() -> None:
+    """No import-time side effects: importing the package and its CLI (in a fresh interpreter) leaves the warning
+    filters and the loggers' levels as they were; a command's start silences the libraries' notes."""
+    code = (
+        "import logging, warnings\n"
+        "filters = list(warnings.filters)\n"
+        "import finetune, finetune.cli, finetune.versions\n"
+        "assert warnings.filters == filters, [f for f in warnings.filters if f not in filters]\n"
+        "assert logging.getLogger('bitsandbytes.backends.cpu.ops').level == logging.NOTSET\n"
+        "from typer.testing import CliRunner\n"
+        "assert CliRunner().invoke(finetune.cli.app, ['recipes', 'ls']).exit_code == 0\n"
+        "assert logging.getLogger('bitsandbytes.backends.cpu.ops').level == logging.ERROR\n"
+        "assert any(f[1] is not None and f[1].pattern == '.*is_gradient_checkpointing.*' for f in warnings.filters)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -107,6 +107,9 @@ def run_worker(request_path: str) -> None:
     from finetune.train.runtime import allocator
 
     allocator.configure()  # inherited from the launcher; before CUDA initialises in any case
+    from finetune.versions import quiet_library_notes
+
+    quiet_library_notes()
     _quiet_if_not_main(int(os.environ.get("RANK", 0)))
     _set_threads()
     from finetune.train.checkpoint.save import write_run_files
