@@ -20,7 +20,7 @@ from finetune.plan.memory import (
     unsharded_bytes,
 )
 from finetune.plan.pipeline import boundaries_across_nodes, memory_balanced_split
-from finetune.plan.rollout import rollout_bytes
+from finetune.plan.rollout import rollout_bytes, rollout_parts, rollout_seconds
 from finetune.plan.setting import Setting
 from finetune.plan.shapes import Inventory
 from finetune.plan.tensor_parallel import tp_comm_bytes, tp_config
@@ -68,7 +68,7 @@ def evaluate(
                 s.req.config, rows=mbs * accum, micro_batch_size=mbs, prompt_len=s.req.seq_len,
                 completion_len=s.req.completion_len, compute_bytes=spec.compute_bytes,
                 old_logps=s.req.num_iterations > 1, ref_logps=spec.reference != "none", activations=mem.activations,
-                tp=tp,
+                generation=_rollout_generation(s, spec, mbs * accum), tp=tp,
             ))
         status = Status.FITS if mem.total <= s.capacity else Status.OVER
     # a pipeline rank's TP collectives are its own layers' (and its ends'): the busiest rank's
@@ -224,7 +224,17 @@ def _time(s: Setting, c: Candidate) -> Any:
     adapter = s.adapter
     if adapter is None and c.method.adapters:  # a pinned full run's advice prices QLoRA: LoRA's adapters
         adapter = adapter_spec(str(c.method), s.lora, s.req.prefix, s.req.adapter, s.req.prompt)
-    return step_time(c, s.req.config, s.hw, seq_len=s.req.seq_len, adapter=adapter, steps=s.req.steps)
+    t = step_time(c, s.req.config, s.hw, seq_len=s.req.seq_len, adapter=adapter, steps=s.req.steps)
+    if s.req.completion_len:  # grpo: sampling and scoring the step's completions
+        inv = s.inventory(c.tp)
+        params = sum(x.numel * inv.copies(x) for x in inv.base)
+        passes = int(s.req.num_iterations > 1) + int(s.req.reference != "none")  # old policy's, reference's
+        t = replace(t, rollout=rollout_seconds(
+            params, rows=c.micro_batch_size * c.grad_accum_steps, prompt_len=s.req.seq_len,
+            completion_len=s.req.completion_len, scoring_passes=passes, num_iterations=s.req.num_iterations,
+            rate=t.peak_flops * t.utilisation,
+        ))
+    return t
 
 
 def step_seconds(c: Candidate) -> float:
@@ -239,6 +249,36 @@ def evaluation_passes(s: Setting, c: Candidate) -> dict[str, int]:
 
     inv, config, spec, strategy, setup = _evaluation_inputs(s, c)
     return eval_phases(inv, config, spec, strategy, setup, max(1, c.eval_batch_size), s.req.eval_max_new_tokens)[2]
+
+
+def _rollout_generation(s: Setting, spec: Any, rows: int) -> int:
+    """The traced peak of the KV-cache generation of ``rows`` prompts of ``data.max_seq_len`` tokens sampling
+    grpo.max_completion_length tokens (the evaluation's traces, finetune/plan/evaluation.py)."""
+    from finetune.plan.evaluation import eval_peak
+
+    trace = replace(
+        TraceSpec.of(spec, seq_len=s.req.seq_len, packed=False, attn_implementation=s.req.attn_implementation,
+                     device=s.hw.device),
+        checkpointing=False,  # no backward: generation's trace is the evaluation's
+    )
+    config = tp_config(s.req.config, spec.tp)
+    return eval_peak(config, trace, s.inventory(spec.tp).num_layers, rows, s.req.completion_len).generation
+
+
+def rollout_phase(s: Setting, c: Candidate) -> int:
+    """The tensors of grpo's first rollout on ``c`` at its peak (without the runtime overhead, as a run's
+    measurement counts them): the parameters (a frozen reference copy's included) and the strategy's buffers,
+    the kept log-probabilities and the larger of the generation's and the scoring's transients
+    (finetune/plan/rollout.py); no gradients nor optimizer state exist before the first step."""
+    world = 1 if c.strategy == "single" else s.world
+    spec = s.exec_spec(c.method, c.strategy, c.activation_checkpointing, world, c.tp, c.optimizer, c.offload, pp=c.pp)
+    rows = c.micro_batch_size * c.grad_accum_steps
+    kept, transient = rollout_parts(
+        s.req.config, rows=rows, micro_batch_size=c.micro_batch_size, prompt_len=s.req.seq_len,
+        completion_len=s.req.completion_len, compute_bytes=spec.compute_bytes, old_logps=s.req.num_iterations > 1,
+        ref_logps=spec.reference != "none", generation=_rollout_generation(s, spec, rows), tp=c.tp,
+    )
+    return c.memory.params + c.memory.buffers + kept + transient
 
 
 def _evaluation_inputs(s: Setting, c: Candidate) -> tuple[Any, Any, TraceSpec, str, Setup]:

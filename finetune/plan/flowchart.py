@@ -24,7 +24,7 @@ from typing import Any
 from finetune.errors import UserError
 from finetune.model.methods import method_type
 from finetune.plan import walk as w
-from finetune.plan.candidates import evaluate, evaluation_passes, plan_evaluation, step_seconds
+from finetune.plan.candidates import evaluate, evaluation_passes, plan_evaluation, rollout_phase, step_seconds
 from finetune.plan.hardware import INTERCONNECTS, Hardware, detect_hardware
 from finetune.plan.memory import FRAGMENTATION, overhead_parts
 from finetune.plan.pipeline import microbatch_problem, pipeline_note
@@ -79,15 +79,10 @@ def chosen_memory(
 
 
 def _rollout_step(s: Setting, c: Candidate) -> w.RolloutPlanned:
-    """grpo's rollouts on ``c``: the plan's rollout memory, and generation's time at the time model's compute
-    rate (2 FLOPs per parameter per token, every row's prompt once and each sampled token)."""
+    """grpo's rollouts on ``c``: the plan's rollout memory, and their share of the step's predicted seconds
+    (``time.rollout``: finetune/plan/rollout.py's rollout_seconds)."""
     rows = c.micro_batch_size * c.grad_accum_steps
-    seconds = None
-    t = c.time
-    if t is not None and t.peak_flops and t.utilisation:
-        params = sum(x.numel * s.inventory(c.tp).copies(x) for x in s.inventory(c.tp).base)
-        tokens = rows * (s.req.seq_len + s.req.completion_len)
-        seconds = 2.0 * params * tokens / (t.peak_flops * t.utilisation)
+    seconds = c.time.rollout if c.time is not None and c.time.rollout else None
     return w.RolloutPlanned(rows, s.req.completion_len, c.memory.rollout, seconds)
 
 
@@ -95,10 +90,15 @@ def chosen_phase_memory(loaded: LoadedRecipe, plan: Plan, *, device: str) -> dic
     """Predicted tensors of ``plan.chosen`` in the phases around the steps, each at its own peak (without the
     runtime overhead, as a run's measurement counts them): ``evaluation`` (the eval loss) and ``generation`` at
     the planned eval batch, and ``checkpoint``, the states a save finds (parameters and optimizer state; the
-    gradients are gone, and the save copies to host memory one tensor at a time)."""
+    gradients are gone, and the save copies to host memory one tensor at a time); for grpo ``rollout``, the
+    first step's sampling and scoring (finetune/plan/candidates.py's rollout_phase: the parameters and
+    buffers, no gradients nor optimizer state yet)."""
     c = plan.chosen
-    phases = dict(evaluation_passes(_chosen_setting(loaded, plan, device=device), c)) if c.eval_batch_size else {}
+    s = _chosen_setting(loaded, plan, device=device)
+    phases = dict(evaluation_passes(s, c)) if c.eval_batch_size else {}
     phases["checkpoint"] = c.memory.params + c.memory.optimizer
+    if s.req.completion_len:  # grpo
+        phases["rollout"] = rollout_phase(s, c)
     return phases
 
 

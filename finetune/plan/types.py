@@ -70,6 +70,7 @@ class StepTime:
     communication: float = 0.0  # collectives not hidden behind compute
     offload: float = 0.0  # host <-> device transfers (and the host's optimizer step) not hidden
     bubble: float = 0.0  # pipeline bubbles
+    rollout: float = 0.0  # grpo: sampling the completions and scoring them (finetune/plan/rollout.py), per step
     steps: int | None = None  # optimizer steps of the job (None: not known without the data)
     peak_flops: float = 0.0  # FLOP/s of one device the compute figure assumes
     utilisation: float = 0.0  # the fraction of ``peak_flops`` assumed
@@ -77,7 +78,7 @@ class StepTime:
     @property
     def step(self) -> float:
         """Seconds per optimizer step."""
-        return self.compute + self.communication + self.offload + self.bubble
+        return self.compute + self.communication + self.offload + self.bubble + self.rollout
 
     @property
     def job(self) -> float | None:

@@ -267,11 +267,13 @@ class Trainer:
         self.hooks.before_step(step, ctx.rank)
         epoch, in_epoch = position(state.step, self.stream)
         layout = ctx.layout  # the ranks of a TP group and of a pipeline read the same batch slice
-        rollout = None
+        rollout, rollout_seconds = None, 0.0
         if self.grpo is not None:  # this rank's sampled completions, scored (a new batch every num_iterations steps)
             self.phase.at("rollout", step)
+            started = time.perf_counter()
             with self.step_memory.phase("rollout"):
                 rollout = self.grpo.rollouts.for_step(self.model, epoch, in_epoch, chosen.micro_batch_size)
+            rollout_seconds = time.perf_counter() - started  # 0 on the steps that reuse the batch's completions
             micro = rollout.micro
             self.phase.at("forward", step)
         else:
@@ -306,18 +308,19 @@ class Trainer:
                 ctx.data_sum(loss_sum, on_device=True), norm, counts[0], counts[1]
             )
             input_tokens = int(tokens)
+            figures: dict[str, float] = {}  # the step's columns beside the loss, from each part that has some
             if self.router is not None:  # the load-balancing loss apart from the cross-entropy, and the load
-                self.step_figures = router_figures(self.router, ctx, global_tokens)
-                loss_total -= self.router.coef * self.step_figures.get("aux_loss", 0.0) * global_tokens
+                figures.update(router_figures(self.router, ctx, global_tokens))
+                loss_total -= self.router.coef * figures.get("aux_loss", 0.0) * global_tokens
             loss = loss_total / max(global_tokens, 1.0)
             if self.grpo is not None and rollout is not None:  # rewards, kl, clip ratio, completion length
-                self.step_figures = self.grpo.figures(rollout)
+                figures.update(self.grpo.figures(rollout))
+                figures["rollout_seconds"] = rollout_seconds
             elif self.objective is not None:  # dpo, simpo, orpo: rewards and log-probs, means over the pairs
-                self.step_figures = preference_figures(self.objective, ctx, global_tokens)
+                figures.update(preference_figures(self.objective, ctx, global_tokens))
             if self.data.mixture:  # a mixture's samples in this global batch, by source
-                self.step_figures = {
-                    **self.step_figures, **self.stream.source_counts(epoch, in_epoch, self.data.mixture)
-                }
+                figures.update(self.stream.source_counts(epoch, in_epoch, self.data.mixture))
+            self.step_figures = figures
             self._update(step, loss, grad_norm)
         self.step_memory.after(state.step)
         self.scheduler.step()

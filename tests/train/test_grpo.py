@@ -151,3 +151,33 @@ def test_lora_accumulation_gives_the_whole_batch_loss() -> None:
         for n, p in other.named_parameters():
             if p.requires_grad:
                 assert torch.allclose(p.grad, grads[n], atol=1e-6, rtol=1e-4), (loss_type, n)
+
+
+@pytest.mark.slow
+def test_two_step_run_is_measured_within_ten_percent_of_its_plan(tmp_path: Path) -> None:
+    """A 2-step grpo run with the KL term (the reference's log-probabilities kept through the step) under
+    --measure-memory: the plan counts the rollout (memory and seconds), the steps' measured peak is within 10% of
+    the plan's, and so is the first rollout's (sampling and scoring) beside the plan's rollout phase."""
+    import json
+
+    from tests.support import finetune_run
+
+    out = tmp_path / "out"
+    recipe = tiny_recipe(
+        out, train={"objective": "grpo", "max_steps": 2}, grpo={**GRPO, "max_completion_length": 8, "beta": 0.1},
+        eval={"every": 0, "at_start": False, "max_samples": 4},
+    )
+    proc = finetune_run(write_recipe(tmp_path / "r.yaml", recipe), "--measure-memory")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    chosen = json.loads((out / "plan.json").read_text())["chosen"]
+    # the kept reference log-probabilities at least: 8 completions x (48 + 8) positions x 4 bytes
+    assert chosen["memory"]["rollout"] >= 8 * (48 + 8) * 4
+    assert chosen["time"]["rollout"] > 0 and chosen["time"]["step"] > chosen["time"]["compute"]
+    memory = json.loads((out / "memory.json").read_text())
+    assert memory["steps_measured"] == 2 and abs(memory["error"]) <= 0.10, memory["error"]
+    rollout = memory["phases"]["rollout"]
+    # the policy and its frozen copy (2 x 12.1 MB) and the sampling's transients, measured on the first step
+    assert rollout["predicted"] > chosen["memory"]["params"] and abs(rollout["error"]) <= 0.10, rollout
+    assert "memory, rollout: predicted" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rollout_seconds"] > 0 for r in rows if "loss" in r)

@@ -245,8 +245,9 @@ def write_report(path: str | Path, rep: dict[str, Any]) -> None:
 
 
 #: The phases around the training steps a run measures once each (the first of each), beside the plan's
-#: figures for them: the evaluation's loss pass, its generation, and the first checkpoint's save.
-PHASES = ("evaluation", "generation", "checkpoint")
+#: figures for them: the evaluation's loss pass, its generation, the first checkpoint's save, and grpo's first
+#: rollout (sampling and scoring the first step's completions).
+PHASES = ("evaluation", "generation", "checkpoint", "rollout")
 
 
 class HostPeak:
