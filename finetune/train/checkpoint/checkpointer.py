@@ -415,6 +415,48 @@ def set_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(cuda_state, i)
 
 
+def rng_state_to_json(state: dict[str, Any]) -> dict[str, Any]:
+    """:func:`rng_state`'s ``state`` as a JSON value (the byte states in base64), for sending to another rank."""
+    import base64
+
+    def encoded(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+
+    version, internal, gauss = state["python"]
+    n = state["numpy"]
+    out: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": {**n, "keys": n["keys"].tolist()},
+        "torch": encoded(state["torch"]),
+    }
+    if "cuda" in state:
+        out["cuda"] = [encoded(t) for t in state["cuda"]]
+    return out
+
+
+def rng_state_from_json(value: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`rng_state_to_json`: the state with :func:`rng_state`'s own types (what a checkpoint
+    saves and :func:`set_rng_state` restores)."""
+    import base64
+
+    import torch
+
+    def decoded(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    version, internal, gauss = value["python"]
+    n = value["numpy"]
+    state: dict[str, Any] = {
+        "python": (int(version), tuple(int(x) for x in internal), None if gauss is None else float(gauss)),
+        "numpy": {"kind": str(n["kind"]), "keys": torch.tensor(n["keys"], dtype=torch.int64), "pos": int(n["pos"]),
+                  "has_gauss": int(n["has_gauss"]), "gauss": float(n["gauss"])},
+        "torch": decoded(value["torch"]),
+    }
+    if "cuda" in value:
+        state["cuda"] = [decoded(t) for t in value["cuda"]]
+    return state
+
+
 # --------------------------------------------------------------------------------------------------
 # What a checkpoint holds: each part exposes state_dict() / load_state_dict() (DCP's Stateful protocol)
 # --------------------------------------------------------------------------------------------------
@@ -514,23 +556,22 @@ class OptimizerState:
 
 class RNGState:
     """Every rank's RNG states (python, numpy, torch CPU and CUDA). Saving gathers them all to rank 0 (a
-    collective); loading keeps this rank's (rank 0's when the checkpoint had fewer processes) until
-    :meth:`restore`, which the trainer calls just before the first resumed step."""
+    collective, as JSON: never unpickled); loading keeps this rank's (rank 0's when the checkpoint had fewer
+    processes) until :meth:`restore`, which the trainer calls just before the first resumed step."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.pending: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"ranks": [state of rank 0, 1, ...]}`` on rank 0; every rank must call."""
-        import torch.distributed as dist
+        """``{"ranks": [state of rank 0, 1, ...]}`` on rank 0 (no ranks elsewhere); every rank must call."""
+        from finetune.train.parallel.distributed import all_gather_json
 
         mine = rng_state()
         if self.world_size == 1:
             return {"ranks": [mine]}
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        return {"ranks": gathered or []}
+        gathered = all_gather_json(rng_state_to_json(mine))
+        return {"ranks": [rng_state_from_json(s) for s in gathered] if self.rank == 0 else []}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep this rank's state for :meth:`restore`."""

@@ -171,14 +171,27 @@ def _save_every_stage_adapter(peft_model: Any, out_dir: Path, state: dict[str, t
 
 def stage_specs(tensors: dict[str, torch.Tensor], ctx: DistContext) -> list[tuple[int, str, list[int], torch.dtype]]:
     """(owner pp rank, name, whole shape, dtype) of every pipeline stage's ``tensors``, in the whole model's order
-    (stage by stage: pp rank r runs stage r first), on every rank (a collective of the layout's pp group; shapes
-    are known without gathering)."""
+    (stage by stage: pp rank r runs stage r first), on every rank (a collective of every rank: each sends its
+    names, shapes and dtypes as JSON, never unpickled, and takes those of its pipeline group's ranks; shapes are
+    known without gathering)."""
     import torch.distributed as dist
 
-    mine = [(n, list(t.shape), t.dtype) for n, t in tensors.items()]  # a DTensor's shape is its whole shape
-    per_rank: list[Any] = [None] * ctx.layout.pp
-    dist.all_gather_object(per_rank, mine, group=ctx.layout.pp_group)
-    return [(owner, n, shape, dtype) for owner in range(ctx.layout.pp) for n, shape, dtype in per_rank[owner]]
+    from finetune.train.parallel.distributed import all_gather_json
+
+    # a DTensor's shape is its whole shape; a dtype travels as its name (torch.bfloat16 -> "bfloat16")
+    mine = [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in tensors.items()]
+    everyone = all_gather_json(mine)
+    stages = [everyone[rank] for rank in dist.get_process_group_ranks(ctx.layout.pp_group)]  # in pp order
+    return [(owner, str(n), [int(x) for x in shape], _dtype(name))
+            for owner in range(ctx.layout.pp) for n, shape, name in stages[owner]]
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The torch dtype named ``name`` (``bfloat16``), as :func:`stage_specs` sends it."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"a pipeline stage sent `{name}`, which is no torch dtype")
+    return dtype
 
 
 def stage_tensor_to_main(

@@ -111,14 +111,13 @@ class StepMemory:
         return seconds
 
     def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every rank's figures, on every rank (a collective when the run is distributed)."""
+        """Every rank's figures, on every rank (a collective when the run is distributed; they travel as JSON,
+        never unpickled)."""
         if not self.ctx.distributed:
             return [mine]
-        import torch.distributed as dist
+        from finetune.train.parallel.distributed import all_gather_json
 
-        everyone: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, mine)
-        return [r for r in everyone if r is not None]
+        return [r for r in all_gather_json(mine) if r is not None]
 
     def report(self, probe: PeakMemory, ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
         """Write memory.json and print the plan's prediction beside the worst rank's measurement (rank 0);

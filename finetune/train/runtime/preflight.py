@@ -167,12 +167,10 @@ def preflight(loaded: Any, plan: Any, ctx: Any) -> None:
     need = needed_bytes(plan, ctx.device)
     short = need > have
     sentences = [_refusal(ctx.rank, need, have, source)] if short else []
-    if ctx.distributed:
-        import torch.distributed as dist
+    if ctx.distributed:  # every rank's refusal, as JSON (never unpickled)
+        from finetune.train.parallel.distributed import all_gather_json
 
-        gathered: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(gathered, sentences)
-        sentences = [s for part in gathered for s in part]
+        sentences = [str(s) for part in all_gather_json(sentences) for s in part]
     if not sentences:
         return
     cmd = next_config_command(loaded, plan, min(have, need - 1), ctx.device.type)
