@@ -635,14 +635,14 @@ class DistributedConfig(Section):
         "model's layers); default: a split balanced by each stage's cost, the embeddings and the head counted.",
     )
     pp_buckets: int = Field(
-        1,
+        4,
         ge=1,
         le=8,
-        description="Row widths a pipeline's micro-batches are padded to: 1 pads every step to data.max_seq_len; N "
-        "above 1 gives N widths, max_seq_len halved N-1 times, and each step is padded to the narrowest that "
-        "holds its longest row (fewer padded tokens through the stages; the stages keep static shapes, one "
-        "width's buffers at a time, and the plan stays the full width's). Without a pipeline every micro-batch "
-        "is padded to its own longest row already.",
+        description="Row widths a pipeline's micro-batches are padded to: N gives N widths, max_seq_len halved N-1 "
+        "times, and each step is padded to the narrowest that holds its longest row (fewer padded tokens through "
+        "the stages; the stages keep static shapes, one width's buffers at a time, and the plan stays the full "
+        "width's); 1 pads every step to data.max_seq_len. Without a pipeline every micro-batch is padded to its "
+        "own longest row already.",
     )
     sequence_parallel: bool = Field(
         True,

@@ -27,9 +27,9 @@ the sequence-sharded DTensor, and the last stage's final norm, head and loss run
 (:func:`finetune.objectives.loss.loss_head`, the loss summed over tp).
 
 The stages have static shapes (no shape inference at run time): the step's micro-batches are padded to one
-width (:meth:`Pipeline.pad`), ``data.max_seq_len`` rounded up to a multiple of ``tp`` under sequence
-parallelism, or with ``distributed.pp_buckets`` above 1 the narrowest of that many widths (halving from the
-widest) that holds the step's longest row; the schedule is built for a shape when it first runs, and again when
+width (:meth:`Pipeline.pad`): the narrowest of ``distributed.pp_buckets`` widths (halving from
+``data.max_seq_len``, each rounded up to a multiple of ``tp`` under sequence parallelism) that holds the step's
+longest row; the schedule is built for a shape when it first runs, and again when
 the shape changes, so one shape's receive buffers exist at a time and the planner's worst case (full rows)
 bounds every step. The last stage's forward returns each micro-batch's summed token loss (the fused head), which
 the schedule's ``loss_fn`` (the trainer's) scales by ``dp / global target tokens`` with the schedule's own
