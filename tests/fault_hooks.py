@@ -10,6 +10,8 @@ processes torch.distributed.run starts):
                                                   as SLURM does ahead of a time limit (first attempt only)
   FINETUNE_TEST_CHECKPOINT_SLEEP="STEP:SECONDS"   stall the checkpoint of STEP half-written (tensors, no meta.json)
   FINETUNE_TEST_DISK_FULL_AT_STEP=STEP            the checkpoint of STEP fails half-written with ENOSPC
+  FINETUNE_TEST_TOKENIZE_SLEEP=SECONDS            sleep before tokenizing each source the cache does not hold
+  FINETUNE_TEST_TOKENIZE_LOG=PATH                 append "RANK SOURCE" to PATH for each source tokenized
 """
 
 from __future__ import annotations
@@ -74,5 +76,17 @@ class FaultHooks(TrainerHooks):
             if int(at) == step:
                 time.sleep(float(seconds))
 
+    def before_tokenizing(self, source: str) -> None:
+        """Note the source, and sleep, as asked: a data set that takes long to tokenize."""
+        log = os.environ.get(TOKENIZE_LOG)
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{os.environ.get('RANK', '0')} {source}\n")
+        delay = os.environ.get(TOKENIZE_SLEEP)
+        if delay:
+            time.sleep(float(delay))
+
 
 CHECKPOINT_SLEEP = "FINETUNE_TEST_CHECKPOINT_SLEEP"
+TOKENIZE_SLEEP = "FINETUNE_TEST_TOKENIZE_SLEEP"
+TOKENIZE_LOG = "FINETUNE_TEST_TOKENIZE_LOG"

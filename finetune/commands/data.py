@@ -168,7 +168,7 @@ def inspect_data(loaded: LoadedRecipe, show: int) -> DataReport:
         if getattr(pair, "rejected_ids", None) is not None:  # a preference pair: its two rows
             parts = [("chosen", pair.input_ids, pair.labels), ("rejected", pair.rejected_ids, pair.rejected_labels)]
         for part, ids, labels in parts:
-            text, token_spans = pieces(tokenizer, ids, labels)
+            text, token_spans = pieces(tokenizer, list(ids), list(labels))
             trained = sum(b - a for a, b in token_spans)
             rows.append(ShownRow(i + 1, where, text, len(ids), trained, part))
             spans.append(token_spans)

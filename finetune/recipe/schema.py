@@ -340,8 +340,9 @@ class DataConfig(Section):
     )
     num_proc: Union[Processes, None] = Field(
         None, le=256,
-        description="Processes for tokenization (default: 1); a stream (data.streaming) is tokenized in the training "
-        "process as it is read.",
+        description="Processes that tokenize a data set before training (datasets.map, with a progress bar; the "
+        "result is cached). Default: one per CPU core the run may use, at most 8 and one per 10,000 rows (a smaller "
+        "set is tokenized in one). A stream (data.streaming) is tokenized in the training process as it is read.",
     )
     streaming: bool = Field(
         False,

@@ -126,7 +126,7 @@ def exact_match(
         real = len(chunk)
         chunk = chunk or prompts[:1]
         gens = greedy_generate(
-            model, [p.prompt_ids for p in chunk], max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id,
+            model, [list(p.prompt_ids) for p in chunk], max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id,
             ctx.device, autocast, stages,
         )
         for p, g in list(zip(chunk, gens, strict=True))[:real]:

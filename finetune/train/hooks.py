@@ -1,10 +1,11 @@
 """Points where code outside the trainer may act on a run: fault injection in the tests, profilers.
 
-The trainer calls a :class:`TrainerHooks` at fixed points of every step; the defaults do nothing. A run
-installs other hooks only when ``$FINETUNE_HOOKS`` names them as ``/path/to/file.py:Factory`` (or
-``package.module:Factory``): the test suite sets it to its own ``tests/fault_hooks.py``, so that
-failure, NaN, kill and slow-step injection live with the tests, not in the training step, and reach the
-worker processes that ``torch.distributed.run`` starts (they inherit the environment).
+The trainer calls a :class:`TrainerHooks` at fixed points of every step, and before it tokenizes a data source;
+the defaults do nothing. A run installs other hooks only when ``$FINETUNE_HOOKS`` names them as
+``/path/to/file.py:Factory`` (or ``package.module:Factory``): the test suite sets it to its own
+``tests/fault_hooks.py``, so that failure, NaN, kill and slow-step injection live with the tests, not in the
+training step, and reach the worker processes that ``torch.distributed.run`` starts (they inherit the
+environment).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class TrainerHooks:
 
     def checkpoint_half_written(self, step: int) -> None:
         """Rank 0 has written the checkpoint of ``step``'s tensors, not yet its meta.json nor the rename."""
+
+    def before_tokenizing(self, source: str) -> None:
+        """This process (local rank 0) is about to tokenize ``source``, which the tokenization cache does not hold."""
 
 
 def load_hooks() -> TrainerHooks:

@@ -144,7 +144,7 @@ class Rollouts:
         was_training = model.training
         model.eval()
         try:
-            completions = self.sample(model, [p.prompt_ids for p in rows], generator)
+            completions = self.sample(model, [list(p.prompt_ids) for p in rows], generator)
         finally:
             model.train(was_training)
             reshard(model)
@@ -158,7 +158,7 @@ class Rollouts:
             adv = advantages(rewards, s.num_generations, s.scale_rewards)
         figures = self._figures(rewards, each, completions)
         examples = [
-            Example(p.prompt_ids + c, [IGNORE_INDEX] * len(p.prompt_ids) + c)
+            Example([*p.prompt_ids, *c], [IGNORE_INDEX] * len(p.prompt_ids) + c)
             for p, c in zip(rows, completions, strict=True)
         ]
         micro = []

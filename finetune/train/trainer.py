@@ -115,7 +115,7 @@ class Trainer:
         r, ctx, chosen = self.loaded.recipe, self.ctx, self.plan.chosen
         seed_everything(r.train.seed)
         self.tokenizer = load_tokenizer(self.loaded)
-        self.data: TaskData = load_task_data(self.loaded, self.tokenizer)
+        self.data: TaskData = load_task_data(self.loaded, self.tokenizer, self.hooks.before_tokenizing)
         self.retain: RetainData | None = load_retain(self.loaded, self.tokenizer)  # eval.retain
         if self.retain is not None:
             self.data.notes.append(self.retain.describe())

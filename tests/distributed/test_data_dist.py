@@ -37,7 +37,7 @@ def _worker(rank: int, tmp: str) -> None:
         data = load_data(recipe_from_dict(raw), AutoTokenizer.from_pretrained(TINY_MODEL))
         out = {
             "stats": data.stats,
-            "first": data.train[0].input_ids,
+            "first": list(data.train[0].input_ids),
             "rows": [len(e.input_ids) for e in data.train],
         }
         Path(f"{tmp}/rank{rank}.json").write_text(json.dumps(out))

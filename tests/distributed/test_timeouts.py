@@ -1,16 +1,17 @@
 """The process groups' timeouts: ``distributed.timeout`` reaches the training group, and the phases where one
-rank works alone (here: rank 0 finishing a checkpoint) wait in the gloo wait group, so that they may last
-longer than the training group's timeout without stopping the run."""
+rank works alone (here: rank 0 finishing a checkpoint, local rank 0 tokenizing the data) wait in the gloo wait
+group, so that they may last longer than the training group's timeout without stopping the run."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
-from tests.fault_hooks import CHECKPOINT_SLEEP
+from tests.fault_hooks import CHECKPOINT_SLEEP, TOKENIZE_LOG, TOKENIZE_SLEEP
 from tests.support import (
     TINY_MODEL,
     clean_env,
@@ -67,3 +68,21 @@ def test_rank_0_finishing_a_checkpoint_longer_than_the_timeout_does_not_stop_the
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert [r["step"] for r in step_rows(tmp_path / "out")] == [1, 2]
     assert (tmp_path / "out" / "checkpoints" / "step-2" / "meta.json").is_file()
+
+
+def test_local_rank_0_tokenizing_longer_than_the_timeout_does_not_stop_the_run(tmp_path: Path) -> None:
+    """Local rank 0 takes 30 s to tokenize (a fresh cache), the training group's timeout is 15 s: rank 1 waits for
+    it in the wait group, then reads the tokens back from the cache, and both train."""
+    recipe = parity_recipe(TINY_MODEL, tmp_path / "out", "full", "ddp")
+    recipe["train"]["max_steps"] = 2
+    recipe["data"]["cache_dir"] = str(tmp_path / "cache")
+    path = write_recipe(tmp_path / "recipe.yaml", recipe)
+    log = tmp_path / "tokenized.log"
+    env = clean_env(OMP_NUM_THREADS="1", **{TOKENIZE_SLEEP: "30", TOKENIZE_LOG: str(log)})
+    started = time.monotonic()
+    proc = finetune_run(path, "--nproc", "2", "--set", "distributed.timeout=15", env=env)
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert took > 30
+    assert log.read_text() == f"0 {recipe['data']['train']}\n"  # rank 0 tokenized; rank 1 read its cache back
+    assert [r["step"] for r in step_rows(tmp_path / "out")] == [1, 2]

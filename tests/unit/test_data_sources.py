@@ -229,11 +229,86 @@ def test_tokenization_is_cached_and_keyed_on_settings(tmp_path, tok):
 
 
 def test_num_proc_gives_the_same_examples(tmp_path, tok):
+    """Two processes write two files, read back whatever the processes of the run that reads them."""
     f = write_jsonl(tmp_path / "d.jsonl", ROWS * 20)
     one = load(tmp_path, tok, train=str(f))
     two = load(tmp_path, tok, train=str(f), num_proc=2, cache_dir=str(tmp_path / "cache2"))
     assert ids_of(two) == ids_of(one)
     assert len(list((tmp_path / "cache2").glob("tokenized-*_of_00002.arrow"))) == 2
+    again = load(tmp_path, tok, train=str(f), num_proc=1, cache_dir=str(tmp_path / "cache2"))
+    assert again.stats["cached_sources"] == 1 and ids_of(again) == ids_of(one)
+
+
+def test_the_default_processes_are_the_cores_for_a_large_set_and_one_for_a_small_one():
+    from finetune.train.data.cache import AUTO_MAX_PROCESSES, ROWS_PER_PROCESS, tokenizing_processes
+    from finetune.train.parallel.distributed import available_cores
+
+    cores = available_cores()
+    assert tokenizing_processes(None, 10**7) == min(cores, AUTO_MAX_PROCESSES)
+    assert tokenizing_processes(None, ROWS_PER_PROCESS - 1) == 1
+    assert tokenizing_processes(None, 2 * ROWS_PER_PROCESS) == min(cores, 2)
+    assert tokenizing_processes(4, 3) == 3 and tokenizing_processes(4, 10**6) == 4  # data.num_proc as set
+    assert tokenizing_processes(None, 0) == 1
+
+
+def test_a_file_is_hashed_as_it_is_read_in_every_format(tmp_path):
+    """The digest of one pass over the file is the SHA-256 of its bytes, whatever the format."""
+    import hashlib
+
+    from finetune.train.data.sources import read_file
+
+    jsonl = write_jsonl(tmp_path / "d.jsonl", ROWS * 3000)  # larger than the CSV reader's first buffer
+    (tmp_path / "d.json").write_text(json.dumps(ROWS, indent=1))
+    write_csv(tmp_path / "d.csv", ROWS * 3000)
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "d.parquet")
+    for f in (jsonl, tmp_path / "d.json", tmp_path / "d.csv", tmp_path / "d.parquet"):
+        src = read_file(f, [])
+        assert src.fingerprint == hashlib.sha256(f.read_bytes()).hexdigest()[:24], f.name
+        assert len(src.dataset) == (len(ROWS) * 3000 if f.suffix in (".jsonl", ".csv") else len(ROWS)), f.name
+
+
+def test_an_unchanged_file_whose_tokens_are_cached_is_not_read_again(tmp_path, tok):
+    """The second run takes the digest from the memo and the rows' counts, bad rows and file:line from the cache's
+    manifest: the file is never read (its Source reads it only if its rows are asked for); the same data comes
+    back. A change of content, even of the same size, is a new read and a new entry."""
+    from finetune.train.data.cache import digests_dir
+    from finetune.train.data.sources import read_file
+
+    rows = [*ROWS, {"instruction": "Rev", "output": 5}, *ROWS]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    with f.open("a") as out:
+        out.write("{not json\n")
+    first = load(tmp_path, tok, train=str(f), on_bad_row="skip")
+    digests = digests_dir(tmp_path / "cache")
+    src = read_file(f, [], digests)
+    assert not src.is_read and src.fingerprint == read_file(f, []).fingerprint
+    second = load(tmp_path, tok, train=str(f), on_bad_row="skip")
+    assert second.stats["cached_sources"] == 1
+    assert (ids_of(second), second.where, second.bad) == (ids_of(first), first.where, first.bad)
+    assert second.where[3] == f"{f}:5"
+    assert second.bad == [  # the reader's bad rows first (from the manifest), then the tokenizer's
+        f"{f}:8: not valid JSON (Expecting property name enclosed in double quotes at column 2)",
+        f"{f}:4: field `output`: expected a string, got a number (5)",
+    ]
+    counts = [[(s.rows, s.bad, s.rows_used) for s in d.sources] for d in (first, second)]
+    assert counts == [[(8, 2, 6)], [(8, 2, 6)]]
+    assert src.dataset is not None and src.is_read  # asked for: read now
+    f.write_text(f.read_text().replace("Rev", "Inv"))  # the same size, another content
+    changed = load(tmp_path, tok, train=str(f), on_bad_row="skip")
+    assert changed.stats["cached_sources"] == 0 and ids_of(changed) != ids_of(first)
+
+
+def test_samples_hold_their_ids_in_four_bytes(tmp_path, tok):
+    from finetune.train.data import TokenIds
+
+    f = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    data = load(tmp_path, tok, train=str(f))
+    sample = data.train[0]
+    assert isinstance(sample.input_ids, TokenIds) and isinstance(sample.labels, TokenIds)
+    assert sample.input_ids.itemsize == 4 and sample.input_ids == list(sample.input_ids)
+    assert sample.labels != sample.input_ids  # the instruction's prompt is not trained on
+    text = load(tmp_path, tok, train=str(write_jsonl(tmp_path / "t.jsonl", [{"text": "abc"}])), format="text")
+    assert text.train[0].labels is text.train[0].input_ids  # a text's labels are its ids: one object for both
 
 
 @pytest.mark.slow  # a CLI subprocess

@@ -4,21 +4,20 @@
     BatchStream(train, global_batch_size, seed, pad_id).micro_batches(epoch, step, rank=, world_size=, micro_batch_size=)
 
 Modules: ``sources`` (reading files and cached Hugging Face datasets), ``formats`` (text / instruction /
-chat / tokenized -> ids and labels), ``batches`` (packing, collation, the batch stream).
+chat / tokenized -> ids and labels), ``cache`` (tokenizing into the cache), ``batches`` (packing, collation, the
+batch stream).
 
-Tokenization runs through ``datasets.map`` (progress bar, ``data.num_proc`` processes) into an Arrow file
-whose name is a hash of the source's content, the tokenizer and every data setting that changes the result,
-so a second run with the same inputs reads it back instead of tokenizing again.
+Tokenization runs through ``datasets.map`` (progress bar, ``data.num_proc`` processes, by default one per core)
+into Arrow files whose name is a hash of the source's content, the tokenizer and every data setting that changes
+the result, so a second run with the same inputs reads them back instead of tokenizing again (and does not read
+an unchanged file at all). The samples are built from the Arrow columns, their ids as :class:`TokenIds`.
 """
 
 from __future__ import annotations
 
-import glob
-import hashlib
-import json
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,14 @@ from finetune.errors import UserError
 from finetune.objectives.loss import IGNORE_INDEX
 from finetune.recipe.locate import DataLocation
 from finetune.recipe.schema import LoadedRecipe
-from finetune.train.data.batches import BatchStream, Example, collate, pack
+from finetune.train.data.batches import BatchStream, Example, TokenIds, collate, pack
+from finetune.train.data.cache import (
+    CACHE_VERSION,
+    default_cache_dir,
+    digests_dir,
+    tokenize_source,
+    tokenizer_fingerprint,
+)
 from finetune.train.data.formats import (
     BAD,
     DROPPED_LONG,
@@ -41,6 +47,7 @@ from finetune.train.data.formats import (
 from finetune.train.data.sources import WHERE_COLUMN, Source, read_hf, read_sources
 
 __all__ = [
+    "CACHE_VERSION",
     "PROMPT_TEMPLATE",
     "PROMPT_TEMPLATE_NO_INPUT",
     "BatchStream",
@@ -48,19 +55,21 @@ __all__ = [
     "Example",
     "SourceStats",
     "TaskData",
+    "TokenIds",
     "collate",
+    "default_cache_dir",
     "load_data",
     "pack",
+    "tokenizer_fingerprint",
 ]
 
-CACHE_VERSION = "2"  # bump when the encoding changes
 
 
 @dataclass
 class EvalPrompt:
     """A prompt for greedy generation and the exact answer expected."""
 
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]
     answer: str
 
 
@@ -160,87 +169,65 @@ class EncodedRows:
         )
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A stable hash of a tokenizer's vocabulary, rules and special tokens."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        body = backend.to_str() + json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
-        return hashlib.sha256(body.encode()).hexdigest()[:24]
-    from datasets.fingerprint import Hasher
-
-    return Hasher.hash(tokenizer)
-
-
-def default_cache_dir() -> Path:
-    """Where tokenized data goes when ``data.cache_dir`` is not set."""
-    import datasets
-
-    return Path(datasets.config.HF_DATASETS_CACHE) / "finetune-tokenized"
-
-
 def encode_source(
-    src: Source, encoder: Encoder, cache_dir: Path, num_proc: int | None, recipe_key: str = "data.train"
+    src: Source, encoder: Encoder, cache_dir: Path, num_proc: int | None, recipe_key: str = "data.train",
+    on_miss: Callable[[str], None] | None = None,
 ) -> EncodedRows:
-    """Tokenize one source through ``datasets.map`` into the cache (or read it back), then collect its samples
-    (``recipe_key``: the recipe key that names the source, for its counts).
+    """Tokenize one source into the cache (or read it back: finetune/train/data/cache.py), then collect its samples
+    (``recipe_key``: the recipe key that names the source, for its counts; ``on_miss``: called before tokenizing).
 
-    The cache key holds the source's name too: error messages in the cached rows name its file.
+    The cache key holds the source's name too: error messages in the cached rows name its file. The samples'
+    ids come from the Arrow columns a batch of rows at a time, as :class:`TokenIds`, never as one Python list of
+    the whole set's ids.
     """
-    key = hashlib.sha256(
-        json.dumps(
-            [
-                CACHE_VERSION,
-                src.name,
-                src.fingerprint,
-                tokenizer_fingerprint(encoder.tokenizer),
-                encoder.settings(),
-            ],
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()[:32]
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    cache_file = cache_dir / f"tokenized-{key}.arrow"
-    hit = cache_file.exists() or bool(glob.glob(str(cache_dir / f"tokenized-{key}_*_of_*.arrow")))
-    features = _features()
-    ds = src.dataset.map(
-        encoder,
-        with_indices=True,
-        fn_kwargs={"source": src.name},
-        remove_columns=src.dataset.column_names,
-        features=features,
-        num_proc=num_proc if num_proc and num_proc > 1 and len(src.dataset) > 1 else None,
-        cache_file_name=str(cache_file),
-        load_from_cache_file=True,
-        new_fingerprint=key,  # our key already covers the data, tokenizer and settings: no hashing
-        desc=f"Tokenizing {Path(src.name).name}",
-    )
-    stats = SourceStats(recipe_key, src.name, rows=len(src.dataset) + len(src.bad_rows), bad=len(src.bad_rows))
-    out = EncodedRows(bad=list(src.bad_rows), cached=int(hit), sources=[stats])
-    cols = ds.to_dict()
-    rows = src.dataset[WHERE_COLUMN] if src.is_json_rows else None
-    for i, (ids, labels, prompt_ids, answer, status, error) in enumerate(zip(
-        cols["input_ids"],
-        cols["labels"],
-        cols["prompt_ids"],
-        cols["answer"],
-        cols["status"],
-        cols["error"],
-        strict=True,
-    )):
-        if status == BAD:
-            out.bad.append(error)
-            stats.bad += 1
-        elif status in (DROPPED_LONG, NO_LABELS):
-            out.dropped += 1
-            stats.dropped += 1
-        else:
-            out.truncated += status == TRUNCATED
-            stats.truncated += status == TRUNCATED
-            out.examples.append(Example(ids, labels))
-            out.prompts.append(EvalPrompt(prompt_ids, answer) if prompt_ids else None)
-            out.where.append(rows[i] if rows is not None else f"{src.name}: row {i}")
-            out.origin.append(0)
+    done = tokenize_source(src, encoder, _features(), cache_dir, "tokenized", num_proc, encoder.settings(), on_miss)
+    stats = SourceStats(recipe_key, src.name, rows=done.rows + len(done.bad_rows), bad=len(done.bad_rows))
+    out = EncodedRows(bad=list(done.bad_rows), cached=int(done.hit), sources=[stats])
+    index = 0
+    for batch in done.batches():
+        ids, prompt_ids = token_rows(batch.column("input_ids")), token_rows(batch.column("prompt_ids"))
+        labels = shared_rows(ids, token_rows(batch.column("labels")))
+        status, error, answer = (batch.column(c).to_pylist() for c in ("status", "error", "answer"))
+        where = batch.column(WHERE_COLUMN).to_pylist() if src.is_json_rows else None
+        for i, state in enumerate(status):
+            if state == BAD:
+                out.bad.append(error[i])
+                stats.bad += 1
+            elif state in (DROPPED_LONG, NO_LABELS):
+                out.dropped += 1
+                stats.dropped += 1
+            else:
+                out.truncated += state == TRUNCATED
+                stats.truncated += state == TRUNCATED
+                out.examples.append(Example(ids[i], labels[i]))
+                out.prompts.append(EvalPrompt(prompt_ids[i], answer[i]) if prompt_ids[i] else None)
+                out.where.append(where[i] if where is not None else f"{src.name}: row {index + i}")
+                out.origin.append(0)
+        index += len(status)
     return out
+
+
+def token_rows(column: Any) -> list[TokenIds]:
+    """Each row of a list column of token ids (a pyarrow array or chunked array) as :class:`TokenIds`, copied from
+    the column's values without making a Python int of any."""
+    import numpy as np
+
+    rows = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    offsets = rows.offsets.to_numpy()
+    offsets = offsets - offsets[0]
+    values = np.ascontiguousarray(rows.flatten().to_numpy(zero_copy_only=False), dtype=np.int32).data.cast("B")
+    out = []
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
+        row = TokenIds()
+        row.frombytes(values[4 * a : 4 * b])
+        out.append(row)
+    return out
+
+
+def shared_rows(ids: list[TokenIds], labels: list[TokenIds]) -> list[TokenIds]:
+    """``labels``, each row that equals its ``ids`` row replaced by it (one object for both: a text's labels are
+    its ids), so that the two take the memory of one."""
+    return [i if label == i else label for i, label in zip(ids, labels, strict=True)]
 
 
 def _features() -> Any:
@@ -338,12 +325,21 @@ def data_encoder(loaded: LoadedRecipe, tokenizer: Any) -> Encoder:
     )
 
 
-def _encode_spec(location: DataLocation, key: str, loaded: LoadedRecipe, encoder: Encoder, split: str) -> EncodedRows:
+def cache_dir_of(loaded: LoadedRecipe) -> Path:
+    """Where the recipe's tokenized data is cached: data.cache_dir, else :func:`default_cache_dir`."""
     d = loaded.recipe.data
-    cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
+    return Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
+
+
+def _encode_spec(
+    location: DataLocation, key: str, loaded: LoadedRecipe, encoder: Encoder, split: str,
+    on_miss: Callable[[str], None] | None = None,
+) -> EncodedRows:
+    d = loaded.recipe.data
+    cache_dir = cache_dir_of(loaded)
     out = EncodedRows()
-    for src in read_sources(location, key, split, encoder.required_columns()):
-        out.extend(encode_source(src, encoder, cache_dir, d.num_proc, key))
+    for src in read_sources(location, key, split, encoder.required_columns(), digests_dir(cache_dir)):
+        out.extend(encode_source(src, encoder, cache_dir, d.num_proc, key, on_miss))
     return out
 
 
@@ -355,21 +351,22 @@ def check_bad_rows(enc: EncodedRows, on_bad_row: str) -> None:
         )
 
 
-def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
-    """Read, check and tokenize the recipe's train and eval data (every bad row is found before training)."""
+def load_data(loaded: LoadedRecipe, tokenizer: Any, on_miss: Callable[[str], None] | None = None) -> TaskData:
+    """Read, check and tokenize the recipe's train and eval data (every bad row is found before training);
+    ``on_miss(source)`` is called before a source that is not in the cache is tokenized (the trainer's hooks)."""
     r = loaded.recipe
     d = r.data
     encoder = data_encoder(loaded, tokenizer)
     inputs = loaded.inputs
     assert inputs is not None, "load_recipe resolves the inputs"
     if d.streaming:
-        return _load_streaming(loaded, encoder)
+        return _load_streaming(loaded, encoder, on_miss)
     with local_rank_zero_first():
         train = EncodedRows()
         entry_of: list[int] = []  # the data.train entry (a mixture's source) of each of train.sources
         for spec, location in zip(d.train_specs(), inputs.train, strict=True):
             before = len(train.sources)
-            train.extend(_encode_spec(location, spec.key, loaded, encoder, d.split))
+            train.extend(_encode_spec(location, spec.key, loaded, encoder, d.split, on_miss))
             for counted in train.sources[before:]:
                 counted.weight = spec.weight
                 entry_of.append(spec.source)
@@ -377,11 +374,10 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
         held = EncodedRows()
         if inputs.eval is not None:
             if inputs.eval.kind == "split":  # another split of the data.train dataset
-                cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
                 src = read_hf(inputs.train[0].value, inputs.eval.value, "data.eval", encoder.required_columns())
-                held = encode_source(src, encoder, cache_dir, d.num_proc, "data.eval")
+                held = encode_source(src, encoder, cache_dir_of(loaded), d.num_proc, "data.eval", on_miss)
             else:
-                held = _encode_spec(inputs.eval, "data.eval", loaded, encoder, d.split)
+                held = _encode_spec(inputs.eval, "data.eval", loaded, encoder, d.split, on_miss)
             check_bad_rows(held, d.on_bad_row)
     if d.eval_fraction:
         n = len(train.examples)
@@ -473,7 +469,7 @@ def load_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
     )
 
 
-def _load_streaming(loaded: LoadedRecipe, encoder: Encoder) -> TaskData:
+def _load_streaming(loaded: LoadedRecipe, encoder: Encoder, on_miss: Callable[[str], None] | None) -> TaskData:
     """data.streaming: the stream's sources (read while training, finetune/train/data/stream.py) and data.eval,
     read and tokenized now as without streaming."""
     from finetune.train.data.stream import StreamSource, StreamSpec, check_streamable, stream_fingerprint
@@ -498,7 +494,7 @@ def _load_streaming(loaded: LoadedRecipe, encoder: Encoder) -> TaskData:
     held = EncodedRows()
     if inputs.eval is not None:
         with local_rank_zero_first():
-            held = _encode_spec(inputs.eval, "data.eval", loaded, encoder, d.split)
+            held = _encode_spec(inputs.eval, "data.eval", loaded, encoder, d.split, on_miss)
         check_bad_rows(held, d.on_bad_row)
     r = loaded.recipe
     if r.eval.max_samples:

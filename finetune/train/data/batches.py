@@ -16,22 +16,66 @@ from __future__ import annotations
 
 import hashlib
 import random
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex, cast, overload
 
 from finetune.errors import UserError
 from finetune.objectives.loss import IGNORE_INDEX
 
 
-@dataclass
+class TokenIds(array):
+    """Token ids (or labels) in 4 bytes each, where a list of ints takes 36: the rows of a large data set held for
+    training. It is a sequence of ints that compares equal to a list or tuple of the same ints, as the lists it
+    stands in for do, and prints as one."""
+
+    __slots__ = ()
+
+    def __new__(cls, values: Iterable[int] = ()) -> TokenIds:
+        return cast(TokenIds, super().__new__(cls, "i", values))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple)):
+            return len(self) == len(other) and self.tolist() == list(other)
+        return bool(super().__eq__(other))
+
+    __hash__ = None  # mutable, as a list
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> TokenIds: ...
+    def __getitem__(self, index: SupportsIndex | slice) -> int | TokenIds:
+        item = super().__getitem__(index)
+        return TokenIds(item) if isinstance(item, array) else item
+
+    def __add__(self, other: array) -> TokenIds:  # any array of ints, as TokenIds
+        return TokenIds(super().__add__(other))
+
+    def __repr__(self) -> str:
+        return repr(self.tolist())
+
+
+def as_tensor(values: Sequence[int]) -> Any:
+    """``values`` (a list, or :class:`TokenIds` read without a copy) as a 1-D tensor of int64."""
+    import torch
+
+    if isinstance(values, array) and values.typecode == "i" and len(values):
+        return torch.frombuffer(values, dtype=torch.int32).long()
+    return torch.tensor(values if isinstance(values, list) else list(values), dtype=torch.long)
+
+
+@dataclass(slots=True)
 class Example:
     """One training row: ids, labels (IGNORE_INDEX where the loss does not count), and for a packed row
     the position ids (restarting at 0 at each sample inside it); in a mixture, ``sources``: the source of each
-    sample in it (its index in TaskData.mixture)."""
+    sample in it (its index in TaskData.mixture). A data set read from files holds them as :class:`TokenIds`, and
+    ``labels`` may be the very object ``input_ids`` is where they are equal: the rows are read, never changed."""
 
-    input_ids: list[int]
-    labels: list[int]
-    position_ids: list[int] | None = None
+    input_ids: Sequence[int]
+    labels: Sequence[int]
+    position_ids: Sequence[int] | None = None
     sources: tuple[int, ...] = ()
 
 
@@ -61,15 +105,13 @@ def pack(examples: list[Example], max_seq_len: int) -> list[Example]:
     rows.sort(key=min)
     packed = []
     for members in rows:
-        ids: list[int] = []
-        labels: list[int] = []
-        pos: list[int] = []
+        ids, labels, pos = TokenIds(), TokenIds(), TokenIds()
         sources: tuple[int, ...] = ()
         for i in sorted(members):
             ex = examples[i]
-            ids += ex.input_ids
-            labels += ex.labels
-            pos += range(len(ex.input_ids))
+            ids.extend(ex.input_ids)
+            labels.extend(ex.labels)
+            pos.extend(range(len(ex.input_ids)))
             sources += ex.sources
         packed.append(Example(ids, labels, pos, sources))
     return packed
@@ -94,10 +136,11 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, Any]:
         mask = torch.zeros((len(examples), width), dtype=torch.long)
     for i, e in enumerate(examples):
         n = len(e.input_ids)
-        ids[i, :n] = torch.tensor(e.input_ids)
-        labels[i, :n] = torch.tensor(e.labels)
+        ids[i, :n] = as_tensor(e.input_ids)
+        labels[i, :n] = as_tensor(e.labels)
         if packed:
-            pos[i, :n] = torch.tensor(e.position_ids)
+            assert e.position_ids is not None, "a packed micro-batch's rows all have position ids"
+            pos[i, :n] = as_tensor(e.position_ids)
             pos[i, n:] = torch.arange(width - n)
         else:
             mask[i, :n] = 1
@@ -200,7 +243,7 @@ class BatchStream:
         h = hashlib.sha256(f"{self.seed}/{self.global_batch_size}/{len(self.examples)}".encode())
         for e in self.examples:
             h.update(len(e.input_ids).to_bytes(4, "little"))
-            h.update(bytes(str(e.input_ids[:8]), "ascii"))
+            h.update(bytes(str(list(e.input_ids[:8])), "ascii"))
         return h.hexdigest()[:16]
 
     def position_state(self, epoch: int, step_in_epoch: int) -> dict[str, Any]:

@@ -16,10 +16,9 @@ from the cache beside the tokenized data: finetune/train/model/reference.py).
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,8 @@ from typing import Any
 from finetune.errors import UserError
 from finetune.objectives.loss import IGNORE_INDEX
 from finetune.recipe.schema import LoadedRecipe
-from finetune.train.data.batches import BatchStream, Example
+from finetune.train.data.batches import BatchStream, Example, as_tensor
+from finetune.train.data.cache import digests_dir, tokenize_source
 from finetune.train.data.formats import BAD, DROPPED_LONG, OK, TRUNCATED, BadRow, Encoder, describe, row_error
 from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN, Source, read_hf, read_sources
 
@@ -37,8 +37,8 @@ class PreferenceExample(Example):
     """One pair: the chosen row in ``input_ids``/``labels`` (so the stream's fingerprint and lengths see it),
     the rejected row beside it, and the reference's log-probabilities (chosen, rejected) once precomputed."""
 
-    rejected_ids: list[int] | None = None
-    rejected_labels: list[int] | None = None
+    rejected_ids: Sequence[int] | None = None
+    rejected_labels: Sequence[int] | None = None
     ref_logps: tuple[float, float] | None = None
 
 
@@ -177,45 +177,37 @@ class _Pairs:
     """The usable pairs of one or more sources, with their eval prompts and counts."""
 
     examples: list[PreferenceExample]
-    prompts: list[tuple[list[int], str]]
+    prompts: list[tuple[Sequence[int], str]]
     truncated: int = 0
     dropped: int = 0
     bad: list[str] | None = None
     cached: int = 0
 
 
-def encode_pairs(src: Source, encoder: PreferenceEncoder, cache_dir: Path, num_proc: int | None) -> _Pairs:
-    """Tokenize one source into the cache (or read it back), then collect its pairs."""
-    from finetune.train.data import CACHE_VERSION, tokenizer_fingerprint
+def encode_pairs(
+    src: Source, encoder: PreferenceEncoder, cache_dir: Path, num_proc: int | None,
+    on_miss: Callable[[str], None] | None = None,
+) -> _Pairs:
+    """Tokenize one source into the cache (or read it back), then collect its pairs, a batch of rows at a time."""
+    from finetune.train.data import token_rows
 
-    key = hashlib.sha256(json.dumps(
-        [CACHE_VERSION, src.name, src.fingerprint, tokenizer_fingerprint(encoder.tokenizer), encoder.settings()],
-        sort_keys=True,
-    ).encode()).hexdigest()[:32]
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    cache_file = cache_dir / f"preference-{key}.arrow"
-    hit = cache_file.exists()
-    ds = src.dataset.map(
-        encoder, with_indices=True, fn_kwargs={"source": src.name}, remove_columns=src.dataset.column_names,
-        features=_features(), num_proc=num_proc if num_proc and num_proc > 1 and len(src.dataset) > 1 else None,
-        cache_file_name=str(cache_file), load_from_cache_file=True, new_fingerprint=key,
-        desc=f"Tokenizing {Path(src.name).name}",
-    )
-    out = _Pairs([], [], bad=list(src.bad_rows), cached=int(hit))
+    done = tokenize_source(src, encoder, _features(), cache_dir, "preference", num_proc, encoder.settings(), on_miss)
+    out = _Pairs([], [], bad=list(done.bad_rows), cached=int(done.hit))
     assert out.bad is not None
-    cols = ds.to_dict()
-    for i, status in enumerate(cols["status"]):
-        if status == BAD:
-            out.bad.append(cols["error"][i])
-        elif status == DROPPED_LONG:
-            out.dropped += 1
-        else:
-            out.truncated += status == TRUNCATED
-            out.examples.append(PreferenceExample(
-                cols["input_ids"][i], cols["labels"][i], rejected_ids=cols["rejected_ids"][i],
-                rejected_labels=cols["rejected_labels"][i],
-            ))
-            out.prompts.append((cols["prompt_ids"][i], cols["answer"][i]))
+    for batch in done.batches():
+        ids, labels, rids, rlabels, prompt_ids = (
+            token_rows(batch.column(c)) for c in ("input_ids", "labels", "rejected_ids", "rejected_labels", "prompt_ids")
+        )
+        status, error, answer = (batch.column(c).to_pylist() for c in ("status", "error", "answer"))
+        for i, state in enumerate(status):
+            if state == BAD:
+                out.bad.append(error[i])
+            elif state == DROPPED_LONG:
+                out.dropped += 1
+            else:
+                out.truncated += state == TRUNCATED
+                out.examples.append(PreferenceExample(ids[i], labels[i], rejected_ids=rids[i], rejected_labels=rlabels[i]))
+                out.prompts.append((prompt_ids[i], answer[i]))
     return out
 
 
@@ -228,14 +220,15 @@ def _extend(into: _Pairs, more: _Pairs) -> None:
     into.cached += more.cached
 
 
-def load_preference_data(loaded: LoadedRecipe, tokenizer: Any) -> Any:
+def load_preference_data(loaded: LoadedRecipe, tokenizer: Any, on_miss: Callable[[str], None] | None = None) -> Any:
     """The recipe's preference pairs as :class:`~finetune.train.data.TaskData`: train and eval pairs, and the
-    eval prompts with their chosen completion as the expected answer (exact match)."""
+    eval prompts with their chosen completion as the expected answer (exact match); ``on_miss(source)`` before a
+    source the cache does not hold is tokenized."""
     from finetune.train.data import (
         EvalPrompt,
         TaskData,
+        cache_dir_of,
         check_bad_rows,
-        default_cache_dir,
         embedding_rows,
         local_rank_zero_first,
         resolve_chat_template,
@@ -248,23 +241,24 @@ def load_preference_data(loaded: LoadedRecipe, tokenizer: Any) -> Any:
         tokenizer, d.format, d.columns.model_dump(), d.max_seq_len, d.drop_long, False, template,
         embedding_rows=embedding_rows(loaded),
     )
-    cache_dir = Path(os.path.expanduser(d.cache_dir)) if d.cache_dir else default_cache_dir()
+    cache_dir = cache_dir_of(loaded)
+    digests = digests_dir(cache_dir)
     inputs = loaded.inputs
     assert inputs is not None, "load_recipe resolves the inputs"
     train, held = _Pairs([], [], bad=[]), _Pairs([], [], bad=[])
     with local_rank_zero_first():
         for i, location in enumerate(inputs.train):
             key = "data.train" if isinstance(d.train, str) else f"data.train.{i}"
-            for src in read_sources(location, key, d.split, encoder.required_columns()):
-                _extend(train, encode_pairs(src, encoder, cache_dir, d.num_proc))
+            for src in read_sources(location, key, d.split, encoder.required_columns(), digests):
+                _extend(train, encode_pairs(src, encoder, cache_dir, d.num_proc, on_miss))
         check_bad_rows(train, d.on_bad_row)  # type: ignore[arg-type]  # reads .bad only
         if inputs.eval is not None:
             if inputs.eval.kind == "split":
                 src = read_hf(inputs.train[0].value, inputs.eval.value, "data.eval", encoder.required_columns())
-                _extend(held, encode_pairs(src, encoder, cache_dir, d.num_proc))
+                _extend(held, encode_pairs(src, encoder, cache_dir, d.num_proc, on_miss))
             else:
-                for src in read_sources(inputs.eval, "data.eval", d.split, encoder.required_columns()):
-                    _extend(held, encode_pairs(src, encoder, cache_dir, d.num_proc))
+                for src in read_sources(inputs.eval, "data.eval", d.split, encoder.required_columns(), digests):
+                    _extend(held, encode_pairs(src, encoder, cache_dir, d.num_proc, on_miss))
             check_bad_rows(held, d.on_bad_row)  # type: ignore[arg-type]
     if d.eval_fraction:
         n = len(train.examples)
@@ -342,8 +336,8 @@ def collate_pairs(pairs: list[PreferenceExample], pad_id: int) -> dict[str, Any]
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (x, y) in enumerate(rows):
-        ids[i, : len(x)] = torch.tensor(x)
-        labels[i, : len(y)] = torch.tensor(y)
+        ids[i, : len(x)] = as_tensor(x)
+        labels[i, : len(y)] = as_tensor(y)
         mask[i, : len(x)] = 1
     batch: dict[str, Any] = {
         "input_ids": ids, "labels": labels, "attention_mask": mask,

@@ -28,6 +28,7 @@ from finetune.train.data import (
     local_rank_zero_first,
     resolve_chat_template,
 )
+from finetune.train.data.cache import digests_dir
 from finetune.train.data.formats import Encoder
 from finetune.train.data.sources import ROW_COLUMN, WHERE_COLUMN, Source, read_sources
 
@@ -80,7 +81,8 @@ def load_retain(loaded: LoadedRecipe, tokenizer: Any) -> RetainData | None:
     d = loaded.recipe.data
     columns = d.columns.model_dump()
     with local_rank_zero_first():
-        sources = read_sources(inputs.retain, KEY, "train", [])
+        cache_dir = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
+        sources = list(read_sources(inputs.retain, KEY, "train", [], digests_dir(cache_dir)))
         row, where = _first_row(sources[0])
         fmt = row_format(row, columns)
         if fmt is None:
@@ -93,7 +95,6 @@ def load_retain(loaded: LoadedRecipe, tokenizer: Any) -> RetainData | None:
         encoder = Encoder(
             tokenizer, fmt, columns, d.max_seq_len, d.drop_long, False, template, embedding_rows=embedding_rows(loaded)
         )
-        cache_dir = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
         enc = EncodedRows()
         for src in sources:
             enc.extend(encode_source(src, encoder, cache_dir, d.num_proc))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from finetune.recipe.schema import LoadedRecipe
@@ -9,10 +10,10 @@ from finetune.train.data import TaskData, load_data
 from finetune.train.data.preference import load_preference_data
 
 
-def load_task_data(loaded: LoadedRecipe, tokenizer: Any) -> TaskData:
+def load_task_data(loaded: LoadedRecipe, tokenizer: Any, on_miss: Callable[[str], None] | None = None) -> TaskData:
     """The recipe's train and eval data: preference pairs (data.format: preference), else the rows of the other
-    formats, tokenized through the cache."""
+    formats, tokenized through the cache (``on_miss(source)`` before a source that is not in it)."""
     if loaded.recipe.data.format == "preference":
-        data: TaskData = load_preference_data(loaded, tokenizer)
+        data: TaskData = load_preference_data(loaded, tokenizer, on_miss)
         return data
-    return load_data(loaded, tokenizer)
+    return load_data(loaded, tokenizer, on_miss)
