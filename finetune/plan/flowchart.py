@@ -19,7 +19,7 @@ Everything the recipe pins is respected and checked. Every step is recorded as a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from finetune.errors import UserError
 from finetune.model.methods import method_type
@@ -31,7 +31,16 @@ from finetune.plan.pipeline import microbatch_problem, pipeline_note
 from finetune.plan.request import Request, request_from_recipe
 from finetune.plan.setting import Setting, settle
 from finetune.plan.shapes import lora_targets, moe_summary
-from finetune.plan.types import Candidate, Config, MemoryBreakdown, Plan, Status
+from finetune.plan.types import (
+    Candidate,
+    Config,
+    HardwareFacts,
+    JobFacts,
+    MemoryBreakdown,
+    ModelFacts,
+    Plan,
+    Status,
+)
 from finetune.recipe.schema import LoadedRecipe
 from finetune.spec import ExecSpec, Method, Precision, Strategy
 
@@ -154,7 +163,7 @@ class Decision:
     tried: tuple[Candidate, ...]
     steps: tuple[w.Step, ...]
     execution: ExecSpec
-    job: dict[str, Any]
+    job: JobFacts
 
     @property
     def walk(self) -> list[str]:
@@ -165,7 +174,7 @@ class Decision:
         """The :class:`Plan` (the trainer's contract) of this decision."""
         s, chosen = self.setting, self.chosen
         sb = s.inv.storage(self.execution)  # the whole model: what is built (before TP splits it) and saved
-        model = {
+        model: ModelFacts = {
             "source": s.req.source, "model_type": s.inv.model_type, "layers": s.inv.num_layers,
             "parameters": s.inv.n_params, "trainable": sb.trainable, "seq_len": s.req.seq_len,
             "global_batch_size": s.global_batch, "packed": s.req.packed,
@@ -179,8 +188,7 @@ class Decision:
             model["experts"] = experts
         if s.inv.moe is not None:
             model.update(moe_summary(s.inv, self.execution))
-        hw = s.hw.to_dict()
-        hw["world"] = s.world
+        hw = cast(HardwareFacts, {**s.hw.to_dict(), "world": s.world})
         return Plan(
             chosen=chosen, candidates=list(self.rows), walk=self.walk, hardware=hw, model=model,
             execution=self.execution, job=self.job, steps=[step.to_dict() for step in self.steps],
@@ -736,14 +744,14 @@ def _table(s: Setting, traced: frozenset[tuple[str, bool, int]]) -> list[Candida
     return [evaluate(s, c, traced=traced) for c in configs if not s.refusal(c)]
 
 
-def _check_host_memory(s: Setting, rows: list[Candidate]) -> tuple[list[Candidate], dict[str, Any], list[w.Step]]:
+def _check_host_memory(s: Setting, rows: list[Candidate]) -> tuple[list[Candidate], JobFacts, list[w.Step]]:
     """The whole job's figures (finetune/plan/job.py) of the chosen row (first); rows whose host memory per
     node exceeds ``hw.host_memory`` do not fit, with the reason in the walk."""
     from finetune.plan.job import host_peak_phase, job_figures, weights_itemsize
 
     out: list[Candidate] = []
     steps: list[w.Step] = []
-    chosen_job: dict[str, Any] = {}
+    chosen_job = JobFacts()
     for i, c in enumerate(rows):
         world = 1 if c.strategy == "single" else s.world
         spec = s.exec_spec(

@@ -36,8 +36,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from finetune.plan.types import JobFacts
 from finetune.spec import DTYPE_BYTES, ExecSpec
 
 #: Host memory of one training process beyond the model: interpreter, torch, tokenizer, data, CUDA context.
@@ -71,9 +72,9 @@ class JobFigures:
             self.host_final_save_per_node,
         )
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> JobFacts:
         """JSON form, with the host peak."""
-        return {**asdict(self), "host_peak_per_node": self.host_peak_per_node}
+        return cast(JobFacts, {**asdict(self), "host_peak_per_node": self.host_peak_per_node})
 
 
 #: The host phases of a job's figures (keys of :meth:`JobFigures.to_dict`) and how a sentence names them.
@@ -85,7 +86,7 @@ HOST_PHASES = (
 )
 
 
-def host_peak_phase(job: Mapping[str, int]) -> tuple[str, int]:
+def host_peak_phase(job: Mapping[str, Any]) -> tuple[str, int]:
     """The host phase needing the most memory per node, and its bytes (``job``: :meth:`JobFigures.to_dict`)."""
     key, name = max(HOST_PHASES, key=lambda kv: int(job[kv[0]]))
     return name, int(job[key])
@@ -182,7 +183,7 @@ def offloaded_per_rank(inv: Any, spec: ExecSpec, world: int, device: str) -> int
 
 
 def host_memory_problem(
-    job: Mapping[str, int], limit: int, *, source: str, spec: ExecSpec, processes: int
+    job: Mapping[str, Any], limit: int, *, source: str, spec: ExecSpec, processes: int
 ) -> str | None:
     """The sentence refusing a run whose host memory per node (``job``) exceeds ``limit`` bytes, or None.
 

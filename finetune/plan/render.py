@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any
 
-from finetune.plan.types import Plan, Status
+from finetune.plan.types import ModelFacts, Plan, Status
 from finetune.units import compact_bytes
 
 
@@ -15,7 +15,7 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def moe_text(model: dict[str, Any]) -> str:
+def moe_text(model: ModelFacts) -> str:
     """What the plan's header says of a mixture of experts ('' for a dense model): the experts per layer, the
     top-k, the shared experts, what the experts hold and what a token computes with."""
     moe = model.get("moe")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.plan.config import concrete
+from finetune.plan.types import ModelFacts
 from finetune.spec import DTYPE_BYTES, AdapterSpec, ExecSpec, QuantSpec, adapter_spec
 
 # bitsandbytes 4-bit layout (Params4bit + QuantState with double quantization), per quantized weight of n values
@@ -246,7 +247,7 @@ def quantized_under(spec: ExecSpec, t: Tensor) -> bool:
     return spec.quant is not None and t.quantizable and (not t.experts or spec.quant.bits == 4)
 
 
-def moe_summary(inv: Inventory, spec: ExecSpec) -> dict[str, Any]:
+def moe_summary(inv: Inventory, spec: ExecSpec) -> ModelFacts:
     """What the plan's ``model`` says of a mixture of experts: its :class:`MoE`, the expert weights' count and
     share of the weights, the weights a token computes with, the activations its routed experts keep per token
     (computed in their weights' dtype: transformers' grouped matmul is not autocast's) and the load-balancing

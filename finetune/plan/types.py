@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from finetune.spec import ExecSpec, Method, Precision, Strategy
 
@@ -229,6 +229,62 @@ class Candidate:
         self.fits, self.note = self.status is Status.FITS, self.status.note
 
 
+class ModelFacts(TypedDict, total=False):
+    """The plan's ``model``: what was planned (the trainer reads the layers, the attention the architecture needs,
+    the expert and mixture figures and the stored bytes by dtype from here)."""
+
+    source: str  # the model's path, hub id or catalog name
+    model_type: str
+    layers: int
+    parameters: int
+    trainable: int  # values with gradients and optimizer state under the chosen method
+    seq_len: int
+    global_batch_size: int
+    packed: bool
+    checkpoint_bytes: int  # one resumable checkpoint of the chosen configuration
+    param_bytes: int  # every stored parameter (base + adapters)
+    param_bytes_by_dtype: dict[str, int]  # what the built model must hold, by dtype name
+    attention_for_architecture: bool  # eager because the architecture has no sdpa (gpt-oss's sinks)
+    experts: dict[str, int]  # a mixture's fused expert weights: tensors, values, adapted, quantized, stored bytes
+    moe: dict[str, Any]  # a mixture's layout (experts, top-k, shared experts, dense layers)
+    expert_parameters: int
+    active_parameters: int  # the weights one token computes with
+    expert_fraction: float
+    aux_loss_coef: float  # the load-balancing loss's coefficient (0: not added)
+    routed_activation_bytes_per_token: int
+
+
+class HardwareFacts(TypedDict, total=False):
+    """The plan's ``hardware``: what it was planned for (finetune/plan/hardware.py's Hardware, and the world)."""
+
+    device: str  # cuda | cpu
+    gpus_per_node: int
+    nodes: int
+    memory_bytes: int  # per GPU (per process on CPU)
+    bf16: bool
+    name: str
+    interconnect: str
+    bandwidth: float
+    detected: bool
+    host_memory: int  # per node (0: not checked)
+    gpu_type: str | None
+    world: int
+
+
+class JobFacts(TypedDict, total=False):
+    """The plan's ``job``: the chosen configuration's whole job beyond the step (bytes; finetune/plan/job.py)."""
+
+    load_peak_per_gpu: int
+    host_loading_per_node: int
+    host_checkpoint_per_node: int
+    host_final_save_per_node: int
+    checkpoint_bytes: int
+    final_model_bytes: int
+    host_offload_per_node: int
+    host_training_per_node: int
+    host_peak_per_node: int
+
+
 @dataclass
 class Plan:
     """The planner's answer: the chosen configuration, every candidate, and the walk in sentences."""
@@ -236,10 +292,10 @@ class Plan:
     chosen: Candidate
     candidates: list[Candidate] = field(default_factory=list)
     walk: list[str] = field(default_factory=list)
-    hardware: dict[str, Any] = field(default_factory=dict)
-    model: dict[str, Any] = field(default_factory=dict)  # source, parameter counts, sequence length
+    hardware: HardwareFacts = field(default_factory=lambda: HardwareFacts())
+    model: ModelFacts = field(default_factory=lambda: ModelFacts())  # source, parameter counts, sequence length
     execution: ExecSpec | None = None  # how the chosen configuration stores and computes every tensor
-    job: dict[str, Any] = field(default_factory=dict)  # the chosen row's loading/checkpoint/final-save figures
+    job: JobFacts = field(default_factory=lambda: JobFacts())  # the chosen row's loading/checkpoint/final-save figures
     steps: list[dict[str, Any]] = field(default_factory=list)  # the walk's typed steps (finetune/plan/walk.py)
     refused: list[dict[str, Any]] = field(default_factory=list)  # candidates the capability table ruled out
 
@@ -264,10 +320,10 @@ class Plan:
             chosen=Candidate.from_dict(d["chosen"]),
             candidates=[Candidate.from_dict(c) for c in d.get("candidates", [])],
             walk=list(d.get("walk", [])),
-            hardware=dict(d.get("hardware", {})),
-            model=dict(d.get("model", {})),
+            hardware=cast(HardwareFacts, dict(d.get("hardware", {}))),
+            model=cast(ModelFacts, dict(d.get("model", {}))),
             execution=ExecSpec.from_dict(d["execution"]) if d.get("execution") else None,
-            job=dict(d.get("job", {})),
+            job=cast(JobFacts, dict(d.get("job", {}))),
             steps=list(d.get("steps", [])),
             refused=list(d.get("refused", [])),
         )
