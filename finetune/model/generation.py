@@ -137,6 +137,18 @@ def prompted_forward(model: torch.nn.Module, virtual: int) -> Iterator[None]:
         del peft_model.forward
 
 
+def _probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The softmax of ``logits / temperature`` (fp32), restricted to the nucleus of ``top_p`` (module users:
+    :func:`sampler`, :func:`row_sampler`)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the most likely one always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return probs
+
+
 def sampler(temperature: float, top_p: float, generator: torch.Generator) -> Pick | None:
     """The next-token rule of ``finetune chat``: None (the argmax, as evaluation) at temperature 0, else a
     draw from the softmax of logits / temperature, restricted to the smallest set of most likely tokens whose
@@ -145,13 +157,27 @@ def sampler(temperature: float, top_p: float, generator: torch.Generator) -> Pic
         return None
 
     def pick(logits: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        if top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the more likely tokens
-            sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the most likely one always stays
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        draw = torch.multinomial(probs.cpu(), 1, generator=generator)
+        draw = torch.multinomial(_probs(logits, temperature, top_p).cpu(), 1, generator=generator)
         return draw.to(logits.device)
+
+    return pick
+
+
+def row_sampler(temperature: float, top_p: float, generator: torch.Generator, rows: int, first: int = 0) -> Pick | None:
+    """:func:`sampler`'s distribution with each row's draw its own: every step draws one uniform number per row of
+    a batch of ``rows`` from ``generator``, and the rows picked here are rows ``first``, ``first + 1``, ... of
+    it, each taking the token at which its number falls in the cumulative distribution. A row's tokens depend
+    on the seed, its index and its own logits alone, not on which rows share its batch: ranks that each sample
+    their share of a batch draw what one process sampling the whole batch draws."""
+    if temperature <= 0:
+        return None
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        probs = _probs(logits, temperature, top_p)
+        n = probs.shape[0]
+        u = torch.rand(rows, generator=generator, dtype=torch.float64)[first : first + n]
+        cdf = probs.cpu().double().cumsum(-1)
+        at = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True)
+        return at.clamp(max=probs.shape[-1] - 1).to(logits.device)
 
     return pick

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from finetune.errors import UserError
 from finetune.model.generation import greedy_tokens, left_padded
 from finetune.objectives.loss import IGNORE_INDEX, causal_lm_loss, shifted_labels
 from finetune.train.data import EvalPrompt, Example, collate
 from finetune.train.data.batches import to_device
 from finetune.train.data.retain import RetainData
-from finetune.train.parallel.distributed import DistContext
+from finetune.train.parallel.distributed import DistContext, raise_agreed
 
 if TYPE_CHECKING:
     from finetune.train.parallel.pipeline import StagedForward
@@ -120,6 +121,7 @@ def exact_match(
     mine, n_batches = _shard(prompts, ctx, batch_size)
     hits = 0
     reward_sum = 0.0
+    failure: str | None = None  # a reward function's error: scoring stops, generation goes on (collectives)
     samples: list[tuple[str, str]] = []
     for b in range(n_batches):
         chunk = mine[b * batch_size : (b + 1) * batch_size]
@@ -132,12 +134,18 @@ def exact_match(
         for p, g in list(zip(chunk, gens, strict=True))[:real]:
             text = tokenizer.decode(g, skip_special_tokens=True).strip()
             hits += int(text == p.answer.strip())
-            if rewards is not None:
-                total, _ = rewards.score([tokenizer.decode(p.prompt_ids, skip_special_tokens=True)], [text], [p.answer])
-                reward_sum += total[0]
+            if rewards is not None and failure is None:
+                try:
+                    total, _ = rewards.score(
+                        [tokenizer.decode(p.prompt_ids, skip_special_tokens=True)], [text], [p.answer]
+                    )
+                    reward_sum += total[0]
+                except UserError as err:
+                    failure = str(err)
             if len(samples) < 3:
                 samples.append((p.answer, text))
     if rewards is not None:
+        raise_agreed(failure)  # every rank stops with the sentence before the sum that would wait for it
         rewards.last_mean = float(ctx.data_sum(reward_sum)) / len(prompts)
     total_hits = ctx.data_sum(hits)
     return float(total_hits) / len(prompts), samples

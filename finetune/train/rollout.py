@@ -8,9 +8,11 @@ prompt stream's batch, so a group never spans ranks and its advantages are compu
 ``grpo.num_iterations`` optimizer steps; the first step's policy is the one that sampled them (their ``old``
 log-probabilities are computed then, when there is more than one step).
 
-Generation is :func:`finetune.model.generation.greedy_tokens` with the nucleus sampler of ``finetune chat``, from a
-generator seeded by (train.seed, epoch, batch, rank): a run samples the same completions again. When several
-ranks run, each generates exactly ``max_completion_length`` tokens (under FSDP every forward is a collective, as
+Generation is :func:`finetune.model.generation.greedy_tokens` with the nucleus sampling of ``finetune chat``, each row
+drawing its own number per token (:func:`~finetune.model.generation.row_sampler`) from a generator seeded by
+(train.seed, epoch, batch) that every rank runs over the whole global batch: a run samples the same completions
+again, and a prompt's completions do not depend on how many ranks share the batch (up to the last bits of the
+logits). When several ranks run, each generates exactly ``max_completion_length`` tokens (under FSDP every forward is a collective, as
 in evaluation); a single process stops once every completion has ended. A completion ends at its first end of
 sequence token, which it keeps (it is scored: the policy learns to stop).
 
@@ -29,13 +31,13 @@ from typing import Any
 import torch
 
 from finetune.errors import UserError
-from finetune.model.generation import greedy_tokens, left_padded, sampler
+from finetune.model.generation import Pick, greedy_tokens, left_padded, row_sampler
 from finetune.objectives.grpo import GrpoSettings, advantages, count_of, token_logps
 from finetune.objectives.loss import IGNORE_INDEX
 from finetune.objectives.rewards import Rewards
 from finetune.train.data import EvalPrompt
 from finetune.train.data.batches import BatchStream, Example, collate, to_device
-from finetune.train.parallel.distributed import DistContext
+from finetune.train.parallel.distributed import DistContext, raise_agreed
 
 #: ``batch -> per-token log-probs`` of a reference policy (the frozen copy, or the base with its adapters off).
 Reference = Callable[[dict[str, Any]], torch.Tensor]
@@ -106,8 +108,9 @@ class Rollouts:
             self.current = (batch, self.make(model, epoch, in_epoch, micro_batch_size))
         return self.current[1]
 
-    def sample(self, model: torch.nn.Module, prompts: list[list[int]], generator: torch.Generator) -> list[list[int]]:
-        """Each prompt's sampled completion (token ids, up to and including its first end of sequence)."""
+    def sample(self, model: torch.nn.Module, prompts: list[list[int]], pick: Pick | None) -> list[list[int]]:
+        """Each prompt's sampled completion (token ids, up to and including its first end of sequence), each next
+        token chosen by ``pick`` (:func:`~finetune.model.generation.row_sampler`; None: the argmax)."""
         s, tok = self.settings, self.tokenizer
         ids, mask = left_padded(prompts, tok.pad_token_id)
         ids, mask = to_device(ids, self.ctx.device), to_device(mask, self.ctx.device)
@@ -121,7 +124,7 @@ class Rollouts:
 
         tokens = greedy_tokens(
             model, ids, mask, s.max_completion_length, self.autocast,
-            pick=sampler(s.temperature, s.top_p, generator), on_step=on_step,
+            pick=pick, on_step=on_step,
         )
         out = []
         for row in tokens.tolist():
@@ -138,19 +141,20 @@ class Rollouts:
         prompts = self.stream.rank_prompts(epoch, in_epoch, rank=layout.dp_rank, world_size=layout.dp)
         rows = [p for p in prompts for _ in range(s.num_generations)]
         batch_index = in_epoch // s.num_iterations
-        generator = torch.Generator().manual_seed(
-            (self.seed * 1_000_003 + epoch * 10_007 + batch_index) * 1_009 + layout.dp_rank
-        )
+        # one generator for the whole global batch, every rank drawing every row's numbers and using its own rows':
+        # the completions of a prompt are the same on any number of ranks (finetune/model/generation.py)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch * 10_007 + batch_index)
+        pick = row_sampler(s.temperature, s.top_p, generator, rows=len(rows) * layout.dp, first=layout.dp_rank * len(rows))
         was_training = model.training
         model.eval()
         try:
-            completions = self.sample(model, [list(p.prompt_ids) for p in rows], generator)
+            completions = self.sample(model, [list(p.prompt_ids) for p in rows], pick)
         finally:
             model.train(was_training)
             reshard(model)
         texts = [tok.decode([t for t in c if t != tok.eos_token_id], skip_special_tokens=True) for c in completions]
         prompt_texts = [tok.decode(p.prompt_ids, skip_special_tokens=True) for p in rows]
-        total, each = self.rewards.score(prompt_texts, texts, [p.answer for p in rows])
+        total, each = score_agreed(self.rewards, prompt_texts, texts, [p.answer for p in rows])
         rewards = torch.tensor(total, dtype=torch.float64)
         if s.scale_rewards == "batch":  # the std of the whole global batch, over the ranks
             adv = advantages(rewards, s.num_generations, "none") / (self._global_std(rewards) + 1e-4)
@@ -217,6 +221,21 @@ class Rollouts:
         }
         out.update({f"reward/{name}": v / max(n, 1.0) for name, v in zip(names, summed[4:], strict=True)})
         return out
+
+
+def score_agreed(
+    rewards: Rewards, prompts: list[str], completions: list[str], answers: list[str | None]
+) -> tuple[list[float], dict[str, list[float]]]:
+    """:meth:`Rewards.score` on this rank's completions, the ranks agreeing on a failure before anything else:
+    a reward function that raises (or returns no number) on one rank stops every rank with its sentence, instead
+    of leaving the others waiting in the step's next collective."""
+    error = None
+    try:
+        scored = rewards.score(prompts, completions, answers)
+    except UserError as err:
+        error, scored = str(err), ([], {})
+    raise_agreed(error)
+    return scored
 
 
 def rollout_reference(spec: Any, policy: torch.nn.Module, frozen: torch.nn.Module | None, temperature: float) -> Reference:

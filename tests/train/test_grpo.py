@@ -181,3 +181,46 @@ def test_two_step_run_is_measured_within_ten_percent_of_its_plan(tmp_path: Path)
     assert "memory, rollout: predicted" in proc.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["rollout_seconds"] > 0 for r in rows if "loss" in r)
+
+
+def test_row_sampler_draws_each_row_alike_in_any_share_of_the_batch() -> None:
+    """The rollout's sampler: two ranks each sampling half the rows (their own generator, seeded alike) pick
+    what one process sampling all rows picks; the draws follow the softmax at the temperature and never leave
+    top_p's nucleus."""
+    from finetune.model.generation import row_sampler
+
+    logits = torch.randn(6, 10, generator=torch.Generator().manual_seed(1)) * 2
+    whole = row_sampler(0.7, 1.0, torch.Generator().manual_seed(5), rows=6)(logits)
+    halves = [row_sampler(0.7, 1.0, torch.Generator().manual_seed(5), rows=6, first=f)(logits[f : f + 3]) for f in (0, 3)]
+    assert torch.equal(torch.cat(halves), whole)
+    pick = row_sampler(0.7, 1.0, torch.Generator().manual_seed(0), rows=1)
+    counts = torch.bincount(torch.cat([pick(logits[:1]) for _ in range(4000)]).reshape(-1), minlength=10).double()
+    expected = torch.softmax(logits[0] / 0.7, dim=-1)
+    assert (counts / 4000 - expected).abs().max() < 0.03, (counts / 4000, expected)
+    nucleus = row_sampler(1.0, 0.5, torch.Generator().manual_seed(0), rows=6)
+    probs = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+    allowed = [set(probs.indices[i][(probs.values[i].cumsum(0) - probs.values[i]) < 0.5].tolist()) for i in range(6)]
+    for _ in range(200):
+        for i, t in enumerate(nucleus(logits).reshape(-1).tolist()):
+            assert t in allowed[i]
+
+
+@pytest.mark.slow
+def test_a_raising_reward_function_stops_the_run_with_one_sentence(tmp_path: Path) -> None:
+    """Through `finetune run`: a python reward that raises at the first step's rollout is one line naming the
+    file and the function, exit 2 (a user's mistake), no traceback, no model saved."""
+    from tests.support import finetune_run
+
+    (tmp_path / "mine.py").write_text("def score(prompt, completion, answer):\n    return {}[completion]\n")
+    recipe = tiny_recipe(
+        tmp_path / "out", train={"objective": "grpo", "max_steps": 2},
+        grpo={**GRPO, "rewards": [{"type": "python", "file": "mine.py", "function": "score"}], "trust_reward_code": True},
+        eval={"every": 0, "at_start": False},
+    )
+    proc = finetune_run(write_recipe(tmp_path / "r.yaml", recipe))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: grpo.rewards.0: the reward function `score` of {tmp_path / 'mine.py'} raised KeyError: "
+    ), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "model.safetensors").exists()

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from finetune.errors import UserError
 from finetune.recipe.schema import DEFAULT_TIMEOUT_S, DEFAULT_WAIT_TIMEOUT_S
 from finetune.spec import ExecSpec
 from finetune.train.parallel.layout import ParallelLayout
@@ -216,6 +217,18 @@ def all_gather_json(value: Any) -> list[Any]:
     gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(gathered, padded, group=_WAIT_GROUP)
     return [json.loads(bytes(t[: int(n)].numpy()).decode()) for t, n in zip(gathered, sizes, strict=True)]
+
+
+def raise_agreed(error: str | None) -> None:
+    """Raise the first failing rank's one-sentence ``error`` as a :class:`~finetune.errors.UserError` on every
+    rank, or return when no rank failed (every rank calls it; ``error`` None where this rank did not fail).
+
+    A rank whose own code failed (a user's reward function, say) would otherwise raise alone while the others
+    enter the next collective and wait there for ``distributed.timeout``: the ranks agree first, through the
+    wait group, and stop together with the same sentence."""
+    first = next((e for e in all_gather_json(error) if e is not None), None)
+    if first is not None:
+        raise UserError(str(first))
 
 
 def _restart_store(rank: int, world: int) -> dict[str, Any]:
