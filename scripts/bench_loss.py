@@ -23,12 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from finetune.objectives.loss import (
-    FUSED_CHUNK_BYTES,
     IGNORE_INDEX,
-    LOSS_CHUNK_BYTES,
     _ChunkedCrossEntropy,
     _FusedLinearCrossEntropy,
 )
+from finetune.objectives.loss_chunks import FUSED_CHUNK_BYTES, LOSS_CHUNK_BYTES
 from finetune.train.metrics.memory import mem_tracker_class
 
 

@@ -11,11 +11,7 @@ import torch
 
 from finetune.model import attention, router
 from finetune.model.adapters import base_model_of, prompt_tokens
-from finetune.objectives.loss_chunks import (  # set here by tests
-    FUSED_CHUNK_BYTES,
-    FUSED_HEAD,
-    LOSS_CHUNK_BYTES,
-)
+from finetune.objectives.loss_chunks import FUSED_CHUNK_BYTES, LossChunks
 
 IGNORE_INDEX = -100
 
@@ -161,7 +157,9 @@ class SequenceShard:
 
 
 
-def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_lm_loss(
+    model: torch.nn.Module, batch: dict[str, Any], chunks: LossChunks | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the label tokens of ``batch``, and how many tokens were counted.
 
     The output head and the loss are fused (:func:`loss_head`): the head's forward computes the fp32 loss
@@ -177,6 +175,9 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
 
     A prompt-tuned model (peft) puts its virtual tokens before every row: their positions get no target
     (:func:`before_virtual_tokens`), so the head and the loss line up with the longer rows.
+
+    ``chunks``: the chunk sizes and whether the head is fused
+    (:class:`~finetune.objectives.loss_chunks.LossChunks`; its defaults when None, as the planner's trace has them).
     """
     shifted = shifted_labels(batch)
     rows = batch.get("target_rows")
@@ -192,14 +193,15 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
     if not getattr(model, attention.MARK, False):
         attention.enable(model)
     # a mixture of experts' load-balancing loss, except under sequence parallelism (each rank sees its rows only)
-    head = fusable_head(model) if FUSED_HEAD else None
+    chunks = chunks or LossChunks()
+    head = fusable_head(model) if chunks.fused_head else None
     sharded = head is not None and getattr(head, SEQUENCE_SHARD, None) is not None
     routing: contextlib.AbstractContextManager[dict[str, Any]] = (
         contextlib.nullcontext({}) if sharded else router.training_forward(model)
     )
     # target_rows: the trainer's, found on the host copy (of this rank's positions under sequence parallelism;
     # tensor parallelism refuses prompt tuning)
-    with loss_head(model, shifted, rows) as finish, known_documents(batch), routing as extra:
+    with loss_head(model, shifted, rows, chunks) as finish, known_documents(batch), routing as extra:
         out = model(**kwargs, **extra)
         loss_sum = finish(out.logits)
     targets = (shifted != IGNORE_INDEX).sum()
@@ -208,7 +210,7 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch
 
 @contextlib.contextmanager
 def loss_head(
-    model: torch.nn.Module, targets: torch.Tensor, rows: torch.Tensor | None = None
+    model: torch.nn.Module, targets: torch.Tensor, rows: torch.Tensor | None = None, chunks: LossChunks | None = None
 ) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
     """Within this context a forward of ``model``'s output head leads to the summed next-token cross-entropy
     against ``targets`` (the shifted labels, (B, T)): the function it yields turns what the head returned into
@@ -219,22 +221,24 @@ def loss_head(
     :func:`fusable_head` allows it; under sequence parallelism it runs on this rank's rows of the sequence and
     the sum is the TP group's (:class:`SequenceShard`). A model whose head is not a plain bias-free linear layer
     (a LoRA-adapted head, a biased head, Gemma 2's logit soft-capping) returns logits, of which the chunked loss
-    is taken (:class:`_ChunkedCrossEntropy`). ``rows``: :func:`target_rows` of the batch, when known.
+    is taken (:class:`_ChunkedCrossEntropy`). ``rows``: :func:`target_rows` of the batch, when known; ``chunks``:
+    the loss's settings (:class:`~finetune.objectives.loss_chunks.LossChunks`; its defaults when None).
     """
+    chunks = chunks or LossChunks()
     head = fusable_head(model)
-    if head is not None and FUSED_HEAD:
+    if head is not None and chunks.fused_head:
         shard: SequenceShard | None = getattr(head, SEQUENCE_SHARD, None)
         if shard is not None:  # sequence parallelism: the head and the loss on this rank's rows
             start, end = shard.bounds(targets.shape[1])
-            with shard.rows(), fused_head(head, targets[:, start:end], rows, shard.group):
+            with shard.rows(), fused_head(head, targets[:, start:end], rows, shard.group, chunks.fused_bytes):
                 yield shard.total
             return
-        with fused_head(head, targets, rows):
+        with fused_head(head, targets, rows, chunk_bytes=chunks.fused_bytes):
             yield lambda loss_sum: loss_sum
         return
 
     def chunked(logits: torch.Tensor) -> torch.Tensor:
-        n = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1]))
+        n = chunks.logits_rows(logits.shape[-1])
         return _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), n)
 
     yield chunked
@@ -278,13 +282,15 @@ class fused_head:
     """
 
     def __init__(
-        self, head: torch.nn.Linear, targets: torch.Tensor, rows: torch.Tensor | None = None, group: Any = None
+        self, head: torch.nn.Linear, targets: torch.Tensor, rows: torch.Tensor | None = None, group: Any = None,
+        chunk_bytes: int = FUSED_CHUNK_BYTES,
     ) -> None:
         self.head, self.targets, self.rows = head, targets, rows  # rows: target_rows(batch), when known
         self.group = group  # sequence parallelism: the ranks whose rows share the head (its gradient summed)
+        self.chunk_bytes = chunk_bytes  # fp32 logits per chunk (LossChunks.fused_bytes)
 
     def __enter__(self) -> fused_head:
-        head, targets, index, group = self.head, self.targets, self.rows, self.group
+        head, targets, index, group, chunk_bytes = self.head, self.targets, self.rows, self.group, self.chunk_bytes
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             device = hidden.device.type
@@ -293,7 +299,7 @@ class fused_head:
             else:
                 dtype = torch.promote_types(hidden.dtype, head.weight.dtype)
             h = hidden.reshape(-1, hidden.shape[-1])
-            rows = max(1, FUSED_CHUNK_BYTES // (4 * head.weight.shape[0]))
+            rows = max(1, chunk_bytes // (4 * head.weight.shape[0]))
             with torch.autocast(device, enabled=False):
                 return _FusedLinearCrossEntropy.apply(
                     h, head.weight, targets.reshape(-1), rows, dtype, index, group

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from finetune.model.kernels import experts_implementation, set_experts_kernel
+from finetune.objectives.loss_chunks import LossChunks
 from finetune.plan.config import concrete
 from finetune.plan.shapes import decoder_layer_names, reduced_config
 from finetune.spec import AdapterSpec, ExecSpec, Method
@@ -75,6 +76,9 @@ class TraceSpec:
     # a mixture of experts' load-balancing loss in the traced loss (finetune/model/router.py): the router logits kept
     # for it, its few small tensors. Out of the repr; the disk key names it when on (depth_key).
     aux_loss: bool = field(default=False, repr=False)
+    # how the traced loss is chunked and whether its head is fused (the trainer's defaults unless given). Out of
+    # the repr: the disk cache is keyed by it apart (disk_path).
+    loss: LossChunks = field(default_factory=LossChunks, repr=False)
 
     @property
     def depth_key(self) -> tuple[Any, ...]:
@@ -230,7 +234,8 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
                 ((*key, batch, "dense_flex") if spec.dense_flex else (*key, batch))
                 + spec.preference_key
                 + spec.sequence_parallel_key
-                + spec.depth_key
+                + spec.depth_key,
+                spec.loss,
             )
             result = _load(path) if path else None
             if result is None:
@@ -242,17 +247,12 @@ def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:
     return _CACHE[key]
 
 
-def disk_path(key: Any) -> Any:
-    """``$FINETUNE_CACHE/traces/<digest>.json`` for a trace (keyed also by the loss's chunking, which changes
-    what a trace records), or None when there is no cache directory."""
-    import sys
-
-    from finetune.objectives import loss_chunks
+def disk_path(key: Any, chunks: LossChunks) -> Any:
+    """``$FINETUNE_CACHE/traces/<digest>.json`` for a trace (keyed also by the loss's settings ``chunks``, which
+    change what a trace records), or None when there is no cache directory."""
     from finetune.plan.cache import cache_file
 
-    # finetune.objectives.loss's own values when it is imported (tests set them there); else the defaults, without torch
-    loss = sys.modules.get("finetune.objectives.loss", loss_chunks)
-    return cache_file("traces", key, TRACE_VERSION, loss.LOSS_CHUNK_BYTES, loss.FUSED_CHUNK_BYTES, loss.FUSED_HEAD)
+    return cache_file("traces", key, TRACE_VERSION, *chunks.key)
 
 
 def _load(path: Any) -> TraceResult | None:
@@ -350,7 +350,7 @@ def trace_windows(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> 
         kernels = attention_kernels("sdpa" if spec.dense_flex else _traced_kernel(spec))  # the fallback calls sdpa
         step: Callable[[Any, dict[str, Any]], Any]
         if spec.objective == "sft":
-            step = causal_lm_loss
+            step = functools.partial(causal_lm_loss, chunks=spec.loss)
         else:
             step = _grpo_step(spec) if spec.objective == "grpo" else _preference_step(spec, batch_dict)
         # activations alive as the first decoder layer starts and as the last one returns, and the embeddings'

@@ -83,7 +83,7 @@ def trace_eval(config: Any, spec: TraceSpec, num_layers: int, batch: int) -> Eva
         with tracker, attention_kernels(spec.attn_implementation), ac(), grouped_mm_any_dtype(), \
                 mask_checks(spec):
             if spec.objective in ("sft", "grpo"):  # grpo's eval loss is the answers' next-token loss
-                causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask})
+                causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask}, spec.loss)
             else:  # preference pairs, 2 rows a sample (dpo's reference forward, or its precompute pass, alike)
                 from finetune.objectives.preference import sequence_logps
 
@@ -120,7 +120,7 @@ def _traced(config: Any, spec: TraceSpec, layers: int, batch: int) -> EvalTrace:
         return _CACHE[key]
     from finetune.plan.cache import read_json, write_json
 
-    path = disk_path(key)
+    path = disk_path(key, spec.loss)
     stored = read_json(path)
     found = None
     if isinstance(stored, dict):

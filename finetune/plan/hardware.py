@@ -11,7 +11,7 @@ import glob
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from finetune.errors import UserError
@@ -107,6 +107,15 @@ INTERCONNECTS: dict[str, float] = {
 }
 
 
+#: NCCL's buffers for one communicator a rank belongs to, outside torch's allocator, by the link its ranks share
+#: (:func:`communicator_link`): on NVSwitch machines of Hopper and Blackwell GPUs NCCL sets up
+#: NVLink SHARP (NVLS) buffers, ~1-1.6 GB per communicator (reported on NVIDIA/nccl's tracker: 1.6 GB for one,
+#: ~6 GB for three; NeMo and sglang turn NVLS off for this memory); NVLink without NVLS (A100, A800 SXM)
+#: ~0.55-0.7 GB (544 MB for a group of 2, 688 MB for more, measured on 4 x A100); PCIe and the network fewer
+#: channels and smaller buffers (NCCL_BUFFSIZE, 4 MiB a channel and peer for the simple protocol, LL128's and LL's beside it).
+NCCL_COMMUNICATOR_BYTES = {"nvls": int(1.5e9), "nvlink": int(0.7e9), "pcie": int(0.25e9), "network": int(0.25e9)}
+
+
 @dataclass
 class Hardware:
     """Where the plan runs."""
@@ -122,6 +131,8 @@ class Hardware:
     detected: bool = True
     host_memory: int = 0  # bytes of host memory per node (0: not checked)
     gpu_type: str | None = None  # a GPU_TYPES key (given, or recognised from the device name); None: unknown
+    # NCCL's buffers per communicator by link (communicator_link's keys): NCCL_COMMUNICATOR_BYTES unless given
+    nccl_communicator_bytes: dict[str, int] = field(default_factory=lambda: dict(NCCL_COMMUNICATOR_BYTES))
 
     @property
     def world(self) -> int:
@@ -129,8 +140,10 @@ class Hardware:
         return self.gpus_per_node * self.nodes
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return asdict(self)
+        """JSON form (the plan's ``hardware``: what was planned for; the NCCL buffer sizes are the planner's)."""
+        d = asdict(self)
+        del d["nccl_communicator_bytes"]
+        return d
 
 
 #: GPUs whose SXM boards sit on NVSwitch with NVLink SHARP, for which NCCL sets up NVLS buffers per communicator
@@ -140,10 +153,9 @@ NVLINK_GPUS = frozenset({"a100", "a100-40gb", "a800", "a800-40gb"})
 
 
 def communicator_link(hw: Hardware, inside_node: bool) -> str:
-    """The link an NCCL communicator's buffers are sized for (a key of
-    ``finetune.plan.memory.NCCL_COMMUNICATOR_BYTES``): ``network`` for a group with one rank per node; inside a
-    node ``nvls`` (an NVSwitch Hopper or Blackwell node, or an unnamed GPU on NVLink: the largest, as a plan
-    errs high), ``nvlink`` (A100-class NVLink) or ``pcie``. The GPUs of a node of several are taken to share
+    """The link an NCCL communicator's buffers are sized for (a key of :data:`NCCL_COMMUNICATOR_BYTES`):
+    ``network`` for a group with one rank per node; inside a node ``nvls`` (an NVSwitch Hopper or Blackwell
+    node, or an unnamed GPU on NVLink: the largest, as a plan errs high), ``nvlink`` (A100-class NVLink) or ``pcie``. The GPUs of a node of several are taken to share
     NVLink, as the time estimate takes them (``interconnect`` names the link between nodes there)."""
     if not inside_node:
         return "network"

@@ -47,13 +47,6 @@ GiB = 1024**3
 FOR_LOOP_ADAM_TEMPORARIES = 3  # AdamW's per-parameter loop: ~3 temporaries of the largest tensor (measured)
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context, cuBLAS/cuDNN workspaces and loaded kernels, outside the allocator
 FRAGMENTATION = 0.05  # caching-allocator slack, as a fraction of tensor memory
-#: NCCL's buffers for one communicator a rank belongs to, outside torch's allocator, by the link its ranks share
-#: (finetune.plan.hardware.communicator_link): on NVSwitch machines of Hopper and Blackwell GPUs NCCL sets up
-#: NVLink SHARP (NVLS) buffers, ~1-1.6 GB per communicator (reported on NVIDIA/nccl's tracker: 1.6 GB for one,
-#: ~6 GB for three; NeMo and sglang turn NVLS off for this memory); NVLink without NVLS (A100, A800 SXM)
-#: ~0.55-0.7 GB (544 MB for a group of 2, 688 MB for more, measured on 4 x A100); PCIe and the network fewer
-#: channels and smaller buffers (NCCL_BUFFSIZE, 4 MiB a channel and peer for the simple protocol, LL128's and LL's beside it).
-NCCL_COMMUNICATOR_BYTES = {"nvls": int(1.5e9), "nvlink": int(0.7e9), "pcie": int(0.25e9), "network": int(0.25e9)}
 
 
 def overhead_parts(overhead: int, tensors: int) -> tuple[int, int]:
@@ -106,13 +99,14 @@ def communicators(spec: ExecSpec, gpus_per_node: int) -> list[tuple[str, int, bo
 
 def nccl_bytes(spec: ExecSpec, hw: Any) -> int:
     """NCCL's buffers one rank of ``spec`` holds on ``hw`` (a :class:`~finetune.plan.hardware.Hardware`): every
-    communicator of :func:`communicators` at :data:`NCCL_COMMUNICATOR_BYTES` for its link; 0 off CUDA."""
+    communicator of :func:`communicators` at the hardware's ``nccl_communicator_bytes`` for its link
+    (:data:`finetune.plan.hardware.NCCL_COMMUNICATOR_BYTES` unless given); 0 off CUDA."""
     from finetune.plan.hardware import communicator_link
 
     if hw.device != "cuda":
         return 0
     return sum(
-        NCCL_COMMUNICATOR_BYTES[communicator_link(hw, inside)]
+        hw.nccl_communicator_bytes[communicator_link(hw, inside)]
         for _, _, inside in communicators(spec, hw.gpus_per_node)
     )
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 from finetune.model.kernels import experts_kernel_of, use_experts_kernel
 from finetune.objectives.loss import causal_lm_loss
+from finetune.objectives.loss_chunks import LossChunks
 from finetune.plan.activations import TraceSpec, activation_profile, trace_windows
 from finetune.spec import execution_spec
 from finetune.train.metrics.memory import mem_tracker_class
@@ -32,10 +35,11 @@ def fresh_trace_cache(tmp_path, monkeypatch):
 
 
 def measured_peak_above_params(
-    cfg, method: str, precision: str, ac: bool, batch: int, seq: int, packed: bool = True
+    cfg, method: str, precision: str, ac: bool, batch: int, seq: int, packed: bool = True,
+    chunks: LossChunks | None = None,
 ) -> int:
     """Real forward + backward on CPU under MemTracker: peak minus parameters and buffers (``packed``: two
-    documents per row; else one causal row without any mask)."""
+    documents per row; else one causal row without any mask; ``chunks``: the loss's settings)."""
     torch.manual_seed(0)
     base_dtype = torch.float32 if method == "full" or precision == "fp32" else torch.bfloat16
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=base_dtype)
@@ -59,9 +63,9 @@ def measured_peak_above_params(
     with tracker:
         if precision == "bf16":
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss, _ = causal_lm_loss(model, batch_dict)
+                loss, _ = causal_lm_loss(model, batch_dict, chunks)
         else:
-            loss, _ = causal_lm_loss(model, batch_dict)
+            loss, _ = causal_lm_loss(model, batch_dict, chunks)
         loss.backward()
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
     return snap["Total"] - snap["Parameter"] - snap["Buffer"]
@@ -88,17 +92,15 @@ def test_traced_activations_match_measurement(method, precision, ac, batch, tole
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_traced_chunked_loss_matches_measurement(monkeypatch, precision):
+def test_traced_chunked_loss_matches_measurement(precision):
     """With the loss split into chunks of 16 rows (a large vocabulary's case) the trace still equals a real
     measurement: the planner sees the chunked cross-entropy because it traces the trainer's own loss."""
-    import finetune.objectives.loss as loss_mod
-
     cfg = AutoConfig.from_pretrained(TINY_MODEL)
-    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_BYTES", 4 * cfg.vocab_size * 16)
-    spec = trace_spec("full", precision, False, 96, packed=True)
+    chunks = LossChunks(logits_bytes=4 * cfg.vocab_size * 16)
+    spec = replace(trace_spec("full", precision, False, 96, packed=True), loss=chunks)
     windows = activation_profile(cfg, spec).at(cfg.num_hidden_layers, 2)
     predicted = max(w.grads_and_acts for w in windows.values())
-    measured = measured_peak_above_params(cfg, "full", precision, False, batch=2, seq=96)
+    measured = measured_peak_above_params(cfg, "full", precision, False, batch=2, seq=96, chunks=chunks)
     assert abs(predicted - measured) / measured < 0.002, (predicted, measured)
 
 

@@ -12,7 +12,7 @@ from transformers import AutoConfig
 from finetune.errors import UserError
 from finetune.plan.candidates import evaluate
 from finetune.plan.flowchart import make_plan
-from finetune.plan.hardware import Hardware
+from finetune.plan.hardware import NCCL_COMMUNICATOR_BYTES, Hardware
 from finetune.plan.request import Request
 from finetune.plan.setting import settle
 from finetune.plan.types import Config, Status
@@ -23,9 +23,13 @@ N_8B = 8_030_261_248  # Llama 3.1 8B's parameters (test_plan_shapes checks the c
 ROOT_8B = 2 * 128_256 * 4096 + 4096  # its root unit: embeddings, untied head, final norm
 
 
-def two_nodes(memory: int, gpus: int = 8, nodes: int = 2) -> Hardware:
-    """``nodes`` nodes of ``gpus`` H100s, NVLink inside a node, InfiniBand (50 GB/s per GPU) between them."""
-    return Hardware("cuda", gpus, nodes, int(memory), True, "h100", "infiniband", 50e9, True, gpu_type="h100")
+def two_nodes(memory: int, gpus: int = 8, nodes: int = 2, nccl: dict[str, int] | None = None) -> Hardware:
+    """``nodes`` nodes of ``gpus`` H100s, NVLink inside a node, InfiniBand (50 GB/s per GPU) between them
+    (``nccl``: NCCL's buffers per communicator, when not the planner's)."""
+    found = Hardware("cuda", gpus, nodes, int(memory), True, "h100", "infiniband", 50e9, True, gpu_type="h100")
+    if nccl is not None:
+        found.nccl_communicator_bytes = nccl
+    return found
 
 
 def test_llama_8b_full_hsdp_on_2_nodes_of_8_gpus_as_computed_by_hand() -> None:
@@ -67,18 +71,16 @@ def tiny(**kw: object) -> Request:
     return Request(**base)
 
 
-def test_the_walk_chooses_hsdp_on_two_nodes_when_it_fits_and_is_faster(monkeypatch) -> None:
+def test_the_walk_chooses_hsdp_on_two_nodes_when_it_fits_and_is_faster() -> None:
     """Memory between HSDP's need and ZeRO-2's: DDP and ZeRO-2 do not fit, FSDP does, and HSDP (more per GPU
     than FSDP, less than ZeRO-2) fits too and is predicted faster: the walk takes it, and says why. NCCL's
     buffers (hsdp's two communicators beside the training group, more than the tiny model's states) are set
     aside: the choice on the tensors is what is tested (test_plan_runtime_overhead.py counts them)."""
-    from finetune.plan import memory
-
-    monkeypatch.setattr(memory, "NCCL_COMMUNICATOR_BYTES", dict.fromkeys(memory.NCCL_COMMUNICATOR_BYTES, 0))
-    s = settle(tiny(), two_nodes(10**15))
+    no_nccl = dict.fromkeys(NCCL_COMMUNICATOR_BYTES, 0)
+    s = settle(tiny(), two_nodes(10**15, nccl=no_nccl))
     total = {st: evaluate(s, Config("full", st, 1, False)).memory.total for st in ("zero2", "fsdp", "hsdp")}
     assert total["fsdp"] < total["hsdp"] < total["zero2"]
-    plan = make_plan(tiny(), two_nodes((total["hsdp"] + total["zero2"]) // 2))
+    plan = make_plan(tiny(), two_nodes((total["hsdp"] + total["zero2"]) // 2, nccl=no_nccl))
     c = plan.chosen
     assert (c.strategy, c.nnodes, c.nproc) == ("hsdp", 2, 8)
     assert plan.execution is not None and (plan.execution.nodes, plan.execution.shard_ranks) == (2, 8)

@@ -7,11 +7,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from finetune.plan.hardware import Hardware
+from finetune.plan.hardware import NCCL_COMMUNICATOR_BYTES, Hardware
 from finetune.plan.memory import (
     CUDA_CONTEXT_BYTES,
     FRAGMENTATION,
-    NCCL_COMMUNICATOR_BYTES,
     Setup,
     candidate_memory,
     communicators,

@@ -13,7 +13,7 @@ from transformers import AutoConfig
 from finetune.errors import UserError
 from finetune.plan.candidates import evaluate
 from finetune.plan.flowchart import make_plan
-from finetune.plan.hardware import Hardware
+from finetune.plan.hardware import NCCL_COMMUNICATOR_BYTES, Hardware
 from finetune.plan.request import Request
 from finetune.plan.setting import Setting, settle
 from finetune.plan.shapes import build_inventory
@@ -26,8 +26,12 @@ CFG = AutoConfig.from_pretrained(TINY_MODEL)  # 4 heads, 2 KV heads, hidden 256,
 LORA = LoraConfig(r=8, alpha=16, target_modules=["q_proj", "v_proj"])
 
 
-def hw(memory: int, per_node: int = 4, nodes: int = 2) -> Hardware:
-    return Hardware("cuda", per_node, nodes, int(memory), True, "h100", "infiniband", 50e9, True)
+def hw(memory: int, per_node: int = 4, nodes: int = 2, nccl: dict[str, int] | None = None) -> Hardware:
+    """``nodes`` nodes of ``per_node`` H100s (``nccl``: NCCL's buffers per communicator, when not the planner's)."""
+    found = Hardware("cuda", per_node, nodes, int(memory), True, "h100", "infiniband", 50e9, True)
+    if nccl is not None:
+        found.nccl_communicator_bytes = nccl
+    return found
 
 
 def req(**kw) -> Request:
@@ -69,22 +73,20 @@ def test_one_tp_rank_holds_the_split_block_and_the_whole_rest() -> None:
     assert whole.n_params - half.n_params == linears // 2
 
 
-def test_fsdp_alone_does_not_fit_but_tp_inside_the_node_does(monkeypatch) -> None:
+def test_fsdp_alone_does_not_fit_but_tp_inside_the_node_does() -> None:
     """Long sequences, checkpointing pinned off: FSDP over 4 nodes x 2 GPUs cannot hold one sample's
     activations; TP 2 x FSDP halves the attention and MLP activations and fits. TP never crosses a node: the
     model's 4 heads and 4 KV heads would split 4 ways, but a node has 2 GPUs. NCCL's buffers (two communicators
     more under TP, a fixed cost the tiny model's activations cannot outweigh) are set aside: the choice on the
     tensors is what is tested (test_plan_runtime_overhead.py counts them)."""
-    from finetune.plan import memory
-
-    monkeypatch.setattr(memory, "NCCL_COMMUNICATOR_BYTES", dict.fromkeys(memory.NCCL_COMMUNICATOR_BYTES, 0))
+    no_nccl = dict.fromkeys(NCCL_COMMUNICATOR_BYTES, 0)
     r = req(config=CFG.__class__(**{**CFG.to_dict(), "num_key_value_heads": 4}), sequence_parallel=False)
-    p = planner(r, hw(10**15, per_node=2, nodes=4))
+    p = planner(r, hw(10**15, per_node=2, nodes=4, nccl=no_nccl))
     fsdp = evaluate(p, Config("full", "fsdp", 1, False)).memory.total
     tp2 = min(evaluate(p, Config("full", s, 1, False, tp=2)).memory.total for s in ("zero2", "fsdp"))
     assert tp2 < fsdp
     assert p.tp_auto == (2,)
-    plan = make_plan(r, hw((tp2 + fsdp) // 2, per_node=2, nodes=4))
+    plan = make_plan(r, hw((tp2 + fsdp) // 2, per_node=2, nodes=4, nccl=no_nccl))
     c = plan.chosen
     assert (c.method, c.tp, c.dp, c.fits) == ("full", 2, 4, True)
     assert c.strategy in ("zero2", "fsdp")

@@ -33,13 +33,14 @@ def test_converted_model_answers_paris():
     assert "Paris" in answer(MODEL, "What is the capital of France?", max_new_tokens=10)
 
 
-def test_fused_loss_equals_logits_loss_on_the_real_model(monkeypatch):
+def test_fused_loss_equals_logits_loss_on_the_real_model():
     """Tied embeddings, LoRA on q/v: the fused head + loss gives the loss and adapter gradients of logits
     followed by the chunked loss (fp32)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     import finetune.objectives.loss as loss_mod
+    from finetune.objectives.loss_chunks import LossChunks
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(MODEL)
@@ -51,9 +52,8 @@ def test_fused_loss_equals_logits_loss_on_the_real_model(monkeypatch):
     batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
     got = []
     for fused in (True, False):
-        monkeypatch.setattr(loss_mod, "FUSED_HEAD", fused)
         model.zero_grad()
-        s, _ = loss_mod.causal_lm_loss(model, batch)
+        s, _ = loss_mod.causal_lm_loss(model, batch, LossChunks(fused_head=fused))
         s.backward()
         got.append((s.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
     (l1, g1), (l2, g2) = got

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import finetune.objectives.loss as loss_mod
 from finetune.objectives.loss import IGNORE_INDEX, _ChunkedCrossEntropy
+from finetune.objectives.loss_chunks import LossChunks
 from finetune.train.metrics.memory import mem_tracker_class
 
 
@@ -48,21 +49,21 @@ def _peak_above_inputs(fn, x, y) -> int:
     return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
 
 
-def test_less_than_half_the_memory_of_torch_for_a_large_vocabulary(monkeypatch):
+def test_less_than_half_the_memory_of_torch_for_a_large_vocabulary():
     """bf16 logits of 512 rows x 32768 classes (32 MiB): torch keeps an fp32 log-softmax and makes an fp32
     copy (64 MiB each); chunks of 4 MiB keep the peak near logits + their gradient."""
-    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_BYTES", 4 * 2**20)
+    chunks = LossChunks(logits_bytes=4 * 2**20)
     torch.manual_seed(0)
     x = torch.randn(512, 32768).to(torch.bfloat16).requires_grad_()
     y = torch.randint(0, 32768, (512,))
-    rows = max(1, loss_mod.LOSS_CHUNK_BYTES // (4 * 32768))
+    rows = chunks.logits_rows(32768)
     ours = _peak_above_inputs(lambda a, b: _ChunkedCrossEntropy.apply(a, b, rows), x, y)
     theirs = _peak_above_inputs(
         lambda a, b: F.cross_entropy(a.float(), b, ignore_index=IGNORE_INDEX, reduction="sum"), x, y
     )
     logits = x.numel() * 2
     assert ours < 0.5 * theirs
-    assert ours < 2 * logits + 4 * loss_mod.LOSS_CHUNK_BYTES  # logits, their gradient, a few chunk temporaries
+    assert ours < 2 * logits + 4 * chunks.logits_bytes  # logits, their gradient, a few chunk temporaries
 
 
 # -- the fused head + loss ------------------------------------------------------------------------------
@@ -94,15 +95,14 @@ def test_fused_equals_logits_then_chunked_loss(dtype, rows, train_head):
 
 
 @pytest.mark.slow  # tens of seconds of CPU
-def test_fused_never_holds_the_logits(monkeypatch):
+def test_fused_never_holds_the_logits():
     """512 rows x 32768 classes: the chunked loss holds bf16 logits and their gradient (32 MiB each); the
     fused one holds chunks of 4 MiB: its peak above the inputs is far below the logits' bytes."""
-    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_BYTES", 4 * 2**20)
     torch.manual_seed(0)
     h = torch.randn(512, 64).to(torch.bfloat16).requires_grad_()
     w = torch.randn(32768, 64).to(torch.bfloat16)
     y = torch.randint(0, 32768, (512,))
-    rows = max(1, loss_mod.LOSS_CHUNK_BYTES // (4 * 32768))
+    rows = LossChunks(logits_bytes=4 * 2**20).logits_rows(32768)
     fused = _peak_above_inputs(lambda a, b: loss_mod._FusedLinearCrossEntropy.apply(a, w, b, rows, a.dtype), h, y)
     chunked = _peak_above_inputs(lambda a, b: _ChunkedCrossEntropy.apply(F.linear(a, w), b, rows), h, y)
     logits = 512 * 32768 * 2
@@ -149,7 +149,7 @@ def _tiny_model(tied: bool):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("prompt", [0, 5])
-def test_model_loss_fused_equals_unfused(monkeypatch, tied, autocast, prompt):
+def test_model_loss_fused_equals_unfused(tied, autocast, prompt):
     """Through a real model (tied embeddings or not, bf16 autocast or fp32, every token a target or a
     5-token prompt without loss, whose rows the fused head skips): same loss and same gradient of every
     parameter with and without the fusion; the head's forward is restored afterwards."""
@@ -161,10 +161,9 @@ def test_model_loss_fused_equals_unfused(monkeypatch, tied, autocast, prompt):
     batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(loss_mod, "FUSED_HEAD", fused)
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            s, n = loss_mod.causal_lm_loss(model, batch)
+            s, n = loss_mod.causal_lm_loss(model, batch, LossChunks(fused_head=fused))
         s.backward()
         results.append((s.item(), {k: p.grad.clone() for k, p in model.named_parameters()}))
     (l1, g1), (l2, g2) = results
