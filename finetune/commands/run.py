@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.errors import UserError
-from finetune.recipe.schema import LoadedRecipe, RecipeError, check_files, load_recipe, resolve_inputs
+from finetune.recipe.schema import LoadedRecipe, RecipeError, check_files, load_recipe
 
 if TYPE_CHECKING:
     from finetune.plan.types import Plan
@@ -38,11 +38,7 @@ class LaunchOptions:
 
 def prepare(recipe: str, overrides: list[str]) -> LoadedRecipe:
     """Load the recipe (its inputs resolved once, made absolute) and refuse missing or planning-only inputs."""
-    loaded = load_recipe(recipe, overrides)
-    from finetune.recipe.locate import fetch_hub_inputs
-
-    if fetch_hub_inputs(loaded):  # hub ids neither local nor cached: downloaded once, here, before planning
-        resolve_inputs(loaded)
+    loaded = load_recipe(recipe, overrides, fetch=True)  # hub ids neither local nor cached: downloaded, before planning
     problems = check_files(loaded)
     if problems:
         raise RecipeError(problems)

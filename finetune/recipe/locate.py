@@ -154,7 +154,7 @@ class ModelLocation:
     def weights_dir(self) -> str:
         """The directory to load from; a :class:`UserError` for a planning-only or missing model.
 
-        A hub id is not downloaded here: :func:`fetch_hub_inputs` does it once, before planning a run.
+        A hub id is not downloaded here: :func:`fetch_hub_inputs` does it once, when a run's recipe is loaded.
         """
         problem = self.problem()
         if problem:

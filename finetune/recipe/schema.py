@@ -1205,8 +1205,14 @@ def _validate(raw: Any, file: str | None, lines: dict[tuple[str, ...], int], ove
         raise RecipeError(list(by_key.values())) from None
 
 
-def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> LoadedRecipe:
-    """Read, override and validate a recipe file; raise :class:`RecipeError` listing every problem."""
+def load_recipe(
+    path: str | os.PathLike[str], overrides: list[str] | None = None, *, fetch: bool = False
+) -> LoadedRecipe:
+    """Read, override and validate a recipe file, and resolve its inputs into ``LoadedRecipe.inputs``, the one
+    record every later check and command reads; raise :class:`RecipeError` listing every problem.
+
+    ``fetch`` (a run): the hub ids it names that are neither local nor cached are downloaded during resolution
+    (finetune.recipe.locate.fetch_hub_inputs), so the record holds where they landed."""
     overrides = list(overrides or [])
     p = Path(path)
     if not p.is_file():
@@ -1236,7 +1242,13 @@ def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None
         raise RecipeError(problems + exc.problems) from None
     if problems:
         raise RecipeError(problems)
-    return resolve_inputs(LoadedRecipe(recipe, p.resolve(), lines, overrides))
+    loaded = resolve_inputs(LoadedRecipe(recipe, p.resolve(), lines, overrides))
+    if fetch:
+        from finetune.recipe.locate import fetch_hub_inputs
+
+        if fetch_hub_inputs(loaded):  # downloaded: resolved again where the files now are
+            resolve_inputs(loaded)
+    return loaded
 
 
 def recipe_with_overrides(raw: dict[str, Any], overrides: list[str]) -> LoadedRecipe:
