@@ -1,6 +1,7 @@
 """Every tiny model of a current architecture (tests/support.py: dense and mixtures of experts) plans and trains
-under full fine-tuning (fp32 and bf16), LoRA and QLoRA, and the plan is within 3% (median) and 8% (worst) of the
-trainer's measured peak.
+under full fine-tuning (fp32 and bf16), LoRA and QLoRA on attention, and for the mixtures LoRA and QLoRA on every
+linear layer and fused expert weight (``all-linear``: the experts' 3-D adapters, and under QLoRA their NF4 codes),
+and the plan is within 3% (median) and 8% (worst) of the trainer's measured peak.
 
 One module fixture trains every (architecture, method, precision) once, in-process through ``launch`` (the
 planner's trace, then one optimizer step under ``--measure-memory``: MemTracker's peak over the step), and the
@@ -21,17 +22,20 @@ from tests.support import ARCHITECTURES, MOE_ARCHITECTURES, arch_model_dir, writ
 pytestmark = pytest.mark.slow
 
 SEQ, MBS = 64, 4
+#: (architecture, method, precision); a method ending in ``-all`` is LoRA or QLoRA with ``all-linear`` targets
 CASES = [(arch, method, precision) for arch in ARCHITECTURES
-         for method, precision in (("full", "fp32"), ("full", "bf16"), ("lora", "bf16"), ("qlora", "bf16"))]
+         for method, precision in (("full", "fp32"), ("full", "bf16"), ("lora", "bf16"), ("qlora", "bf16"))] + [
+    (arch, method, "bf16") for arch in MOE_ARCHITECTURES for method in ("lora-all", "qlora-all")]
 #: LoRA on attention (DeepSeek-V3's multi-head latent attention has no q_proj/v_proj)
 TARGETS = {"deepseek_v3": ["q_b_proj", "kv_b_proj"]}
 
 
 def recipe(model_dir: Path, rows: Path, out: Path, method: str, precision: str, arch: str) -> dict:
+    targets = "all-linear" if method.endswith("-all") else TARGETS.get(arch, ["q_proj", "v_proj"])
     return {
         "model": {"path": str(model_dir), "init": "random"},
-        "method": method,
-        "lora": {"r": 4, "alpha": 8, "target_modules": TARGETS.get(arch, ["q_proj", "v_proj"])},
+        "method": method.removesuffix("-all"),
+        "lora": {"r": 4, "alpha": 8, "target_modules": targets},
         "data": {"train": str(rows), "format": "tokenized", "max_seq_len": SEQ, "packing": True},
         "train": {"max_steps": 1, "global_batch_size": MBS, "micro_batch_size": MBS, "lr": 1e-3, "seed": 0},
         "precision": precision,
@@ -89,6 +93,11 @@ def test_every_architecture_plans_and_trains_within_the_plan(runs):
     for case, r in runs.items():
         losses = [row["loss"] for row in r["rows"] if "loss" in row]
         assert len(losses) == 1 and 0 < losses[0] < 10, case
+    for (arch, method, _precision), r in runs.items():
+        if method.endswith("-all"):  # every layer's fused expert weights adapted, and stored in NF4 under QLoRA
+            experts, layers = r["plan"].model["experts"], r["plan"].model["moe"]["layers"]
+            assert experts["adapted"] == experts["tensors"] == 2 * layers, (arch, method, experts)  # gate_up, down
+            assert experts["quantized"] == (experts["tensors"] if method == "qlora-all" else 0), (arch, experts)
 
 
 def test_mixtures_of_experts_log_their_router_and_say_their_kernels(runs):
