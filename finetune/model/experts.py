@@ -383,8 +383,9 @@ def _cat_rows(parts: list[Any], x: Any, width: int) -> Any:
 
 def _grouped(x: Any, w: Any, offsets: Any) -> Any:
     """``x`` (rows x in, sorted by group) times ``w`` (groups x in x out) per group, through torch's grouped
-    matmul where its kernel takes the operands and their transposes (16-byte strides; bf16 on fake tensors), else transformers'
-    per-group fallback (the same saved tensors)."""
+    matmul where its kernel takes the operands and their transposes (16-byte strides; bf16 on fake tensors),
+    else transformers' per-group fallback (the same saved tensors); on fake tensors in another dtype (the
+    planner's trace), :class:`_TracedGroupedProduct`."""
     import torch
     import transformers.integrations.moe  # noqa: F401  # registers transformers::grouped_mm_fallback
 
@@ -392,9 +393,9 @@ def _grouped(x: Any, w: Any, offsets: Any) -> Any:
     widths = (x.size(-1), w.size(-2), w.size(-1))
     usable = (hasattr(torch.nn.functional, "grouped_mm") and _aligned(x) and _aligned(w)
               and all(n * x.element_size() % 16 == 0 for n in widths))
-    if usable and _is_fake(x) and x.dtype != torch.bfloat16:
-        usable = False  # torch's fake kernel of grouped_mm takes bf16 only
-    if usable:
+    if _is_fake(x) and not (usable and x.dtype == torch.bfloat16):  # torch's fake grouped_mm takes bf16 only
+        out = _TracedGroupedProduct.apply(x, w, offsets)
+    elif usable:
         out = torch.nn.functional.grouped_mm(x, w, offs=offsets)
     elif hasattr(torch.ops.transformers, "grouped_mm_fallback"):
         out = torch.ops.transformers.grouped_mm_fallback(x, w, offsets)
@@ -484,6 +485,28 @@ def _contiguous_grad_class() -> Any:
     return ContiguousGrad
 
 
+def _traced_grouped_product_class() -> Any:
+    import torch
+
+    class TracedGroupedProduct(torch.autograd.Function):
+        """The grouped product on fake tensors, which have shapes but no values: its output's shape, the input
+        and the weights kept for the backward (what torch's grouped_mm and transformers' fallback keep), and
+        gradients of their shapes. transformers' fallback reads the group offsets' values in its backward
+        before 5.24 (``offs.tolist()``), which a fake tensor cannot give."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, w: Any, offsets: Any) -> Any:
+            ctx.save_for_backward(x, w)
+            return x.new_empty(x.size(0), w.size(-1))
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            x, w = ctx.saved_tensors
+            return torch.empty_like(x), torch.empty_like(w), None
+
+    return TracedGroupedProduct
+
+
 class _Deferred(type):
     """Builds an autograd function when first applied (this module is imported without torch)."""
 
@@ -501,6 +524,10 @@ class _FrozenExperts(metaclass=_Deferred):
 
 class _ContiguousGrad(metaclass=_Deferred):
     _build = staticmethod(_contiguous_grad_class)
+
+
+class _TracedGroupedProduct(metaclass=_Deferred):
+    _build = staticmethod(_traced_grouped_product_class)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -506,15 +506,30 @@ def grouped_mm_any_dtype() -> Any:
     only CUDA's fused kernel needs, so an fp32 or fp16 mixture of experts could not be traced. The output has
     the shape the meta registration gives, in the inputs' dtype, contiguous as the real kernels return it;
     what autograd keeps for the backward (the input and the weights) is decided above this mode, so the trace
-    counts what the real kernel keeps. bf16 calls run torch's own registration unchanged."""
+    counts what the real kernel keeps. bf16 calls run torch's own registration unchanged.
+
+    Under the same mode ``aten.bincount`` with a ``minlength`` gives ``minlength`` counts: its length depends
+    on the values (their maximum + 1 when larger), which fake tensors do not have. The one caller in a traced
+    step counts the experts each token was routed to (transformers' load-balancing loss of a mixture of experts
+    before 5.24: ``bincount(selected_experts, minlength=num_experts)``), whose values are below ``minlength``.
+    Without a ``minlength`` torch's own registration runs (and refuses)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     grouped = torch.ops.aten._grouped_mm.default
+    bincount = torch.ops.aten.bincount.default
 
     class GroupedMM(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
+            if func is bincount:
+                values = args[0]
+                weights = args[1] if len(args) > 1 else kwargs.get("weights")
+                minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+                if not minlength:
+                    return func(*args, **kwargs)
+                dtype = torch.long if weights is None else weights.dtype
+                return torch.zeros(minlength, dtype=dtype, device=values.device)
             if func is not grouped or (args[0].dtype == torch.bfloat16 and args[1].dtype == torch.bfloat16):
                 return func(*args, **kwargs)
             a, b = args[0], args[1]

@@ -214,6 +214,57 @@ def test_routed_activations_the_plan_states_are_what_the_trace_keeps(tmp_path, m
     assert (kept[4] - kept[2]) / (2 * 64 * 2) == pytest.approx(per_slot, rel=0.01)
 
 
+def test_the_trace_counts_routed_experts_with_bincount_as_transformers_5_17_does():
+    """transformers before 5.24 counts each expert's routed tokens in the load-balancing loss with
+    ``torch.bincount(selected_experts, minlength=num_experts)``, whose length fake tensors cannot know: under the
+    planner's trace modes the counts have the length and dtype the real call gives (a weighted count, the weights'
+    dtype); without a minlength torch's refusal stands."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
+
+    from finetune.plan.activations import grouped_mm_any_dtype
+
+    selected = torch.topk(torch.randn(6, 8), 2, dim=-1).indices  # 6 tokens routed to 2 of 8 experts
+    weights = torch.rand(12)
+    real = (torch.bincount(selected.reshape(-1), minlength=8),
+            torch.bincount(selected.reshape(-1), weights=weights, minlength=8))
+    with FakeTensorMode() as fake_mode:
+        fake_selected, fake_weights = fake_mode.from_tensor(selected), fake_mode.from_tensor(weights)
+        with grouped_mm_any_dtype():
+            fake = (torch.bincount(fake_selected.reshape(-1), minlength=8),
+                    torch.bincount(fake_selected.reshape(-1), weights=fake_weights, minlength=8))
+            with pytest.raises(DynamicOutputShapeException):
+                torch.bincount(fake_selected.reshape(-1))
+    for got, want in zip(fake, real, strict=True):
+        assert isinstance(got, FakeTensor) and (got.shape, got.dtype) == (want.shape, want.dtype)
+
+
+def test_the_grouped_product_traces_on_fake_tensors_without_reading_the_offsets():
+    """LoRA on the experts multiplies per group (finetune.model.experts): in fp32 on fake tensors (the planner's
+    trace), forward and backward run without reading the group offsets' values (transformers' fallback reads them in
+    its backward before 5.24), keep the input and the weights for the backward, and give the real gradients'
+    shapes; on real tensors the product is each group's matmul."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from finetune.model.experts import _grouped
+
+    x, w = torch.randn(10, 8, requires_grad=True), torch.randn(3, 8, 4, requires_grad=True)
+    offsets = torch.tensor([4, 4, 10], dtype=torch.int32)  # group 1 has no rows
+    out = _grouped(x, w, offsets)
+    torch.testing.assert_close(out, torch.cat([x[:4] @ w[0], x[4:] @ w[2]]))
+    out.sum().backward()
+    mode = FakeTensorMode()
+    fx, fw = (mode.from_tensor(t.detach()).requires_grad_() for t in (x, w))
+    fake_offsets = mode.from_tensor(offsets)
+    saved: list[torch.Tensor] = []
+    with mode:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fake = _grouped(fx, fw, fake_offsets)
+        fake.sum().backward()
+    assert isinstance(fake, FakeTensor) and fake.shape == out.shape
+    assert (fx.grad.shape, fw.grad.shape) == (x.grad.shape, w.grad.shape)
+    assert any(t is fx for t in saved) and any(t is fw for t in saved)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_moe_model_flops_match_the_flop_counter(arch):
     """The planner's model FLOPs per token against torch's FlopCounterMode over one training step, run with the
