@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one call: every section in order, inside a budget of at most 480 s (scripts/gpu_check/).
+# The GPU check in one call: every section in order, inside a budget of at most 420 s (scripts/gpu_check/).
 #
 #   bash scripts/gpu_check.sh [--dry-run] [--only a,b]
 #
@@ -11,7 +11,7 @@
 # moe_experts 20/60 (eager, grouped_mm, batched_mm), moe_lora 15/60 (LoRA on the experts, where this build has
 # it), compile 60/120, dpo 20/60, chat_eval 25/75, throughput 35/90 (tokens/s, MFU): 368 s planned.
 #
-# The budget (GPU_CHECK_BUDGET, at most 480) counts from this script's start, the wheels' installation
+# The budget (GPU_CHECK_BUDGET, at most 420) counts from this script's start, the wheels' installation
 # included: a section starts only while what is left covers its estimate, and runs under the smaller of its
 # limit and what is left; one that does not fit is reported as skipped with the seconds left. A section that
 # fails or times out never stops the next. $OUT (default runs/gpu_check) gets two files, rewritten after every
@@ -23,7 +23,7 @@
 #
 # On this workplace's lent H200 (no network there; docs/gpu.md):
 #   here:   bash scripts/gpu_wheels.sh
-#   there:  run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#   there:  run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=450)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$EPOCHREALTIME}"

@@ -1,4 +1,4 @@
-"""The GPU check: what a first contact with a CUDA machine must show, in one call of at most 480 seconds.
+"""The GPU check: what a first contact with a CUDA machine must show, in one call of at most 420 seconds.
 
 ``bash scripts/gpu_check.sh [--dry-run] [--only a,b]`` runs the sections of :mod:`scripts.gpu_check.registry`
 in order, in one worker process that a supervisor (:mod:`scripts.gpu_check.__main__`) watches: a section past

@@ -9,9 +9,9 @@ A section's record::
 
     {"section", "mode": "gpu" | "dry-run", "status": "ok" | "failed" | "timed out" | "skipped" | "running",
      "reason": one line (why it failed or was skipped), "measures", "estimate_s", "limit_s" (the limit it ran
-     under), "started_at", "seconds", "cpu_seconds", "figures": {...}, "checks": [{"name", "ok", "detail"}],
-     "notes": [preconditions and other facts that fail nothing], "log", and when it did not end ok:
-     "error" (the traceback's tail), "exit_code", "log_tail"}
+     under), "started_at", "seconds", "cpu_seconds" (the section's own), "figures": {...},
+     "checks": [{"name", "ok", "detail"}], "notes": [preconditions and other facts that fail nothing], "log",
+     and when it did not end ok: "error" (the traceback's tail), "exit_code", "log_tail"}
 
 A section fails when it raises or when one of its checks is false; its figures are kept either way.
 """
@@ -53,6 +53,7 @@ class Check:
     def __init__(self, section: Section, root: Path, dry_run: bool, work: Path, limit_s: float) -> None:
         self.section, self.root, self.dry_run, self.work = section, root, dry_run, work
         self.started = time.perf_counter()
+        self.cpu_started = _cpu_seconds()  # the worker's so far: it may have run sections before this one
         self.data: dict[str, Any] = {
             "section": section.name,
             "mode": "dry-run" if dry_run else "gpu",
@@ -114,12 +115,17 @@ class Check:
 
     def save(self) -> None:
         """Write the JSON atomically (a reader never sees half a file)."""
-        import resource
-
         self.data["seconds"] = round(time.perf_counter() - self.started, 2)
-        used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-        self.data["cpu_seconds"] = round(sum(u.ru_utime + u.ru_stime for u in used), 2)
+        self.data["cpu_seconds"] = round(_cpu_seconds() - self.cpu_started, 2)
         write_json(self.path, self.data)
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its child processes that have ended, user and system."""
+    import resource
+
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in used)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
