@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from contextlib import nullcontext
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,10 @@ from tests.support import (
 )
 
 N_EVAL, MAX_NEW = 12, 6
+#: The tests that run `finetune eval` to its evaluation: lm-evaluation-harness is the eval extra.
+needs_lm_eval = pytest.mark.skipif(
+    find_spec("lm_eval") is None, reason="finetune eval needs lm-evaluation-harness (pip install -e '.[eval]')"
+)
 
 
 def finetune_eval(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -84,6 +89,7 @@ def scored_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.slow
+@needs_lm_eval
 def test_eval_scores_what_the_run_scored(scored_run: dict, tmp_path: Path) -> None:
     run = scored_run["run"]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -127,8 +133,8 @@ def _refused(done: subprocess.CompletedProcess, out: Path, starts: str) -> str:
     return lines[0]
 
 
+@needs_lm_eval
 def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
-    pytest.importorskip("lm_eval", reason="finetune eval needs lm-evaluation-harness (pip install -e '.[eval]')")
     (tmp_path / "notes").mkdir()
     out = tmp_path / "r.json"
     line = _refused(finetune_eval(str(tmp_path / "notes"), "--tasks", "run", "-o", str(out)), out, "RUN_OR_MODEL ")
@@ -148,6 +154,7 @@ def test_without_lm_eval_says_how_to_install_it(tmp_path: Path, model_dir: Path)
 
 
 @pytest.mark.slow
+@needs_lm_eval
 def test_a_task_whose_data_is_not_local_is_refused(tmp_path: Path, model_dir: Path) -> None:
     task = tmp_path / "remote.yaml"
     task.write_text(yaml.safe_dump({
@@ -161,6 +168,7 @@ def test_a_task_whose_data_is_not_local_is_refused(tmp_path: Path, model_dir: Pa
 
 
 @pytest.mark.slow
+@needs_lm_eval
 def test_run_task_of_a_plain_model_is_refused(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "r.json"
     line = _refused(finetune_eval(str(model_dir), "--tasks", "run", "-o", str(out)), out, "--tasks run:")
@@ -168,6 +176,7 @@ def test_run_task_of_a_plain_model_is_refused(tmp_path: Path, model_dir: Path) -
 
 
 @pytest.mark.slow
+@needs_lm_eval
 def test_an_unknown_task_is_refused(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "r.json"
     line = _refused(finetune_eval(str(model_dir), "--tasks", "hellaswagg", "-o", str(out)), out, "--tasks hellaswagg:")
@@ -175,6 +184,7 @@ def test_an_unknown_task_is_refused(tmp_path: Path, model_dir: Path) -> None:
 
 
 @pytest.mark.slow
+@needs_lm_eval
 def test_a_yaml_task_over_a_local_file(tmp_path: Path, model_dir: Path) -> None:
     """A user's task file with a relative data file next to it: read, generated greedily, scored."""
     write_jsonl(tmp_path / "rows.jsonl", [{"q": "Reverse the letters.\nabc\nAnswer: ", "a": "cba"}] * 2)
