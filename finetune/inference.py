@@ -107,22 +107,15 @@ def base_difference(a: Path, b: Path) -> str | None:
     return None if same else f"their weights differ ({a} and {b})"
 
 
-def with_user_trust(recipe: dict[str, Any] | None, trust_remote_code: bool) -> dict[str, Any]:
-    """A run's recipe with ``model.trust_remote_code`` set to the user's choice (``--trust-remote-code``), for
-    what is rebuilt from it (a random init's weights): the directory's own value is never used."""
-    recipe = recipe or {}
-    return {**recipe, "model": {**(recipe.get("model") or {}), "trust_remote_code": trust_remote_code}}
-
-
 def build_random(run: RunDir, config_dir: Path, trust_remote_code: bool = False, flag: str = "--base DIR") -> Any:
     """The weights a random-init run drew from its config in ``config_dir`` and ``train.seed`` (a transformers
     PreTrainedModel on the CPU); model code of its own runs only on the user's ``trust_remote_code``."""
-    from finetune.recipe.schema import RecipeError, recipe_from_dict
+    from finetune.recipe.schema import RecipeError
     from finetune.train.model.quantize import build_random_base
 
     check_remote_code(config_dir, trust_remote_code)  # before transformers reads any of it
     try:
-        loaded = recipe_from_dict(with_user_trust(run.recipe, trust_remote_code), base_dir=run.path)
+        loaded = run.loaded_recipe(trust_remote_code)
     except RecipeError as err:
         raise UserError(f"{run.path / 'recipe.yaml'} is not a valid recipe ({err}); pass {flag}") from None
     try:
@@ -354,11 +347,12 @@ def prompt_format(run: RunDir, tokenizer: Any) -> PromptFormat:
 
 
 def loaded_recipe(run: RunDir) -> Any:
-    """The run's recipe as a LoadedRecipe whose relative paths resolve next to the run."""
-    from finetune.recipe.schema import RecipeError, recipe_from_dict
+    """The run's recipe as a LoadedRecipe whose relative paths resolve next to the run (:meth:`RunDir.loaded_recipe`);
+    one sentence when it does not validate."""
+    from finetune.recipe.schema import RecipeError
 
     try:
-        return recipe_from_dict(run.recipe or {}, base_dir=run.path)
+        return run.loaded_recipe()
     except RecipeError as err:
         raise UserError(
             f"{run.path / 'recipe.yaml'} is not a valid recipe ({err}); the run directory is damaged"

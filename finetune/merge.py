@@ -32,17 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.errors import UserError
 from finetune.inference import base_directory
-from finetune.model.adapters import BOTTLENECK_CONFIG
 from finetune.model.methods import BottleneckAdapters, FullFineTuning, PrefixTuning, PromptTuning
 from finetune.recipe.locate import check_remote_code, needs_remote_code, path_overlap, remote_code_refused
 from finetune.recipe.schema import QuantizationConfig
 from finetune.storage.rundir import (
     ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     MERGE_MARKER,
     RunDir,
+    adapter_weights,
     find_base,
     has_weights,
+    holds,
     read_run,
 )
 from finetune.storage.safetensors_stream import (
@@ -120,17 +120,17 @@ class MergeResult:
 
 def _read_adapter(run: Path) -> tuple[RunDir, dict[str, torch.Tensor]]:
     """The adapter directory ``run`` as :func:`finetune.storage.rundir.read_run` reads it, and its tensors; a clear
-    error when it holds no adapter merge can fold."""
+    error when it holds no adapter merge can fold (what it holds is the run reader's answer: ``holds``)."""
     import torch
     from safetensors.torch import load_file
 
     if not run.is_dir():
         raise UserError(f"{run} is not a directory; give a LoRA/QLoRA run directory or a PEFT adapter directory")
     cfg_path = run / ADAPTER_CONFIG
-    weights = next((run / w for w in ADAPTER_WEIGHTS if (run / w).is_file()), None)
-    if (run / BOTTLENECK_CONFIG).is_file():
+    kind, weights = holds(run), adapter_weights(run)
+    if kind == "bottleneck":
         raise UserError(f"{run} holds bottleneck adapters: {BottleneckAdapters().merge_refusal()}")
-    if not cfg_path.is_file() or weights is None:
+    if kind != "peft" or weights is None:
         if has_weights(run):
             raise UserError(f"{run} holds a full model, not an adapter: {FullFineTuning().merge_refusal()}")
         raise UserError(

@@ -33,11 +33,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from finetune.errors import UserError
+
+if TYPE_CHECKING:
+    from finetune.recipe.schema import LoadedRecipe
+    from finetune.storage.rundir import RunDir
 
 #: The names of the run's own tasks on ``--tasks``.
 RUN_TASKS = ("run", "recipe:eval")
@@ -116,26 +120,27 @@ def _generation_task(name: str, rows: list[dict[str, str]], max_new_tokens: int,
     }
 
 
-def _run_recipe(run: Path, recipe: dict[str, Any] | None, key: str) -> Any:
-    from finetune.recipe.schema import RecipeError, recipe_from_dict
+def _run_recipe(run: RunDir, key: str) -> LoadedRecipe:
+    """The recipe of the run ``--tasks key`` evaluates on its own data (:meth:`RunDir.loaded_recipe`)."""
+    from finetune.recipe.schema import RecipeError
 
-    if recipe is None:
+    if run.recipe is None:
         raise UserError(
-            f"--tasks {key}: {run} is not a finetune run (no recipe.yaml), so it has no {key} data; give a YAML "
-            "task over a local file or an lm-eval task"
+            f"--tasks {key}: {run.path} is not a finetune run (no recipe.yaml), so it has no {key} data; give a "
+            "YAML task over a local file or an lm-eval task"
         )
     try:
-        return recipe_from_dict(recipe, base_dir=run)
+        return run.loaded_recipe()
     except RecipeError as err:
-        raise UserError(f"--tasks {key}: {run / 'recipe.yaml'} is not a valid recipe ({err})") from None
+        raise UserError(f"--tasks {key}: {run.path / 'recipe.yaml'} is not a valid recipe ({err})") from None
 
 
-def run_task(run: Path, recipe: dict[str, Any] | None, tokenizer: Any, name: str, workdir: Path) -> TaskRequest:
+def run_task(run: RunDir, tokenizer: Any, name: str, workdir: Path) -> TaskRequest:
     """The run's held-out prompts (``data.eval`` / ``data.eval_fraction``, ``eval.max_samples``) as the run's
     evaluation built them, as an lm-eval generation task scored by exact match."""
     from finetune.train.data import load_data
 
-    loaded = _run_recipe(run, recipe, name)
+    loaded = _run_recipe(run, name)
     try:
         data = load_data(loaded, tokenizer)
     except UserError as err:
@@ -150,11 +155,11 @@ def run_task(run: Path, recipe: dict[str, Any] | None, tokenizer: Any, name: str
     return TaskRequest(name, spec, notes=notes)
 
 
-def retain_task(run: Path, recipe: dict[str, Any] | None, tokenizer: Any, name: str, workdir: Path) -> TaskRequest:
+def retain_task(run: RunDir, tokenizer: Any, name: str, workdir: Path) -> TaskRequest:
     """The rows of the run's ``eval.retain`` that have answers, as an lm-eval generation task (exact match)."""
     from finetune.train.data.retain import load_retain
 
-    loaded = _run_recipe(run, recipe, name)
+    loaded = _run_recipe(run, name)
     if not loaded.recipe.eval.retain:
         raise UserError(f"--tasks {name}: the run's recipe has no eval.retain")
     try:
@@ -302,16 +307,16 @@ def _not_local(err: BaseException) -> bool:
 
 
 def build_requests(
-    names: list[str], run: Path, recipe: dict[str, Any] | None, tokenizer: Any, workdir: Path, allow_code: bool = False
+    names: list[str], run: RunDir, tokenizer: Any, workdir: Path, allow_code: bool = False
 ) -> list[TaskRequest]:
-    """A :class:`TaskRequest` per ``--tasks`` name: the run's own tasks and task files built here, the rest
-    registered names for lm-eval."""
+    """A :class:`TaskRequest` per ``--tasks`` name: the run's own tasks (of ``run``, the model evaluated) and task
+    files built here, the rest registered names for lm-eval."""
     requests: list[TaskRequest] = []
     for name in names:
         if name in RUN_TASKS:
-            requests.append(run_task(run, recipe, tokenizer, name, workdir))
+            requests.append(run_task(run, tokenizer, name, workdir))
         elif name in RETAIN_TASKS:
-            requests.append(retain_task(run, recipe, tokenizer, name, workdir))
+            requests.append(retain_task(run, tokenizer, name, workdir))
         elif name.endswith((".yaml", ".yml")):
             path = Path(name).expanduser()
             if not path.is_file():
@@ -459,7 +464,7 @@ def run_eval(
         selection = select(target, [], None, Path(tmp), trust_remote_code=trust_remote_code)
         run = selection.run(selection.names[0])
         tokenizer = selection.tokenizers(trust_remote_code)[selection.names[0]]
-        requests = build_requests(names, run.path, run.recipe, tokenizer, Path(tmp), allow_task_code)
+        requests = build_requests(names, run, tokenizer, Path(tmp), allow_task_code)
         manager = _task_manager(requests)
         check_registered(requests, manager)
         load_tasks(requests, manager)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,28 +72,13 @@ class RunData:
 
 
 def load_run(run_dir: str | Path) -> RunData:
-    """Read metrics.jsonl (required) and plan.json, recipe.yaml, memory.json (when there) of ``run_dir``."""
-    path = Path(run_dir)
-    metrics = path / "metrics.jsonl"
-    if not metrics.is_file():
-        raise UserError(f"RUN_DIR: {path} has no metrics.jsonl; give the output.dir of a `finetune run`")
-    rows = []
-    for n, line in enumerate(metrics.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if n == len(metrics.read_text().splitlines()):
-                break  # a run killed mid-write leaves a partial last line
-            raise UserError(f"{metrics}:{n}: not a JSON line; the file is damaged") from None
-    run = RunData(path, rows)
-    if (path / "recipe.yaml").is_file():
-        run.recipe_text = (path / "recipe.yaml").read_text()
-    for name, attr in (("plan.json", "plan"), ("memory.json", "memory")):
-        if (path / name).is_file():
-            setattr(run, attr, json.loads((path / name).read_text()))
-    return run
+    """What ``run_dir`` holds, as the run reader reads a run's output.dir at any point
+    (:func:`finetune.storage.rundir.read_outputs`): metrics.jsonl (required), and recipe.yaml, plan.json,
+    memory.json when there."""
+    from finetune.storage.rundir import read_outputs
+
+    run = read_outputs(str(run_dir), "RUN_DIR")
+    return RunData(Path(run_dir), run.metrics(), run.recipe_text, run.plan or {}, run.memory)
 
 
 def build_figure(runs: list[RunData]) -> Figure:

@@ -1,10 +1,11 @@
 """What a directory holds: a run's output.dir, an adapter directory, a merge, or any Hugging Face model directory.
 
-    read_run(value, flag)   -> RunDir    # the files, read once: no weights, no torch
-    find_base(run, base)    -> BaseRef   # where the base of an adapter is
+    read_run(value, flag)      -> RunDir    # the files, read once: no weights, no torch
+    read_outputs(value, flag)  -> RunDir    # a run's output.dir at any point: training, stopped or done
+    find_base(run, base)       -> BaseRef   # where the base of an adapter is
 
-Every command that opens what a run left (``chat``, ``eval``, ``merge``, ``serve``, ``export``) reads it here,
-by one set of rules:
+Every command that opens what a run left (``chat``, ``eval``, ``merge``, ``serve``, ``export``, ``report``)
+reads it here, by one set of rules:
 
 - **what it holds** (:attr:`RunDir.kind`): ``model`` (``config.json`` with safetensors weights: a full
   fine-tune, a merge, any model), ``peft`` (``adapter_config.json`` with its weights: LoRA, QLoRA, DoRA,
@@ -12,6 +13,9 @@ by one set of rules:
   saved yet, a config without weights or an incomplete adapter is one sentence naming the argument;
 - **its recipe and plan** (``recipe.yaml``, ``plan.json``), and for a merge, the recipe of the run whose
   adapter it folded (``finetune_merge.json`` names it), since that says how the model was trained and prompted;
+  the recipe typed (:meth:`RunDir.loaded_recipe`), with the user's ``trust_remote_code``;
+- **what the run measured** (``metrics.jsonl``, ``memory.json``), which ``report`` draws, also while the run is
+  still training (:func:`read_outputs`);
 - **the method** (:attr:`RunDir.method`): the recipe's, else what the adapter's files say;
 - **the dtypes** the run computed in (:attr:`RunDir.compute_dtype`, :attr:`RunDir.autocast_dtype`,
   :attr:`RunDir.model_dtype`, :attr:`RunDir.base_dtype`), from the plan's execution spec, with the recipe as
@@ -40,18 +44,23 @@ from finetune.errors import UserError
 from finetune.model.adapters import BOTTLENECK_CONFIG, BOTTLENECK_WEIGHTS
 from finetune.model.methods import METHOD_TYPES
 from finetune.recipe.locate import locate_model
-from finetune.recipe.schema import opened_run_recipe
+from finetune.recipe.schema import LoadedRecipe, opened_run_recipe, recipe_from_dict
 from finetune.spec import ExecSpec, Method
 from finetune.storage.safetensors_stream import SAFE_INDEX, SAFE_SINGLE, read_weight_map
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+#: What a run writes as it trains: a JSON line per logged step, and the measured memory beside the plan's.
+METRICS = "metrics.jsonl"
+MEMORY = "memory.json"
 #: Written into every merged directory: what was merged, and the mark that lets ``merge --force`` replace it.
 MERGE_MARKER = "finetune_merge.json"
 #: The method of a bare adapter directory (no recipe), by what its files say.
 _PEFT_METHODS = {"LORA": "lora", "PREFIX_TUNING": "prefix", "PROMPT_TUNING": "prompt"}
 
-Kind = Literal["model", "peft", "bottleneck"]
+#: What a directory holds: a whole model, a peft adapter, bottleneck adapters; ``run``: a run's output.dir that
+#: has saved no model yet (only :func:`read_outputs` answers it).
+Kind = Literal["model", "peft", "bottleneck", "run"]
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -69,6 +78,29 @@ def has_weights(d: Path) -> bool:
     """Whether ``d`` is a model directory transformers loads: a config and safetensors weights (one file or
     an index of shards)."""
     return (d / "config.json").is_file() and ((d / SAFE_SINGLE).is_file() or (d / SAFE_INDEX).is_file())
+
+
+def adapter_weights(d: Path) -> Path | None:
+    """The weights file of the peft adapter in ``d`` (None when there is none)."""
+    return next((d / w for w in ADAPTER_WEIGHTS if (d / w).is_file()), None)
+
+
+def holds(d: Path) -> Kind | None:
+    """What ``d`` holds by its files alone, as :func:`read_run` tells it apart (reading nothing): ``peft`` with an
+    ``adapter_config.json``, ``bottleneck`` with a ``bottleneck_config.json``, ``model`` with a config and
+    safetensors weights; None otherwise. Whether an adapter's weights are there is :func:`adapter_weights`'s."""
+    if (d / ADAPTER_CONFIG).is_file():
+        return "peft"
+    if (d / BOTTLENECK_CONFIG).is_file():
+        return "bottleneck"
+    return "model" if has_weights(d) else None
+
+
+def with_user_trust(recipe: dict[str, Any] | None, trust_remote_code: bool) -> dict[str, Any]:
+    """A run's recipe with ``model.trust_remote_code`` set to the user's choice (``--trust-remote-code``), for
+    what is rebuilt from it (a random init's weights): the directory's own value is never used."""
+    recipe = recipe or {}
+    return {**recipe, "model": {**(recipe.get("model") or {}), "trust_remote_code": trust_remote_code}}
 
 
 def _run_files(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -114,13 +146,51 @@ class RunDir:
     @property
     def is_adapter(self) -> bool:
         """An adapter that goes onto a base (peft or bottleneck), not a whole model."""
-        return self.kind != "model"
+        return self.kind in ("peft", "bottleneck")
+
+    def loaded_recipe(self, trust_remote_code: bool = False) -> LoadedRecipe:
+        """The run's recipe, typed (an empty one without ``recipe.yaml``), its relative paths resolved next to the
+        run; ``model.trust_remote_code`` is the caller's (the user's flag), never the directory's. Raises
+        :class:`~finetune.recipe.schema.RecipeError` when it does not validate: the caller says what that stops."""
+        return recipe_from_dict(with_user_trust(self.recipe, trust_remote_code), base_dir=self.path)
+
+    # -- what the run measured (finetune report) --------------------------------------------------------------
+    @property
+    def recipe_text(self) -> str:
+        """``recipe.yaml`` as the run saved it ("" without one)."""
+        path = self.path / "recipe.yaml"
+        return path.read_text() if path.is_file() else ""
+
+    @property
+    def memory(self) -> dict[str, Any]:
+        """``memory.json``: the plan's prediction beside every rank's measurement ({} before it is written)."""
+        path = self.path / MEMORY
+        return read_json(path) if path.is_file() else {}
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """The rows of ``metrics.jsonl`` ([] without one). A run killed mid-write leaves a partial last line,
+        which is left out; any other line that is not JSON is one sentence naming it."""
+        path = self.path / METRICS
+        if not path.is_file():
+            return []
+        lines = path.read_text().splitlines()
+        rows = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if n == len(lines):
+                    break
+                raise UserError(f"{path}:{n}: not a JSON line; the file is damaged") from None
+        return rows
 
     @property
     def peft_type(self) -> str | None:
         """The adapter's peft type (LORA, PREFIX_TUNING, PROMPT_TUNING, ...); ``BOTTLENECK`` for bottleneck
-        adapters; None for a whole model."""
-        if self.kind == "model":
+        adapters; None for a whole model or a run that has saved none yet."""
+        if self.kind in ("model", "run"):
             return None
         if self.kind == "bottleneck":
             return "BOTTLENECK"
@@ -131,6 +201,8 @@ class RunDir:
         """The training method: the recipe's (``full``, ``lora``, ``qlora``, ``prefix``, ``prompt``,
         ``adapter``), else what an adapter's files say; None for a model directory that is not a run."""
         named = (self.recipe or {}).get("method")
+        if self.kind == "run":
+            return str(named) if named is not None else None
         if self.kind == "model":
             return str(named) if named is not None and self.merged_from is None else None
         if isinstance(named, str) and named not in ("auto", "full"):
@@ -205,6 +277,8 @@ class RunDir:
 
     def describe(self) -> str:
         """A few words: what it is and where."""
+        if self.kind == "run":
+            return f"{self.path} (a run that has saved no model yet)"
         if self.kind == "model":
             return f"{self.path} (full model)"
         return f"{self.path} ({self.method} adapter)"
@@ -230,14 +304,15 @@ def read_run(value: str, flag: str = "RUN_OR_MODEL", name: str | None = None) ->
     if not d.is_dir():
         raise UserError(f"{flag} {value} is a file; give a run's output.dir, an adapter or a model directory")
     label = name or d.resolve().name
-    if (d / ADAPTER_CONFIG).is_file():
-        if not any((d / w).is_file() for w in ADAPTER_WEIGHTS):
+    kind = holds(d)
+    if kind == "peft":
+        if adapter_weights(d) is None:
             raise UserError(
                 f"{flag} {value} has {ADAPTER_CONFIG} but no adapter_model.safetensors; the adapter is incomplete"
             )
         recipe, plan = _run_files(d)
         return RunDir(d, "peft", label, recipe, plan, read_json(d / ADAPTER_CONFIG), flag)
-    if (d / BOTTLENECK_CONFIG).is_file():
+    if kind == "bottleneck":
         if not (d / BOTTLENECK_WEIGHTS).is_file():
             raise UserError(
                 f"{flag} {value} has {BOTTLENECK_CONFIG} but no {BOTTLENECK_WEIGHTS}; the adapter is incomplete"
@@ -270,6 +345,18 @@ def read_run(value: str, flag: str = "RUN_OR_MODEL", name: str | None = None) ->
         f"{BOTTLENECK_CONFIG} or config.json); give a run's output.dir, a `finetune merge` output or a Hugging "
         "Face model directory"
     )
+
+
+def read_outputs(value: str, flag: str = "RUN_DIR") -> RunDir:
+    """A run's output.dir at any point of the run (training, stopped, finished, or a copy): what it holds so far
+    (``kind`` ``run`` before its final save, else what :func:`holds` says), its recipe, plan, metrics and memory;
+    one sentence naming ``flag`` when it has no ``metrics.jsonl`` (it is not a run's output.dir). Reads files
+    only: no weights, no torch."""
+    d = Path(os.path.expanduser(value))
+    if not (d / METRICS).is_file():
+        raise UserError(f"{flag}: {d} has no {METRICS}; give the output.dir of a `finetune run`")
+    recipe, plan = _run_files(d)
+    return RunDir(d, holds(d) or "run", d.resolve().name, recipe, plan, flag=flag)
 
 
 # --------------------------------------------------------------------------------------------------

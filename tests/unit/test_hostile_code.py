@@ -297,8 +297,7 @@ def test_chat_eval_serve_export_and_merge_never_take_remote_code_from_a_run_dire
 
 
 def test_a_run_directory_recipe_read_by_chat_eval_serve_export_and_merge_has_remote_code_off(tmp_path: Path) -> None:
-    from finetune.inference import with_user_trust
-    from finetune.storage.rundir import read_run
+    from finetune.storage.rundir import read_run, with_user_trust
 
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"model": {"path": "x", "trust_remote_code": True}}))
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))

@@ -11,7 +11,7 @@ import yaml
 
 from finetune.errors import UserError
 from finetune.spec import execution_spec
-from finetune.storage.rundir import find_base, has_weights, read_run
+from finetune.storage.rundir import adapter_weights, find_base, has_weights, holds, read_outputs, read_run
 
 
 def model_dir(d: Path, *, weights: bool = True, **config: object) -> Path:
@@ -114,3 +114,59 @@ def test_the_base_of_an_adapter(tmp_path: Path) -> None:
     quantized = model_dir(tmp_path / "quantized", quantization_config={"bits": 4})
     with pytest.raises(UserError, match="is stored quantized; the 16-bit base is needed"):
         find_base(read_run(str(adapter_dir(tmp_path / "b"))), str(quantized))
+
+
+def test_what_a_directory_holds_by_its_files_alone(tmp_path: Path) -> None:
+    """``holds`` is read_run's answer without reading: merge asks it whether a directory is an adapter."""
+    assert holds(model_dir(tmp_path / "model")) == "model" and holds(model_dir(tmp_path / "c", weights=False)) is None
+    lora = adapter_dir(tmp_path / "lora")
+    assert holds(lora) == "peft" and adapter_weights(lora) == lora / "adapter_model.safetensors"
+    (lora / "adapter_model.safetensors").unlink()
+    assert holds(lora) == "peft" and adapter_weights(lora) is None  # an incomplete adapter: read_run says so
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "bottleneck_config.json").write_text("{}")
+    assert holds(tmp_path / "b") == "bottleneck" and holds(tmp_path) is None
+
+
+def test_a_runs_recipe_typed_with_the_users_trust_never_the_directorys(tmp_path: Path) -> None:
+    from finetune.recipe.schema import RecipeError
+    from tests.support import TINY_MODEL, tiny_recipe
+
+    recipe = tiny_recipe(tmp_path, model={"path": str(TINY_MODEL), "init": "random", "trust_remote_code": True},
+                         data={"train": "data/train.jsonl"})
+    run = read_run(str(adapter_dir(tmp_path / "run", recipe=recipe)))
+    loaded = run.loaded_recipe()
+    assert loaded.recipe.model.trust_remote_code is False and loaded.recipe.method == "full"
+    assert loaded.base_dir == run.path and loaded.recipe.data.train == "data/train.jsonl"
+    assert run.loaded_recipe(trust_remote_code=True).recipe.model.trust_remote_code is True
+    broken = read_run(str(adapter_dir(tmp_path / "broken", recipe={**recipe, "train": {"lr": -1}})))
+    with pytest.raises(RecipeError) as info:
+        broken.loaded_recipe()
+    assert [p.key for p in info.value.problems] == ["train.lr"]
+
+
+def test_a_run_still_training_is_read_for_its_metrics_recipe_plan_and_memory(tmp_path: Path) -> None:
+    """What ``finetune report`` draws: a run that has saved no model yet, with a partial last line (killed
+    mid-write); then the same directory once it has saved its model and measured its memory."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("# notes\nmethod: full\nmodel: {path: x}\n")
+    (run / "plan.json").write_text(json.dumps({"chosen": {"micro_batch_size": 4}}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')
+    found = read_outputs(str(run))
+    assert found.kind == "run" and found.method == "full" and not found.is_adapter and found.peft_type is None
+    assert found.metrics() == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}]
+    assert found.recipe_text.startswith("# notes\n") and found.plan == {"chosen": {"micro_batch_size": 4}}
+    assert found.memory == {} and found.describe() == f"{run} (a run that has saved no model yet)"
+    model_dir(run)
+    (run / "memory.json").write_text(json.dumps({"measured_peak": 123}))
+    assert read_outputs(str(run)).kind == "model" and read_outputs(str(run)).memory == {"measured_peak": 123}
+    (run / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(UserError) as info:
+        read_outputs(str(run)).metrics()
+    assert str(info.value) == f"{run / 'metrics.jsonl'}:2: not a JSON line; the file is damaged"
+    with pytest.raises(UserError) as info:
+        read_outputs(str(tmp_path / "nowhere"))
+    assert str(info.value) == (
+        f"RUN_DIR: {tmp_path / 'nowhere'} has no metrics.jsonl; give the output.dir of a `finetune run`"
+    )
