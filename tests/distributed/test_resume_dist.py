@@ -1,6 +1,7 @@
 """Exact resume on gloo, through the real CLI: an elastic restart after a worker is killed (ddp: losses and
-weights within 1e-6 of the uninterrupted run), and a resume from an fsdp x2 checkpoint on the same and on other
-world sizes and strategies (within 1e-5)."""
+weights within 1e-6 of the uninterrupted run), a resume from an fsdp x2 checkpoint on the same and on other
+world sizes and strategies (within 1e-5), and a stream on 2 processes killed mid-stream and resumed (the same
+losses exactly)."""
 
 from __future__ import annotations
 
@@ -203,3 +204,35 @@ def test_fsdp_checkpoint_resumes_on_other_world_sizes_and_strategies(tmp_path: P
     assert {k.removeprefix("optimizer.state.").removesuffix(".exp_avg") for k in keys if k.endswith(".exp_avg")} == set(
         want_w
     )
+
+
+def test_a_stream_on_two_processes_killed_mid_stream_resumes_to_the_uninterrupted_losses(tmp_path: Path) -> None:
+    """data.streaming on 2 ddp processes (each reads the whole stream and keeps its half of every global batch):
+    rank 1 SIGKILLed in step 5, after checkpoint 3, stops the run; `--resume latest` on 2 processes reads the
+    buffer back from the checkpoint's offsets, and steps 4..6 are the uninterrupted 2-process run's exactly."""
+    data = tmp_path / "train40.jsonl"
+    data.write_text("\n".join((RECIPES / "data/reverse/train.jsonl").read_text().splitlines()[:40]) + "\n")
+
+    def recipe(name: str) -> Path:
+        r = tiny_recipe(
+            tmp_path / name,
+            data={"train": str(data), "eval": None, "max_seq_len": 48, "streaming": True, "shuffle_buffer": 16},
+            train={"max_steps": 6, "global_batch_size": 8, "micro_batch_size": 2, "lr": 2e-3, "warmup_steps": 2},
+            distributed={"strategy": "ddp", "nproc": 2},
+            output={"dir": str(tmp_path / name), "log_every": 1, "save_every": 3},
+        )
+        return write_recipe(tmp_path / f"{name}.yaml", r)
+
+    _run(recipe("whole"))
+    whole = _losses(tmp_path / "whole")
+    assert [s for s, _ in whole] == list(range(1, 7))
+    killed = recipe("killed")
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "run", str(killed)], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "FINETUNE_TEST_KILL_AT_STEP": "1:5"},
+    )
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert ck.latest_checkpoint(tmp_path / "killed").name == "step-3"
+    assert ck.read_meta(tmp_path / "killed" / "checkpoints" / "step-3")["position"]["stream"]["made"] == 3
+    _run(killed, "--resume", "latest")
+    assert _losses(tmp_path / "killed") == whole  # identical floats; steps 4..6 computed by the resumed run
