@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from finetune.model import attention
+from finetune.model import attention, router
 from finetune.objectives.loss import IGNORE_INDEX, known_documents, shifted_labels
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
@@ -98,21 +98,29 @@ def token_logps(model: torch.nn.Module, batch: dict[str, Any], temperature: floa
 
     Rows are right-padded prompt + completion rows without an attention mask (the trainer's convention: the
     causal kernel, one document per row); the log-softmax is taken in fp32 whatever the compute dtype."""
+    logps, mask, _ = _token_logps(model, batch, temperature, {})
+    return logps, mask
+
+
+def _token_logps(
+    model: torch.nn.Module, batch: dict[str, Any], temperature: float, extra: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """:func:`token_logps`, with ``extra`` keywords for the model's forward, and the model's output."""
     shifted = shifted_labels(batch)
     if not getattr(model, attention.MARK, False):
         attention.enable(model)
     with known_documents(batch):
-        logits = model(
+        out = model(
             input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-            position_ids=batch.get("position_ids"), use_cache=False,
-        ).logits
-    logits = logits[:, -shifted.shape[1] :].float()
+            position_ids=batch.get("position_ids"), use_cache=False, **extra,
+        )
+    logits = out.logits[:, -shifted.shape[1] :].float()
     if temperature != 1.0:
         logits = logits / temperature
     per_token = -F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(shifted.shape)
-    return per_token, shifted != IGNORE_INDEX
+    return per_token, shifted != IGNORE_INDEX, out
 
 
 def token_losses(
@@ -170,14 +178,19 @@ class GrpoObjective:
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, mask = token_logps(model, batch, self.settings.temperature)
+        # a mixture of experts: its routing counted and its load-balancing loss added per unit of the count, as
+        # the sft loss adds it per target token (finetune/model/router.py)
+        with router.training_forward(model) as extra:
+            logps, mask, out = _token_logps(model, batch, self.settings.temperature, extra)
         per_token, figures = token_losses(
             self.settings, logps, mask, batch["advantages"], batch.get("old_logps"), batch.get("ref_logps")
         )
         figures["tokens"] = mask.sum().to(logps.dtype)
         for k, v in figures.items():
             self.sums[k] = self.sums.get(k, torch.zeros((), dtype=torch.float64, device=v.device)) + v.double()
-        return summed_loss(self.settings, per_token, mask), torch.tensor(count_of(self.settings, mask))
+        count = torch.tensor(count_of(self.settings, mask))
+        loss = router.add_aux_loss(model, out, summed_loss(self.settings, per_token, mask), count.to(logps.device))
+        return loss, count
 
     def take(self) -> dict[str, torch.Tensor]:
         """The figures summed since the last call (kl, clip_ratio, tokens), then reset."""

@@ -224,3 +224,25 @@ def test_a_raising_reward_function_stops_the_run_with_one_sentence(tmp_path: Pat
         f"error: grpo.rewards.0: the reward function `score` of {tmp_path / 'mine.py'} raised KeyError: "
     ), proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_keeps_its_router_figures_beside_grpos(tmp_path: Path) -> None:
+    """grpo on a Qwen3-MoE (8 experts, top-2): each step's row has the rollout's figures and the router's expert
+    load (its training forwards' routing counted, as sft's); the load-balancing loss is sft's only, so no
+    aux_loss."""
+    import json
+
+    from finetune.commands.run import LaunchOptions, launch
+    from tests.support import arch_model_dir
+
+    model = arch_model_dir(tmp_path / "moe", "qwen3_moe")
+    recipe = tiny_recipe(
+        tmp_path / "out", model={"path": str(model), "init": "random"}, train={"objective": "grpo", "max_steps": 2},
+        grpo=GRPO, eval={"every": 0, "at_start": False, "max_samples": 2},
+    )
+    assert launch(str(write_recipe(tmp_path / "r.yaml", recipe)), [], LaunchOptions()) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    for r in [r for r in rows if "loss" in r]:
+        assert {"reward", "reward_std", "kl", "completion_length", "clip_ratio", "expert_load"} <= set(r), sorted(r)
+        assert r["expert_load"] >= 1.0 and "aux_loss" not in r
