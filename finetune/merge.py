@@ -241,7 +241,11 @@ def _meta_model(config_dir: Path, trust_remote_code: bool) -> Any:
     try:
         config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code, local_files_only=True)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        from finetune.model import llama4
+
+        llama4.adopt(model)  # Llama 4's fused experts known as the run knew them
+        return model
     except ValueError as err:
         if needs_remote_code(err):
             raise remote_code_refused(config_dir, "--trust-remote-code") from None

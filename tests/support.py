@@ -103,8 +103,15 @@ ARCHITECTURES: dict[str, dict[str, object]] = {
         "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
         "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4,
     },
+    # Llama 4's text model: every token through a shared expert and its top-1 of 4 routed experts (scored by a
+    # sigmoid), the experts in ``feed_forward``; transformers runs every expert on every token, finetune.model.llama4
+    # puts them behind the experts interface
+    "llama4_text": {
+        "model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "intermediate_size": 32,
+        "intermediate_size_mlp": 128, "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+    },
 }
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4_text")
 
 
 def arch_model_dir(d: Path, arch: str, **config: object) -> Path:

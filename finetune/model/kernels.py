@@ -59,10 +59,16 @@ def has_experts_kernel(model: Any) -> bool:
 
 
 def set_experts_kernel(model: Any, implementation: str) -> Any:
-    """``model`` (a transformers model, before adapters) running its experts with ``implementation``; a model
-    without fused experts is returned as it is. Returns ``model``."""
-    if has_experts_kernel(model) and model.config._experts_implementation != implementation:
-        model.set_experts_implementation(implementation)
+    """``model`` (a transformers model, before adapters) running its experts with ``implementation`` (Llama 4's
+    mixture first put behind the experts interface: :mod:`finetune.model.llama4`); a model without fused experts
+    is returned as it is. Returns ``model``."""
+    from finetune.model import llama4
+
+    if has_experts_kernel(model):
+        if model.config._experts_implementation != implementation:
+            model.set_experts_implementation(implementation)
+    elif llama4.adopt(model):
+        model.config._experts_implementation_internal = implementation  # as set_experts_implementation sets it
     return model
 
 

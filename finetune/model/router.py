@@ -81,8 +81,11 @@ def experts_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]
 
 def defines_aux_loss(model: torch.nn.Module) -> bool:
     """Whether the transformers model inside ``model`` computes a load-balancing loss (``output_router_logits``)."""
+    from finetune.model.llama4 import NO_AUX_LOSS
+
     config = _config(model)
-    return config is not None and hasattr(config, "output_router_logits") and hasattr(config, "router_aux_loss_coef")
+    return (config is not None and hasattr(config, "output_router_logits") and hasattr(config, "router_aux_loss_coef")
+            and getattr(config, "model_type", None) not in NO_AUX_LOSS)
 
 
 def model_aux_coef(model: torch.nn.Module) -> float:

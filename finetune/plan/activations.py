@@ -216,7 +216,7 @@ class ActivationProfile:
 _CACHE: dict[Any, ActivationProfile] = {}
 
 
-TRACE_VERSION = 12  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
+TRACE_VERSION = 13  # bump when what a trace records changes (or the traced loss): invalidates the disk cache
 
 
 def activation_profile(config: Any, spec: TraceSpec) -> ActivationProfile:

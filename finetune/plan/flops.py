@@ -135,10 +135,12 @@ def config_flops_per_token(config: Any, *, seq_len: float, adapter: Any = None) 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from finetune.model import llama4
     from finetune.model.methods import inject
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(concrete(config))
+    llama4.adopt(model)  # Llama 4's experts behind the experts interface, as every run builds them
     if adapter is not None:
         model = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)
     return training_flops_per_token(model, seq_len=seq_len)
@@ -214,7 +216,7 @@ def flops_shape(config: Any, adapter: Any = None) -> FlopsShape:
 
 
 #: Bump when what a FlopsShape records changes: invalidates the disk cache.
-FLOPS_SHAPE_VERSION = 4
+FLOPS_SHAPE_VERSION = 5
 
 
 def _shape_path(key: Any) -> Any:
@@ -257,6 +259,9 @@ def _build_shape(config: Any, adapter: Any) -> FlopsShape:
     if len(kinds) > 1:  # one layer of each kind, each weighted by its share of the layers
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(concrete(reduced_config(config, kinds[-1][0] + 1)))
+    from finetune.model import llama4
+
+    llama4.adopt(model)  # Llama 4's experts behind the experts interface, as every run builds them
     if adapter is not None:
         model = inject(model, adapter, num_layers=config.num_hidden_layers, stand_in=True)
     layers = decoder_layer_names(model)

@@ -335,7 +335,7 @@ _INV_CACHE: dict[Any, Inventory] = {}
 
 
 #: Bump when what an inventory records changes: invalidates the disk cache.
-INVENTORY_VERSION = 6
+INVENTORY_VERSION = 7
 
 
 def _inventory_cached(key: Any, config: Any, source: str, adapter: AdapterSpec | None) -> Inventory:
@@ -402,6 +402,9 @@ def _build_inventory(config: Any, source: str, adapter: AdapterSpec | None) -> I
     if len(kinds) > 1:  # built again with the first layer of every kind
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(concrete(reduced_config(config, kinds[-1][0] + 1)))
+    from finetune.model import llama4
+
+    llama4.adopt(model)  # Llama 4's experts behind the experts interface, as every run builds them
     layers = decoder_layer_names(model)
     counted = {layers[i]: (i, n if len(kinds) > 1 else 0) for i, n in kinds} if layers else {}
     out_emb = model.get_output_embeddings()
@@ -536,7 +539,10 @@ def moe_facts(config: Any, model: Any, inv: Inventory, kinds: list[tuple[int, in
     shared = getattr(config, "n_shared_experts", None)
     if shared is None:
         shared = 1 if any(t.role == "shared" for t in inv.base) else 0
-    coef = getattr(config, "router_aux_loss_coef", None) if hasattr(config, "output_router_logits") else None
+    from finetune.model.llama4 import NO_AUX_LOSS
+
+    defines = hasattr(config, "output_router_logits") and config.model_type not in NO_AUX_LOSS
+    coef = getattr(config, "router_aux_loss_coef", None) if defines else None
     return MoE(
         experts=count, top_k=int(getattr(config, "num_experts_per_tok", 1) or 1), shared_experts=int(shared or 0),
         layers=moe_layers, expert_params=per_expert, aux_loss_coef=float(coef) if coef is not None else None,

@@ -113,7 +113,7 @@ def test_mixtures_of_experts_log_their_router_and_say_their_kernels(runs):
             continue
         assert step["expert_load"] >= 1.0
         top_k = ARCHITECTURES[arch]["num_experts_per_tok"]
-        if arch == "deepseek_v3":
+        if arch in ("deepseek_v3", "llama4_text"):  # a bias balances DeepSeek-V3's experts; Llama 4 has no such loss
             assert "aux_loss" not in step
         else:
             assert top_k <= step["aux_loss"] < 2 * top_k, (arch, step)

@@ -96,14 +96,16 @@ def test_resume_continues_the_expert_adapters_exactly(lora_run: dict) -> None:
 
 
 #: The other mixtures of tests/support.py: what each checkpoint calls its router (transformers' save_pretrained
-#: writes Mixtral and DeepSeek-V3 one tensor per expert, as the Hub's checkpoints; gpt-oss keeps them fused)
-OTHERS = {"mixtral": ".block_sparse_moe.gate.", "gpt_oss": ".mlp.router.", "deepseek_v3": ".mlp.gate."}
+#: writes Mixtral and DeepSeek-V3 one tensor per expert, as the Hub's checkpoints; gpt-oss and Llama 4 keep them
+#: fused)
+OTHERS = {"mixtral": ".block_sparse_moe.gate.", "gpt_oss": ".mlp.router.", "deepseek_v3": ".mlp.gate.",
+          "llama4_text": ".feed_forward.router."}
 
 
 @pytest.fixture(scope="module")
 def other_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """LoRA all-linear on tiny Mixtral, gpt-oss and DeepSeek-V3 models, 3 steps each, saved and merged through
-    the CLI (in this process)."""
+    """LoRA all-linear on tiny Mixtral, gpt-oss, DeepSeek-V3 and Llama 4 models, 3 steps each, saved and merged
+    through the CLI (in this process)."""
     from typer.testing import CliRunner
 
     from finetune.cli import app
@@ -131,31 +133,33 @@ def test_other_mixtures_save_merge_and_compute_what_the_adapter_does(other_runs:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from finetune.model import llama4
     from finetune.model.experts import peft_as_targeted
 
     out, merged, router = other_runs[arch]["out"], other_runs[arch]["merged"], OTHERS[arch]
+    block = "feed_forward" if arch == "llama4_text" else "mlp"
     saved = load_file(str(out / "adapter_model.safetensors"))
     config = json.loads((out / "adapter_config.json").read_text())
     moe_layers = range(1 if arch == "deepseek_v3" else 0, LAYERS)  # DeepSeek-V3's first layer is dense
     assert config["target_parameters"] == [
-        f"model.layers.{i}.mlp.experts.{w}" for i in moe_layers for w in ("down_proj", "gate_up_proj")
+        f"model.layers.{i}.{block}.experts.{w}" for i in moe_layers for w in ("down_proj", "gate_up_proj")
     ]
     for layer in moe_layers:
         for where in ("experts", "experts.base_layer"):
-            b = saved[f"base_model.model.model.layers.{layer}.mlp.{where}.lora_B.weight"]
+            b = saved[f"base_model.model.model.layers.{layer}.{block}.{where}.lora_B.weight"]
             assert b.abs().sum() > 0
     assert not [k for k in saved if router.replace(".block_sparse_moe.", ".mlp.") in k]
     base, folded = load_file(str(out / "base" / "model.safetensors")), load_file(str(merged / "model.safetensors"))
     experts = [k for k in base if ".experts." in k and not k.endswith("_bias")]
-    assert len(experts) == {"mixtral": 2 * 4 * 3, "gpt_oss": 2 * 2, "deepseek_v3": 8 * 3}[arch]
+    assert len(experts) == {"mixtral": 2 * 4 * 3, "gpt_oss": 2 * 2, "deepseek_v3": 8 * 3, "llama4_text": 2 * 2}[arch]
     assert [k for k in experts if torch.equal(base[k], folded[k])] == []
     routers = [k for k in base if router in k]
     assert routers and all(torch.equal(base[k], folded[k]) for k in routers)
     ids = torch.tensor([[1, 70, 71, 72, 40, 101, 102, 103, 104, 2], [1, 80, 90, 100, 110, 120, 33, 44, 55, 2]])
+    base_model = AutoModelForCausalLM.from_pretrained(out / "base", dtype=torch.float32)
+    llama4.adopt(base_model)  # Llama 4's experts say their layout to peft (see tests/unit/test_experts.py)
     with peft_as_targeted():  # DeepSeek-V3's adapter as saved (see tests/unit/test_experts.py)
-        adapted = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(out / "base", dtype=torch.float32), str(out)
-        ).eval()
+        adapted = PeftModel.from_pretrained(base_model, str(out)).eval()
     plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)

@@ -14,11 +14,14 @@ torch = pytest.importorskip("torch")
 
 from finetune.errors import UserError  # noqa: E402
 from finetune.model import experts as X  # noqa: E402
+from finetune.model import llama4  # noqa: E402
 from finetune.model.methods import training_method  # noqa: E402
 from finetune.spec import AdapterSpec, QuantSpec  # noqa: E402
 from tests.support import MOE_ARCHITECTURES, arch_model_dir  # noqa: E402
 
 KERNELS = ("eager", "grouped_mm", "batched_mm")
+#: The module holding a decoder layer's mixture (Llama 4's ``feed_forward``, the others' ``mlp``).
+BLOCK = {"llama4_text": "feed_forward"}
 
 
 def _model(tmp: Path, arch: str, seed: int = 0):
@@ -26,7 +29,9 @@ def _model(tmp: Path, arch: str, seed: int = 0):
 
     config = AutoConfig.from_pretrained(arch_model_dir(tmp / arch, arch))
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    llama4.adopt(model)  # Llama 4's experts behind the experts interface, as every run builds them
+    return model
 
 
 def _routing(experts, tokens: int, top_k: int, seed: int = 1):
@@ -98,15 +103,16 @@ def _adapted(model, targets):
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_all_linear_adapts_every_layers_experts_and_never_the_router(tmp_path, arch):
     model = _model(tmp_path, arch)
+    block = BLOCK.get(arch, "mlp")
     n_layers = model.config.num_hidden_layers
     moe_layers = {n.split(".layers.")[1].split(".")[0] for n in X.fused_experts(model)}
     weights = X.expert_weight_names(next(iter(X.fused_experts(model).values())))
     _, names = _adapted(model, "all-linear")
     for layer in moe_layers:
         for w in weights:
-            assert any(f"layers.{layer}.mlp.experts.lora_A.default.{w}" in n for n in names)
-            assert any(f"layers.{layer}.mlp.experts.lora_B.default.{w}" in n for n in names)
-    assert not [n for n in names if ".mlp.gate." in n or ".mlp.router." in n]
+            assert any(f"layers.{layer}.{block}.experts.lora_A.default.{w}" in n for n in names)
+            assert any(f"layers.{layer}.{block}.experts.lora_B.default.{w}" in n for n in names)
+    assert not [n for n in names if f".{block}.gate." in n or f".{block}.router." in n]
     assert all(any(f"layers.{i}.self_attn." in n for n in names) for i in range(n_layers))
 
 
@@ -146,7 +152,9 @@ def test_saved_expert_adapter_loads_with_peft(tmp_path, arch):
 
     base = _model(tmp_path, arch)
     base.save_pretrained(tmp_path / "base")
-    peft_model, _ = _adapted(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32), "all-linear")
+    loaded_base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    llama4.adopt(loaded_base)
+    peft_model, _ = _adapted(loaded_base, "all-linear")
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in peft_model.parameters():
@@ -163,23 +171,26 @@ def test_saved_expert_adapter_loads_with_peft(tmp_path, arch):
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     moe_layers = range(base.config.first_k_dense_replace if arch == "deepseek_v3" else 0, 2)  # DeepSeek: dense first
     assert config["target_parameters"] == sorted(
-        f"model.layers.{i}.mlp.experts.{w}" for i in moe_layers for w in ("gate_up_proj", "down_proj")
+        f"model.layers.{i}.{BLOCK.get(arch, 'mlp')}.experts.{w}" for i in moe_layers for w in ("gate_up_proj", "down_proj")
     )
     # DeepSeek-V3 keeps its dense first layers' and its shared experts' MLPs as linear layers named gate_proj,
     # up_proj and down_proj. peft 0.21 reads any such target as a transformers 4 expert (its v4 -> v5 conversion
     # for the Qwen2-MoE family): it drops those adapters and doubles the fused gate_up_proj's rank, so the saved
     # tensors no longer fit. Loaded with that rewrite off (what finetune's loaders do), the same files compute
     # what trained.
+    # Llama 4's experts module does not say in transformers that it stores its weights (in, out) (the experts
+    # interface's is_transposed), so peft reads them as (out, in); put behind the interface (llama4.adopt, as
+    # finetune's loaders build it), the base tells peft and the same files compute what trained.
     rewrite = X.peft_as_targeted() if arch == "deepseek_v3" else contextlib.nullcontext()
+    base_again = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    llama4.adopt(base_again)
     with rewrite:
-        loaded = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32), tmp_path / "adapter"
-        ).eval()
+        loaded = PeftModel.from_pretrained(base_again, tmp_path / "adapter").eval()
     with torch.no_grad():
         got = loaded(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    if arch == "deepseek_v3":
-        with pytest.raises(RuntimeError, match=r"size mismatch for .*experts\.base_layer\.lora_A"):
+    if arch in ("deepseek_v3", "llama4_text"):
+        with pytest.raises(RuntimeError, match=r"size mismatch for .*experts\.(base_layer\.)?lora_A"):
             PeftModel.from_pretrained(
                 AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32), tmp_path / "adapter"
             )
@@ -261,3 +272,45 @@ def test_grouped_kernel_traces_narrow_adapters_in_bf16_on_fake_tensors(tmp_path)
         out = X.experts_forward(experts, fx, mode.from_tensor(idx), mode.from_tensor(w.bfloat16()), factors)
         out.sum().backward()
         assert tuple(out.shape) == tuple(real.shape) and tuple(fx.grad.shape) == tuple(x.shape)
+
+
+def test_llama4_behind_the_experts_interface_computes_transformers_llama4(tmp_path):
+    """Llama 4's mixture put behind the experts interface (finetune.model.llama4) gives transformers' own logits
+    and weight gradients with every experts kernel, though its experts see only each token's routed rows; the
+    routing is then counted as for the other mixtures (top-1 of 4 experts in each of 2 layers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.model import router
+
+    config = AutoConfig.from_pretrained(arch_model_dir(tmp_path / "llama4", "llama4_text"))
+    torch.manual_seed(0)
+    native = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in native.named_parameters():
+            if ".experts." in name:
+                p.normal_(0, 0.2)  # transformers initialises the experts to zeros
+    ids = torch.randint(3, 260, (2, 12), generator=torch.Generator().manual_seed(4))
+    out = native(input_ids=ids, labels=ids)
+    out.loss.backward()
+    want = {n: p.grad.clone() for n, p in native.named_parameters() if ".experts." in n or ".router." in n}
+    import copy
+
+    adopted = copy.deepcopy(native)
+    adopted.zero_grad()
+    assert llama4.adopt(adopted) and not llama4.adopt(native.model.embed_tokens)
+    assert len(X.fused_experts(adopted)) == 2 and not X.fused_experts(native)
+    for kernel in KERNELS:
+        adopted.config._experts_implementation = kernel
+        got = adopted(input_ids=ids, labels=ids)
+        torch.testing.assert_close(got.logits, out.logits, atol=1e-5, rtol=1e-5)
+        got.loss.backward()
+        for n, p in adopted.named_parameters():
+            if n in want:
+                torch.testing.assert_close(p.grad, want[n], atol=1e-5, rtol=1e-4)
+        adopted.zero_grad()
+    state = router.enable(adopted.train(), router.model_aux_coef(adopted))
+    assert state is not None and state.coef == 0.0  # Llama 4 defines no load-balancing loss
+    with router.training_forward(adopted) as extra:
+        adopted(input_ids=ids, **extra)
+    _, counts = state.take()
+    assert counts is not None and counts.shape == (2, 4) and counts.sum().item() == 2 * ids.numel() * 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, Qwen3MoeConfig
 
-from finetune.model import router
+from finetune.model import llama4, router
 from finetune.objectives.loss import causal_lm_loss
 from finetune.plan.shapes import build_inventory
 from finetune.recipe.schema import LoraConfig
@@ -66,6 +66,7 @@ def test_tiny_mixtures_of_experts_counted_as_built(arch):
     targets = ["q_b_proj", "kv_b_proj"] if arch == "deepseek_v3" else ["q_proj", "v_proj"]
     inv = build_inventory(cfg, arch, LoraConfig(r=4, alpha=8, target_modules=targets))
     model = AutoModelForCausalLM.from_config(cfg)
+    llama4.adopt(model)  # Llama 4's experts behind the experts interface, as every run builds them
     assert inv.n_params == sum(p.numel() for p in model.parameters())
     experts = [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "num_experts")]
     assert inv.expert_params == sum(p.numel() for m in experts for p in m.parameters())
@@ -265,12 +266,13 @@ def test_the_grouped_product_traces_on_fake_tensors_without_reading_the_offsets(
     assert any(t is fx for t in saved) and any(t is fw for t in saved)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "llama4_text"])
 def test_moe_model_flops_match_the_flop_counter(arch):
     """The planner's model FLOPs per token against torch's FlopCounterMode over one training step, run with the
     eager experts kernel (the counter has no formula for grouped_mm; eager's per-expert matmuls see exactly the
-    routed tokens): top-k of the fused experts, DeepSeek-V3's dense first layer and its latent attention's widths
-    (the remaining gap: the routers' own matmuls and layer 0's key gradient, as for dense models)."""
+    routed tokens): top-k of the fused experts, DeepSeek-V3's dense first layer and its latent attention's widths,
+    Llama 4's shared expert beside its top-1 routed one (the remaining gap: the routers' own matmuls and layer 0's
+    key gradient, as for dense models)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from finetune.model.kernels import set_experts_kernel
