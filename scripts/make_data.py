@@ -9,6 +9,9 @@ Each task's answer can be checked exactly, so exact-match accuracy measures what
 - reverse-reworded: "Spell it backwards." + reverse's own words and split -> the word reversed (the prefix
   quickstart: the skill the quickstart model has, asked in words it does not follow; its held-out words are
   reverse's, never seen by the base or the prefix)
+- reverse-these: "Reverse these letters." + reverse's own words and split -> the word reversed (the grpo
+  quickstart: a wording the quickstart model half follows, about one answer in five right, so that sampling
+  its own answers finds right ones to reinforce; its held-out words are reverse's)
 Every task has train.jsonl and a held-out eval.jsonl whose words never occur in train.
 
 The same rows are also written in the other data formats, for the recipes that show each format:
@@ -35,6 +38,8 @@ TASKS = {
 # The prefix quickstart's instruction: the quickstart model answers it 0% of the time (it reverses after
 # "Reverse the letters." only), so a prefix must steer the base to the skill it has.
 REWORDED = "Spell it backwards."
+# The grpo quickstart's instruction: the quickstart model reverses after it about one time in five.
+HALF_KNOWN = "Reverse these letters."
 N_TRAIN, N_EVAL = 4000, 200
 N_TOKENIZED_TRAIN = 1000  # keeps the pre-tokenized copy small; it is a demonstration of the format
 TINY_TOKENIZER = OUT.parent / "models" / "tiny-llama" / "tokenizer.json"
@@ -74,6 +79,10 @@ def main() -> None:
             write_jsonl(OUT / "reverse-reworded" / "train.jsonl", reworded[:N_TRAIN])
             write_jsonl(OUT / "reverse-reworded" / "eval.jsonl", reworded[N_TRAIN:])
             print(f"reverse-reworded: the same words as reverse -> {OUT / 'reverse-reworded'}")
+            these = [{**r, "instruction": HALF_KNOWN} for r in rows]
+            write_jsonl(OUT / "reverse-these" / "train.jsonl", these[:N_TRAIN])
+            write_jsonl(OUT / "reverse-these" / "eval.jsonl", these[N_TRAIN:])
+            print(f"reverse-these: the same words as reverse -> {OUT / 'reverse-these'}")
         if name == "uppercase":
             write_tokenized(name, rows)
 

@@ -35,8 +35,14 @@ PREFERENCE_COLUMNS = ("rewards/accuracy", "rewards/margin", "rewards/chosen", "r
 MOE_PANELS = ("load-balancing loss", "expert load (busiest / mean expert)")
 MOE_COLUMNS = ("aux_loss", "expert_load")
 
+#: A row of panels drawn when a run trained with grpo (metrics.jsonl's ``reward``, ``reward_std``, ``kl``,
+#: ``completion_length`` and the evaluations' ``eval_reward``): the reward of the sampled completions with its
+#: standard deviation as a band, and the greedy answers' eval_reward; the KL to the reference; the completions' length.
+GRPO_PANELS = ("reward (sampled, and eval_reward)", "KL to the reference", "completion length (tokens)")
+GRPO_COLUMNS = ("reward", "reward_std", "kl", "completion_length", "eval_reward")
+
 #: The plan's memory categories, bottom to top of the stacked bar.
-CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "overhead")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "overhead", "rollout")
 
 
 @dataclass
@@ -66,6 +72,11 @@ class RunData:
         return any(k in keys for r in self.rows for k in r)
 
     @property
+    def grpo(self) -> bool:
+        """Whether the run logged grpo's figures (``reward``, ``eval_reward``, ...)."""
+        return any(k in GRPO_COLUMNS for r in self.rows for k in r)
+
+    @property
     def moe(self) -> bool:
         """Whether the run logged a mixture of experts' figures (``aux_loss``, ``expert_load``)."""
         return any(k in MOE_COLUMNS for r in self.rows for k in r)
@@ -83,16 +94,17 @@ def load_run(run_dir: str | Path) -> RunData:
 
 def build_figure(runs: list[RunData]) -> Figure:
     """The report's figure: one panel per entry of :data:`PANELS`, every run overlaid, a row of
-    :data:`PREFERENCE_PANELS` when a run logged preference figures, and one of :data:`MOE_PANELS` when a run
-    trained a mixture of experts.
+    :data:`PREFERENCE_PANELS` when a run logged preference figures, one of :data:`GRPO_PANELS` when a run trained
+    with grpo, and one of :data:`MOE_PANELS` when a run trained a mixture of experts.
 
     Built with matplotlib's object API (no pyplot state), so tests can read each line's data back.
     """
     from matplotlib.figure import Figure
 
     preference = any(run.preference for run in runs)
+    grpo = any(run.grpo for run in runs)
     moe = any(run.moe for run in runs)
-    rows = 2 + preference + moe
+    rows = 2 + preference + grpo + moe
     fig = Figure(figsize=(14, 4.25 * rows), layout="constrained")
     axes = fig.subplots(rows, 3).ravel()
     ax_loss, ax_em, ax_lr, ax_tps, ax_mem, ax_spare = axes[:6]
@@ -141,11 +153,50 @@ def build_figure(runs: list[RunData]) -> Figure:
             ax.legend(fontsize=8)
     ax_em.set_ylabel("%")
     _memory_panel(ax_mem, runs)
+    row = 6  # the first axis of the next extra row
     if preference:
-        _preference_panels(axes[6:9], runs)
+        _preference_panels(axes[row : row + 3], runs)
+        row += 3
+    if grpo:
+        _grpo_panels(axes[row : row + 3], runs)
+        row += 3
     if moe:
-        _moe_panels(axes[9 if preference else 6 :], runs)
+        _moe_panels(axes[row : row + 3], runs)
     return fig
+
+
+def _grpo_panels(axes: Sequence[Any], runs: list[RunData]) -> None:
+    """grpo's figures of each run per step: the mean reward of the sampled completions (solid) inside a band of
+    one standard deviation (``reward_std``), the evaluations' ``eval_reward`` of the greedy answers (dashed with
+    markers); the KL to the reference (``kl``); the mean completion length in tokens."""
+    ax_reward, ax_kl, ax_length = axes
+    for ax, title in zip(axes, GRPO_PANELS, strict=True):
+        ax.set_title(title)
+    several = len(runs) > 1
+    for i, run in enumerate(runs):
+        c, name = f"C{i % 10}", f"{run.name} " if several else ""
+        x, y = run.series("reward")
+        if x:
+            ax_reward.plot(x, y, color=c, lw=1.2, label=f"{name}train")
+            spread = dict(zip(*run.series("reward_std"), strict=True))
+            if all(s in spread for s in x):
+                ax_reward.fill_between(
+                    x, [v - spread[s] for s, v in zip(x, y, strict=True)],
+                    [v + spread[s] for s, v in zip(x, y, strict=True)], color=c, alpha=0.15, lw=0,
+                    label=f"{name}train ± std",
+                )
+        x, y = run.series("eval_reward")
+        if x:
+            ax_reward.plot(x, y, color=c, lw=1.2, ls="--", marker="o", ms=4, label=f"{name}eval")
+        for ax, key in ((ax_kl, "kl"), (ax_length, "completion_length")):
+            x, y = run.series(key)
+            if x:
+                ax.plot(x, y, color=c, lw=1.2, label=run.name if several else None)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax is ax_reward or (several and ax.lines):
+            ax.legend(fontsize=8)
 
 
 def _moe_panels(axes: Sequence[Any], runs: list[RunData]) -> None:
