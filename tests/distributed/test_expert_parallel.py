@@ -1,6 +1,7 @@
 """Expert parallelism (``distributed.ep: 2``) with fsdp on 2 gloo processes, through ``finetune run``: a tiny
 Qwen3-MoE (8 experts, 4 per ep rank) trains as one process does, full fine-tuning in fp32 and LoRA on the
-experts' fused weights, and the run's plan says ``ep: 2``."""
+experts' fused weights, and the run's plan says ``ep: 2``; so does a tiny Llama 4 (4 experts, top-1), whose
+experts finetune puts behind transformers' experts interface, under full fine-tuning."""
 
 from __future__ import annotations
 
@@ -38,14 +39,21 @@ def ep_recipe(model_dir: Path, out: Path, method: str, ep: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Path]:
-    """Full fine-tuning and LoRA, each on one process (in this process) and under fsdp with ep 2 on 2."""
+    """Full fine-tuning and LoRA (the Qwen3-MoE), full fine-tuning (Llama 4), each on one process (in this
+    process) and under fsdp with ep 2 on 2."""
     root = tmp_path_factory.mktemp("expert-parallel")
     model_dir = arch_model_dir(root / "qwen3_moe", "qwen3_moe")
+    llama4_dir = arch_model_dir(root / "llama4_text", "llama4_text")
     out = {}
-    for method in ("full", "lora"):
+    for method in ("full", "lora", "llama4"):
         for ep in (1, 2):
             d = root / f"{method}-ep{ep}"
-            path = write_recipe(root / f"{method}-ep{ep}.yaml", ep_recipe(model_dir, d, method, ep))
+            if method == "llama4":
+                recipe = ep_recipe(llama4_dir, d, "full", ep)
+                recipe["train"]["router_aux_loss_coef"] = "auto"  # Llama 4 defines no load-balancing loss
+            else:
+                recipe = ep_recipe(model_dir, d, method, ep)
+            path = write_recipe(root / f"{method}-ep{ep}.yaml", recipe)
             if ep == 1:
                 assert launch(str(path), [], LaunchOptions(nproc=1)) == 0
             else:
@@ -80,3 +88,15 @@ def test_lora_on_the_experts_under_ep_matches_one_process(runs: dict) -> None:
     assert a.keys() == b.keys() and any(".experts.base_layer.lora_A" in k for k in a)
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=1e-3)
+
+
+def test_llama4_under_ep_matches_one_process(runs: dict) -> None:
+    one, two = step_rows(runs[("llama4", 1)]), step_rows(runs[("llama4", 2)])
+    assert len(one) == len(two) == FULL_STEPS and "aux_loss" not in one[0]
+    for key in ("loss", "grad_norm", "expert_load"):
+        assert max_rel([r[key] for r in two], [r[key] for r in one]) < LOSS_RTOL, key
+    a = load_file(str(runs[("llama4", 1)] / "model.safetensors"))
+    b = load_file(str(runs[("llama4", 2)] / "model.safetensors"))
+    key = "model.layers.0.feed_forward.experts.gate_up_proj"  # experts x hidden x 2*ffn
+    assert b[key].shape == a[key].shape == (4, 64, 64)
+    torch.testing.assert_close(b[key], a[key], atol=1e-4, rtol=1e-3)

@@ -42,6 +42,9 @@ from finetune.model.router import experts_modules
 #: Attribute set on an experts module once its experts are split: (ep degree, its process group, the routed
 #: experts of the whole module).
 EP_ATTR = "_finetune_ep"
+#: Attribute holding an experts module's own forward (its class's, or the instance's: Llama 4's experts behind
+#: the experts interface), which the dispatch runs on this rank's experts.
+EP_INNER = "_finetune_ep_inner"
 
 
 class AllToAll(torch.autograd.Function):
@@ -76,6 +79,7 @@ def apply_expert_parallel(model: torch.nn.Module, ep_mesh: Any) -> list[torch.nn
     for module in found:
         shard_experts(module, ep_mesh)
         setattr(module, EP_ATTR, (ep_mesh.size(), ep_mesh.get_group(), counts[id(module)]))
+        setattr(module, EP_INNER, module.forward)
         module.forward = types.MethodType(dispatch_forward, module)
     return found
 
@@ -153,7 +157,7 @@ def dispatch_forward(
     local_ids = torch.arange(local, device=ids.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
     ones = torch.ones(local_ids.size(0), 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
     with _local_view(self, local):
-        computed = _in_graph(type(self).forward(self, arrived, local_ids.unsqueeze(-1), ones), arrived, self)
+        computed = _in_graph(getattr(self, EP_INNER)(arrived, local_ids.unsqueeze(-1), ones), arrived, self)
     returned = AllToAll.apply(computed, send_splits, recv_splits, group)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.size(0), device=order.device)
