@@ -181,9 +181,12 @@ def resolve_lora_targets(model: Any, targets: list[str] | str) -> LoraTargets:
         )
         if chosen:
             adapted[name] = chosen
-    modules = [n for n in linears if any(_matches(n, t) for t in targets)]
+    # a router that subclasses a linear layer with a forward of its own (Llama 4's returns scores and logits) is
+    # adapted through its weight, as a parameter: peft's linear layer would replace that forward
+    own_forward = {n for n, r in routers.items() if isinstance(r, nn.Linear) and type(r).forward is not nn.Linear.forward}
+    modules = [n for n in linears if n not in own_forward and any(_matches(n, t) for t in targets)]
     for name, router in routers.items():
-        if name in modules or isinstance(router, nn.Linear):
+        if name in modules or (isinstance(router, nn.Linear) and name not in own_forward):
             continue
         if any(_matches(name, t) or _matches(f"{name}.weight", t) for t in targets):
             parameters.append(f"{name}.weight")

@@ -314,3 +314,20 @@ def test_llama4_behind_the_experts_interface_computes_transformers_llama4(tmp_pa
         adopted(input_ids=ids, **extra)
     _, counts = state.take()
     assert counts is not None and counts.shape == (2, 4) and counts.sum().item() == 2 * ids.numel() * 1
+
+
+def test_a_named_llama4_router_is_adapted_through_its_weight(tmp_path):
+    """Llama 4's router is a linear layer with a forward of its own (scores and logits): named, it is adapted as a
+    parameter (peft's target_parameters), so the block still routes through it, and its adapter moves the logits."""
+    model = _model(tmp_path, "llama4_text")
+    ids = torch.randint(3, 260, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    peft_model, names = _adapted(model, ["router"])
+    assert names and all(".feed_forward.router." in n for n in names)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.5)
+        after = peft_model(input_ids=ids).logits
+    assert after.shape == before.shape and not torch.allclose(after, before)
