@@ -326,7 +326,7 @@ def test_a_named_llama4_router_is_adapted_through_its_weight(tmp_path):
     peft_model, names = _adapted(model, ["router"])
     assert names and all(".feed_forward.router." in n for n in names)
     with torch.no_grad():
-        for n, p in peft_model.named_parameters():
+        for p in peft_model.parameters():
             if p.requires_grad:
                 p.normal_(0, 0.5)
         after = peft_model(input_ids=ids).logits
