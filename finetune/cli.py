@@ -317,7 +317,7 @@ def serve(
         device=device, engine=engine, trust_remote_code=trust_remote_code,
     )
     try:
-        code = run_serve(options, say=lambda text: err_console.print(text, markup=False, highlight=False))
+        code = run_serve(options, say=lambda text: err_console.print(text, markup=False, highlight=False, soft_wrap=True))
     except UserError as err:
         _fail(err)
     raise typer.Exit(code)
