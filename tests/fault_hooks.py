@@ -6,6 +6,8 @@ processes torch.distributed.run starts):
   FINETUNE_TEST_NAN_AT_STEP="3,5"                 those steps' loss and gradients become NaN
   FINETUNE_TEST_KILL_AT_STEP="R:S"                rank R SIGKILLs itself in step S (first torchrun attempt only)
   FINETUNE_TEST_STEP_SLEEP=SECONDS                sleep after every step (so a test can signal a run mid-way)
+  FINETUNE_TEST_HOLD_UNTIL=PATH                   after step 1, wait (at most 600 s) until PATH exists: the run is
+                                                  certainly alive while a test does something beside it
   FINETUNE_TEST_SIGNAL_AT_STEP="SIG:S"            after step S, the process sends itself SIG (e.g. USR1:2),
                                                   as SLURM does ahead of a time limit (first attempt only)
   FINETUNE_TEST_CHECKPOINT_SLEEP="STEP:SECONDS"   stall the checkpoint of STEP half-written (tensors, no meta.json)
@@ -64,6 +66,11 @@ class FaultHooks(TrainerHooks):
         delay = os.environ.get("FINETUNE_TEST_STEP_SLEEP")
         if delay:
             time.sleep(float(delay))
+        hold = os.environ.get("FINETUNE_TEST_HOLD_UNTIL")
+        if hold and step == 1:
+            deadline = time.monotonic() + 600
+            while not os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.1)
 
     def checkpoint_half_written(self, step: int) -> None:
         """Stall, or fail as a full disk does, as asked."""

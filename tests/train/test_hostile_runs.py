@@ -54,20 +54,24 @@ def _errors(res: subprocess.CompletedProcess) -> list[str]:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The shared run; while it trains (a second per step), a second run into its output.dir is refused."""
+    """The shared run; while it waits after its first step, a second run into its output.dir is refused."""
     tmp = tmp_path_factory.mktemp("hostile")
     out = tmp / "run"
     recipe = _recipe(tmp, out, "first")
+    release = tmp / "release"  # the first run waits after its step 1 until this exists
     first = subprocess.Popen(
         [sys.executable, "-m", "finetune", "run", str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=clean_env(OMP_NUM_THREADS="1", FINETUNE_TEST_STEP_SLEEP="1"),
+        text=True, env=clean_env(OMP_NUM_THREADS="1", FINETUNE_TEST_HOLD_UNTIL=str(release)),
     )
     deadline = time.monotonic() + 300
     while not (out / "metrics.jsonl").is_file():  # the first run holds the lock and trains
         assert first.poll() is None and time.monotonic() < deadline, first.stdout.read() if first.stdout else ""
         time.sleep(0.2)
     t0 = time.perf_counter()
-    second = _run(recipe, "--overwrite")  # would remove the first run's checkpoints and metrics
+    try:
+        second = _run(recipe, "--overwrite")  # would remove the first run's checkpoints and metrics
+    finally:
+        release.touch()
     second_s = time.perf_counter() - t0
     stdout, _ = first.communicate(timeout=600)
     assert first.returncode == 0, stdout[-3000:]
