@@ -73,24 +73,39 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory: pytest.TempPathFactory, micro: Path) -> list[float]:
+    """The losses of the run without compile (fsdp; zero2 computes the same steps), shared by both strategies."""
+    tmp = tmp_path_factory.mktemp("compile-eager")
+    out = tmp / "eager"
+    proc = _run(write_recipe(tmp / "eager.yaml", _recipe(micro, out, "fsdp", False)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "compile:" not in proc.stdout
+    return _losses(out)
+
+
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
-def test_compiled_sharded_run_matches_eager(tmp_path: Path, micro: Path, strategy: str) -> None:
-    """The same 2-process run with and without train.compile: every step's loss within 1e-4 (as
-    tests/train/test_compile.py), the header says the blocks were compiled, and dynamo really traced them."""
-    losses, procs = {}, {}
-    for compiled in (False, True):
-        out = tmp_path / f"{strategy}-{int(compiled)}"
-        recipe = write_recipe(tmp_path / f"{out.name}.yaml", _recipe(micro, out, strategy, compiled))
-        # dynamo's INFO log names every frame it traces (rank 0's stderr reaches the launcher's)
-        proc = _run(recipe, **({"TORCH_LOGS": "dynamo"} if compiled else {}))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        losses[compiled], procs[compiled] = _losses(out), proc
-    assert len(losses[True]) == len(losses[False]) == STEPS
-    for eager, comp in zip(losses[False], losses[True], strict=True):
-        assert comp == pytest.approx(eager, abs=1e-4)
-    assert HEADER in procs[True].stdout
-    assert "compile:" not in procs[False].stdout
-    traced = re.findall(r"torchdynamo start tracing (\S+) (\S+):", procs[True].stderr)
+def test_compiled_sharded_run_matches_eager(tmp_path: Path, micro: Path, eager: list[float], strategy: str) -> None:
+    """The 2-process run with train.compile against the same run without it: every step's loss within 1e-4 (as
+    tests/train/test_compile.py); the plan loads the model sharded (built on meta, sharded, then materialised),
+    the header says both decoder blocks were compiled, and dynamo really traced a decoder block's forward."""
+    from finetune.plan.flowchart import plan_for_run
+    from finetune.recipe.schema import load_recipe
+    from finetune.train.model.load import loads_sharded
+
+    out = tmp_path / f"{strategy}-compiled"
+    recipe = write_recipe(tmp_path / f"{out.name}.yaml", _recipe(micro, out, strategy, True))
+    plan = plan_for_run(load_recipe(str(recipe)), nproc=2, nnodes=1, device="cpu")
+    assert plan.execution is not None and plan.execution.compile and loads_sharded(plan.execution, 2)
+    # dynamo's INFO log names every frame it traces (rank 0's stderr reaches the launcher's)
+    proc = _run(recipe, TORCH_LOGS="dynamo")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    compiled = _losses(out)
+    assert len(compiled) == len(eager) == STEPS
+    for e, c in zip(eager, compiled, strict=True):
+        assert c == pytest.approx(e, abs=1e-4)
+    assert HEADER in proc.stdout
+    traced = re.findall(r"torchdynamo start tracing (\S+) (\S+):", proc.stderr)
     assert traced, "no frame was compiled: the run was eager"
     assert any("modeling_" in path for _, path in traced), traced  # a decoder block's forward
 
