@@ -387,6 +387,7 @@ class Trainer:
         with stop, self.reporter.progress(self.total, start=state.step) as advance:
             while state.step < self.total and not self.checkpoints.stopped_early:
                 started = time.perf_counter()
+                self.step_memory.pop_report_seconds()  # reports of the phases between steps are not this step's
                 result = self.train_step()
                 seconds = time.perf_counter() - started - self.step_memory.pop_report_seconds()  # training time only
                 ev = self._evaluate_and_show(state.step) if self.eval_schedule.due(state.step) else None

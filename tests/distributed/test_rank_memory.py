@@ -59,4 +59,5 @@ def test_an_evaluation_after_every_step_leaves_the_logged_tokens_per_second_alon
     assert len(rows) == 2 and "eval_loss" in rows[0]  # the evaluation after the last step has its own row
     tokens = [0] + [r["tokens"] for r in rows]
     for before, row in zip(tokens[:-1], rows, strict=True):
+        assert row["train_seconds"] > 0, row  # the evaluation's memory report after step 1 is not taken from step 2
         assert row["tokens_per_s"] == pytest.approx((row["tokens"] - before) / row["train_seconds"], rel=1e-9), row

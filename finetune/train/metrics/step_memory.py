@@ -104,9 +104,10 @@ class StepMemory:
         self._report_seconds += time.perf_counter() - started
 
     def pop_report_seconds(self) -> float:
-        """Seconds :meth:`after` spent since the last call gathering, planning at the measured width and writing
-        (inside the optimizer step that called it, but no training): the trainer takes them out of the step's
-        time, so that tokens/s and MFU cover training alone."""
+        """Seconds :meth:`after` and :meth:`phase` spent since the last call gathering, planning at the measured
+        width and writing (no training): the trainer pops them before a step (those of the evaluation or save
+        between steps are no step's) and after it, and takes the second out of the step's time, so that tokens/s
+        and MFU cover training alone."""
         seconds, self._report_seconds = self._report_seconds, 0.0
         return seconds
 
