@@ -49,6 +49,10 @@ _GEMMA3 = {"model_type": "gemma3_text", "vocab_size": 262208, "head_dim": 256, "
 _OLMO2 = {"model_type": "olmo2", "vocab_size": 100352, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
           "max_position_embeddings": 4096, "tie_word_embeddings": False, "dtype": "bfloat16"}
 
+_LLAMA4 = {"model_type": "llama4_text", "vocab_size": 202048, "head_dim": 128, "intermediate_size_mlp": 16384,
+           "num_experts_per_tok": 1, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "use_qk_norm": True,
+           "no_rope_layer_interval": 4, "attention_chunk_size": 8192, "tie_word_embeddings": False,
+           "dtype": "bfloat16"}
 
 def _m(base: dict[str, Any], h: int, i: int, n: int, heads: int, kv: int, **extra: Any) -> dict[str, Any]:
     return {**base, "hidden_size": h, "intermediate_size": i, "num_hidden_layers": n,
@@ -102,6 +106,16 @@ CATALOG: dict[str, dict[str, Any]] = {
                       n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
                       norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512,
                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_mtp_layers=0),
+    # Llama 4 text models (Meta's Llama 4 model card, 2025: Scout 17B active / 109B total with 16 experts,
+    # Maverick 17B active / 400B total with 128 experts, both counts with the vision encoder, which these text
+    # entries leave out; meta-llama/Llama-4-*-17B-*E config.json's text_config): 48 layers, 40 heads over 8 KV
+    # heads, q/k norms, RoPE left out of every fourth layer, 8192-token attention chunks; each token goes to one
+    # routed expert (8192 wide) plus a shared one. Scout routes in every layer; Maverick in every second, the
+    # others dense (16384 wide).
+    "llama-4-scout": _m(_LLAMA4, 5120, 8192, 48, 40, 8, num_local_experts=16, interleave_moe_layer_step=1,
+                        max_position_embeddings=10485760),
+    "llama-4-maverick": _m(_LLAMA4, 5120, 8192, 48, 40, 8, num_local_experts=128, interleave_moe_layer_step=2,
+                           max_position_embeddings=1048576),
     "mistral-7b": _m({"model_type": "mistral", "vocab_size": 32768, "rope_theta": 1000000.0, "sliding_window": None,
                       "tie_word_embeddings": False, "max_position_embeddings": 32768}, 4096, 14336, 32, 32, 8, head_dim=128),
     # Mistral Small 3.1 (mistralai/Mistral-Small-3.1-24B-Base-2503: 24B with its vision encoder; its text model,
@@ -154,6 +168,7 @@ ALIASES = {
     "allenai/olmo-2-1124-7b": "olmo-2-7b", "allenai/olmo-2-1124-13b": "olmo-2-13b",
     "allenai/olmo-2-0325-32b": "olmo-2-32b",
     "huggingfacetb/smollm3-3b": "smollm3-3b",
+    "meta-llama/llama-4-scout-17b-16e": "llama-4-scout", "meta-llama/llama-4-maverick-17b-128e": "llama-4-maverick",
     # Qwen3's 2507 updates: the same architectures
     "qwen3-30b-a3b-instruct-2507": "qwen3-30b-a3b", "qwen3-30b-a3b-thinking-2507": "qwen3-30b-a3b",
     "qwen3-235b-a22b-instruct-2507": "qwen3-235b-a22b", "qwen3-235b-a22b-thinking-2507": "qwen3-235b-a22b",

@@ -25,6 +25,7 @@ PUBLISHED = {
     "phi-4": 14.7,
     "olmo-2-7b": 7.30, "olmo-2-13b": 13.7, "olmo-2-32b": 32.2,
     "smollm3-3b": 3.08,
+    "llama-4-scout": 109.0, "llama-4-maverick": 400.0,  # with the vision encoder (under 2% of either)
 }
 
 
@@ -43,7 +44,11 @@ def test_parameter_count_is_the_published_one(name: str) -> None:
 
 
 def mlp_params(layer: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    return {n: (tuple(p.shape), p.dtype) for n, p in layer.mlp.named_parameters()}
+    return mlp_params_of(layer.mlp)
+
+
+def mlp_params_of(block: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {n: (tuple(p.shape), p.dtype) for n, p in block.named_parameters()}
 
 
 def test_mixtures_of_experts_have_their_real_layout() -> None:
@@ -81,6 +86,23 @@ def test_mixtures_of_experts_have_their_real_layout() -> None:
             "experts.down_proj_bias": ((experts, 2880), torch.bfloat16),
         }
         assert oss.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    # Llama 4: one routed expert a token plus the shared one; Scout routes in all 48 layers, Maverick in every
+    # second (the first dense), its dense layers 16384 wide
+    for name, experts, routed in (("llama-4-scout", 16, 48), ("llama-4-maverick", 128, 24)):
+        llama4 = built(name)
+        assert llama4.config.num_experts_per_tok == 1 and len(llama4.model.layers) == 48
+        moe = [i for i, layer in enumerate(llama4.model.layers) if hasattr(layer.feed_forward, "experts")]
+        assert len(moe) == routed and moe[0] == (0 if routed == 48 else 1)
+        assert mlp_params_of(llama4.model.layers[moe[0]].feed_forward) == {
+            "experts.gate_up_proj": ((experts, 5120, 2 * 8192), torch.bfloat16),
+            "experts.down_proj": ((experts, 8192, 5120), torch.bfloat16),
+            "router.weight": ((experts, 5120), torch.bfloat16),
+            "shared_expert.gate_proj.weight": ((8192, 5120), torch.bfloat16),
+            "shared_expert.up_proj.weight": ((8192, 5120), torch.bfloat16),
+            "shared_expert.down_proj.weight": ((5120, 8192), torch.bfloat16),
+        }
+        if routed < 48:
+            assert llama4.model.layers[0].feed_forward.gate_proj.weight.shape == (16384, 5120)
 
 
 @pytest.mark.parametrize(
@@ -94,6 +116,8 @@ def test_mixtures_of_experts_have_their_real_layout() -> None:
         ("mistralai/Mistral-Small-3.1-24B-Instruct-2503", "mistral-small-3.1-24b"), ("microsoft/phi-4", "phi-4"),
         ("allenai/OLMo-2-1124-7B-Instruct", "olmo-2-7b"), ("allenai/OLMo-2-0325-32B", "olmo-2-32b"),
         ("HuggingFaceTB/SmolLM3-3B", "smollm3-3b"), ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"),
+        ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama-4-scout"),
+        ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", "llama-4-maverick"),
         ("openai/gpt-oss-7b", None), ("google/gemma-3-270m", None),
     ],
 )

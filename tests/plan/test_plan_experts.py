@@ -38,3 +38,23 @@ def test_qwen3_30b_a3b_qlora_fits_one_24gib_gpu_with_nf4_experts(tmp_path: Path)
     assert 0.515 < experts["stored_bytes"] / experts["values"] < 0.52
     lora = _plan(tmp_path, "qwen3-30b-a3b", "lora")["model"]
     assert lora["param_bytes"] - 4 * lora["trainable"] > 55 * GiB  # the same experts in bf16
+
+
+@pytest.mark.slow  # a CLI subprocess tracing a 48-layer model's config
+def test_llama_4_scout_qlora_fits_one_80gib_gpu_with_its_16_experts_in_nf4(tmp_path: Path) -> None:
+    """Llama 4 Scout from the catalog (its hub id, offline): the published 17B active of 109B, the 16 experts of
+    each of the 48 layers adapted and stored in NF4, and QLoRA fits one 80 GiB GPU."""
+    env = dict(os.environ, FINETUNE_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "finetune", "plan", "--model", "meta-llama/Llama-4-Scout-17B-16E-Instruct", "--method",
+         "qlora", "--gpus", "1", "--gpu-memory", "80GiB", "--json"], capture_output=True, text=True, cwd=ROOT, env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = json.loads(done.stdout)
+    info = plan["model"]
+    assert abs(info["active_parameters"] / 1e9 - 17.0) <= 0.02 * 17.0, info["active_parameters"]
+    assert plan["chosen"]["fits"] and plan["chosen"]["method"] == "qlora"
+    experts = info["experts"]
+    assert experts["tensors"] == experts["quantized"] == experts["adapted"] == 96  # gate_up and down x 48 layers
+    assert 0.515 < experts["stored_bytes"] / experts["values"] < 0.52  # NF4 codes and constants per expert
