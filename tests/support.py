@@ -3,6 +3,7 @@ directories, the distributed parity runs' helpers, and data-file helpers. Fixtur
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -194,6 +195,15 @@ def max_weight_diff(a: Path, b: Path) -> float:
     wa, wb = load_file(a), load_file(b)
     assert sorted(wa) == sorted(wb)
     return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+
+
+def release_before_destroy() -> None:
+    """Free what still holds the process group (a DDP's reducer, once the test dropped its DDP) while the group is
+    registered: called before ``dist.destroy_process_group()``. A reducer freed after it holds the gloo group's
+    last reference and destroys the group holding the GIL, joining the group's worker threads, and a worker
+    still freeing its last allreduce needs the GIL: the process hangs. Freed here, the reducer's reference is
+    not the last, and destroy_process_group destroys the group without the GIL."""
+    gc.collect()
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ from finetune.plan.hardware import Hardware
 from finetune.plan.request import Request
 from finetune.plan.setting import settle
 from finetune.plan.types import Config
-from tests.support import TINY_MODEL
+from tests.support import TINY_MODEL, release_before_destroy
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = AutoConfig.from_pretrained(TINY_MODEL)
@@ -153,6 +153,8 @@ def _train(rank: int, port: int, bucket_view: bool, out: str) -> None:
         weights = {n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
         Path(out).write_text(json.dumps({"losses": losses, "norms": norms, "weights": weights}))
     dist.barrier()
+    del ddp
+    release_before_destroy()
     dist.destroy_process_group()
 
 

@@ -30,6 +30,8 @@ import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from tests.support import release_before_destroy
+
 try:
     import tomllib
 except ImportError:  # Python 3.10
@@ -127,6 +129,8 @@ def test_ddp_is_built_with_the_buffer_keyword_this_torch_has(tmp_path: Path) -> 
         assert ddp.forward_sync_buffers is False if hasattr(ddp, "forward_sync_buffers") else not ddp.broadcast_buffers
         ddp(x).square().sum().backward()
     finally:
+        ddp = None  # before the group (below: release_before_destroy)
+        release_before_destroy()
         dist.destroy_process_group()
     for a, b in zip(plain.parameters(), twin.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-7)
@@ -171,6 +175,8 @@ def _ddp_buffers_worker(rank: int, store: str, result: str) -> None:
             }
     finally:
         versions.ddp_has_forward_sync_buffers = detected
+        ddp = None
+        release_before_destroy()
         dist.destroy_process_group()
     torch.save(out, f"{result}.{rank}")
 
