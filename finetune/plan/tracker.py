@@ -9,8 +9,11 @@ keeps only running totals instead of per-module snapshots: a trace costs about h
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,6 +23,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 Kind = Literal["fixed", "grad", "act"]  # a parameter or buffer, a gradient, an activation or temporary
+
+
+@contextlib.contextmanager
+def quiet_module_tracking() -> Iterator[None]:
+    """Inside: torch's ``ModTracker`` (under the planner's tracer and ``MemTracker``) says nothing on stderr.
+
+    When a module starts a forward while a module of the same name is still open, ModTracker warns "The module
+    hierarchy tracking maybe be messed up" and, to print it, replaces ``warnings.formatwarning`` for the whole
+    process: a torch diagnostic a user can do nothing about, printed before a run's own one-sentence errors.
+    Here that warning is ignored and the format put back."""
+    fmt = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking", category=UserWarning)
+        try:
+            yield
+        finally:
+            warnings.formatwarning = fmt
 
 
 @dataclass
@@ -58,6 +78,7 @@ class WindowTracker(TorchDispatchMode):
         self.pending_out = False
         self.storages: dict[int, _Storage] = {}  # by id(storage)
         self.hooks: list[Any] = []
+        self.quiet = contextlib.ExitStack()  # torch's module tracking kept off stderr while entered
         for t in [*model.parameters(), *model.buffers()]:
             self._add(t.untyped_storage(), "fixed")
         for prm in model.parameters():
@@ -159,6 +180,8 @@ class WindowTracker(TorchDispatchMode):
         self.copies -= nbytes
 
     def __enter__(self) -> WindowTracker:
+        self.quiet = contextlib.ExitStack()
+        self.quiet.enter_context(quiet_module_tracking())
         self.mt.register_user_hooks(self._pre_fw, self._post_fw)
         self.mt.__enter__()
         super().__enter__()
@@ -170,3 +193,4 @@ class WindowTracker(TorchDispatchMode):
         self.mt.__exit__(*exc)
         for h in self.hooks:
             h.remove()
+        self.quiet.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -218,3 +219,38 @@ def test_experts_kernel_is_chosen_per_device_for_models_with_fused_experts():
     assert experts_kernel_of(use_experts_kernel(moe, "mps", "fp32")) == "eager"
     assert experts_kernel_of(use_experts_kernel(moe, torch.device("cpu"), "fp32")) == "grouped_mm"
     assert experts_kernel_of(use_experts_kernel(dense, "cpu")) is None
+
+
+def test_torchs_module_tracking_says_nothing_under_the_planners_tracer() -> None:
+    """Two modules of one class, each first seen as a root, the second called inside the first's forward: torch's
+    ModTracker warns that its hierarchy may be messed up and replaces warnings.formatwarning for the process.
+    Under quiet_module_tracking (the planner's tracer and the run's MemTracker enter it) neither happens."""
+    import warnings
+
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    from finetune.plan.tracker import quiet_module_tracking
+
+    outer, inner = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+    def nested() -> None:
+        with ModTracker():
+            hook = outer.register_forward_pre_hook(lambda _mod, args: inner(args[0]))
+            try:
+                outer(torch.ones(1, 2))
+            finally:
+                hook.remove()
+
+    fmt = warnings.formatwarning
+    try:
+        for quiet in (False, True):
+            warnings.formatwarning = fmt
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                with quiet_module_tracking() if quiet else contextlib.nullcontext():
+                    nested()
+            messages = [str(w.message) for w in seen if "module hierarchy" in str(w.message)]
+            assert (messages == []) is quiet, messages
+            assert (warnings.formatwarning is fmt) is quiet
+    finally:
+        warnings.formatwarning = fmt

@@ -25,6 +25,7 @@ Usage (the trainer wraps its first optimizer steps; entering several times keeps
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ class PeakMemory:
         self.steps = 0  # how many blocks were measured (1: the first step only, no optimizer state before it)
         self._tracker: Any = None
         self._hook: Any = None
+        self._quiet = contextlib.ExitStack()
 
     # -- context manager ------------------------------------------------------------------------------
     def __enter__(self) -> PeakMemory:
@@ -100,6 +102,10 @@ class PeakMemory:
 
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(_reset_between_micro_batches)
         self._tracker = tracker
+        from finetune.plan.tracker import quiet_module_tracking
+
+        self._quiet = contextlib.ExitStack()
+        self._quiet.enter_context(quiet_module_tracking())
         tracker.__enter__()
         return self
 
@@ -123,6 +129,7 @@ class PeakMemory:
         tracker = self._tracker
         tracker.__exit__(*exc)
         self._hook.remove()
+        self._quiet.close()
         self._tracker = self._hook = None
         snap = tracker.get_tracker_snapshot("peak")
         for dev, cats in snap.items():
