@@ -180,7 +180,6 @@ class WindowTracker(TorchDispatchMode):
         self.copies -= nbytes
 
     def __enter__(self) -> WindowTracker:
-        self.quiet = contextlib.ExitStack()
         self.quiet.enter_context(quiet_module_tracking())
         self.mt.register_user_hooks(self._pre_fw, self._post_fw)
         self.mt.__enter__()

@@ -54,6 +54,7 @@ _LLAMA4 = {"model_type": "llama4_text", "vocab_size": 202048, "head_dim": 128, "
            "no_rope_layer_interval": 4, "attention_chunk_size": 8192, "tie_word_embeddings": False,
            "dtype": "bfloat16"}
 
+
 def _m(base: dict[str, Any], h: int, i: int, n: int, heads: int, kv: int, **extra: Any) -> dict[str, Any]:
     return {**base, "hidden_size": h, "intermediate_size": i, "num_hidden_layers": n,
             "num_attention_heads": heads, "num_key_value_heads": kv, **extra}

@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
 
 
-def _plan(tmp: Path, model: str, method: str) -> dict:
+def _plan(tmp: Path, model: str, method: str, gpu_memory: str = "24GiB") -> dict:
     env = dict(os.environ, FINETUNE_CACHE=str(tmp / "cache"), HF_HUB_OFFLINE="1")  # the catalog's entry
     done = subprocess.run(
         [sys.executable, "-m", "finetune", "plan", "--model", model, "--method", method, "--gpus", "1",
-         "--gpu-memory", "24GiB", "--json"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
+         "--gpu-memory", gpu_memory, "--json"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
@@ -44,14 +44,7 @@ def test_qwen3_30b_a3b_qlora_fits_one_24gib_gpu_with_nf4_experts(tmp_path: Path)
 def test_llama_4_scout_qlora_fits_one_80gib_gpu_with_its_16_experts_in_nf4(tmp_path: Path) -> None:
     """Llama 4 Scout from the catalog (its hub id, offline): the published 17B active of 109B, the 16 experts of
     each of the 48 layers adapted and stored in NF4, and QLoRA fits one 80 GiB GPU."""
-    env = dict(os.environ, FINETUNE_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "finetune", "plan", "--model", "meta-llama/Llama-4-Scout-17B-16E-Instruct", "--method",
-         "qlora", "--gpus", "1", "--gpu-memory", "80GiB", "--json"], capture_output=True, text=True, cwd=ROOT, env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    plan = json.loads(done.stdout)
+    plan = _plan(tmp_path, "meta-llama/Llama-4-Scout-17B-16E-Instruct", "qlora", "80GiB")
     info = plan["model"]
     assert abs(info["active_parameters"] / 1e9 - 17.0) <= 0.02 * 17.0, info["active_parameters"]
     assert plan["chosen"]["fits"] and plan["chosen"]["method"] == "qlora"

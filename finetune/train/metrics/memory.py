@@ -75,7 +75,7 @@ class PeakMemory:
         self.steps = 0  # how many blocks were measured (1: the first step only, no optimizer state before it)
         self._tracker: Any = None
         self._hook: Any = None
-        self._quiet = contextlib.ExitStack()
+        self._quiet = contextlib.ExitStack()  # torch's module tracking kept off stderr while entered
 
     # -- context manager ------------------------------------------------------------------------------
     def __enter__(self) -> PeakMemory:
@@ -104,7 +104,6 @@ class PeakMemory:
         self._tracker = tracker
         from finetune.plan.tracker import quiet_module_tracking
 
-        self._quiet = contextlib.ExitStack()
         self._quiet.enter_context(quiet_module_tracking())
         tracker.__enter__()
         return self
